@@ -1,0 +1,43 @@
+// gdnkit: Gated DeltaNet kernels for serving. Public C++ API.
+//
+//   gdnkit::DecodeParams p;   // fill pointers, strides, sizes (see params.h)
+//   gdnkit::decode(p, {gdnkit::Backend::kCUDA, stream});
+//
+// Every entry validates its params first and throws gdnkit::Error (nothing is written) when they are
+// wrong. CUDA entries enqueue work on the stream and never synchronize the host: they are safe inside
+// CUDA-graph capture.
+#pragma once
+
+#include <string>
+
+#include "gdnkit/params.h"
+#include "gdnkit/types.h"
+
+namespace gdnkit {
+
+struct Context {
+  Backend backend = Backend::kCUDA;
+  Stream stream = nullptr;  // CUDA backend only
+};
+
+void decode(const DecodeParams& params, const Context& ctx);
+void verify(const VerifyParams& params, const Context& ctx);
+void commit(const CommitParams& params, const Context& ctx);
+void prefill(const PrefillParams& params, const Context& ctx);
+void convert_layout(const LayoutParams& params, const Context& ctx);
+
+// Validation alone (what every entry runs first); throws gdnkit::Error.
+void validate(const DecodeParams& params, Backend backend);
+void validate(const VerifyParams& params, Backend backend);
+void validate(const CommitParams& params, Backend backend);
+void validate(const PrefillParams& params, Backend backend);
+void validate(const LayoutParams& params, Backend backend);
+
+// Scratch bytes the CUDA prefill needs for these params (0 on the CPU backend).
+size_t prefill_workspace_bytes(const PrefillParams& params);
+
+bool cuda_compiled();   // the library was built with the CUDA backend
+bool cuda_available();  // ... and a usable sm_90 device is present
+std::string build_info();  // version, compiler, CUDA version, architectures, devices
+
+}  // namespace gdnkit

@@ -1,0 +1,93 @@
+// Public entries: validate, then hand the params to the chosen backend.
+#include <string>
+
+#include "api/backends.h"
+#include "gdnkit/gdnkit.h"
+
+namespace gdnkit {
+namespace {
+
+void require_cuda() {
+#ifdef GDNKIT_WITH_CUDA
+  if (!cuda::device_usable())
+    throw Error(ErrorCode::kNoDevice, "backend cuda: no usable sm_90 CUDA device (use Backend::kCPU)");
+#else
+  throw Error(ErrorCode::kNoDevice, "backend cuda: gdnkit was built without CUDA (use Backend::kCPU)");
+#endif
+}
+
+template <class Params, class CpuFn, class CudaFn>
+void run(const Params& p, const Context& ctx, CpuFn cpu_fn, CudaFn cuda_fn) {
+  validate(p, ctx.backend);
+  if (ctx.backend == Backend::kCPU) {
+    cpu_fn(p);
+    return;
+  }
+  require_cuda();
+  cuda_fn(p, ctx.stream);
+}
+
+}  // namespace
+
+#ifdef GDNKIT_WITH_CUDA
+#define GDNKIT_CUDA_FN(name) [](const auto& p, Stream s) { cuda::name(p, s); }
+#else
+#define GDNKIT_CUDA_FN(name) [](const auto&, Stream) {}
+#endif
+
+void decode(const DecodeParams& p, const Context& ctx) {
+  run(p, ctx, [](const auto& q) { cpu::decode(q); }, GDNKIT_CUDA_FN(decode));
+}
+void verify(const VerifyParams& p, const Context& ctx) {
+  run(p, ctx, [](const auto& q) { cpu::verify(q); }, GDNKIT_CUDA_FN(verify));
+}
+void commit(const CommitParams& p, const Context& ctx) {
+  run(p, ctx, [](const auto& q) { cpu::commit(q); }, GDNKIT_CUDA_FN(commit));
+}
+void prefill(const PrefillParams& p, const Context& ctx) {
+  run(p, ctx, [](const auto& q) { cpu::prefill(q); }, GDNKIT_CUDA_FN(prefill));
+}
+void convert_layout(const LayoutParams& p, const Context& ctx) {
+  run(p, ctx, [](const auto& q) { cpu::convert_layout(q); }, GDNKIT_CUDA_FN(convert_layout));
+}
+
+size_t prefill_workspace_bytes(const PrefillParams& p) {
+#ifdef GDNKIT_WITH_CUDA
+  return cuda::prefill_workspace_bytes(p);
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+bool cuda_compiled() {
+#ifdef GDNKIT_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool cuda_available() {
+#ifdef GDNKIT_WITH_CUDA
+  return cuda::device_usable();
+#else
+  return false;
+#endif
+}
+
+std::string build_info() {
+  std::string s = "gdnkit " GDNKIT_VERSION "\n";
+#ifdef __VERSION__
+  s += "compiler: " __VERSION__ "\n";
+#endif
+#ifdef GDNKIT_WITH_CUDA
+  s += "backends: cpu, cuda (sm_90a)\n";
+  s += cuda::device_info();
+#else
+  s += "backends: cpu (built without CUDA)\n";
+#endif
+  return s;
+}
+
+}  // namespace gdnkit

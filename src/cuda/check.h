@@ -1,0 +1,27 @@
+// CUDA error handling for host code: every runtime call is checked; failures throw gdnkit::Error
+// with the call, file and line.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "gdnkit/types.h"
+
+namespace gdnkit::cuda {
+
+[[noreturn]] inline void throw_cuda(cudaError_t err, const char* what, const char* file, int line) {
+  throw Error(ErrorCode::kCudaError, std::string(what) + " failed: " + cudaGetErrorName(err) + " (" +
+                                         cudaGetErrorString(err) + ") at " + file + ":" + std::to_string(line));
+}
+
+}  // namespace gdnkit::cuda
+
+#define GDNKIT_CUDA_CHECK(call)                                                     \
+  do {                                                                              \
+    cudaError_t gdnkit_err_ = (call);                                               \
+    if (gdnkit_err_ != cudaSuccess) ::gdnkit::cuda::throw_cuda(gdnkit_err_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+// After a kernel launch: reports launch-configuration errors without synchronizing.
+#define GDNKIT_CUDA_CHECK_LAUNCH() GDNKIT_CUDA_CHECK(cudaGetLastError())

@@ -1,0 +1,19 @@
+// CUDA entries whose kernels have not landed yet: they fail loudly instead of computing nothing.
+// Each kernel issue removes its function from this file when its kernel lands.
+#include "api/backends.h"
+
+namespace gdnkit::cuda {
+namespace {
+[[noreturn]] void not_yet(const char* op) {
+  throw Error(ErrorCode::kNotImplemented, std::string("cuda ") + op + ": not implemented yet");
+}
+}  // namespace
+
+void decode(const DecodeParams&, Stream) { not_yet("decode"); }
+void verify(const VerifyParams&, Stream) { not_yet("verify"); }
+void commit(const CommitParams&, Stream) { not_yet("commit"); }
+void prefill(const PrefillParams&, Stream) { not_yet("prefill"); }
+void convert_layout(const LayoutParams&, Stream) { not_yet("convert_layout"); }
+size_t prefill_workspace_bytes(const PrefillParams&) { return 0; }
+
+}  // namespace gdnkit::cuda
