@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU machine's one script: build what is missing, run the GPU tests and the benchmarks,
+# write logs and JSON to $OUT, print a short table last.
+#
+#   tools/gpu-suite.sh [stage ...]     stages: build tests sanitize bench-decode bench-verify
+#                                      bench-prefill python all (default: all)
+#   GDNKIT_GTEST_FILTER=...            restricts the GPU tests (gtest filter)
+#
+# Needs: CUDA toolkit, CMake, ninja, and GoogleTest headers + static libs in carry/gtest
+# (copied from Debian's libgtest-dev by tools/carry-gtest.sh: the GPU machine has no GoogleTest).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+BUILD=${GDNKIT_GPU_BUILD:-build-gpu}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(all)
+want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+
+build() {
+  cmake -G Ninja -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGDNKIT_CUDA=ON \
+    -DGTEST_ROOT="$PWD/carry/gtest" >"$OUT/build.log" 2>&1 &&
+  cmake --build "$BUILD" -j16 >>"$OUT/build.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || tail -40 "$OUT/build.log"
+  note "build: rc=$rc"
+  return $rc
+}
+build || exit 1
+
+if want tests; then
+  "$BUILD"/tests/gdnkit_gpu_tests --gtest_filter="${GDNKIT_GTEST_FILTER:-*}" \
+    --gtest_output=json:"$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  grep -E "^\[  (FAILED|PASSED) |^\[==========\]" "$OUT/gpu_tests.log" | tail -3
+  grep -E "^\[  FAILED  \]" "$OUT/gpu_tests.log" | head -20
+  note "gpu tests: rc=$rc ($(grep -c '^\[       OK \]' "$OUT/gpu_tests.log") ok)"
+fi
+
+if want sanitize; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 "$BUILD"/tests/gdnkit_gpu_tests \
+      --gtest_filter="${GDNKIT_SANITIZE_FILTER:-*Sanitize*}" >"$OUT/sanitize_$tool.log" 2>&1
+    rc=$?
+    tail -3 "$OUT/sanitize_$tool.log"
+    note "compute-sanitizer $tool: rc=$rc"
+  done
+fi
+
+for op in decode verify prefill; do
+  if want bench-$op; then
+    "$BUILD"/gdnkit bench $op --json "$OUT/bench_$op.json" --markdown "$OUT/bench_$op.md" \
+      >"$OUT/bench_$op.log" 2>&1
+    rc=$?
+    note "bench $op: rc=$rc"
+  fi
+done
+
+echo
+echo "================ summary ================"
+for line in "${summary[@]}"; do echo "$line"; done
+for op in decode verify prefill; do
+  [ -f "$OUT/bench_$op.md" ] && { echo; cat "$OUT/bench_$op.md"; }
+done
+exit 0
