@@ -40,6 +40,11 @@ bool is_state_dtype(DType d) { return d == DType::kFloat32 || d == DType::kBFloa
 bool is_layout(StateLayout l) { return l == StateLayout::kKLast || l == StateLayout::kVLast; }
 bool is_supported_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
+// a * b + c without overflow; false when the result does not fit in int64.
+bool mul_add(int64_t a, int64_t b, int64_t c, int64_t* out) {
+  return !__builtin_mul_overflow(a, b, out) && !__builtin_add_overflow(*out, c, out);
+}
+
 bool aligned(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % uintptr_t(bytes) == 0; }
 
 void require_float_dtype(const char* name, DType d) {
@@ -96,11 +101,12 @@ void validate_view(const char* name, const StridedView<Ptr>& view, int64_t count
            " (rows of consecutive heads overlap)");
   }
   if (count > 1) {
-    const __int128 need = __int128(heads - 1) * (heads > 1 ? view.head_stride : 0) + dim;
-    if (need > INT64_MAX) fail(name, ": head_stride=", view.head_stride, " is too large");
-    if (view.token_stride <= 0 || __int128(view.token_stride) < need)
+    int64_t need = 0;
+    if (!mul_add(heads - 1, heads > 1 ? view.head_stride : 0, dim, &need))
+      fail(name, ": head_stride=", view.head_stride, " is too large (offsets overflow int64)");
+    if (view.token_stride < need)
       fail(name, ": token_stride=", view.token_stride, " overlaps the previous token (expected >= (", heads_name,
-           "-1)*head_stride + ", dim_name, " = ", int64_t(need), ")");
+           "-1)*head_stride + ", dim_name, " = ", need, ")");
   }
   const bool vector = backend == Backend::kCUDA && dim > 1;
   const int64_t align = vector ? kVectorBytes : elem;
@@ -204,10 +210,11 @@ void validate_cache(const char* name, const StateCache& cache, const StatePool& 
   if (cache.num_slots < 1) fail(name, ": num_slots must be >= 1, got ", cache.num_slots);
   if (cache.num_steps < min_steps) fail(name, ": num_steps must be >= ", min_steps, ", got ", cache.num_steps);
   const int64_t per_step = state_elems(h.num_v_heads, h.head_dim_k, h.head_dim_v);
-  const __int128 need = __int128(cache.num_steps) * per_step;
-  if (__int128(cache.slot_stride) < need)
-    fail(name, ": slot_stride=", cache.slot_stride, " is smaller than num_steps*HV*K*V=", int64_t(need),
-         " (slots overlap)");
+  int64_t need = 0;
+  if (!mul_add(cache.num_steps, per_step, 0, &need))
+    fail(name, ": num_steps=", cache.num_steps, " is too large (offsets overflow int64)");
+  if (cache.slot_stride < need)
+    fail(name, ": slot_stride=", cache.slot_stride, " is smaller than num_steps*HV*K*V=", need, " (slots overlap)");
   validate_state_alignment(name, cache.data, cache.dtype, cache.slot_stride, backend);
 }
 
@@ -400,6 +407,10 @@ void validate(const LayoutParams& p, Backend backend) {
     if (pool.data == nullptr) fail(name, ": required pointer is null (", pool.num_slots, " slots)");
     if (pool.slot_stride < per_slot)
       fail(name, ": slot_stride=", pool.slot_stride, " is smaller than HV*K*V=", per_slot, " (slots overlap)");
+    int64_t extent = 0;
+    if (!mul_add(pool.num_slots - 1, pool.slot_stride, per_slot, &extent) ||
+        !mul_add(extent, dtype_size(pool.dtype), 0, &extent))
+      fail(name, ": num_slots=", pool.num_slots, " x slot_stride=", pool.slot_stride, " overflows int64");
     validate_state_alignment(name, pool.data, pool.dtype, pool.slot_stride, backend);
   }
 
