@@ -97,8 +97,8 @@ void validate_view(const char* name, const StridedView<Ptr>& view, int64_t count
   const int64_t elem = dtype_size(view.dtype);
   if (heads > 1) {
     if (view.head_stride < dim)
-      fail(name, ": head_stride=", view.head_stride, " is smaller than ", dim_name, "=", dim,
-           " (rows of consecutive heads overlap)");
+      fail(name, ": head_stride=", view.head_stride, " is smaller than ", dim > 1 ? dim_name : "", dim > 1 ? "=" : "",
+           dim, dim > 1 ? " (rows of consecutive heads overlap)" : " (values of consecutive heads overlap)");
   }
   if (count > 1) {
     int64_t need = 0;
@@ -106,7 +106,7 @@ void validate_view(const char* name, const StridedView<Ptr>& view, int64_t count
       fail(name, ": head_stride=", view.head_stride, " is too large (offsets overflow int64)");
     if (view.token_stride < need)
       fail(name, ": token_stride=", view.token_stride, " overlaps the previous token (expected >= (", heads_name,
-           "-1)*head_stride + ", dim_name, " = ", need, ")");
+           "-1)*head_stride + ", dim > 1 ? dim_name : "1", " = ", need, ")");
   }
   const bool vector = backend == Backend::kCUDA && dim > 1;
   const int64_t align = vector ? kVectorBytes : elem;
@@ -150,13 +150,13 @@ void validate_gating(const Gating& g, int64_t tokens, int64_t hv, Backend backen
   if (g.mode == GateMode::kGiven) {
     if (g.g.dtype != DType::kFloat32) fail("g: expected dtype float32, got ", dtype_name(g.g.dtype));
     require_float_dtype("beta", g.beta.dtype);
-    validate_view("g", g.g, tokens, hv, 1, "HV", "1", backend);
-    validate_view("beta", g.beta, tokens, hv, 1, "HV", "1", backend);
+    validate_view("g", g.g, tokens, hv, 1, "HV", "", backend);
+    validate_view("beta", g.beta, tokens, hv, 1, "HV", "", backend);
   } else if (g.mode == GateMode::kFused) {
     require_float_dtype("a", g.a.dtype);
     require_float_dtype("b", g.b.dtype);
-    validate_view("a", g.a, tokens, hv, 1, "HV", "1", backend);
-    validate_view("b", g.b, tokens, hv, 1, "HV", "1", backend);
+    validate_view("a", g.a, tokens, hv, 1, "HV", "", backend);
+    validate_view("b", g.b, tokens, hv, 1, "HV", "", backend);
     // A_log and dt_bias are per head, read even when there are no tokens only if there is work: require
     // them whenever fused gating is chosen, so a missing pointer is caught on the first (possibly empty) call.
     if (g.A_log == nullptr) fail("A_log: required pointer is null (fused gating needs A_log [HV] float32)");
@@ -333,6 +333,8 @@ void validate(const PrefillParams& p, Backend backend) {
   if (p.total_tokens < 0) fail("total_tokens: must be >= 0, got ", p.total_tokens);
   if (p.cu_seqlens_dtype != DType::kInt32 && p.cu_seqlens_dtype != DType::kInt64)
     fail("cu_seqlens: expected dtype int32 or int64, got ", dtype_name(p.cu_seqlens_dtype));
+  // The host copy first: the same message on both backends.
+  if (p.cu_seqlens_host != nullptr) check_cu_seqlens("cu_seqlens_host", p.cu_seqlens_host, N, -1, p.total_tokens);
   if (p.cu_seqlens == nullptr) {
     if (N > 0) fail("cu_seqlens: required pointer is null (", N + 1, " elements expected)");
     if (p.total_tokens != 0) fail("total_tokens: expected 0 when cu_seqlens is null, got ", p.total_tokens);
@@ -348,7 +350,6 @@ void validate(const PrefillParams& p, Backend backend) {
         check_cu_seqlens("cu_seqlens", static_cast<const int64_t*>(p.cu_seqlens), N, -1, p.total_tokens);
     }
   }
-  if (p.cu_seqlens_host != nullptr) check_cu_seqlens("cu_seqlens_host", p.cu_seqlens_host, N, -1, p.total_tokens);
 
   validate_qkvo(p, p.total_tokens, true, backend);
   validate_gating(p.gating, p.total_tokens, p.heads.num_v_heads, backend);
