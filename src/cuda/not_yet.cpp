@@ -9,11 +9,7 @@ namespace {
 }
 }  // namespace
 
-void decode(const DecodeParams&, Stream) { not_yet("decode"); }
-void verify(const VerifyParams&, Stream) { not_yet("verify"); }
-void commit(const CommitParams&, Stream) { not_yet("commit"); }
 void prefill(const PrefillParams&, Stream) { not_yet("prefill"); }
-void convert_layout(const LayoutParams&, Stream) { not_yet("convert_layout"); }
 size_t prefill_workspace_bytes(const PrefillParams&) { return 0; }
 
 }  // namespace gdnkit::cuda

@@ -1,0 +1,119 @@
+// Device element helpers shared by every CUDA kernel: fp32 / bf16 / fp16 loads and stores with
+// conversion to fp32, 16-byte vector loads of contiguous runs, warp reductions, and the spec's gating
+// math. Accumulation is always fp32; rounding to a storage dtype happens only in store().
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gdnkit/types.h"
+
+namespace gdnkit::cuda {
+
+// ---- scalar conversions ---------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// Element i of a buffer whose dtype is known only at run time (per-head scalars: a, b, beta).
+__device__ __forceinline__ float load_dyn(const void* p, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// ---- vector loads / stores of N contiguous elements (N * sizeof(T) a multiple of 8 bytes) -----
+// The caller guarantees the alignment (the launchers check slot strides and base pointers).
+template <class T, int N>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[N]) {
+  constexpr int kBytes = N * int(sizeof(T));
+  static_assert(kBytes % 8 == 0, "vector runs are whole 8-byte words");
+  if constexpr (kBytes % 16 == 0) {
+    constexpr int kPer = 16 / int(sizeof(T));
+#pragma unroll
+    for (int w = 0; w < N / kPer; ++w) {
+      const uint4 raw = reinterpret_cast<const uint4*>(p)[w];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) out[w * kPer + j] = to_float(e[j]);
+    }
+  } else {
+    constexpr int kPer = 8 / int(sizeof(T));
+#pragma unroll
+    for (int w = 0; w < N / kPer; ++w) {
+      const uint2 raw = reinterpret_cast<const uint2*>(p)[w];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) out[w * kPer + j] = to_float(e[j]);
+    }
+  }
+}
+
+template <class T, int N>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[N]) {
+  constexpr int kBytes = N * int(sizeof(T));
+  static_assert(kBytes % 8 == 0, "vector runs are whole 8-byte words");
+  if constexpr (kBytes % 16 == 0) {
+    constexpr int kPer = 16 / int(sizeof(T));
+#pragma unroll
+    for (int w = 0; w < N / kPer; ++w) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) e[j] = from_float<T>(in[w * kPer + j]);
+      reinterpret_cast<uint4*>(p)[w] = raw;
+    }
+  } else {
+    constexpr int kPer = 8 / int(sizeof(T));
+#pragma unroll
+    for (int w = 0; w < N / kPer; ++w) {
+      uint2 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) e[j] = from_float<T>(in[w * kPer + j]);
+      reinterpret_cast<uint2*>(p)[w] = raw;
+    }
+  }
+}
+
+// ---- warp reductions --------------------------------------------------------------------------
+// Sum over the lanes whose ids differ only in the bits of [kFirst, 32): xor butterflies, every lane
+// of the group ends with the group's sum.
+template <int kFirst>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int off = kFirst; off < 32; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+// Sum over aligned groups of kLanes consecutive lanes.
+template <int kLanes>
+__device__ __forceinline__ float lane_group_sum(float x) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) { return lane_group_sum<32>(x); }
+
+// ---- gating (SPEC.md "The recurrence") --------------------------------------------------------
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// g = -exp(A_log) * softplus(a + dt_bias): log-space decay of one token and value head.
+__device__ __forceinline__ float fused_decay(float A_log, float a, float dt_bias) {
+  return -expf(A_log) * softplus(a + dt_bias);
+}
+
+}  // namespace gdnkit::cuda

@@ -1,0 +1,171 @@
+// CUDA decode, verify and commit: host checks the kernels need beyond validate(), the one dispatch
+// from run-time choices (layout, state dtype, input dtype, head dims) to kernel instantiations, and
+// the commit-from-cache copy kernel. Nothing here synchronizes or allocates: graph-capturable.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "api/backends.h"
+#include "cuda/check.h"
+#include "cuda/common/dtype.cuh"
+#include "cuda/recurrent/recurrent_kernel.cuh"
+
+namespace gdnkit::cuda {
+namespace {
+
+using recurrent::Launch;
+using recurrent::Mode;
+
+[[noreturn]] void invalid(const std::string& msg) { throw Error(ErrorCode::kInvalidArgument, msg); }
+
+// The kernels move states in 16-byte vectors: every slot (and cache step) must start 16-byte aligned.
+void check_aligned(const char* name, const void* data, int64_t slot_stride, DType dtype) {
+  const int64_t bytes = slot_stride * dtype_size(dtype);
+  const auto addr = reinterpret_cast<uintptr_t>(data);
+  if (addr % 16 != 0 || bytes % 16 != 0)
+    invalid(std::string(name) + ": the CUDA backend needs 16-byte aligned slots (data address % 16 = " +
+            std::to_string(addr % 16) + ", slot_stride " + std::to_string(slot_stride) + " elements = " +
+            std::to_string(bytes) + " bytes)");
+}
+
+void check_recurrent(const char* op, const CommitParams& p) {
+  check_aligned("state", p.state.data, p.state.slot_stride, p.state.dtype);
+  if (p.intermediate.data != nullptr) {
+    check_aligned("intermediate", p.intermediate.data, p.intermediate.slot_stride, p.intermediate.dtype);
+    if (p.intermediate.dtype != DType::kFloat32 && p.intermediate.dtype != DType::kBFloat16)
+      invalid(std::string("intermediate: expected dtype float32 or bfloat16, got ") + dtype_name(p.intermediate.dtype));
+  }
+  if (p.parent != nullptr && p.num_draft_tokens > 64)
+    throw Error(ErrorCode::kNotImplemented, std::string("cuda ") + op +
+                                                ": tree drafts (parent) support T <= 64, got T=" +
+                                                std::to_string(p.num_draft_tokens));
+}
+
+template <StateLayout L, class TS, class TI>
+void by_dims(const CommitParams& p, Launch what, Stream stream) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  if (K == 64 && V == 64) return recurrent::launch_recurrent<L, TS, TI, 64, 64>(p, what, stream);
+  if (K == 128 && V == 128) return recurrent::launch_recurrent<L, TS, TI, 128, 128>(p, what, stream);
+  if (K == 256 && V == 256) return recurrent::launch_recurrent<L, TS, TI, 256, 256>(p, what, stream);
+  throw Error(ErrorCode::kNotImplemented, "cuda: head dims K=" + std::to_string(K) + ", V=" + std::to_string(V) +
+                                              " are not built (built: K = V in {64, 128, 256})");
+}
+
+template <StateLayout L, class TS>
+void by_input(const CommitParams& p, Launch what, Stream stream) {
+  switch (p.k.dtype) {  // q, k, v, o share it (validated)
+    case DType::kFloat32: return by_dims<L, TS, float>(p, what, stream);
+    case DType::kBFloat16: return by_dims<L, TS, __nv_bfloat16>(p, what, stream);
+    case DType::kFloat16: return by_dims<L, TS, __half>(p, what, stream);
+    default: invalid(std::string("k: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.k.dtype));
+  }
+}
+
+template <StateLayout L>
+void by_state(const CommitParams& p, Launch what, Stream stream) {
+  switch (p.state.dtype) {
+    case DType::kFloat32: return by_input<L, float>(p, what, stream);
+    case DType::kBFloat16: return by_input<L, __nv_bfloat16>(p, what, stream);
+    default: invalid(std::string("state: expected dtype float32 or bfloat16, got ") + dtype_name(p.state.dtype));
+  }
+}
+
+void dispatch_recurrent(const char* op, const CommitParams& p, Launch what, Stream stream) {
+  check_recurrent(op, p);
+  switch (p.state.layout) {
+    case StateLayout::kKLast: return by_state<StateLayout::kKLast>(p, what, stream);
+    case StateLayout::kVLast: return by_state<StateLayout::kVLast>(p, what, stream);
+    default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
+  }
+}
+
+// ---- commit from the cache: pool[slot] = intermediate[islot, last kept token] -----------------
+// One CTA per (sequence, value head) copies K*V elements, converting the cache dtype to the pool's.
+constexpr int kCopyThreads = 256;
+constexpr int kCopyRun = 8;  // elements per thread and iteration (16 B of bf16, 32 B of fp32)
+
+template <class TC, class TS>
+__global__ void __launch_bounds__(kCopyThreads) commit_cache_kernel(const CommitParams p) {
+  const int b = blockIdx.x, hv = blockIdx.y, T = p.num_draft_tokens;
+  const int64_t head_elems = int64_t(p.heads.head_dim_k) * p.heads.head_dim_v;
+  const bool counter = hv == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
+  const int slot = p.state_indices[b];
+  const int acc = p.accepted[b];
+  const int islot = p.intermediate_indices[b];
+  const int len = p.cu_seqlens != nullptr ? p.cu_seqlens[b + 1] - p.cu_seqlens[b] : T;
+  if (slot < 0 || acc == 0) return;  // padding row, or nothing kept: the pool state stays
+  const int step = acc > 0 && acc <= T && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + acc - 1] : acc - 1;
+  // A slot past the pool or cache, a count past the row's tokens, a path entry out of range, or kept
+  // tokens whose states were not cached (islot < 0): skipped and counted.
+  if (slot >= p.state.num_slots || islot < 0 || islot >= p.intermediate.num_slots || acc < 0 || acc > len ||
+      len > T || step < 0 || step >= len || step >= p.intermediate.num_steps) {
+    if (counter) atomicAdd(p.error_flag, 1);
+    return;
+  }
+  const TC* src = static_cast<const TC*>(p.intermediate.data) + int64_t(islot) * p.intermediate.slot_stride +
+                  (int64_t(step) * p.heads.num_v_heads + hv) * head_elems;
+  TS* dst = static_cast<TS*>(p.state.data) + int64_t(slot) * p.state.slot_stride + hv * head_elems;
+#pragma unroll 4
+  for (int64_t i = int64_t(threadIdx.x) * kCopyRun; i < head_elems; i += kCopyThreads * kCopyRun) {
+    float x[kCopyRun];
+    load_vec<TC, kCopyRun>(src + i, x);
+    store_vec<TS, kCopyRun>(dst + i, x);
+  }
+}
+
+template <class TC>
+void commit_cache_by_state(const CommitParams& p, Stream stream) {
+  const dim3 grid(unsigned(p.batch), unsigned(p.heads.num_v_heads));
+  switch (p.state.dtype) {
+    case DType::kFloat32: commit_cache_kernel<TC, float><<<grid, kCopyThreads, 0, stream>>>(p); break;
+    case DType::kBFloat16: commit_cache_kernel<TC, __nv_bfloat16><<<grid, kCopyThreads, 0, stream>>>(p); break;
+    default: invalid(std::string("state: expected dtype float32 or bfloat16, got ") + dtype_name(p.state.dtype));
+  }
+  GDNKIT_CUDA_CHECK_LAUNCH();
+}
+
+void commit_from_cache(const CommitParams& p, Stream stream) {
+  if (p.intermediate.data == nullptr || p.intermediate_indices == nullptr)
+    invalid("intermediate: commit from the cache needs the intermediate buffer and intermediate_indices");
+  check_aligned("state", p.state.data, p.state.slot_stride, p.state.dtype);
+  check_aligned("intermediate", p.intermediate.data, p.intermediate.slot_stride, p.intermediate.dtype);
+  if (p.batch == 0 || p.heads.num_v_heads == 0) return;
+  switch (p.intermediate.dtype) {
+    case DType::kFloat32: return commit_cache_by_state<float>(p, stream);
+    case DType::kBFloat16: return commit_cache_by_state<__nv_bfloat16>(p, stream);
+    default: invalid(std::string("intermediate: expected dtype float32 or bfloat16, got ") + dtype_name(p.intermediate.dtype));
+  }
+}
+
+}  // namespace
+
+void decode(const DecodeParams& p, Stream stream) {
+  // Decode is a chain of one token per sequence (token b of the batch), state updated in place.
+  CommitParams c;
+  static_cast<DecodeParams&>(c) = p;
+  c.num_draft_tokens = 1;
+  dispatch_recurrent("decode", c, Launch{Mode::kScore, true}, stream);
+}
+
+void verify(const VerifyParams& p, Stream stream) {
+  CommitParams c;
+  static_cast<VerifyParams&>(c) = p;
+  dispatch_recurrent("verify", c, Launch{Mode::kScore, p.update_state && p.parent == nullptr}, stream);
+}
+
+void commit(const CommitParams& p, Stream stream) {
+  switch (p.source) {
+    case CommitSource::kCache: return commit_from_cache(p, stream);
+    case CommitSource::kRecompute: {
+      CommitParams c = p;
+      c.intermediate.data = nullptr;  // replay stores only the final state
+      return dispatch_recurrent("commit", c, Launch{Mode::kReplay, true}, stream);
+    }
+    default: invalid("commit: unknown source " + std::to_string(int(p.source)));
+  }
+}
+
+}  // namespace gdnkit::cuda
