@@ -1,0 +1,732 @@
+// gdnkit._gdnkit: the nanobind binding over the C++ API (include/gdnkit/gdnkit.h).
+//
+// Arrays arrive through DLPack (torch, CuPy, JAX, NumPy, ...). This file turns them into the params
+// structs: it reads shapes, strides and dtypes, checks what the structs cannot carry (ranks, shapes
+// that must agree between tensors, one device for all tensors, contiguous last dims, int32 indices),
+// picks the backend from the arrays' device and calls the library, which validates the rest.
+// Every failure is a gdnkit::Error; the translator at the bottom maps its code to a Python exception.
+//
+// The Python layer (gdnkit/ops.py) allocates outputs and passes the caller's CUDA stream; nothing here
+// allocates device memory or synchronizes, so every call is safe inside CUDA-graph capture.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gdnkit/gdnkit.h"
+
+#ifdef GDNKIT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace nb = nanobind;
+
+namespace gdnkit::py {
+namespace {
+
+using Array = nb::ndarray<>;
+using OptArray = std::optional<nb::ndarray<>>;
+
+template <class... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  throw Error(ErrorCode::kInvalidArgument, os.str());
+}
+
+std::string shape_str(const Array& a) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
+  os << "]";
+  return os.str();
+}
+
+std::string dl_dtype_name(nb::dlpack::dtype d) {
+  using C = nb::dlpack::dtype_code;
+  const char* kind = "dtype";
+  switch (C(d.code)) {
+    case C::Int: kind = "int"; break;
+    case C::UInt: kind = "uint"; break;
+    case C::Float: kind = "float"; break;
+    case C::Bfloat: kind = "bfloat"; break;
+    case C::Complex: kind = "complex"; break;
+    case C::Bool: return "bool";
+    default: break;
+  }
+  std::string s = kind + std::to_string(d.bits);
+  if (d.lanes != 1) s += "x" + std::to_string(d.lanes);
+  return s;
+}
+
+// The float dtypes gdnkit computes with; anything else is an error that names the tensor.
+DType float_dtype(const Array& a, const char* name) {
+  const auto d = a.dtype();
+  if (d == nb::dtype<float>()) return DType::kFloat32;
+  if (d.lanes == 1 && d.bits == 16 && d.code == uint8_t(nb::dlpack::dtype_code::Bfloat)) return DType::kBFloat16;
+  if (d.lanes == 1 && d.bits == 16 && d.code == uint8_t(nb::dlpack::dtype_code::Float)) return DType::kFloat16;
+  fail(name, ": expected dtype float32, bfloat16 or float16, got ", dl_dtype_name(d));
+}
+
+// ---- devices: one per call, which picks the backend ------------------------------------------
+
+struct Devices {
+  const char* first_name = nullptr;
+  int32_t type = 0;
+  int32_t id = 0;
+
+  static std::string str(int32_t type, int32_t id) {
+    if (type == nb::device::cpu::value) return "cpu";
+    if (type == nb::device::cuda::value) return "cuda:" + std::to_string(id);
+    if (type == nb::device::cuda_managed::value) return "cuda_managed:" + std::to_string(id);
+    if (type == nb::device::cuda_host::value) return "cuda_host (pinned)";
+    return "DLPack device type " + std::to_string(type) + ":" + std::to_string(id);
+  }
+
+  void add(const Array& a, const char* name) {
+    int32_t type = a.device_type(), id = a.device_id();
+    if (type == nb::device::cuda_managed::value) type = nb::device::cuda::value;
+    if (type == nb::device::cpu::value) id = 0;
+    if (type != nb::device::cpu::value && type != nb::device::cuda::value)
+      fail(name, ": arrays on ", str(a.device_type(), a.device_id()),
+           " are not supported (expected cpu or cuda)");
+    if (first_name == nullptr) {
+      first_name = name;
+      this->type = type;
+      this->id = id;
+    } else if (type != this->type || id != this->id) {
+      fail(name, ": is on ", str(type, id), " but ", first_name, " is on ", str(this->type, this->id),
+           " (all arrays of one call must be on one device)");
+    }
+  }
+  void add(const OptArray& a, const char* name) {
+    if (a) add(*a, name);
+  }
+
+  Backend backend() const {
+    return type == nb::device::cuda::value ? Backend::kCUDA : Backend::kCPU;
+  }
+};
+
+// The caller's device is made current for the call (a CUDA stream belongs to one device).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const Devices& d) {
+#ifdef GDNKIT_WITH_CUDA
+    if (d.backend() != Backend::kCUDA) return;
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    if (previous_ != d.id) {
+      if (cudaSetDevice(d.id) != cudaSuccess) {
+        cudaGetLastError();
+        throw Error(ErrorCode::kCudaError, "cudaSetDevice(" + std::to_string(d.id) + ") failed");
+      }
+      restore_ = true;
+    }
+#else
+    (void)d;
+#endif
+  }
+  ~DeviceGuard() {
+#ifdef GDNKIT_WITH_CUDA
+    if (restore_) cudaSetDevice(previous_);
+#endif
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+Context make_context(const Devices& d, uintptr_t stream) {
+  Context ctx;
+  ctx.backend = d.backend();
+  ctx.stream = reinterpret_cast<Stream>(stream);
+  return ctx;
+}
+
+// ---- token data: [T, heads, dim] or [B, T, heads, dim] (B and T merged) ----------------------
+
+struct Tokens {
+  int64_t count = 0;  // T_total
+  int64_t heads = 0;
+  int64_t dim = 0;
+  int64_t token_stride = 0;
+  int64_t head_stride = 0;
+  int64_t batch = -1;  // B of a 4-d [B, T, ...] array, -1 for 3-d
+  int64_t per_batch = -1;  // T of a 4-d array
+  DType dtype = DType::kFloat32;
+  void* data = nullptr;
+};
+
+// Merges the leading [B, T] of a (dims+2)-d array into one token axis when the strides allow it.
+// rank: 3 for q/k/v/o ([T, heads, dim]), 2 for gates ([T, heads]).
+void merge_tokens(const Array& a, const char* name, size_t rank, Tokens& t) {
+  const size_t nd = a.ndim();
+  if (nd == rank) {
+    t.count = int64_t(a.shape(0));
+    t.token_stride = a.stride(0);
+  } else if (nd == rank + 1) {
+    const int64_t B = a.shape(0), T = a.shape(1);
+    t.batch = B;
+    t.per_batch = T;
+    t.count = B * T;
+    t.token_stride = a.stride(1);
+    if (T == 1) t.token_stride = a.stride(0);
+    if (B > 1 && T > 1 && a.stride(0) != T * a.stride(1))
+      fail(name, ": the batch and token axes of shape ", shape_str(a), " cannot be merged (stride(0)=", a.stride(0),
+           ", expected T*stride(1)=", T * a.stride(1), ")");
+  } else {
+    fail(name, ": expected ", rank, " dims ", rank == 3 ? "[T, heads, dim]" : "[T, heads]", " or ", rank + 1,
+         " dims ", rank == 3 ? "[B, T, heads, dim]" : "[B, T, heads]", ", got shape ", shape_str(a));
+  }
+}
+
+Tokens token_rows(const Array& a, const char* name) {
+  Tokens t;
+  merge_tokens(a, name, 3, t);
+  const size_t nd = a.ndim();
+  t.heads = a.shape(nd - 2);
+  t.dim = a.shape(nd - 1);
+  t.head_stride = a.stride(nd - 2);
+  if (t.dim > 1 && a.stride(nd - 1) != 1)
+    fail(name, ": the last dim must be contiguous (stride 1), got stride ", a.stride(nd - 1), " for shape ",
+         shape_str(a));
+  t.dtype = float_dtype(a, name);
+  t.data = a.data();
+  return t;
+}
+
+// A per-head scalar array [T, HV] (or [B, T, HV]); heads may be strided.
+InView gate_view(const Array& a, const char* name, int64_t tokens, int64_t hv) {
+  Tokens t;
+  merge_tokens(a, name, 2, t);
+  const int64_t heads = a.shape(a.ndim() - 1);
+  if (t.count != tokens || heads != hv)
+    fail(name, ": expected shape [", tokens, ", ", hv, "] (tokens, HV), got ", shape_str(a));
+  InView v;
+  v.data = a.data();
+  v.dtype = float_dtype(a, name);
+  v.token_stride = t.token_stride;
+  v.head_stride = a.stride(a.ndim() - 1);
+  return v;
+}
+
+template <class View>
+View to_view(const Tokens& t) {
+  View v;
+  v.data = t.data;
+  v.dtype = t.dtype;
+  v.token_stride = t.token_stride;
+  v.head_stride = t.head_stride;
+  return v;
+}
+
+void require_shape(const Tokens& t, const char* name, int64_t count, int64_t heads, int64_t dim, const char* what) {
+  if (t.count != count || t.heads != heads || t.dim != dim)
+    fail(name, ": expected ", what, " = [", count, ", ", heads, ", ", dim, "], got [", t.count, ", ", t.heads, ", ",
+         t.dim, "]");
+}
+
+// ---- 1-d arrays: per-head parameters and indices --------------------------------------------
+
+const float* head_params(const Array& a, const char* name, int64_t hv) {
+  if (a.ndim() != 1 || int64_t(a.shape(0)) != hv)
+    fail(name, ": expected shape [", hv, "] (HV), got ", shape_str(a));
+  if (a.dtype() != nb::dtype<float>()) fail(name, ": expected dtype float32, got ", dl_dtype_name(a.dtype()));
+  if (hv > 1 && a.stride(0) != 1) fail(name, ": expected a contiguous array, got stride ", a.stride(0));
+  return static_cast<const float*>(a.data());
+}
+
+// An int32 index array of `count` elements (any shape, contiguous): state_indices, accepted, parent ...
+int32_t* index_array(const Array& a, const char* name, int64_t count, const char* what) {
+  if (a.dtype() != nb::dtype<int32_t>()) fail(name, ": expected dtype int32, got ", dl_dtype_name(a.dtype()));
+  if (int64_t(a.size()) != count) fail(name, ": expected ", what, ", got shape ", shape_str(a));
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != expect)
+      fail(name, ": expected a contiguous array, got shape ", shape_str(a), " with stride ", a.stride(i),
+           " on dim ", i);
+    expect *= a.shape(i);
+  }
+  return static_cast<int32_t*>(a.data());
+}
+
+int32_t* opt_index(const OptArray& a, const char* name, int64_t count, const char* what) {
+  return a ? index_array(*a, name, count, what) : nullptr;
+}
+
+int32_t* error_flag_ptr(const OptArray& a) {
+  if (!a) return nullptr;
+  if (a->dtype() != nb::dtype<int32_t>()) fail("error_flag: expected dtype int32, got ", dl_dtype_name(a->dtype()));
+  if (a->size() < 1) fail("error_flag: expected at least 1 element, got shape ", shape_str(*a));
+  return static_cast<int32_t*>(a->data());
+}
+
+// ---- state pools and caches -------------------------------------------------------------------
+
+StateLayout parse_layout(const std::string& s) {
+  if (s == "k_last") return StateLayout::kKLast;
+  if (s == "v_last") return StateLayout::kVLast;
+  fail("layout: expected 'k_last' ([P, HV, V, K]) or 'v_last' ([P, HV, K, V]), got '", s, "'");
+}
+
+const char* layout_shape(StateLayout l) { return l == StateLayout::kKLast ? "[.., HV, V, K]" : "[.., HV, K, V]"; }
+
+DType state_dtype(const Array& a, const char* name) {
+  const DType d = float_dtype(a, name);
+  if (d != DType::kFloat32 && d != DType::kBFloat16) fail(name, ": expected dtype float32 or bfloat16, got float16");
+  return d;
+}
+
+// The last three dims [HV, d1, d2] must be packed (heads of one slot are HV*K*V contiguous elements);
+// `lead` leading dims (slots, or slots and steps) may be strided. Returns the stride of dim 0.
+void check_state_tail(const Array& a, const char* name, size_t lead, int64_t hv, int64_t k, int64_t v,
+                      StateLayout layout) {
+  const int64_t d1 = layout == StateLayout::kKLast ? v : k;
+  const int64_t d2 = layout == StateLayout::kKLast ? k : v;
+  if (a.ndim() != lead + 3 || int64_t(a.shape(lead)) != hv || int64_t(a.shape(lead + 1)) != d1 ||
+      int64_t(a.shape(lead + 2)) != d2) {
+    std::ostringstream want;
+    want << "[" << (lead == 1 ? "P" : "Q, S") << ", " << hv << ", " << d1 << ", " << d2 << "]";
+    fail(name, ": expected shape ", want.str(), " (", layout == StateLayout::kKLast ? "k_last: [.., HV, V, K]"
+                                                                                     : "v_last: [.., HV, K, V]",
+         " with HV=", hv, ", K=", k, ", V=", v, "), got ", shape_str(a));
+  }
+  if (a.stride(lead + 2) != 1 || a.stride(lead + 1) != d2 || (hv > 1 && a.stride(lead) != d1 * d2))
+    fail(name, ": the last three dims ", layout_shape(layout), " must be contiguous, got strides (", a.stride(lead),
+         ", ", a.stride(lead + 1), ", ", a.stride(lead + 2), ")");
+}
+
+StatePool make_pool(const Array& a, const char* name, int64_t hv, int64_t k, int64_t v, StateLayout layout) {
+  check_state_tail(a, name, 1, hv, k, v, layout);
+  StatePool p;
+  p.data = a.data();
+  p.dtype = state_dtype(a, name);
+  p.layout = layout;
+  p.num_slots = a.shape(0);
+  p.slot_stride = a.shape(0) > 1 ? a.stride(0) : hv * k * v;
+  return p;
+}
+
+StateCache make_cache(const Array& a, const char* name, int64_t hv, int64_t k, int64_t v, StateLayout layout) {
+  check_state_tail(a, name, 2, hv, k, v, layout);
+  const int64_t steps = a.shape(1);
+  if (steps > 1 && a.stride(1) != hv * k * v)
+    fail(name, ": steps must be HV*K*V=", hv * k * v, " elements apart, got stride(1)=", a.stride(1));
+  StateCache c;
+  c.data = a.data();
+  c.dtype = state_dtype(a, name);
+  c.layout = layout;
+  c.num_slots = a.shape(0);
+  c.num_steps = steps;
+  c.slot_stride = a.shape(0) > 1 ? a.stride(0) : steps * hv * k * v;
+  return c;
+}
+
+// ---- heads and gates shared by the token ops --------------------------------------------------
+
+HeadConfig make_heads(const Tokens& qk, const Tokens& v, std::optional<double> scale, bool use_qk_l2norm) {
+  HeadConfig h;
+  h.num_qk_heads = int32_t(qk.heads);
+  h.num_v_heads = int32_t(v.heads);
+  h.head_dim_k = int32_t(qk.dim);
+  h.head_dim_v = int32_t(v.dim);
+  h.scale = scale ? float(*scale) : 0.0f;
+  if (scale && !(*scale > 0)) fail("scale: expected a positive value (or None for 1/sqrt(K)), got ", *scale);
+  h.use_qk_l2norm = use_qk_l2norm;
+  return h;
+}
+
+struct GateArgs {
+  OptArray g, beta, a, b, A_log, dt_bias;
+};
+
+Gating make_gating(const GateArgs& ga, int64_t tokens, int64_t hv, Devices& dev) {
+  const bool given = ga.g || ga.beta;
+  const bool fused = ga.a || ga.b || ga.A_log || ga.dt_bias;
+  Gating gt;
+  if (given && fused)
+    fail("gating: pass either g and beta (given gates) or a, b, A_log and dt_bias (fused gating), not both");
+  if (given) {
+    if (!ga.g) fail("g: required with beta (given gates: g [T, HV] float32 log-decay)");
+    if (!ga.beta) fail("beta: required with g (given gates: beta [T, HV])");
+    dev.add(ga.g, "g");
+    dev.add(ga.beta, "beta");
+    gt.mode = GateMode::kGiven;
+    gt.g = gate_view(*ga.g, "g", tokens, hv);
+    gt.beta = gate_view(*ga.beta, "beta", tokens, hv);
+    return gt;
+  }
+  if (!fused) fail("gating: no gates given (pass g and beta, or a, b, A_log and dt_bias)");
+  const char* missing = !ga.a ? "a" : !ga.b ? "b" : !ga.A_log ? "A_log" : !ga.dt_bias ? "dt_bias" : nullptr;
+  if (missing) fail(missing, ": required for fused gating (a, b [T, HV], A_log, dt_bias [HV] float32)");
+  dev.add(ga.a, "a");
+  dev.add(ga.b, "b");
+  dev.add(ga.A_log, "A_log");
+  dev.add(ga.dt_bias, "dt_bias");
+  gt.mode = GateMode::kFused;
+  gt.a = gate_view(*ga.a, "a", tokens, hv);
+  gt.b = gate_view(*ga.b, "b", tokens, hv);
+  gt.A_log = head_params(*ga.A_log, "A_log", hv);
+  gt.dt_bias = head_params(*ga.dt_bias, "dt_bias", hv);
+  return gt;
+}
+
+// The state dims implied by the q/k and v heads.
+struct Dims {
+  int64_t hv, k, v;
+};
+
+// ---- ops --------------------------------------------------------------------------------------
+
+// Fills the fields decode, verify and commit share. q and o may be absent (commit).
+void fill_decode_like(DecodeParams& p, Devices& dev, const OptArray& q, const Array& k, const Array& v,
+                      const OptArray& o, const Array& state, const Array& state_indices, const std::string& layout,
+                      const GateArgs& gates, std::optional<double> scale, bool use_qk_l2norm,
+                      const OptArray& error_flag, int64_t batch, const char* batch_what, Tokens* tokens_out) {
+  dev.add(q, "q");
+  dev.add(k, "k");
+  dev.add(v, "v");
+  dev.add(o, "o");
+  dev.add(state, "state");
+  dev.add(state_indices, "state_indices");
+  dev.add(error_flag, "error_flag");
+  const Tokens tk = token_rows(k, "k");
+  const Tokens tv = token_rows(v, "v");
+  if (tv.count != tk.count)
+    fail("v: expected ", tk.count, " tokens (those of k), got ", tv.count, " (shape ", shape_str(v), ")");
+  if (q) {
+    const Tokens tq = token_rows(*q, "q");
+    require_shape(tq, "q", tk.count, tk.heads, tk.dim, "[tokens, H, K] of k");
+    p.q = to_view<InView>(tq);
+  } else {
+    p.q = to_view<InView>(tk);  // commit: never read, kept valid
+  }
+  if (o) {
+    const Tokens to = token_rows(*o, "o");
+    require_shape(to, "o", tv.count, tv.heads, tv.dim, "[tokens, HV, V] of v");
+    p.o = to_view<OutView>(to);
+  } else {
+    p.o.dtype = tv.dtype;
+  }
+  p.heads = make_heads(tk, tv, scale, use_qk_l2norm);
+  p.k = to_view<InView>(tk);
+  p.v = to_view<InView>(tv);
+  p.batch = int32_t(batch);
+  p.gating = make_gating(gates, tk.count, tv.heads, dev);
+  const StateLayout l = parse_layout(layout);
+  p.state = make_pool(state, "state", tv.heads, tk.dim, tv.dim, l);
+  p.state_indices = index_array(state_indices, "state_indices", batch, batch_what);
+  p.error_flag = error_flag_ptr(error_flag);
+  if (tokens_out) *tokens_out = tk;
+}
+
+void decode_op(const Array& q, const Array& k, const Array& v, const Array& o, const Array& state,
+               const Array& state_indices, const std::string& layout, OptArray g, OptArray beta, OptArray a,
+               OptArray b, OptArray A_log, OptArray dt_bias, std::optional<double> scale, bool use_qk_l2norm,
+               OptArray error_flag, uintptr_t stream) {
+  Devices dev;
+  DecodeParams p;
+  Tokens tk;
+  const int64_t B = int64_t(state_indices.size());
+  fill_decode_like(p, dev, q, k, v, o, state, state_indices, layout, {g, beta, a, b, A_log, dt_bias}, scale,
+                   use_qk_l2norm, error_flag, B, "[B] (one slot per sequence)", &tk);
+  if (tk.count != B)
+    fail("q: decode takes one token per sequence: expected ", B, " tokens (the length of state_indices), got ",
+         tk.count);
+  DeviceGuard guard(dev);
+  nb::gil_scoped_release release;
+  decode(p, make_context(dev, stream));
+}
+
+// B and T of a verify/commit call: varlen from cu_seqlens ([B+1]) and an explicit T, or fixed from the
+// token count and the number of sequences (state_indices).
+void fill_verify(VerifyParams& p, Devices& dev, const Tokens& tk, int64_t B, const OptArray& cu_seqlens,
+                 const OptArray& parent, const OptArray& intermediate, const OptArray& intermediate_indices,
+                 int64_t num_draft_tokens, const std::string& layout, const Array& k) {
+  dev.add(cu_seqlens, "cu_seqlens");
+  dev.add(parent, "parent");
+  dev.add(intermediate, "intermediate");
+  dev.add(intermediate_indices, "intermediate_indices");
+  int64_t T = num_draft_tokens;
+  if (cu_seqlens) {
+    if (T <= 0 && parent && parent->ndim() == 2) T = parent->shape(1);
+    if (T <= 0)
+      fail("num_draft_tokens: required with cu_seqlens (the longest draft T; or pass parent [B, T])");
+    p.cu_seqlens = index_array(*cu_seqlens, "cu_seqlens", B + 1, "[B+1] (B = len(state_indices))");
+  } else {
+    if (B == 0) {
+      T = T > 0 ? T : 1;
+    } else {
+      if (tk.count % B != 0)
+        fail("k: ", tk.count, " tokens are not a multiple of B=", B, " sequences (fixed T; pass cu_seqlens for ",
+             "varlen drafts)");
+      const int64_t t_fixed = tk.count / B;
+      if (T > 0 && T != t_fixed)
+        fail("num_draft_tokens: T=", T, " but ", tk.count, " tokens / B=", B, " sequences = ", t_fixed);
+      T = t_fixed;
+    }
+    if (tk.batch >= 0 && tk.per_batch != T && tk.batch != 1)
+      fail("k: shape ", shape_str(k), " has T=", tk.per_batch, " tokens per row, expected ", T);
+  }
+  p.num_draft_tokens = int32_t(T);
+  p.parent = opt_index(parent, "parent", B * T, "[B, T] int32");
+  if (intermediate) {
+    p.intermediate = make_cache(*intermediate, "intermediate", p.heads.num_v_heads, p.heads.head_dim_k,
+                                p.heads.head_dim_v, parse_layout(layout));
+    if (!intermediate_indices) fail("intermediate_indices: required with intermediate ([B] int32 slots)");
+  }
+  p.intermediate_indices = opt_index(intermediate_indices, "intermediate_indices", B, "[B] int32");
+}
+
+void verify_op(const Array& q, const Array& k, const Array& v, const Array& o, const Array& state,
+               const Array& state_indices, const std::string& layout, OptArray g, OptArray beta, OptArray a,
+               OptArray b, OptArray A_log, OptArray dt_bias, std::optional<double> scale, bool use_qk_l2norm,
+               OptArray cu_seqlens, OptArray parent, OptArray intermediate, OptArray intermediate_indices,
+               bool update_state, int64_t num_draft_tokens, OptArray error_flag, uintptr_t stream) {
+  Devices dev;
+  VerifyParams p;
+  Tokens tk;
+  const int64_t B = int64_t(state_indices.size());
+  fill_decode_like(p, dev, q, k, v, o, state, state_indices, layout, {g, beta, a, b, A_log, dt_bias}, scale,
+                   use_qk_l2norm, error_flag, B, "[B] (one slot per sequence)", &tk);
+  fill_verify(p, dev, tk, B, cu_seqlens, parent, intermediate, intermediate_indices, num_draft_tokens, layout, k);
+  p.update_state = update_state;
+  DeviceGuard guard(dev);
+  nb::gil_scoped_release release;
+  verify(p, make_context(dev, stream));
+}
+
+void commit_op(const Array& k, const Array& v, const Array& state, const Array& state_indices,
+               const Array& accepted, const std::string& layout, const std::string& source, OptArray q,
+               OptArray g, OptArray beta, OptArray a, OptArray b, OptArray A_log, OptArray dt_bias,
+               std::optional<double> scale, bool use_qk_l2norm, OptArray cu_seqlens, OptArray parent,
+               OptArray intermediate, OptArray intermediate_indices, OptArray accepted_path,
+               int64_t num_draft_tokens, OptArray error_flag, uintptr_t stream) {
+  Devices dev;
+  CommitParams p;
+  Tokens tk;
+  const int64_t B = int64_t(state_indices.size());
+  fill_decode_like(p, dev, q, k, v, std::nullopt, state, state_indices, layout, {g, beta, a, b, A_log, dt_bias},
+                   scale, use_qk_l2norm, error_flag, B, "[B] (one slot per sequence)", &tk);
+  fill_verify(p, dev, tk, B, cu_seqlens, parent, intermediate, intermediate_indices, num_draft_tokens, layout, k);
+  if (source == "cache") {
+    p.source = CommitSource::kCache;
+  } else if (source == "recompute") {
+    p.source = CommitSource::kRecompute;
+  } else {
+    fail("source: expected 'cache' or 'recompute', got '", source, "'");
+  }
+  dev.add(accepted, "accepted");
+  dev.add(accepted_path, "accepted_path");
+  p.accepted = index_array(accepted, "accepted", B, "[B] int32");
+  p.accepted_path = opt_index(accepted_path, "accepted_path", B * int64_t(p.num_draft_tokens), "[B, T] int32");
+  DeviceGuard guard(dev);
+  nb::gil_scoped_release release;
+  commit(p, make_context(dev, stream));
+}
+
+// cu_seqlens values as int64 on the host, from a host array of either index dtype.
+std::vector<int64_t> host_offsets(const Array& a, const char* name) {
+  if (a.device_type() != nb::device::cpu::value) fail(name, ": expected a host (cpu) array");
+  if (a.ndim() != 1) fail(name, ": expected 1 dim [N+1], got shape ", shape_str(a));
+  std::vector<int64_t> out(a.shape(0));
+  if (a.dtype() == nb::dtype<int64_t>()) {
+    const auto* p = static_cast<const int64_t*>(a.data());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = p[i * a.stride(0)];
+  } else if (a.dtype() == nb::dtype<int32_t>()) {
+    const auto* p = static_cast<const int32_t*>(a.data());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = p[i * a.stride(0)];
+  } else {
+    fail(name, ": expected dtype int32 or int64, got ", dl_dtype_name(a.dtype()));
+  }
+  return out;
+}
+
+void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, const Array& cu_seqlens,
+                const std::string& layout, OptArray state, OptArray initial_indices, OptArray final_indices,
+                OptArray g, OptArray beta, OptArray a, OptArray b, OptArray A_log, OptArray dt_bias,
+                std::optional<double> scale, bool use_qk_l2norm, OptArray checkpoints,
+                int64_t checkpoint_interval, OptArray checkpoint_indices, OptArray cu_seqlens_cpu,
+                const std::string& cpu_algorithm, OptArray workspace, OptArray error_flag, uintptr_t stream) {
+  Devices dev;
+  PrefillParams p;
+  dev.add(q, "q");
+  dev.add(k, "k");
+  dev.add(v, "v");
+  dev.add(o, "o");
+  dev.add(cu_seqlens, "cu_seqlens");
+  dev.add(state, "state");
+  dev.add(initial_indices, "initial_indices");
+  dev.add(final_indices, "final_indices");
+  dev.add(checkpoints, "checkpoints");
+  dev.add(checkpoint_indices, "checkpoint_indices");
+  dev.add(workspace, "workspace");
+  dev.add(error_flag, "error_flag");
+  const Tokens tq = token_rows(q, "q");
+  const Tokens tk = token_rows(k, "k");
+  const Tokens tv = token_rows(v, "v");
+  const Tokens to = token_rows(o, "o");
+  require_shape(tk, "k", tq.count, tq.heads, tq.dim, "[T_total, H, K] of q");
+  if (tv.count != tq.count)
+    fail("v: expected ", tq.count, " tokens (those of q), got ", tv.count, " (shape ", shape_str(v), ")");
+  require_shape(to, "o", tv.count, tv.heads, tv.dim, "[T_total, HV, V] of v");
+  p.heads = make_heads(tq, tv, scale, use_qk_l2norm);
+  p.q = to_view<InView>(tq);
+  p.k = to_view<InView>(tk);
+  p.v = to_view<InView>(tv);
+  p.o = to_view<OutView>(to);
+  p.total_tokens = tq.count;
+
+  if (cu_seqlens.ndim() != 1 || cu_seqlens.shape(0) < 1)
+    fail("cu_seqlens: expected 1 dim [N+1] with N >= 0, got shape ", shape_str(cu_seqlens));
+  if (cu_seqlens.shape(0) > 1 && cu_seqlens.stride(0) != 1)
+    fail("cu_seqlens: expected a contiguous array, got stride ", cu_seqlens.stride(0));
+  const int64_t N = int64_t(cu_seqlens.shape(0)) - 1;
+  p.num_seqs = int32_t(N);
+  if (cu_seqlens.dtype() == nb::dtype<int32_t>()) {
+    p.cu_seqlens_dtype = DType::kInt32;
+  } else if (cu_seqlens.dtype() == nb::dtype<int64_t>()) {
+    p.cu_seqlens_dtype = DType::kInt64;
+  } else {
+    fail("cu_seqlens: expected dtype int32 or int64, got ", dl_dtype_name(cu_seqlens.dtype()));
+  }
+  p.cu_seqlens = cu_seqlens.data();
+  std::vector<int64_t> host;
+  if (cu_seqlens_cpu) {
+    host = host_offsets(*cu_seqlens_cpu, "cu_seqlens_cpu");
+    if (int64_t(host.size()) != N + 1)
+      fail("cu_seqlens_cpu: expected ", N + 1, " elements (those of cu_seqlens), got ", host.size());
+    p.cu_seqlens_host = host.data();
+  }
+
+  p.gating = make_gating({g, beta, a, b, A_log, dt_bias}, tq.count, tv.heads, dev);
+  const StateLayout l = parse_layout(layout);
+  p.state.layout = l;
+  if (state) p.state = make_pool(*state, "state", tv.heads, tq.dim, tv.dim, l);
+  if ((initial_indices || final_indices) && !state)
+    fail("state: required with initial_indices or final_indices (the pool [P, HV, ..] they index)");
+  p.initial_indices = opt_index(initial_indices, "initial_indices", N, "[N] int32 (N = len(cu_seqlens) - 1)");
+  p.final_indices = opt_index(final_indices, "final_indices", N, "[N] int32 (N = len(cu_seqlens) - 1)");
+  if (checkpoints) {
+    p.checkpoints = make_cache(*checkpoints, "checkpoints", tv.heads, tq.dim, tv.dim, l);
+    if (checkpoint_interval <= 0) fail("checkpoint_interval: required (> 0, a multiple of 64) with checkpoints");
+  } else if (checkpoint_interval != 0) {
+    fail("checkpoints: required with checkpoint_interval=", checkpoint_interval);
+  }
+  p.checkpoint_interval = int32_t(checkpoint_interval);
+  p.checkpoint_indices = opt_index(checkpoint_indices, "checkpoint_indices", N, "[N] int32");
+  if (cpu_algorithm == "auto") {
+    p.cpu_algorithm = PrefillAlgorithm::kAuto;
+  } else if (cpu_algorithm == "recurrent") {
+    p.cpu_algorithm = PrefillAlgorithm::kRecurrent;
+  } else if (cpu_algorithm == "chunked") {
+    p.cpu_algorithm = PrefillAlgorithm::kChunked;
+  } else {
+    fail("cpu_algorithm: expected 'auto', 'recurrent' or 'chunked', got '", cpu_algorithm, "'");
+  }
+  if (workspace) {
+    p.workspace = workspace->data();
+    p.workspace_bytes = workspace->nbytes();
+  }
+  p.error_flag = error_flag_ptr(error_flag);
+  DeviceGuard guard(dev);
+  nb::gil_scoped_release release;
+  prefill(p, make_context(dev, stream));
+}
+
+void convert_layout_op(const Array& src, const Array& dst, const std::string& src_layout, uintptr_t stream) {
+  Devices dev;
+  dev.add(src, "src");
+  dev.add(dst, "dst");
+  const StateLayout ls = parse_layout(src_layout);
+  const StateLayout ld = ls == StateLayout::kKLast ? StateLayout::kVLast : StateLayout::kKLast;
+  if (src.ndim() != 4) fail("src: expected 4 dims [P, HV, ..], got shape ", shape_str(src));
+  const int64_t hv = src.shape(1);
+  const int64_t k = ls == StateLayout::kKLast ? src.shape(3) : src.shape(2);
+  const int64_t vd = ls == StateLayout::kKLast ? src.shape(2) : src.shape(3);
+  LayoutParams p;
+  p.num_v_heads = int32_t(hv);
+  p.head_dim_k = int32_t(k);
+  p.head_dim_v = int32_t(vd);
+  p.src = make_pool(src, "src", hv, k, vd, ls);
+  p.dst = make_pool(dst, "dst", hv, k, vd, ld);
+  if (p.dst.num_slots != p.src.num_slots)
+    fail("dst: expected ", p.src.num_slots, " slots (those of src), got ", p.dst.num_slots);
+  DeviceGuard guard(dev);
+  nb::gil_scoped_release release;
+  convert_layout(p, make_context(dev, stream));
+}
+
+}  // namespace
+}  // namespace gdnkit::py
+
+NB_MODULE(_gdnkit, m) {
+  using namespace gdnkit::py;
+  namespace g = gdnkit;
+  m.doc() = "gdnkit C++ API binding (low level: outputs are passed in; see gdnkit.ops for the friendly API)";
+
+  // gdnkit::Error -> Python, by code: invalid arguments are ValueErrors, unimplemented requests
+  // NotImplementedErrors, everything else (no device, CUDA failures) RuntimeErrors; same message.
+  static nb::object error_type = nb::steal(PyErr_NewExceptionWithDoc(
+      "gdnkit.GdnkitError", "Invalid arguments to a gdnkit op (gdnkit::ErrorCode::kInvalidArgument).",
+      PyExc_ValueError, nullptr));
+  static nb::object not_impl_type = nb::steal(PyErr_NewExceptionWithDoc(
+      "gdnkit.GdnkitNotImplementedError", "A valid request the chosen backend does not implement (yet).",
+      PyExc_NotImplementedError, nullptr));
+  static nb::object runtime_type = nb::steal(PyErr_NewExceptionWithDoc(
+      "gdnkit.GdnkitRuntimeError", "No usable device, or a CUDA runtime call failed.", PyExc_RuntimeError,
+      nullptr));
+  m.attr("GdnkitError") = error_type;
+  m.attr("GdnkitNotImplementedError") = not_impl_type;
+  m.attr("GdnkitRuntimeError") = runtime_type;
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const g::Error& e) {
+      PyObject* type = runtime_type.ptr();
+      if (e.code() == g::ErrorCode::kInvalidArgument) type = error_type.ptr();
+      if (e.code() == g::ErrorCode::kNotImplemented) type = not_impl_type.ptr();
+      PyErr_SetString(type, e.what());
+    }
+  });
+
+  using namespace nb::literals;
+  m.def("decode", &decode_op, "q"_a, "k"_a, "v"_a, "o"_a, "state"_a, "state_indices"_a, nb::kw_only(),
+        "layout"_a, "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(), "b"_a = nb::none(),
+        "A_log"_a = nb::none(), "dt_bias"_a = nb::none(), "scale"_a = nb::none(), "use_qk_l2norm"_a = true,
+        "error_flag"_a = nb::none(), "stream"_a = 0);
+  m.def("verify", &verify_op, "q"_a, "k"_a, "v"_a, "o"_a, "state"_a, "state_indices"_a, nb::kw_only(),
+        "layout"_a, "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(), "b"_a = nb::none(),
+        "A_log"_a = nb::none(), "dt_bias"_a = nb::none(), "scale"_a = nb::none(), "use_qk_l2norm"_a = true,
+        "cu_seqlens"_a = nb::none(), "parent"_a = nb::none(), "intermediate"_a = nb::none(),
+        "intermediate_indices"_a = nb::none(), "update_state"_a = false, "num_draft_tokens"_a = 0,
+        "error_flag"_a = nb::none(), "stream"_a = 0);
+  m.def("commit", &commit_op, "k"_a, "v"_a, "state"_a, "state_indices"_a, "accepted"_a, nb::kw_only(), "layout"_a,
+        "source"_a, "q"_a = nb::none(), "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(),
+        "b"_a = nb::none(), "A_log"_a = nb::none(), "dt_bias"_a = nb::none(), "scale"_a = nb::none(),
+        "use_qk_l2norm"_a = true, "cu_seqlens"_a = nb::none(), "parent"_a = nb::none(),
+        "intermediate"_a = nb::none(), "intermediate_indices"_a = nb::none(), "accepted_path"_a = nb::none(),
+        "num_draft_tokens"_a = 0, "error_flag"_a = nb::none(), "stream"_a = 0);
+  m.def("prefill", &prefill_op, "q"_a, "k"_a, "v"_a, "o"_a, "cu_seqlens"_a, nb::kw_only(), "layout"_a,
+        "state"_a = nb::none(), "initial_indices"_a = nb::none(), "final_indices"_a = nb::none(),
+        "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(), "b"_a = nb::none(), "A_log"_a = nb::none(),
+        "dt_bias"_a = nb::none(), "scale"_a = nb::none(), "use_qk_l2norm"_a = true, "checkpoints"_a = nb::none(),
+        "checkpoint_interval"_a = 0, "checkpoint_indices"_a = nb::none(), "cu_seqlens_cpu"_a = nb::none(),
+        "cpu_algorithm"_a = "auto", "workspace"_a = nb::none(), "error_flag"_a = nb::none(), "stream"_a = 0);
+  m.def("convert_layout", &convert_layout_op, "src"_a, "dst"_a, nb::kw_only(), "src_layout"_a, "stream"_a = 0);
+  m.def("cuda_compiled", &g::cuda_compiled);
+  m.def("cuda_available", &g::cuda_available);
+  m.def("build_info", &g::build_info);
+}
