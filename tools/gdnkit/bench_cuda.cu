@@ -1,0 +1,614 @@
+// gdnkit bench, CUDA path: device inputs, cold-L2 CUDA-graph timing, the copy ceiling (BENCH.md).
+// Calls only the public API with Backend::kCUDA.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "bench.h"
+#include "cuda/check.h"
+
+namespace gdnkit::bench {
+namespace {
+
+// ---- random device inputs ----------------------------------------------------------------------
+// Counter-based: element i of a fill is a function of (seed, i) only, so fills are reproducible and
+// need no RNG state. Never zeros (the spec's rule for test and bench inputs).
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in (0, 1): 24 random bits, offset by half a step so log(u) is finite.
+__device__ __forceinline__ float uniform_open(uint64_t seed, uint64_t i, uint64_t lane) {
+  const uint64_t h = mix64(seed + mix64(2 * i + lane));
+  return (float(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+enum class Fill : int { kNormal, kLogUniform };
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// kNormal: x0 + x1 * N(0,1) (Box-Muller); kLogUniform: log(U(x0, x1)).
+template <class T>
+__global__ void fill_kernel(T* __restrict__ p, int64_t n, uint64_t seed, Fill kind, float x0, float x1) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float u1 = uniform_open(seed, i, 0);
+    float x;
+    if (kind == Fill::kNormal) {
+      const float u2 = uniform_open(seed, i, 1);
+      x = x0 + x1 * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    } else {
+      x = logf(x0 + (x1 - x0) * u1);
+    }
+    p[i] = from_float<T>(x);
+  }
+}
+
+template <class T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+
+template <class T>
+__global__ void count_nonfinite_kernel(const T* __restrict__ p, int64_t n, unsigned long long* count) {
+  unsigned long long c = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    c += !isfinite(to_float<T>(p[i]));
+  if (c) atomicAdd(count, c);
+}
+
+constexpr int kFillThreads = 256;
+int fill_blocks(int64_t n) { return int(std::min<int64_t>((n + kFillThreads - 1) / kFillThreads, 132 * 32)); }
+
+void fill(void* p, DType dtype, int64_t n, uint64_t seed, Fill kind, float x0, float x1, cudaStream_t st) {
+  if (n <= 0) return;
+  const int blocks = fill_blocks(n);
+  switch (dtype) {
+    case DType::kFloat32:
+      fill_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<float*>(p), n, seed, kind, x0, x1);
+      break;
+    case DType::kBFloat16:
+      fill_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<__nv_bfloat16*>(p), n, seed, kind, x0, x1);
+      break;
+    case DType::kFloat16:
+      fill_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<__half*>(p), n, seed, kind, x0, x1);
+      break;
+    default: throw Error(ErrorCode::kInvalidArgument, std::string("fill: not a float dtype: ") + dtype_name(dtype));
+  }
+  GDNKIT_CUDA_CHECK_LAUNCH();
+}
+
+int64_t count_nonfinite(const void* p, DType dtype, int64_t n, cudaStream_t st) {
+  unsigned long long* d_count = nullptr;
+  GDNKIT_CUDA_CHECK(cudaMallocAsync(&d_count, sizeof *d_count, st));
+  GDNKIT_CUDA_CHECK(cudaMemsetAsync(d_count, 0, sizeof *d_count, st));
+  const int blocks = fill_blocks(n);
+  if (dtype == DType::kFloat32)
+    count_nonfinite_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<const float*>(p), n, d_count);
+  else if (dtype == DType::kBFloat16)
+    count_nonfinite_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<const __nv_bfloat16*>(p), n, d_count);
+  else
+    count_nonfinite_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<const __half*>(p), n, d_count);
+  GDNKIT_CUDA_CHECK_LAUNCH();
+  unsigned long long h = 0;
+  GDNKIT_CUDA_CHECK(cudaMemcpyAsync(&h, d_count, sizeof h, cudaMemcpyDeviceToHost, st));
+  GDNKIT_CUDA_CHECK(cudaFreeAsync(d_count, st));
+  GDNKIT_CUDA_CHECK(cudaStreamSynchronize(st));
+  return int64_t(h);
+}
+
+// ---- device memory and timing ------------------------------------------------------------------
+
+class DevBuf {
+ public:
+  explicit DevBuf(size_t bytes) : bytes_(bytes) { GDNKIT_CUDA_CHECK(cudaMalloc(&p_, std::max<size_t>(bytes, 16))); }
+  ~DevBuf() { cudaFree(p_); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T = void>
+  T* get() const { return static_cast<T*>(p_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct Device {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  int64_t l2_bytes = 0;
+  double ceiling_tbps = -1;
+  Device() {
+    GDNKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    GDNKIT_CUDA_CHECK(cudaEventCreate(&start));
+    GDNKIT_CUDA_CHECK(cudaEventCreate(&stop));
+  }
+  ~Device() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaStreamDestroy(stream);
+  }
+  Context ctx() const { return Context{Backend::kCUDA, stream}; }
+  float elapsed_ms() const {
+    GDNKIT_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    GDNKIT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return ms;
+  }
+};
+
+// Captures what `enqueue` launches into one CUDA graph, replays it (2 warm-up + `replays` timed, each
+// between two events) and returns the milliseconds of each timed replay.
+template <class Enqueue>
+std::vector<double> time_graph(const Device& d, Enqueue&& enqueue, int replays) {
+  GDNKIT_CUDA_CHECK(cudaStreamBeginCapture(d.stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue();
+  } catch (...) {
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(d.stream, &broken);  // leave capture mode before reporting
+    if (broken) cudaGraphDestroy(broken);
+    cudaGetLastError();
+    throw;
+  }
+  cudaGraph_t graph = nullptr;
+  GDNKIT_CUDA_CHECK(cudaStreamEndCapture(d.stream, &graph));
+  std::unique_ptr<cudaGraph, decltype(&cudaGraphDestroy)> graph_guard(graph, cudaGraphDestroy);
+  cudaGraphExec_t exec = nullptr;
+  GDNKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  std::unique_ptr<cudaGraphExec, decltype(&cudaGraphExecDestroy)> exec_guard(exec, cudaGraphExecDestroy);
+  for (int i = 0; i < 2; ++i) GDNKIT_CUDA_CHECK(cudaGraphLaunch(exec, d.stream));
+  std::vector<double> ms;
+  for (int r = 0; r < replays; ++r) {
+    GDNKIT_CUDA_CHECK(cudaEventRecord(d.start, d.stream));
+    GDNKIT_CUDA_CHECK(cudaGraphLaunch(exec, d.stream));
+    GDNKIT_CUDA_CHECK(cudaEventRecord(d.stop, d.stream));
+    ms.push_back(d.elapsed_ms());
+  }
+  return ms;
+}
+
+// Device-to-device copy of 1 GiB; bytes read + written per second (the ceiling the op rows are compared to).
+double copy_ceiling_tbps(const Device& d, double gib) {
+  const size_t bytes = size_t(gib * (1ull << 30));
+  DevBuf src(bytes), dst(bytes);
+  fill(src.get(), DType::kFloat32, int64_t(bytes / 4), 7, Fill::kNormal, 0.f, 1.f, d.stream);
+  for (int i = 0; i < 2; ++i)
+    GDNKIT_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, d.stream));
+  std::vector<double> ms;
+  for (int i = 0; i < 10; ++i) {
+    GDNKIT_CUDA_CHECK(cudaEventRecord(d.start, d.stream));
+    GDNKIT_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, d.stream));
+    GDNKIT_CUDA_CHECK(cudaEventRecord(d.stop, d.stream));
+    ms.push_back(d.elapsed_ms());
+  }
+  return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e12;
+}
+
+std::string nvidia_smi(const char* query) {
+  std::string cmd = std::string("nvidia-smi --query-gpu=") + query + " --format=csv,noheader,nounits -i 0 2>/dev/null";
+  FILE* f = popen(cmd.c_str(), "r");
+  if (!f) return "";
+  char buf[256] = {};
+  std::string s;
+  while (fgets(buf, sizeof buf, f)) s += buf;
+  pclose(f);
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) s.pop_back();
+  if (s.find("N/A") != std::string::npos || s.find("rror") != std::string::npos) return "";
+  return s;
+}
+
+// A random permutation of 0..pool-1 (slots are never 0..B-1 in order), first `count` taken.
+std::vector<int32_t> random_slots(int64_t pool, int64_t count, uint64_t seed) {
+  std::vector<int32_t> perm(static_cast<size_t>(pool));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  perm.resize(static_cast<size_t>(count));
+  return perm;
+}
+
+void upload(void* dst, const void* src, size_t bytes, cudaStream_t st) {
+  GDNKIT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st));
+  GDNKIT_CUDA_CHECK(cudaStreamSynchronize(st));  // src is a host temporary
+}
+
+// q, k, v, a, b, A_log, dt_bias for `tokens` tokens with the spec's distributions; o NaN-poisoned.
+struct DeviceTokens {
+  DevBuf q, k, v, o, a, b, A_log, dt_bias;
+  TokenBuffers views;
+  DeviceTokens(const Shape& s, DType in, int64_t tokens, uint64_t seed, cudaStream_t st)
+      : q(size_t(tokens) * s.H * s.K * dtype_size(in)),
+        k(q.bytes()),
+        v(size_t(tokens) * s.HV * s.V * dtype_size(in)),
+        o(v.bytes()),
+        a(size_t(tokens) * s.HV * dtype_size(in)),
+        b(a.bytes()),
+        A_log(size_t(s.HV) * 4),
+        dt_bias(size_t(s.HV) * 4) {
+    const int64_t nqk = tokens * s.H * s.K, nv = tokens * s.HV * s.V, ng = tokens * s.HV;
+    fill(q.get(), in, nqk, seed + 1, Fill::kNormal, 0.f, 1.f, st);
+    fill(k.get(), in, nqk, seed + 2, Fill::kNormal, 0.f, 1.f, st);
+    fill(v.get(), in, nv, seed + 3, Fill::kNormal, 0.f, 1.f, st);
+    fill(a.get(), in, ng, seed + 4, Fill::kNormal, 0.f, 1.f, st);
+    fill(b.get(), in, ng, seed + 5, Fill::kNormal, 0.f, 1.f, st);
+    fill(A_log.get(), DType::kFloat32, s.HV, seed + 6, Fill::kLogUniform, 1.f, 16.f, st);
+    fill(dt_bias.get(), DType::kFloat32, s.HV, seed + 7, Fill::kNormal, 0.f, 0.5f, st);
+    GDNKIT_CUDA_CHECK(cudaMemsetAsync(o.get(), 0xff, o.bytes(), st));  // all-ones bits: NaN in bf16/fp16/fp32
+    views = {q.get(), k.get(), v.get(), o.get(), a.get(), b.get(), A_log.get<float>(), dt_bias.get<float>()};
+  }
+};
+
+constexpr DType kInput = DType::kBFloat16;
+constexpr int kMinCallsPerReplay = 8;
+
+Row base_row(const std::string& op, const Shape& s, DType state, StateLayout layout) {
+  Row r;
+  r.op = op;
+  r.backend = "cuda";
+  r.shape = s;
+  r.input_dtype = kInput;
+  r.state_dtype = state;
+  r.layout = layout;
+  return r;
+}
+
+// Cold L2: slot sets such that one replay reads >= 4x L2 of state; at least 2, so that two consecutive
+// calls never hit the same slots.
+int slot_sets_for(const Device& d, double state_bytes_per_call) {
+  return std::max(2, int(std::ceil(4.0 * double(d.l2_bytes) / state_bytes_per_call)));
+}
+
+void not_ok(Row& r, const Error& e) {
+  r.status = e.code() == ErrorCode::kNotImplemented ? "not implemented" : "error";
+  r.message = e.what();
+}
+
+void fill_timing(Row& r, const std::vector<double>& replay_ms, int calls) {
+  std::vector<double> us;
+  for (double ms : replay_ms) us.push_back(ms * 1e3 / calls);
+  r.time_us = median(us);
+  r.time_us_min = *std::min_element(us.begin(), us.end());
+  r.time_us_max = *std::max_element(us.begin(), us.end());
+  r.samples = int(us.size());
+  r.calls_per_replay = calls;
+}
+
+int64_t read_flag(const DevBuf& flag) {
+  int32_t h = 0;
+  GDNKIT_CUDA_CHECK(cudaMemcpy(&h, flag.get(), 4, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// ---- decode ------------------------------------------------------------------------------------
+
+Row bench_decode(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout, int32_t B) {
+  Row r = base_row("decode", s, state, layout);
+  r.batch = B;
+  r.total_tokens = B;
+  const double slot_bytes = double(s.HV) * s.K * s.V * dtype_size(state);
+  const int sets = slot_sets_for(d, B * slot_bytes);
+  const int calls = std::max(sets, kMinCallsPerReplay);
+  const int64_t pool_slots = int64_t(sets) * B + 8;
+  r.slot_sets = sets;
+  r.pool_slots = pool_slots;
+  r.state_bytes_per_replay = double(calls) * B * slot_bytes;
+  r.bytes = decode_bytes(s, B, kInput, state);
+
+  const uint64_t seed = 1000003ull * B + 17 * int(state) + int(layout);
+  DevBuf pool(size_t(pool_slots * slot_bytes)), indices(size_t(sets) * B * 4), flag(4);
+  fill(pool.get(), state, int64_t(pool_slots) * s.HV * s.K * s.V, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  DeviceTokens tok(s, kInput, int64_t(sets) * B, seed, d.stream);
+  upload(indices.get(), random_slots(pool_slots, int64_t(sets) * B, seed).data(), indices.bytes(), d.stream);
+  GDNKIT_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
+
+  std::vector<DecodeParams> params(static_cast<size_t>(sets));
+  for (int i = 0; i < sets; ++i) {
+    DecodeParams& p = params[size_t(i)];
+    p.heads = head_config(s);
+    p.batch = B;
+    set_token_views(s, kInput, tok.views, int64_t(i) * B, p.q, p.k, p.v, p.o, p.gating);
+    p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+    p.state_indices = indices.get<int32_t>() + int64_t(i) * B;
+    p.error_flag = flag.get<int32_t>();
+  }
+  const Context ctx = d.ctx();
+  try {
+    for (const auto& p : params) decode(p, ctx);  // eager: validation, lazy setup, every output row written
+  } catch (const Error& e) {
+    not_ok(r, e);
+    cudaStreamSynchronize(d.stream);
+    return r;
+  }
+  GDNKIT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+  const auto ms = time_graph(d, [&] { for (int j = 0; j < calls; ++j) decode(params[size_t(j % sets)], ctx); },
+                             o.replays);
+  fill_timing(r, ms, calls);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, int64_t(sets) * B * s.HV * s.V, d.stream);
+  r.error_flag = read_flag(flag);
+  return r;
+}
+
+// ---- verify (+ commit) -------------------------------------------------------------------------
+
+Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout, VerifyMode mode,
+                 int32_t T, int32_t B) {
+  Row r = base_row("verify", s, state, layout);
+  r.mode = verify_mode_name(mode);
+  r.batch = B;
+  r.draft_tokens = T;
+  r.total_tokens = int64_t(B) * T;
+  const int64_t slot_elems = int64_t(s.HV) * s.K * s.V;
+  const double slot_bytes = double(slot_elems) * dtype_size(state);
+  const int sets = slot_sets_for(d, B * slot_bytes);
+  const int calls = std::max(sets, kMinCallsPerReplay);
+  const int64_t pool_slots = int64_t(sets) * B + 8;
+  const bool cache = mode != VerifyMode::kCommitRecompute;
+  const bool commit_after = mode != VerifyMode::kCache;
+  r.slot_sets = sets;
+  r.pool_slots = pool_slots;
+  r.state_bytes_per_replay = double(calls) * B * slot_bytes;
+
+  // accepted[b] in 1..T: every sequence keeps at least one token, so every commit moves a state.
+  std::mt19937 rng(uint32_t(B * 131 + T));
+  std::vector<int32_t> accepted(static_cast<size_t>(B));
+  int64_t accepted_total = 0;
+  for (auto& a : accepted) accepted_total += (a = int32_t(1 + rng() % uint32_t(T)));
+  if (commit_after) r.accepted_mean = double(accepted_total) / B;
+  r.bytes = verify_bytes(s, B, T, kInput, state, mode, accepted_total);
+
+  const uint64_t seed = 7000003ull * B + 101 * T + 17 * int(state) + int(layout) + 3 * int(mode);
+  const int64_t cache_slots = cache ? int64_t(sets) * B : 0;
+  DevBuf pool(size_t(pool_slots * slot_bytes)), indices(size_t(sets) * B * 4), flag(4);
+  DevBuf inter(size_t(cache_slots) * T * slot_elems * 4), inter_indices(size_t(std::max<int64_t>(cache_slots, 1)) * 4);
+  DevBuf d_accepted(size_t(B) * 4);
+  fill(pool.get(), state, pool_slots * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  DeviceTokens tok(s, kInput, int64_t(sets) * B * T, seed, d.stream);
+  upload(indices.get(), random_slots(pool_slots, int64_t(sets) * B, seed).data(), indices.bytes(), d.stream);
+  if (cache)
+    upload(inter_indices.get(), random_slots(cache_slots, cache_slots, seed + 1).data(), inter_indices.bytes(),
+           d.stream);
+  upload(d_accepted.get(), accepted.data(), d_accepted.bytes(), d.stream);
+  GDNKIT_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
+
+  std::vector<CommitParams> params(static_cast<size_t>(sets));  // CommitParams extends VerifyParams
+  for (int i = 0; i < sets; ++i) {
+    CommitParams& p = params[size_t(i)];
+    p.heads = head_config(s);
+    p.batch = B;
+    p.num_draft_tokens = T;
+    set_token_views(s, kInput, tok.views, int64_t(i) * B * T, p.q, p.k, p.v, p.o, p.gating);
+    p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+    p.state_indices = indices.get<int32_t>() + int64_t(i) * B;
+    p.error_flag = flag.get<int32_t>();
+    p.update_state = false;
+    if (cache) {
+      p.intermediate.data = inter.get();
+      p.intermediate.dtype = DType::kFloat32;
+      p.intermediate.layout = layout;
+      p.intermediate.num_slots = cache_slots;
+      p.intermediate.num_steps = T;
+      p.intermediate.slot_stride = int64_t(T) * slot_elems;
+      p.intermediate_indices = inter_indices.get<int32_t>() + int64_t(i) * B;
+    }
+    p.source = mode == VerifyMode::kCommitRecompute ? CommitSource::kRecompute : CommitSource::kCache;
+    p.accepted = d_accepted.get<int32_t>();
+  }
+  const Context ctx = d.ctx();
+  auto one_call = [&](const CommitParams& p) {
+    verify(static_cast<const VerifyParams&>(p), ctx);
+    if (commit_after) commit(p, ctx);
+  };
+  try {
+    for (const auto& p : params) one_call(p);
+  } catch (const Error& e) {
+    not_ok(r, e);
+    cudaStreamSynchronize(d.stream);
+    return r;
+  }
+  GDNKIT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+  const auto ms = time_graph(d, [&] { for (int j = 0; j < calls; ++j) one_call(params[size_t(j % sets)]); },
+                             o.replays);
+  fill_timing(r, ms, calls);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, int64_t(sets) * B * T * s.HV * s.V, d.stream);
+  r.error_flag = read_flag(flag);
+  return r;
+}
+
+// ---- prefill -----------------------------------------------------------------------------------
+
+Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout,
+                  const SeqSet& set) {
+  Row r = base_row("prefill", s, state, layout);
+  r.seqset = set.name;
+  const int32_t N = int32_t(set.lengths.size());
+  const int64_t T = set.total();
+  r.num_seqs = N;
+  r.total_tokens = T;
+  r.flops = prefill_flops(s, T);
+  r.floor_bytes = prefill_floor_bytes(s, set, kInput, state);
+  const int64_t slot_elems = int64_t(s.HV) * s.K * s.V;
+  const int64_t pool_slots = 2 * int64_t(N) + 8;
+  r.pool_slots = pool_slots;
+
+  std::vector<int64_t> cu_host(size_t(N) + 1, 0);
+  for (int32_t i = 0; i < N; ++i) cu_host[size_t(i) + 1] = cu_host[size_t(i)] + set.lengths[size_t(i)];
+  std::vector<int32_t> cu32(cu_host.begin(), cu_host.end());
+
+  const uint64_t seed = 90000049ull + uint64_t(T) * 7 + uint64_t(N) + 17 * int(state) + int(layout);
+  DevBuf pool(size_t(pool_slots * slot_elems * dtype_size(state))), cu(cu32.size() * 4), slots(size_t(N) * 4),
+      flag(4);
+  fill(pool.get(), state, pool_slots * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  DeviceTokens tok(s, kInput, T, seed, d.stream);
+  upload(cu.get(), cu32.data(), cu.bytes(), d.stream);
+  upload(slots.get(), random_slots(pool_slots, N, seed).data(), slots.bytes(), d.stream);
+  GDNKIT_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
+
+  PrefillParams p;
+  p.heads = head_config(s);
+  p.num_seqs = N;
+  p.total_tokens = T;
+  set_token_views(s, kInput, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+  p.cu_seqlens = cu.get();
+  p.cu_seqlens_dtype = DType::kInt32;
+  p.cu_seqlens_host = cu_host.data();
+  p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+  // In place: each sequence starts from its slot and stores its final state there (read before write).
+  p.initial_indices = slots.get<int32_t>();
+  p.final_indices = slots.get<int32_t>();
+  p.error_flag = flag.get<int32_t>();
+  std::unique_ptr<DevBuf> workspace;
+  const Context ctx = d.ctx();
+  try {
+    const size_t ws = prefill_workspace_bytes(p);
+    if (ws > 0) {
+      workspace = std::make_unique<DevBuf>(ws);
+      p.workspace = workspace->get();
+      p.workspace_bytes = ws;
+    }
+    for (int i = 0; i < 2; ++i) prefill(p, ctx);  // warm-up
+  } catch (const Error& e) {
+    not_ok(r, e);
+    cudaStreamSynchronize(d.stream);
+    return r;
+  }
+  GDNKIT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+  std::vector<double> us;
+  for (int i = 0; i < o.prefill_iters; ++i) {
+    GDNKIT_CUDA_CHECK(cudaEventRecord(d.start, d.stream));
+    prefill(p, ctx);
+    GDNKIT_CUDA_CHECK(cudaEventRecord(d.stop, d.stream));
+    us.push_back(d.elapsed_ms() * 1e3);
+  }
+  r.time_us = median(us);
+  r.time_us_min = *std::min_element(us.begin(), us.end());
+  r.time_us_max = *std::max_element(us.begin(), us.end());
+  r.samples = int(us.size());
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, T * s.HV * s.V, d.stream);
+  r.error_flag = read_flag(flag);
+  return r;
+}
+
+// Runs one configuration; failures of the harness itself (allocation, CUDA errors) become error rows.
+template <class Fn>
+void guarded(Row fallback, const RowSink& sink, double ceiling, Fn&& fn) {
+  Row r;
+  try {
+    r = fn();
+  } catch (const std::exception& e) {
+    r = std::move(fallback);
+    r.status = "error";
+    r.message = e.what();
+    cudaGetLastError();  // clear a non-sticky error (e.g. out of memory) so the next row can run
+  }
+  finish_row(r, ceiling);
+  sink(r);
+}
+
+}  // namespace
+
+std::string cuda_device_summary() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return "no CUDA device\n";
+  }
+  std::string s;
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
+    char buf[512];
+    std::snprintf(buf, sizeof buf, "  %d: %s, sm_%d%d, %d SMs, %.1f GiB, L2 %d MiB, smem/block opt-in %zu KiB\n", i,
+                  prop.name, prop.major, prop.minor, prop.multiProcessorCount, double(prop.totalGlobalMem) / (1 << 30),
+                  prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin >> 10);
+    s += buf;
+  }
+  const std::string clocks = nvidia_smi("clocks.sm,clocks.max.sm,clocks.mem");
+  if (!clocks.empty()) s += "  device 0 clocks (SM, max SM, memory; MHz): " + clocks + "\n";
+  return s;
+}
+
+void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
+  Device d;
+  int dev = 0;
+  GDNKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  GDNKIT_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  info.backend = "cuda";
+  info.device = prop.name;
+  info.sms = prop.multiProcessorCount;
+  info.l2_bytes = prop.l2CacheSize;
+  info.memory_bytes = int64_t(prop.totalGlobalMem);
+  d.l2_bytes = prop.l2CacheSize;
+  info.sm_clock_start = nvidia_smi("clocks.sm");
+  info.sm_clock_max = nvidia_smi("clocks.max.sm");
+  info.copy_ceiling_gib = 1.0;
+  info.copy_ceiling_tbps = copy_ceiling_tbps(d, info.copy_ceiling_gib);
+  std::fprintf(stderr, "copy ceiling: %.3f TB/s (device-to-device copy of 1 GiB, read + write)\n",
+               info.copy_ceiling_tbps);
+  const double ceiling = info.copy_ceiling_tbps;
+
+  for (const std::string& op : o.ops) {
+    for (const Shape& s : shapes_for(o, op)) {
+      for (DType st : states_for(o, op)) {
+        for (StateLayout ly : layouts_for(o, op)) {
+          if (op == "decode") {
+            for (int32_t B : batches_for(o, op)) {
+              Row fb = base_row(op, s, st, ly);
+              fb.batch = B;
+              guarded(fb, sink, ceiling, [&] { return bench_decode(d, o, s, st, ly, B); });
+            }
+          } else if (op == "verify") {
+            for (VerifyMode m : verify_modes()) {
+              for (int32_t T : drafts_for(o)) {
+                for (int32_t B : batches_for(o, op)) {
+                  Row fb = base_row(op, s, st, ly);
+                  fb.mode = verify_mode_name(m);
+                  fb.batch = B;
+                  fb.draft_tokens = T;
+                  guarded(fb, sink, ceiling, [&] { return bench_verify(d, o, s, st, ly, m, T, B); });
+                }
+              }
+            }
+          } else {
+            for (const SeqSet& set : seqsets_for(o)) {
+              Row fb = base_row(op, s, st, ly);
+              fb.seqset = set.name;
+              fb.total_tokens = set.total();
+              fb.num_seqs = int32_t(set.lengths.size());
+              guarded(fb, sink, ceiling, [&] { return bench_prefill(d, o, s, st, ly, set); });
+            }
+          }
+        }
+      }
+    }
+  }
+  info.sm_clock_end = nvidia_smi("clocks.sm");
+}
+
+}  // namespace gdnkit::bench
