@@ -9,7 +9,5 @@ namespace {
 }
 }  // namespace
 
-void prefill(const PrefillParams&, Stream) { not_yet("prefill"); }
-size_t prefill_workspace_bytes(const PrefillParams&) { return 0; }
 
 }  // namespace gdnkit::cuda

@@ -1,0 +1,164 @@
+// CUDA chunked prefill: host side. Workspace sizing and the library-owned workspace, the value-tile
+// heuristic, alignment checks, and the dispatch on the head dim K. Kernels: cuda/prefill/kernels.cuh.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "api/backends.h"
+#include "cuda/check.h"
+#include "cuda/prefill/plan.h"
+
+namespace gdnkit::cuda {
+namespace prefill {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t round_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+size_t t_bytes(const PrefillParams& p) {
+  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * kChunk * 2);
+}
+size_t gc_bytes(const PrefillParams& p) {
+  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * 4);
+}
+
+// The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
+// growing frees the old buffer (cudaFree waits for the device, so kernels still using it finish
+// first) and is refused while the stream is capturing a graph: make one eager call first.
+struct OwnedWorkspace {
+  std::mutex mutex;
+  std::vector<std::pair<void*, size_t>> per_device;
+};
+OwnedWorkspace& owned() {
+  static OwnedWorkspace w;  // never destroyed before exit; the driver reclaims the memory
+  return w;
+}
+
+void* owned_workspace(size_t bytes, cudaStream_t stream) {
+  int dev = 0;
+  GDNKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  OwnedWorkspace& w = owned();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (w.per_device.size() <= size_t(dev)) w.per_device.resize(size_t(dev) + 1, {nullptr, 0});
+  auto& [ptr, size] = w.per_device[size_t(dev)];
+  if (size >= bytes) return ptr;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  GDNKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone)
+    throw Error(ErrorCode::kInvalidArgument,
+                "workspace: the library-owned prefill workspace must grow to " + std::to_string(bytes) +
+                    " bytes (has " + std::to_string(size) +
+                    ") while the stream is capturing a CUDA graph; make one eager prefill call with the largest "
+                    "sizes before capture, or pass PrefillParams::workspace (prefill_workspace_bytes)");
+  if (ptr != nullptr) GDNKIT_CUDA_CHECK(cudaFree(ptr));
+  ptr = nullptr;
+  size = 0;
+  GDNKIT_CUDA_CHECK(cudaMalloc(&ptr, bytes));
+  size = bytes;
+  return ptr;
+}
+
+int device_sms() {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
+      return 132;
+    return n;
+  }();
+  return sms;
+}
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// 16-byte loads of 8 contiguous elements need the base and both strides in whole 16-byte units.
+bool vec_ok(const InView& v) {
+  const int64_t per = 16 / dtype_size(v.dtype);
+  return aligned(v.data, 16) && v.token_stride % per == 0 && v.head_stride % per == 0;
+}
+
+}  // namespace
+
+size_t workspace_bytes(const PrefillParams& p) {
+  if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
+  return t_bytes(p) + gc_bytes(p);
+}
+
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
+  plan.num_slots = num_chunk_slots(p);
+  plan.ws_t = base;
+  plan.ws_gc = reinterpret_cast<float*>(static_cast<char*>(base) + t_bytes(p));
+}
+
+bool vtile_supported(int K, int vtile) {
+  return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128);
+}
+
+// The state pass is sequential over chunks: its parallelism is N * HV * (V / VT) CTAs. Take the
+// widest tile (least recomputation of the per-chunk q k^T and fewest q/k reloads) that still gives
+// about two CTAs per SM; otherwise the narrowest.
+int choose_vtile(const PrefillParams& p, int num_sms) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  const int64_t rows = int64_t(p.num_seqs) * p.heads.num_v_heads;
+  for (int vt : {64, 32, 16})
+    if (vtile_supported(K, vt) && vt <= V && rows * (V / vt) >= 2 * int64_t(num_sms)) return vt;
+  return 16;
+}
+
+void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile) {
+  if (p_in.num_seqs <= 0) return;
+  PrefillParams p = p_in;
+  const int K = p.heads.head_dim_k;
+  Plan plan;
+  plan.num_sms = device_sms();
+  plan.scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / std::sqrt(float(K));
+  plan.qkv_vec = vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v);
+  const int64_t oes = dtype_size(p.o.dtype);
+  plan.o_pair = aligned(p.o.data, size_t(2 * oes)) && p.o.token_stride % 2 == 0 && p.o.head_stride % 2 == 0;
+  // Without checkpoint indices no checkpoint is stored: interval 0 tells the kernel so.
+  if (p.checkpoint_indices == nullptr || p.checkpoints.data == nullptr) p.checkpoint_interval = 0;
+
+  const size_t need = workspace_bytes(p);
+  void* ws = nullptr;
+  if (need > 0) {
+    if (p.workspace != nullptr) {
+      if (p.workspace_bytes < need)
+        throw Error(ErrorCode::kInvalidArgument, "workspace: expected at least " + std::to_string(need) +
+                                                     " bytes (prefill_workspace_bytes), got " +
+                                                     std::to_string(p.workspace_bytes));
+      ws = p.workspace;
+    } else {
+      ws = owned_workspace(need, stream);
+    }
+  }
+  carve_workspace(p, ws, plan);
+  if (need == 0) plan.num_slots = 0;
+
+  if (vtile == 0) vtile = choose_vtile(p, plan.num_sms);
+  if (!vtile_supported(K, vtile) || vtile > p.heads.head_dim_v)
+    throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(vtile) +
+                                                 " is not supported for K=" + std::to_string(K) +
+                                                 ", V=" + std::to_string(p.heads.head_dim_v));
+  switch (K) {
+    case 64: launch<64>(p, plan, vtile, stream); break;
+    case 128: launch<128>(p, plan, vtile, stream); break;
+    case 256: launch<256>(p, plan, vtile, stream); break;
+    default:
+      throw Error(ErrorCode::kInvalidArgument,
+                  "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
+  }
+}
+
+}  // namespace prefill
+
+void prefill(const PrefillParams& p, Stream stream) {
+  prefill::prefill_with_vtile(p, reinterpret_cast<cudaStream_t>(stream), 0);
+}
+
+size_t prefill_workspace_bytes(const PrefillParams& p) { return prefill::workspace_bytes(p); }
+
+}  // namespace gdnkit::cuda

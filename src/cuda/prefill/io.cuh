@@ -1,0 +1,153 @@
+// Device loads/stores of the prefill kernels: token rows converted to bf16 (the tensor-core operand
+// type) with their sums of squares (for the q/k L2 norm), gate scalars, outputs and states.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/prefill/mma.cuh"
+#include "cuda/prefill/plan.h"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::prefill {
+
+__device__ __forceinline__ int64_t load_cu(const PrefillParams& p, int64_t i) {
+  return p.cu_seqlens_dtype == DType::kInt64 ? static_cast<const int64_t*>(p.cu_seqlens)[i]
+                                             : int64_t(static_cast<const int32_t*>(p.cu_seqlens)[i]);
+}
+
+__device__ __forceinline__ float load_scalar(const void* base, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+// 8 contiguous elements at base[i..i+7] as 8 bf16 (rounded when the input is fp16 / fp32).
+// vec: 16-byte loads are aligned (checked on the host from the pointer and the strides).
+__device__ __forceinline__ uint4 load8_bf16(const void* base, DType dt, int64_t i, bool vec) {
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+  if (dt == DType::kBFloat16) {
+    const __nv_bfloat16* p = static_cast<const __nv_bfloat16*>(base) + i;
+    if (vec) return __ldg(reinterpret_cast<const uint4*>(p));
+    const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = uint32_t(u[2 * j]) | (uint32_t(u[2 * j + 1]) << 16);
+    return out;
+  }
+  float f[8];
+  if (dt == DType::kFloat16) {
+    const __half* p = static_cast<const __half*>(base) + i;
+    if (vec) {
+      const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+      const __half2* h2 = reinterpret_cast<const __half2*>(&r);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 t = __half22float2(h2[j]);
+        f[2 * j] = t.x;
+        f[2 * j + 1] = t.y;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[j] = __half2float(p[j]);
+    }
+  } else {
+    const float* p = static_cast<const float*>(base) + i;
+    if (vec) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+      const float4 b = __ldg(reinterpret_cast<const float4*>(p + 4));
+      f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+      f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[j] = p[j];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = pack_bf16(f[2 * j], f[2 * j + 1]);
+  return out;
+}
+
+__device__ __forceinline__ float sumsq8(const uint4& x) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x);
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __bfloat1622float2(h[j]);
+    s = fmaf(t.x, t.x, fmaf(t.y, t.y, s));
+  }
+  return s;
+}
+
+// Loads the 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (bf16; rows >= L are zero) and
+// writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as the spec) or mult per row.
+// Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma
+// results, so the operand is the input exactly (bf16 inputs) and the L2 norm costs no extra pass.
+template <int K>
+__device__ __forceinline__ void load_rows_with_norm(__nv_bfloat16* dst, float* rnorm, const InView& view, int head,
+                                                    int64_t t0, int L, bool use_l2norm, float mult, bool vec) {
+  constexpr int kVecPerRow = K / 8;  // 8, 16 or 32 lanes per row: a shuffle reduction stays in a warp
+  const int tid = threadIdx.x;
+#pragma unroll 4
+  for (int it = tid; it < kChunk * kVecPerRow; it += kThreads) {
+    const int row = it / kVecPerRow, cv = it % kVecPerRow;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (row < L) x = load8_bf16(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8, vec);
+    *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x;
+    float ss = sumsq8(x);
+#pragma unroll
+    for (int off = kVecPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;
+  }
+}
+
+// Two adjacent output elements o[i], o[i+1] in o's dtype.
+__device__ __forceinline__ void store_pair(void* base, DType dt, int64_t i, float x, float y, bool pair_ok) {
+  if (dt == DType::kBFloat16) {
+    __nv_bfloat16* p = static_cast<__nv_bfloat16*>(base) + i;
+    if (pair_ok) {
+      *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+    } else {
+      p[0] = __float2bfloat16_rn(x);
+      p[1] = __float2bfloat16_rn(y);
+    }
+  } else if (dt == DType::kFloat16) {
+    __half* p = static_cast<__half*>(base) + i;
+    if (pair_ok) {
+      *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+    } else {
+      p[0] = __float2half_rn(x);
+      p[1] = __float2half_rn(y);
+    }
+  } else {
+    float* p = static_cast<float*>(base) + i;
+    if (pair_ok) {
+      *reinterpret_cast<float2*>(p) = make_float2(x, y);
+    } else {
+      p[0] = x;
+      p[1] = y;
+    }
+  }
+}
+
+// Element offset of S[k][v] of head h inside a state slot (pool or checkpoint entry).
+__device__ __forceinline__ int64_t state_offset(StateLayout layout, int h, int k, int v, int K, int V) {
+  return int64_t(h) * K * V + (layout == StateLayout::kVLast ? int64_t(k) * V + v : int64_t(v) * K + k);
+}
+
+__device__ __forceinline__ float load_state_elem(const void* base, DType dt, int64_t i) {
+  return dt == DType::kBFloat16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i])
+                                : static_cast<const float*>(base)[i];
+}
+__device__ __forceinline__ void store_state_elem(void* base, DType dt, int64_t i, float x) {
+  if (dt == DType::kBFloat16)
+    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x);
+  else
+    static_cast<float*>(base)[i] = x;
+}
+
+}  // namespace gdnkit::cuda::prefill

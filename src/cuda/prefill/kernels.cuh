@@ -1,0 +1,522 @@
+// CUDA chunked prefill (SPEC.md "prefill"), two kernels per call:
+//
+//  1. chunk_prep_kernel  grid (chunk slots, HV): everything that depends on one chunk only.
+//       gates g, beta (fused or given), gcum = within-chunk cumulative sum of g,
+//       A[i][j] = beta_i exp(gcum_i - gcum_j) (k^_i . k^_j) for j < i     (k^ = L2-normalized k)
+//       T' = (I + A)^{-1} diag(beta)                                       (forward substitution, fp32)
+//     writes T' (bf16) and gcum (fp32) to the workspace.
+//  2. state_pass_kernel  grid (N, HV, V / VT): sequential over the chunks of one sequence, one value
+//     tile S[:, v0:v0+VT] of one head (the state pass is independent per column block of S).
+//     Per chunk, with D = diag(exp(gcum)):
+//       X     = v - D k^ S                           (64 x VT)
+//       v_new = T' X                                 (= u - w S of the WY form: u = T beta v,
+//                                                      w = T beta D k^, folded so w is never stored)
+//       o     = D q^ S + (mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j) v_new
+//       S     = exp(g_last) S + k^T diag(exp(g_last - gcum)) v_new
+//     S lives in registers (fp32 mma accumulators), with a bf16 copy in shared memory as the
+//     operand of k S and q S.
+// All products run on tensor cores: mma.sync m16n8k16, bf16 operands, fp32 accumulation. The L2
+// norms and the scale are per-token factors applied to mma results (rows of q/k stay raw in shared
+// memory).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/check.h"
+#include "cuda/prefill/io.cuh"
+#include "cuda/prefill/mma.cuh"
+#include "cuda/prefill/plan.h"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::prefill {
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 1: per (chunk, value head) WY preparation.
+// ---------------------------------------------------------------------------------------------
+template <int K>
+__global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParams p, const Plan plan) {
+  constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
+  constexpr int LDA = 68;     // fp32 A rows, 16-byte aligned for vector loads in the solve
+  constexpr int kKsBytes = kChunk * LDK * 2;
+  constexpr int kAfBytes = kChunk * LDA * 4;
+  __shared__ alignas(16) unsigned char smem[kKsBytes > kAfBytes ? kKsBytes : kAfBytes];
+  __shared__ float s_gc[kChunk], s_beta[kChunk], s_rk[kChunk];
+  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(smem);  // [64][LDK] raw k rows
+  float* Af = reinterpret_cast<float*>(smem);                   // [64][LDA] A (after Ks is consumed)
+
+  const int slot = blockIdx.x, h = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int HV = p.heads.num_v_heads;
+  const int hk = h / (HV / p.heads.num_qk_heads);
+
+  // slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot.
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (load_cu(p, mid) / kChunk + mid <= slot) lo = mid; else hi = mid - 1;
+  }
+  const int n = lo;
+  const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
+  if (start < 0 || end < start || end > p.total_tokens) return;  // bad sequence: kernel 2 counts it
+  const int64_t c = slot - (start / kChunk + n);
+  if (c < 0 || c * kChunk >= end - start) return;  // a slot no chunk maps to
+  const int64_t t0 = start + c * kChunk;
+  const int L = int(min(int64_t(kChunk), end - t0));
+
+  // Gates; padding tokens get g = 0 (gcum stays flat, so gcum[63] is g_last) and beta = 0.
+  if (tid < kChunk) {
+    float g = 0.0f, beta = 0.0f;
+    if (tid < L) {
+      const int64_t t = t0 + tid;
+      const Gating& G = p.gating;
+      if (G.mode == GateMode::kFused) {
+        const float a = load_scalar(G.a.data, G.a.dtype, t * G.a.token_stride + h * G.a.head_stride);
+        const float b = load_scalar(G.b.data, G.b.dtype, t * G.b.token_stride + h * G.b.head_stride);
+        const float x = a + G.dt_bias[h];
+        const float sp = x > 20.0f ? x : log1pf(expf(x));
+        g = -expf(G.A_log[h]) * sp;
+        beta = 1.0f / (1.0f + expf(-b));
+      } else {
+        g = static_cast<const float*>(G.g.data)[t * G.g.token_stride + h * G.g.head_stride];
+        beta = load_scalar(G.beta.data, G.beta.dtype, t * G.beta.token_stride + h * G.beta.head_stride);
+      }
+    }
+    float x = g;  // inclusive warp scan; warp 1 adds warp 0's total below
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, x, off);
+      if (lane >= off) x += y;
+    }
+    s_gc[tid] = x;
+    s_beta[tid] = beta;
+  }
+  load_rows_with_norm<K>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
+  __syncthreads();
+  if (tid >= 32 && tid < kChunk) s_gc[tid] += s_gc[31];
+
+  // G = k k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns 0..16w+15.
+  float acc[8][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < K; kk += 16) {
+    uint32_t a[4];
+    ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, warp * 16, kk, lane));
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      if (np <= warp) {
+        uint32_t b[4];
+        ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
+        mma_bf16(acc[2 * np], a, b[0], b[1]);
+        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+  }
+  __syncthreads();  // Ks is dead from here on: Af reuses its bytes
+
+  // A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0.
+  {
+    const int r = lane >> 2, q2 = (lane & 3) * 2;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < 2 * (warp + 1)) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = warp * 16 + r + (e >> 1) * 8, j = nt * 8 + q2 + (e & 1);
+          float val = 0.0f;
+          if (j < i) val = s_beta[i] * s_rk[i] * s_rk[j] * expf(s_gc[i] - s_gc[j]) * acc[nt][e];
+          Af[i * LDA + j] = val;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // T = (I + A)^{-1} by forward substitution, one column per thread, fp32 in registers:
+  //   T[i][c] = delta_ic - sum_{j<i} A[i][j] T[j][c].  Rows of A are broadcast reads.
+  const int64_t ws = int64_t(slot) * HV + h;
+  if (tid < kChunk) {
+    const int col = tid;
+    float x[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      const float* Ai = Af + i * LDA;
+      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;  // 4 chains: the sum is latency-bound
+#pragma unroll
+      for (int j = 0; j + 3 < i; j += 4) {
+        const float4 a4 = *reinterpret_cast<const float4*>(Ai + j);
+        s0 = fmaf(a4.x, x[j], s0);
+        s1 = fmaf(a4.y, x[j + 1], s1);
+        s2 = fmaf(a4.z, x[j + 2], s2);
+        s3 = fmaf(a4.w, x[j + 3], s3);
+      }
+#pragma unroll
+      for (int j = i & ~3; j < i; ++j) s0 = fmaf(Ai[j], x[j], s0);
+      x[i] = (i == col ? 1.0f : 0.0f) - ((s0 + s1) + (s2 + s3));
+    }
+    // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
+    const float bc = s_beta[col];
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(plan.ws_t) + ws * (kChunk * kChunk);
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) out[i * kChunk + col] = __float2bfloat16_rn(x[i] * bc);
+    plan.ws_gc[ws * kChunk + tid] = s_gc[tid];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 2: per (sequence, value head, value tile) sequential state pass.
+// ---------------------------------------------------------------------------------------------
+template <int K, int VT>
+struct StateSmem {
+  static constexpr int LDK = K + 8, LDV = VT + 8, LDT = kChunk + 8;
+  __nv_bfloat16 ks[kChunk * LDK];  // raw k rows of the chunk
+  __nv_bfloat16 qs[kChunk * LDK];  // raw q rows
+  __nv_bfloat16 sb[K * LDV];       // S (bf16 copy), [k][v]
+  __nv_bfloat16 ts[kChunk * LDT];  // T' of the chunk
+  __nv_bfloat16 vs[kChunk * LDV];  // v, then X in place
+  __nv_bfloat16 vn[kChunk * LDV];  // v_new
+  __nv_bfloat16 vd[kChunk * LDV];  // v_new_j rk_j exp(g_last - gcum_j): the state-update operand
+  float gc[kChunk], rk[kChunk], rq[kChunk];
+};
+
+template <int K, int VT>
+__global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParams p, const Plan plan) {
+  using Smem = StateSmem<K, VT>;
+  constexpr int LDK = Smem::LDK, LDV = Smem::LDV, LDT = Smem::LDT;
+  constexpr int MT = K / 64;  // m16 tiles of S rows per warp (warp w owns rows w*K/4 .. +K/4)
+  constexpr int NT = VT / 8;  // n8 tiles of S columns
+  static_assert(NT % 2 == 0, "value tiles are whole 16-column ldmatrix blocks");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+
+  const int n = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * VT;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int r = lane >> 2, q2 = (lane & 3) * 2;
+  const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v;
+  const int hk = h / (HV / p.heads.num_qk_heads);
+  const bool counter = blockIdx.y == 0 && blockIdx.z == 0 && tid == 0 && p.error_flag != nullptr;
+
+  const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
+  if (start < 0 || end < start || end > p.total_tokens) {  // bad sequence: skipped, counted
+    if (counter) atomicAdd(p.error_flag, 1);
+    return;
+  }
+  const int64_t len = end - start;
+  const int64_t P = p.state.num_slots;
+  const int islot = p.initial_indices ? p.initial_indices[n] : -1;
+  int fslot = p.final_indices ? p.final_indices[n] : -1;
+  int cslot = (p.checkpoint_interval > 0 && p.checkpoint_indices) ? p.checkpoint_indices[n] : -1;
+  if (fslot >= P) {
+    if (counter) atomicAdd(p.error_flag, 1);
+    fslot = -1;
+  }
+  if (cslot >= p.checkpoints.num_slots) {
+    if (counter) atomicAdd(p.error_flag, 1);
+    cslot = -1;
+  }
+  if (islot >= P) {  // the start state does not exist: the sequence is skipped (o = 0, no state stored)
+    if (counter) atomicAdd(p.error_flag, 1);
+    for (int64_t it = tid; it < len * (VT / 2); it += kThreads) {
+      const int64_t t = start + it / (VT / 2);
+      const int col = v0 + int(it % (VT / 2)) * 2;
+      store_pair(p.o.data, p.o.dtype, t * p.o.token_stride + h * p.o.head_stride + col, 0.0f, 0.0f, plan.o_pair);
+    }
+    return;
+  }
+
+  // S tile in registers: element (k, v) of fragment [mt][nt][e] is
+  //   k = warp*K/4 + mt*16 + r + (e/2)*8,  v = v0 + nt*8 + q2 + (e%2).
+  const int krow0 = warp * (K / 4);
+  float s[MT][NT][4];
+  const int64_t ibase = int64_t(islot) * p.state.slot_stride;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int k = krow0 + mt * 16 + r + (e >> 1) * 8, v = v0 + nt * 8 + q2 + (e & 1);
+        s[mt][nt][e] = islot >= 0 ? load_state_elem(p.state.data, p.state.dtype,
+                                                     ibase + state_offset(p.state.layout, h, k, v, K, V))
+                                  : 0.0f;
+      }
+  auto write_sb = [&]() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int k = krow0 + mt * 16 + r + half * 8;
+          *reinterpret_cast<uint32_t*>(&sm.sb[k * LDV + nt * 8 + q2]) =
+              pack_bf16(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]);
+        }
+  };
+  auto store_s = [&](void* base, DType dt, int64_t offset) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int k = krow0 + mt * 16 + r + (e >> 1) * 8, v = v0 + nt * 8 + q2 + (e & 1);
+          store_state_elem(base, dt, offset + state_offset(p.state.layout, h, k, v, K, V), s[mt][nt][e]);
+        }
+  };
+  write_sb();
+
+  const float scale = plan.scale;
+  const bool l2 = p.heads.use_qk_l2norm;
+  const int64_t nchunks = (len + kChunk - 1) / kChunk;
+  const int64_t slot0 = start / kChunk + n;
+  const int64_t C = p.checkpoint_interval;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t t0 = start + c * kChunk;
+    const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    const int64_t ws = (slot0 + c) * HV + h;
+
+    // ---- load the chunk: q, k rows (+ norms), v tile, T', gcum
+    load_rows_with_norm<K>(sm.ks, sm.rk, p.k, hk, t0, L, l2, 1.0f, plan.qkv_vec);
+    load_rows_with_norm<K>(sm.qs, sm.rq, p.q, hk, t0, L, l2, scale, plan.qkv_vec);
+    for (int it = tid; it < kChunk * (VT / 8); it += kThreads) {
+      const int row = it / (VT / 8), cv = it % (VT / 8);
+      uint4 x = make_uint4(0, 0, 0, 0);
+      if (row < L)
+        x = load8_bf16(p.v.data, p.v.dtype, (t0 + row) * p.v.token_stride + h * p.v.head_stride + v0 + cv * 8,
+                       plan.qkv_vec);
+      *reinterpret_cast<uint4*>(&sm.vs[row * LDV + cv * 8]) = x;
+    }
+    {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(plan.ws_t) +
+                                                        ws * (kChunk * kChunk));
+      for (int it = tid; it < kChunk * kChunk / 8; it += kThreads)
+        *reinterpret_cast<uint4*>(&sm.ts[(it >> 3) * LDT + (it & 7) * 8]) = src[it];
+      if (tid < kChunk) sm.gc[tid] = plan.ws_gc[ws * kChunk + tid];
+    }
+    __syncthreads();
+
+    const int i0 = warp * 16 + r, i1 = i0 + 8;  // this thread's two token rows in the warp's m16 tile
+    // ---- M = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j): A fragments over tokens j
+    uint32_t mf[4][4];
+    {
+      float mq[8][4];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mq[i][0] = mq[i][1] = mq[i][2] = mq[i][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < K; kk += 16) {
+        uint32_t a[4];
+        ldmatrix_x4(a, a_frag_ptr<LDK>(sm.qs, warp * 16, kk, lane));
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          if (np <= warp) {
+            uint32_t b[4];
+            ldmatrix_x4(b, bn_frag_ptr<LDK>(sm.ks, np * 16, kk, lane));
+            mma_bf16(mq[2 * np], a, b[0], b[1]);
+            mma_bf16(mq[2 * np + 1], a, b[2], b[3]);
+          }
+        }
+      }
+      const float g0 = sm.gc[i0], g1 = sm.gc[i1], f0 = sm.rq[i0], f1 = sm.rq[i1];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        if (nt < 2 * (warp + 1)) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = nt * 8 + q2 + e;
+            const float gj = sm.gc[j], kj = sm.rk[j];
+            mq[nt][e] = j <= i0 ? mq[nt][e] * f0 * kj * expf(g0 - gj) : 0.0f;
+            mq[nt][2 + e] = j <= i1 ? mq[nt][2 + e] * f1 * kj * expf(g1 - gj) : 0.0f;
+          }
+        }
+      }
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        mf[kt][0] = pack_bf16(mq[2 * kt][0], mq[2 * kt][1]);
+        mf[kt][1] = pack_bf16(mq[2 * kt][2], mq[2 * kt][3]);
+        mf[kt][2] = pack_bf16(mq[2 * kt + 1][0], mq[2 * kt + 1][1]);
+        mf[kt][3] = pack_bf16(mq[2 * kt + 1][2], mq[2 * kt + 1][3]);
+      }
+    }
+
+    // ---- P = k S, O = q S for the warp's 16 tokens; X = v - D rk P (in place); O *= D rq
+    float o[NT][4];
+    {
+      float pk[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pk[nt][e] = o[nt][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < K; kk += 16) {
+        uint32_t ak[4], aq[4];
+        ldmatrix_x4(ak, a_frag_ptr<LDK>(sm.ks, warp * 16, kk, lane));
+        ldmatrix_x4(aq, a_frag_ptr<LDK>(sm.qs, warp * 16, kk, lane));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.sb, kk, np * 16, lane));
+          mma_bf16(pk[2 * np], ak, b[0], b[1]);
+          mma_bf16(pk[2 * np + 1], ak, b[2], b[3]);
+          mma_bf16(o[2 * np], aq, b[0], b[1]);
+          mma_bf16(o[2 * np + 1], aq, b[2], b[3]);
+        }
+      }
+      const float d0 = expf(sm.gc[i0]), d1 = expf(sm.gc[i1]);
+      const float ek0 = d0 * sm.rk[i0], ek1 = d1 * sm.rk[i1];
+      const float eq0 = d0 * sm.rq[i0], eq1 = d1 * sm.rq[i1];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int col = nt * 8 + q2;
+        __nv_bfloat162* x0 = reinterpret_cast<__nv_bfloat162*>(&sm.vs[i0 * LDV + col]);
+        __nv_bfloat162* x1 = reinterpret_cast<__nv_bfloat162*>(&sm.vs[i1 * LDV + col]);
+        const float2 v0f = __bfloat1622float2(*x0), v1f = __bfloat1622float2(*x1);
+        *x0 = __floats2bfloat162_rn(v0f.x - ek0 * pk[nt][0], v0f.y - ek0 * pk[nt][1]);
+        *x1 = __floats2bfloat162_rn(v1f.x - ek1 * pk[nt][2], v1f.y - ek1 * pk[nt][3]);
+        o[nt][0] *= eq0;
+        o[nt][1] *= eq0;
+        o[nt][2] *= eq1;
+        o[nt][3] *= eq1;
+      }
+    }
+    __syncthreads();
+
+    // ---- v_new = T' X (T' lower triangular: k-tiles 0..warp); also the decayed copy for the update
+    const float g_last = sm.gc[kChunk - 1];
+    {
+      float vn[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) vn[nt][0] = vn[nt][1] = vn[nt][2] = vn[nt][3] = 0.0f;
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        if (kt <= warp) {
+          uint32_t a[4];
+          ldmatrix_x4(a, a_frag_ptr<LDT>(sm.ts, warp * 16, kt * 16, lane));
+#pragma unroll
+          for (int np = 0; np < NT / 2; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.vs, kt * 16, np * 16, lane));
+            mma_bf16(vn[2 * np], a, b[0], b[1]);
+            mma_bf16(vn[2 * np + 1], a, b[2], b[3]);
+          }
+        }
+      }
+      const float dd0 = i0 < L ? sm.rk[i0] * expf(g_last - sm.gc[i0]) : 0.0f;
+      const float dd1 = i1 < L ? sm.rk[i1] * expf(g_last - sm.gc[i1]) : 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int col = nt * 8 + q2;
+        *reinterpret_cast<uint32_t*>(&sm.vn[i0 * LDV + col]) = pack_bf16(vn[nt][0], vn[nt][1]);
+        *reinterpret_cast<uint32_t*>(&sm.vn[i1 * LDV + col]) = pack_bf16(vn[nt][2], vn[nt][3]);
+        *reinterpret_cast<uint32_t*>(&sm.vd[i0 * LDV + col]) = pack_bf16(vn[nt][0] * dd0, vn[nt][1] * dd0);
+        *reinterpret_cast<uint32_t*>(&sm.vd[i1 * LDV + col]) = pack_bf16(vn[nt][2] * dd1, vn[nt][3] * dd1);
+      }
+    }
+    __syncthreads();
+
+    // ---- o += M v_new, store the valid rows
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      if (kt <= warp) {
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.vn, kt * 16, np * 16, lane));
+          mma_bf16(o[2 * np], mf[kt], b[0], b[1]);
+          mma_bf16(o[2 * np + 1], mf[kt], b[2], b[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = v0 + nt * 8 + q2;
+      if (i0 < L)
+        store_pair(p.o.data, p.o.dtype, (t0 + i0) * p.o.token_stride + h * p.o.head_stride + col, o[nt][0], o[nt][1],
+                   plan.o_pair);
+      if (i1 < L)
+        store_pair(p.o.data, p.o.dtype, (t0 + i1) * p.o.token_stride + h * p.o.head_stride + col, o[nt][2], o[nt][3],
+                   plan.o_pair);
+    }
+
+    // ---- S = exp(g_last) S + k^T vd   (A = k^T via transposed ldmatrix of the raw k rows)
+    const float eg = expf(g_last);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] *= eg;
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      if (kt * 16 < L) {
+        uint32_t b[NT / 2][4];
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) ldmatrix_x4_trans(b[np], bk_frag_ptr<LDV>(sm.vd, kt * 16, np * 16, lane));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, at_frag_ptr<LDK>(sm.ks, kt * 16, krow0 + mt * 16, lane));
+#pragma unroll
+          for (int np = 0; np < NT / 2; ++np) {
+            mma_bf16(s[mt][2 * np], a, b[np][0], b[np][1]);
+            mma_bf16(s[mt][2 * np + 1], a, b[np][2], b[np][3]);
+          }
+        }
+      }
+    }
+    write_sb();  // every warp passed the last read of sb (before the previous barrier)
+
+    // ---- checkpoint: entry j holds the state after token (j+1)*C, for j < min(steps, len / C)
+    if (cslot >= 0) {
+      const int64_t done = (c + 1) * kChunk;
+      if (done % C == 0 && done <= len && done / C - 1 < p.checkpoints.num_steps) {
+        const int64_t j = done / C - 1;
+        store_s(p.checkpoints.data, p.checkpoints.dtype,
+                int64_t(cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * K * V));
+      }
+    }
+    __syncthreads();  // the next chunk overwrites ks, qs, vs, ts, vn, vd, gc
+  }
+
+  if (fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(fslot) * p.state.slot_stride);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launcher for one head dim K (instantiated in prefill_k<K>.cu).
+// ---------------------------------------------------------------------------------------------
+template <int K, int VT>
+void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
+  const size_t smem = sizeof(StateSmem<K, VT>);
+  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_kernel<K, VT>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  GDNKIT_CUDA_CHECK(attr);
+  const dim3 grid(unsigned(p.num_seqs), unsigned(p.heads.num_v_heads), unsigned(p.heads.head_dim_v / VT));
+  state_pass_kernel<K, VT><<<grid, kThreads, smem, stream>>>(p, plan);
+  GDNKIT_CUDA_CHECK_LAUNCH();
+}
+
+template <int K>
+void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream) {
+  if (plan.num_slots > 0 && p.total_tokens > 0) {
+    const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_v_heads));
+    chunk_prep_kernel<K><<<grid, kThreads, 0, stream>>>(p, plan);
+    GDNKIT_CUDA_CHECK_LAUNCH();
+  }
+  switch (vtile) {
+    case 16: launch_state_pass<K, 16>(p, plan, stream); break;
+    case 32: launch_state_pass<K, 32>(p, plan, stream); break;
+    case 64:
+      if constexpr (K <= 128) {
+        launch_state_pass<K, 64>(p, plan, stream);
+        break;
+      }
+      [[fallthrough]];
+    default:
+      throw Error(ErrorCode::kInvalidArgument,
+                  "prefill: value tile " + std::to_string(vtile) + " not built for K=" + std::to_string(K));
+  }
+}
+
+}  // namespace gdnkit::cuda::prefill

@@ -1,0 +1,48 @@
+// Host <-> device contract of the CUDA chunked prefill: the derived sizes and workspace pointers the
+// kernels read besides PrefillParams, and the per-head-dim launchers (one translation unit each).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::prefill {
+
+constexpr int kChunk = 64;     // tokens per chunk (the WY block)
+constexpr int kThreads = 128;  // 4 warps per CTA in both kernels
+
+// Workspace chunk slots. Chunk c of sequence n lives in slot floor(cu[n]/64) + n + c: unique for
+// non-decreasing cu_seqlens (floor(cu[n]/64) + n is strictly increasing and a sequence with
+// ceil(len/64) chunks never reaches the next sequence's first slot), and < T_total/64 + N + 1, so the
+// host sizes it without reading cu_seqlens, and kernel 1 maps slot -> (n, c) by a binary search.
+inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens / kChunk + p.num_seqs + 1; }
+
+struct Plan {
+  int64_t num_slots = 0;
+  void* ws_t = nullptr;    // [num_slots, HV, 64, 64] bf16: T' = (I + A)^{-1} diag(beta) per chunk and head
+  float* ws_gc = nullptr;  // [num_slots, HV, 64] fp32: within-chunk cumulative log decay (flat past the end)
+  float scale = 0.0f;      // q scale (resolved default)
+  bool qkv_vec = false;    // q, k, v allow 16-byte loads of 8 contiguous elements
+  bool o_pair = false;     // o allows 2-element stores
+  int32_t num_sms = 132;
+};
+
+// Workspace bytes for the T' and gcum arrays (each 256-byte aligned).
+size_t workspace_bytes(const PrefillParams& p);
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
+
+// Value-tile widths the state pass is built for, per head dim K.
+bool vtile_supported(int K, int vtile);
+// Launch both kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
+template <int K>
+void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream);
+
+// Test/tuning entry: prefill with an explicit value tile (0: the heuristic), same semantics as
+// cuda::prefill. Used by the GPU timing test to compare tilings.
+void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile);
+int choose_vtile(const PrefillParams& p, int num_sms);
+
+}  // namespace gdnkit::cuda::prefill
