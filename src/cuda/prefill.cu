@@ -13,7 +13,7 @@
 #include "cuda/prefill/plan.h"
 
 namespace gdnkit::cuda {
-namespace prefill {
+namespace chunked_prefill {
 namespace {
 
 constexpr size_t kAlign = 256;
@@ -153,12 +153,12 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
   }
 }
 
-}  // namespace prefill
+}  // namespace chunked_prefill
 
 void prefill(const PrefillParams& p, Stream stream) {
-  prefill::prefill_with_vtile(p, reinterpret_cast<cudaStream_t>(stream), 0);
+  chunked_prefill::prefill_with_vtile(p, reinterpret_cast<cudaStream_t>(stream), 0);
 }
 
-size_t prefill_workspace_bytes(const PrefillParams& p) { return prefill::workspace_bytes(p); }
+size_t prefill_workspace_bytes(const PrefillParams& p) { return chunked_prefill::workspace_bytes(p); }
 
 }  // namespace gdnkit::cuda

@@ -1,6 +1,6 @@
 // Chunked prefill kernels for head dim K=64 (one translation unit per K: parallel builds).
 #include "cuda/prefill/kernels.cuh"
 
-namespace gdnkit::cuda::prefill {
+namespace gdnkit::cuda::chunked_prefill {
 template void launch<64>(const PrefillParams&, const Plan&, int, cudaStream_t);
-}  // namespace gdnkit::cuda::prefill
+}  // namespace gdnkit::cuda::chunked_prefill

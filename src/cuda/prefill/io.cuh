@@ -11,7 +11,7 @@
 #include "cuda/prefill/plan.h"
 #include "gdnkit/params.h"
 
-namespace gdnkit::cuda::prefill {
+namespace gdnkit::cuda::chunked_prefill {
 
 __device__ __forceinline__ int64_t load_cu(const PrefillParams& p, int64_t i) {
   return p.cu_seqlens_dtype == DType::kInt64 ? static_cast<const int64_t*>(p.cu_seqlens)[i]
@@ -150,4 +150,4 @@ __device__ __forceinline__ void store_state_elem(void* base, DType dt, int64_t i
     static_cast<float*>(base)[i] = x;
 }
 
-}  // namespace gdnkit::cuda::prefill
+}  // namespace gdnkit::cuda::chunked_prefill

@@ -31,7 +31,7 @@
 #include "cuda/prefill/plan.h"
 #include "gdnkit/params.h"
 
-namespace gdnkit::cuda::prefill {
+namespace gdnkit::cuda::chunked_prefill {
 
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: per (chunk, value head) WY preparation.
@@ -519,4 +519,4 @@ void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t st
   }
 }
 
-}  // namespace gdnkit::cuda::prefill
+}  // namespace gdnkit::cuda::chunked_prefill

@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-namespace gdnkit::cuda::prefill {
+namespace gdnkit::cuda::chunked_prefill {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -65,4 +65,4 @@ __device__ __forceinline__ const __nv_bfloat16* bk_frag_ptr(const __nv_bfloat16*
   return tile + (k0 + (lane & 15)) * LD + n0 + (lane >> 4) * 8;
 }
 
-}  // namespace gdnkit::cuda::prefill
+}  // namespace gdnkit::cuda::chunked_prefill

@@ -9,7 +9,7 @@
 
 #include "gdnkit/params.h"
 
-namespace gdnkit::cuda::prefill {
+namespace gdnkit::cuda::chunked_prefill {
 
 constexpr int kChunk = 64;     // tokens per chunk (the WY block)
 constexpr int kThreads = 128;  // 4 warps per CTA in both kernels
@@ -45,4 +45,4 @@ void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t st
 void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile);
 int choose_vtile(const PrefillParams& p, int num_sms);
 
-}  // namespace gdnkit::cuda::prefill
+}  // namespace gdnkit::cuda::chunked_prefill
