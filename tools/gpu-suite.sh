@@ -51,14 +51,23 @@ if want sanitize; then
   done
 fi
 
+# Benchmarks: BENCH.md's sweep per op (GDNKIT_BENCH_ARGS adds options, e.g. "--quick" or "--shape all"),
+# then the plots of tools/plot_bench.py next to the JSON.
+benched=()
 for op in decode verify prefill; do
   if want bench-$op; then
+    # shellcheck disable=SC2086
     "$BUILD"/gdnkit bench $op --json "$OUT/bench_$op.json" --markdown "$OUT/bench_$op.md" \
-      >"$OUT/bench_$op.log" 2>&1
+      ${GDNKIT_BENCH_ARGS:-} >"$OUT/bench_$op.log" 2>&1
     rc=$?
-    note "bench $op: rc=$rc"
+    note "bench $op: rc=$rc ($(grep -o '[0-9]* rows in [0-9.]* s' "$OUT/bench_$op.log" | tail -1))"
+    [ -f "$OUT/bench_$op.json" ] && benched+=("$OUT/bench_$op.json")
   fi
 done
+if [ ${#benched[@]} -gt 0 ]; then
+  python3 tools/plot_bench.py "${benched[@]}" --out "$OUT" >"$OUT/plot.log" 2>&1
+  note "plots: rc=$? ($(grep -c wrote "$OUT/plot.log") PNG)"
+fi
 
 echo
 echo "================ summary ================"

@@ -11,6 +11,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "bench.h"
@@ -178,10 +179,10 @@ std::vector<double> time_graph(const Device& d, Enqueue&& enqueue, int replays) 
   }
   cudaGraph_t graph = nullptr;
   GDNKIT_CUDA_CHECK(cudaStreamEndCapture(d.stream, &graph));
-  std::unique_ptr<cudaGraph, decltype(&cudaGraphDestroy)> graph_guard(graph, cudaGraphDestroy);
+  std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> graph_guard(graph, cudaGraphDestroy);
   cudaGraphExec_t exec = nullptr;
   GDNKIT_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  std::unique_ptr<cudaGraphExec, decltype(&cudaGraphExecDestroy)> exec_guard(exec, cudaGraphExecDestroy);
+  std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, decltype(&cudaGraphExecDestroy)> exec_guard(exec, cudaGraphExecDestroy);
   for (int i = 0; i < 2; ++i) GDNKIT_CUDA_CHECK(cudaGraphLaunch(exec, d.stream));
   std::vector<double> ms;
   for (int r = 0; r < replays; ++r) {

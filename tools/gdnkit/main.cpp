@@ -130,6 +130,9 @@ Options parse_bench(int argc, char** argv, int first) {
       o.quick = true;
     } else if (a == "--cpu") {
       o.cpu = true;
+    } else if (a == "--help" || a == "-h") {
+      std::printf("%s", kUsage);
+      std::exit(0);
     } else {
       usage_error("bench: unknown argument '" + a + "'");
     }
