@@ -35,7 +35,9 @@ if command -v python3 >/dev/null 2>&1; then
   need_pkg python3-dev python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'
 fi
 # libgtest-dev ships the static libraries on Debian 12; older ones shipped only the sources.
-if [ -f /usr/include/gtest/gtest.h ] && ! ls /usr/lib/*/libgtest.a /usr/lib/libgtest.a >/dev/null 2>&1; then
+have_gtest_lib=0
+for f in /usr/lib/*/libgtest.a /usr/lib/libgtest.a; do [ -f "$f" ] && have_gtest_lib=1; done
+if [ -f /usr/include/gtest/gtest.h ] && [ $have_gtest_lib = 0 ] && [[ ! " ${missing[*]} " =~ " libgtest-dev " ]]; then
   missing+=(libgtest-dev)
 fi
 
