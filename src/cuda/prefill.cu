@@ -109,7 +109,7 @@ int choose_vtile(const PrefillParams& p, int num_sms) {
   return 16;
 }
 
-void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile) {
+void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages) {
   if (p_in.num_seqs <= 0) return;
   PrefillParams p = p_in;
   const int K = p.heads.head_dim_k;
@@ -144,9 +144,9 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(p.heads.head_dim_v));
   switch (K) {
-    case 64: launch<64>(p, plan, vtile, stream); break;
-    case 128: launch<128>(p, plan, vtile, stream); break;
-    case 256: launch<256>(p, plan, vtile, stream); break;
+    case 64: launch<64>(p, plan, vtile, stream, stages); break;
+    case 128: launch<128>(p, plan, vtile, stream, stages); break;
+    case 256: launch<256>(p, plan, vtile, stream, stages); break;
     default:
       throw Error(ErrorCode::kInvalidArgument,
                   "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");

@@ -2,5 +2,5 @@
 #include "cuda/prefill/kernels.cuh"
 
 namespace gdnkit::cuda::chunked_prefill {
-template void launch<256>(const PrefillParams&, const Plan&, int, cudaStream_t);
+template void launch<256>(const PrefillParams&, const Plan&, int, cudaStream_t, int);
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -207,17 +207,11 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
   const int64_t len = end - start;
   const int64_t P = p.state.num_slots;
   const int islot = p.initial_indices ? p.initial_indices[n] : -1;
-  int fslot = p.final_indices ? p.final_indices[n] : -1;
-  int cslot = (p.checkpoint_interval > 0 && p.checkpoint_indices) ? p.checkpoint_indices[n] : -1;
-  if (fslot >= P) {
-    if (counter) atomicAdd(p.error_flag, 1);
-    fslot = -1;
-  }
-  if (cslot >= p.checkpoints.num_slots) {
-    if (counter) atomicAdd(p.error_flag, 1);
-    cslot = -1;
-  }
-  if (islot >= P) {  // the start state does not exist: the sequence is skipped (o = 0, no state stored)
+  const int fslot = p.final_indices ? p.final_indices[n] : -1;
+  const int cslot = (p.checkpoint_interval > 0 && p.checkpoint_indices) ? p.checkpoint_indices[n] : -1;
+  // A slot past its buffer (initial, final or checkpoint): the whole sequence is skipped (o = 0, no
+  // state stored) and counted once, as the CPU reference does.
+  if (islot >= P || fslot >= P || cslot >= p.checkpoints.num_slots) {
     if (counter) atomicAdd(p.error_flag, 1);
     for (int64_t it = tid; it < len * (VT / 2); it += kThreads) {
       const int64_t t = start + it / (VT / 2);
@@ -498,12 +492,13 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
 }
 
 template <int K>
-void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream) {
-  if (plan.num_slots > 0 && p.total_tokens > 0) {
+void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
+  if ((stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0) {
     const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_v_heads));
     chunk_prep_kernel<K><<<grid, kThreads, 0, stream>>>(p, plan);
     GDNKIT_CUDA_CHECK_LAUNCH();
   }
+  if (!(stages & kStageStatePass)) return;
   switch (vtile) {
     case 16: launch_state_pass<K, 16>(p, plan, stream); break;
     case 32: launch_state_pass<K, 32>(p, plan, stream); break;

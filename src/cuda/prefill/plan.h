@@ -36,13 +36,15 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
 
 // Value-tile widths the state pass is built for, per head dim K.
 bool vtile_supported(int K, int vtile);
-// Launch both kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
+// Kernels of one call: bit 0 the chunk prep, bit 1 the state pass (both: the op; one alone: timing).
+constexpr int kStagePrep = 1, kStageStatePass = 2, kStagesAll = 3;
+// Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
 template <int K>
-void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream);
+void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages);
 
 // Test/tuning entry: prefill with an explicit value tile (0: the heuristic), same semantics as
-// cuda::prefill. Used by the GPU timing test to compare tilings.
-void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile);
+// cuda::prefill when stages == kStagesAll. Used by the GPU tests and timing to compare tilings.
+void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile, int stages = kStagesAll);
 int choose_vtile(const PrefillParams& p, int num_sms);
 
 }  // namespace gdnkit::cuda::chunked_prefill

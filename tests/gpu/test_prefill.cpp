@@ -1,0 +1,349 @@
+// GPU chunked prefill vs the CPU reference (the token-by-token recurrence, fp64) on the same random
+// problems: lengths around the chunk (0, 1, 63, 64, 65, 1000) and mixed varlen batches, layouts,
+// state / checkpoint dtypes, input dtypes, gating modes, q/k L2 norm, dims 64/128/256, GVA, strided
+// views, checkpoints, initial == final slot, negative and out-of-range slots, the long-memory regime,
+// every value tile of the state pass, bitwise repeatability and CUDA-graph capture. Outputs, pools and
+// checkpoints start NaN-poisoned; untouched slots and checkpoint entries must stay bit-identical.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/problem.h"
+#include "cuda/prefill/plan.h"
+#include "gdnkit/gdnkit.h"
+#include "gpu/gpu_harness.h"
+
+namespace gdnkit::test {
+namespace {
+
+std::string short_name(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "f32";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat16: return "f16";
+    case DType::kInt64: return "i64";
+    default: return "i32";
+  }
+}
+
+std::string case_name(const ProblemConfig& c, const std::string& tag = "") {
+  std::string s = std::string(c.layout == StateLayout::kKLast ? "klast" : "vlast") + "_s" + short_name(c.state_dtype) +
+                  "_in" + short_name(c.in_dtype) + (c.gate_mode == GateMode::kFused ? "_fused" : "_given") +
+                  (c.use_qk_l2norm ? "_l2" : "_nol2") + "_h" + std::to_string(c.H) + "x" + std::to_string(c.HV) +
+                  "_k" + std::to_string(c.K) + "v" + std::to_string(c.V);
+  if (c.token_pad || c.head_pad) s += "_strided";
+  if (c.slot_pad) s += "_slotpad";
+  if (c.long_memory) s += "_longmem";
+  if (c.checkpoint_interval) s += "_ckpt" + std::to_string(c.checkpoint_interval) + short_name(c.cache_dtype);
+  if (c.same_slot) s += "_sameslot";
+  if (c.cu_seqlens_dtype == DType::kInt64) s += "_cu64";
+  if (!tag.empty()) s += "_" + tag;
+  return s;
+}
+
+struct Case {
+  std::string name;
+  ProblemConfig cfg;
+  int vtile = 0;  // 0: the library's heuristic through the public API; else the internal entry
+};
+
+ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
+  ProblemConfig c;
+  c.op = OpKind::kPrefill;
+  c.seq_lens = std::move(lens);
+  c.H = H, c.HV = HV, c.K = K, c.V = V;
+  c.zero_initial_rows = 1;  // the first sequence starts from S = 0 (initial index -1)
+  return c;
+}
+
+// A sequence with a slot past its buffer is skipped entirely (SPEC.md "Bad input").
+bool row_runs(const Problem& p, int32_t r) {
+  if (p.as<int32_t>("initial_indices")[r] >= p.num_slots() || p.as<int32_t>("final_indices")[r] >= p.num_slots())
+    return false;
+  return !p.has("checkpoints") || p.as<int32_t>("checkpoint_indices")[r] < p.rows() + 1;
+}
+
+// Pool slots the op writes: final slots of the sequences that run.
+std::vector<int64_t> written_finals(const Problem& p) {
+  std::vector<int64_t> out;
+  for (int32_t r = 0; r < p.rows(); ++r) {
+    const int32_t slot = p.as<int32_t>("final_indices")[r];
+    if (slot >= 0 && row_runs(p, r)) out.push_back(slot);
+  }
+  return out;
+}
+
+// Checkpoint entries (slot, step) the op writes: j < min(steps, len / C) for each valid slot.
+std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (!p.has("checkpoints")) return out;
+  const ProblemConfig& c = p.config();
+  const Buffer& cp = p.buffer("checkpoints");
+  const int64_t entry = p.state_elems(), steps_total = (int64_t(cp.bytes.size()) / dtype_size(c.cache_dtype)) /
+                                                         (p.rows() + 1);  // slot stride in elements
+  const int64_t steps = (steps_total - c.slot_pad) / entry;
+  for (int32_t r = 0; r < p.rows(); ++r) {
+    const int32_t slot = p.as<int32_t>("checkpoint_indices")[r];
+    if (slot < 0 || !row_runs(p, r)) continue;
+    for (int64_t j = 0; j < std::min<int64_t>(steps, p.row_len(r) / c.checkpoint_interval); ++j)
+      out.push_back({slot, j});
+  }
+  return out;
+}
+
+// Checkpoint bytes outside the written entries are unchanged.
+::testing::AssertionResult CheckpointsUntouched(const Problem& before, const Problem& after) {
+  if (!before.has("checkpoints")) return ::testing::AssertionSuccess();
+  const ProblemConfig& c = before.config();
+  const int64_t es = dtype_size(c.cache_dtype), entry = before.state_elems();
+  const int64_t slot_stride = int64_t(before.buffer("checkpoints").bytes.size()) / es / (before.rows() + 1);
+  std::vector<char> written(before.buffer("checkpoints").bytes.size(), 0);
+  for (auto [slot, j] : written_checkpoints(before))
+    std::fill_n(written.begin() + (slot * slot_stride + j * entry) * es, entry * es, 1);
+  const auto& a = before.buffer("checkpoints").bytes;
+  const auto& b = after.buffer("checkpoints").bytes;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!written[i] && a[i] != b[i])
+      return ::testing::AssertionFailure() << "checkpoints: byte " << i << " outside the written entries changed";
+  return ::testing::AssertionSuccess();
+}
+
+void run_gpu(Problem& got, DeviceProblem& dev, int vtile) {
+  const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+  if (vtile == 0) {
+    prefill(p, {Backend::kCUDA, dev.stream()});
+  } else {
+    validate(p, Backend::kCUDA);
+    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile);
+  }
+  dev.download(got);
+}
+
+// CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
+void check_prefill(const Problem& before, int vtile = 0) {
+  const ProblemConfig& cfg = before.config();
+  Problem ref = before, got = before;
+  prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+  {
+    DeviceProblem dev(got);
+    run_gpu(got, dev, vtile);
+  }
+  const std::vector<int64_t> written = written_finals(before);
+  EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kPrefill, cfg.in_dtype)));
+  EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kPrefill, cfg.state_dtype)));
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
+  for (auto [slot, j] : written_checkpoints(before))
+    EXPECT_TRUE(RelClose("checkpoint slot " + std::to_string(slot) + " step " + std::to_string(j),
+                         got.read_cache("checkpoints", slot, j), ref.read_cache("checkpoints", slot, j),
+                         state_tolerance(OpFamily::kPrefill, cfg.cache_dtype)));
+  EXPECT_TRUE(CheckpointsUntouched(before, got));
+  EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
+}
+
+// ---- the spec's axes on a short varlen batch around the chunk boundaries -------------------------
+std::vector<Case> axes_cases() {
+  std::vector<Case> out;
+  int i = 0;
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (DType state : {DType::kFloat32, DType::kBFloat16})
+      for (DType in : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
+        for (GateMode gate : {GateMode::kFused, GateMode::kGiven})
+          for (bool l2 : {true, false}) {
+            ProblemConfig c = base({1, 63, 64, 65, 200});
+            c.layout = layout, c.state_dtype = state, c.in_dtype = in, c.gate_mode = gate, c.use_qk_l2norm = l2;
+            c.gate_dtype = (i % 2) ? DType::kBFloat16 : DType::kFloat32;
+            if (i % 3 == 1) c.token_pad = 24, c.head_pad = 8;  // views of a fused projection
+            if (i % 3 == 2) c.slot_pad = 40;                   // strided pool
+            if (i % 4 == 3) c.cu_seqlens_dtype = DType::kInt64;
+            c.seed = 1000 + i++;
+            out.push_back({case_name(c), c});
+          }
+  return out;
+}
+
+// ---- lengths, dims, GVA, tiles, checkpoints, slots ---------------------------------------------
+std::vector<Case> shape_cases() {
+  std::vector<Case> out;
+  int i = 0;
+  auto add = [&](ProblemConfig c, const std::string& tag, int vtile = 0) {
+    c.seed = 2000 + i++;
+    out.push_back({case_name(c, tag), c, vtile});
+  };
+  for (int len : {0, 1, 63, 64, 65, 1000}) add(base({len}), "len" + std::to_string(len));
+  // Mixed varlen batch: short and long sequences, an empty one, few heads so the reference stays fast.
+  add(base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2), "mixed");
+  {
+    ProblemConfig c = base({2000, 3}, 1, 2);
+    c.long_memory = true;
+    add(c, "long");
+    c.state_dtype = DType::kBFloat16, c.layout = StateLayout::kVLast;
+    add(c, "long");
+  }
+  // Head dims (K, V) and GVA ratios.
+  for (auto [K, V] : std::vector<std::pair<int, int>>{{64, 64}, {256, 256}, {64, 128}, {128, 64}, {256, 128}})
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+      ProblemConfig c = base({70, 130, 1}, 2, 8, K, V);
+      c.layout = layout;
+      c.state_dtype = K == 256 ? DType::kBFloat16 : DType::kFloat32;
+      add(c, "dims");
+    }
+  {
+    ProblemConfig c = base({100, 30}, 1, 8);  // HV/H = 8
+    add(c, "gva8");
+  }
+  // Every value tile the state pass is built with.
+  for (int K : {64, 128, 256})
+    for (int vt : {16, 32, 64}) {
+      if (!cuda::chunked_prefill::vtile_supported(K, vt)) continue;
+      ProblemConfig c = base({150, 64, 7}, 1, 2, K, 128);
+      add(c, "vt" + std::to_string(vt), vt);
+    }
+  // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
+  // sequence needs.
+  for (int C : {64, 128})
+    for (DType cache : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c = base({300, 64, 127, 0, 256}, 1, 2);
+      c.checkpoint_interval = C, c.cache_dtype = cache;
+      c.slot_pad = 16;
+      add(c, "");
+    }
+  {
+    ProblemConfig c = base({400, 200}, 1, 2);
+    c.checkpoint_interval = 64, c.checkpoint_steps = 2;
+    add(c, "fewsteps");
+  }
+  // Initial == final slot (read before write), sequences without a final slot, all from zero.
+  {
+    ProblemConfig c = base({100, 64, 0, 33}, 1, 2);
+    c.same_slot = true;
+    add(c, "");
+    c.same_slot = false, c.zero_initial_rows = 4, c.no_final_rows = 2;
+    add(c, "zero_init_no_final");
+  }
+  return out;
+}
+
+// Small cases for compute-sanitizer (memcheck, racecheck): each kernel path once.
+std::vector<Case> sanitize_cases() {
+  std::vector<Case> out;
+  int i = 0;
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    ProblemConfig c = base({0, 1, 65, 130}, 1, 2, 64, 64);
+    c.layout = layout;
+    c.state_dtype = layout == StateLayout::kKLast ? DType::kFloat32 : DType::kBFloat16;
+    c.checkpoint_interval = 64;
+    c.token_pad = 8;
+    c.seed = 3000 + i++;
+    out.push_back({case_name(c), c});
+  }
+  ProblemConfig c = base({70, 3}, 1, 2, 128, 128);
+  c.seed = 3000 + i++;
+  out.push_back({case_name(c), c, 32});
+  return out;
+}
+
+class PrefillTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PrefillTest, MatchesCpuReference) { check_prefill(Problem(GetParam().cfg), GetParam().vtile); }
+
+INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Shapes, PrefillTest, ::testing::ValuesIn(shape_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Sanitize, PrefillTest, ::testing::ValuesIn(sanitize_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Slots >= their buffer: the sequence is skipped (o = 0, no state stored) and counted once each.
+TEST(PrefillGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
+  ProblemConfig c = base({70, 10, 65, 5}, 1, 2, 64, 64);
+  c.zero_initial_rows = 0;
+  c.checkpoint_interval = 64;
+  Problem p(c);
+  p.as<int32_t>("initial_indices")[1] = int32_t(p.num_slots());
+  p.as<int32_t>("final_indices")[2] = int32_t(p.num_slots()) + 7;
+  p.as<int32_t>("checkpoint_indices")[3] = 1000;
+  check_prefill(p);
+  Problem got = p;
+  {
+    DeviceProblem dev(got);
+    run_gpu(got, dev, 0);
+  }
+  EXPECT_EQ(got.as<int32_t>("error_flag")[0], 3);
+  const std::vector<double> o = got.read_tokens("o");
+  for (int32_t r = 1; r < 4; ++r)
+    EXPECT_TRUE(AllZero("o of sequence " + std::to_string(r),
+                        token_rows(o, int64_t(c.HV) * c.V, p.row_start(r), p.row_start(r) + p.row_len(r))));
+}
+
+// Same inputs twice, a graph capture (library workspace, sized by an eager call first) and a run
+// with a caller workspace: all bit-identical to one eager run, which matches the reference.
+TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    ProblemConfig c = base({300, 1, 64, 129}, 2, 4);
+    c.layout = layout;
+    c.checkpoint_interval = 64;
+    const Problem before(c);
+    Problem eager = before, again = before, graphed = before, own_ws = before;
+    DeviceProblem d_eager(eager), d_again(again), d_graph(graphed), d_ws(own_ws);
+    prefill(eager.prefill_params(PrefillAlgorithm::kAuto, d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});
+    prefill(again.prefill_params(PrefillAlgorithm::kAuto, d_again.resolver()), {Backend::kCUDA, d_again.stream()});
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    GDNKIT_TEST_CUDA(cudaStreamBeginCapture(d_graph.stream(), cudaStreamCaptureModeGlobal));
+    prefill(graphed.prefill_params(PrefillAlgorithm::kAuto, d_graph.resolver()), {Backend::kCUDA, d_graph.stream()});
+    GDNKIT_TEST_CUDA(cudaStreamEndCapture(d_graph.stream(), &graph));
+    GDNKIT_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    GDNKIT_TEST_CUDA(cudaGraphLaunch(exec, d_graph.stream()));
+
+    PrefillParams pw = own_ws.prefill_params(PrefillAlgorithm::kAuto, d_ws.resolver());
+    pw.workspace_bytes = prefill_workspace_bytes(pw);
+    ASSERT_GT(pw.workspace_bytes, 0u);
+    GDNKIT_TEST_CUDA(cudaMalloc(&pw.workspace, pw.workspace_bytes));
+    GDNKIT_TEST_CUDA(cudaMemset(pw.workspace, 0xff, pw.workspace_bytes));  // NaN-ish garbage
+    prefill(pw, {Backend::kCUDA, d_ws.stream()});
+
+    d_eager.download(eager);
+    d_again.download(again);
+    d_graph.download(graphed);
+    d_ws.download(own_ws);
+    cudaFree(pw.workspace);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    for (const char* name : {"o", "state", "checkpoints", "error_flag"}) {
+      EXPECT_TRUE(BitwiseEqual(std::string(name) + " (repeat)", again.buffer(name), eager.buffer(name)));
+      EXPECT_TRUE(BitwiseEqual(std::string(name) + " (graph)", graphed.buffer(name), eager.buffer(name)));
+      EXPECT_TRUE(BitwiseEqual(std::string(name) + " (caller workspace)", own_ws.buffer(name), eager.buffer(name)));
+    }
+    Problem ref = before;
+    prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+    EXPECT_TRUE(OutputsClose(eager, ref, output_tolerance(OpFamily::kPrefill, c.in_dtype)));
+  }
+}
+
+// A caller workspace smaller than prefill_workspace_bytes is refused before anything is written.
+TEST(PrefillGpu, SmallCallerWorkspaceRefused) {
+  const Problem before(base({100}, 1, 2));
+  Problem got = before;
+  DeviceProblem dev(got);
+  PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+  const size_t need = prefill_workspace_bytes(p);
+  ASSERT_GT(need, 0u);
+  void* ws = nullptr;
+  GDNKIT_TEST_CUDA(cudaMalloc(&ws, need));
+  p.workspace = ws;
+  p.workspace_bytes = need - 256;
+  EXPECT_THROW(prefill(p, {Backend::kCUDA, dev.stream()}), Error);
+  dev.download(got);
+  cudaFree(ws);
+  EXPECT_TRUE(BitwiseEqual("o", got.buffer("o"), before.buffer("o")));
+  EXPECT_TRUE(BitwiseEqual("state", got.buffer("state"), before.buffer("state")));
+}
+
+}  // namespace
+}  // namespace gdnkit::test
