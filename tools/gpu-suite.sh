@@ -69,10 +69,48 @@ if [ ${#benched[@]} -gt 0 ]; then
   note "plots: rc=$? ($(grep -c wrote "$OUT/plot.log") PNG)"
 fi
 
+# Python package (tests/python, python/README.md): the extension built against this build's library
+# (GDNKIT_PY_PIP=1: `pip install --no-build-isolation .` instead), the pytest suite (GPU tests included),
+# then `python -m gdnkit.bench`: gdnkit vs FLA on identical inputs (fla_compare.{json,md}; options in
+# GDNKIT_PYBENCH_ARGS). FLA's wheels in .whl/ (carry them) are installed to /tmp/site when present.
+if want python; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >"$OUT/python_build.log" 2>&1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  if [ "${GDNKIT_PY_PIP:-0}" = 1 ]; then
+    python3 -m pip install -q --no-build-isolation --no-deps . >>"$OUT/python_build.log" 2>&1
+    rc=$?
+    py_path=${PYTHONPATH:-}
+  else
+    cmake -S . -B "$BUILD" -DGDNKIT_BUILD_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
+      >>"$OUT/python_build.log" 2>&1 &&
+    cmake --build "$BUILD" --target _gdnkit -j16 >>"$OUT/python_build.log" 2>&1 &&
+    cp "$BUILD"/python/_gdnkit*.so python/gdnkit/
+    rc=$?
+    py_path=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  [ $rc -eq 0 ] || tail -30 "$OUT/python_build.log"
+  note "python build: rc=$rc"
+  if [ $rc -eq 0 ]; then
+    PYTHONPATH=$py_path python3 -m pytest tests/python -q -rs -p no:cacheprovider >"$OUT/python_tests.log" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/python_tests.log" | head -30
+    note "python tests: rc=$rc ($(tail -1 "$OUT/python_tests.log"))"
+    # shellcheck disable=SC2086
+    PYTHONPATH=$py_path python3 -m gdnkit.bench --out "$OUT" ${GDNKIT_PYBENCH_ARGS:-} >"$OUT/fla_compare.log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || tail -30 "$OUT/fla_compare.log"
+    note "fla compare (python -m gdnkit.bench): rc=$rc"
+  fi
+fi
+
 echo
 echo "================ summary ================"
 for line in "${summary[@]}"; do echo "$line"; done
 for op in decode verify prefill; do
   [ -f "$OUT/bench_$op.md" ] && { echo; cat "$OUT/bench_$op.md"; }
 done
+[ -f "$OUT/fla_compare.md" ] && { echo; cat "$OUT/fla_compare.md"; }
 exit 0
