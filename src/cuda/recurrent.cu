@@ -92,19 +92,31 @@ __global__ void __launch_bounds__(kCopyThreads) commit_cache_kernel(const Commit
   const int b = blockIdx.x, hv = blockIdx.y, T = p.num_draft_tokens;
   const int64_t head_elems = int64_t(p.heads.head_dim_k) * p.heads.head_dim_v;
   const bool counter = hv == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
+  // The CPU reference's checks, in its order: a row that cannot be placed, a slot past the pool or
+  // cache, a count past the row's tokens or a path entry out of range are skipped and counted.
+  int len = T;
+  if (p.cu_seqlens != nullptr) {
+    len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
+    if (len < 0 || len > T) {
+      if (counter) atomicAdd(p.error_flag, 1);
+      return;
+    }
+  }
   const int slot = p.state_indices[b];
+  if (slot < 0) return;  // padding row
   const int acc = p.accepted[b];
+  const int32_t* path = p.accepted_path != nullptr ? p.accepted_path + int64_t(b) * T : nullptr;
+  bool bad = slot >= p.state.num_slots || acc < 0 || acc > len;
+  for (int i = 0; i < acc && !bad && path != nullptr; ++i) bad = path[i] < 0 || path[i] >= len;
   const int islot = p.intermediate_indices[b];
-  const int len = p.cu_seqlens != nullptr ? p.cu_seqlens[b + 1] - p.cu_seqlens[b] : T;
-  if (slot < 0 || acc == 0) return;  // padding row, or nothing kept: the pool state stays
-  const int step = acc > 0 && acc <= T && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + acc - 1] : acc - 1;
-  // A slot past the pool or cache, a count past the row's tokens, a path entry out of range, or kept
-  // tokens whose states were not cached (islot < 0): skipped and counted.
-  if (slot >= p.state.num_slots || islot < 0 || islot >= p.intermediate.num_slots || acc < 0 || acc > len ||
-      len > T || step < 0 || step >= len || step >= p.intermediate.num_steps) {
+  bad = bad || islot >= p.intermediate.num_slots;
+  const int step = bad || acc == 0 ? 0 : (path != nullptr ? path[acc - 1] : acc - 1);
+  bad = bad || step >= p.intermediate.num_steps;
+  if (bad) {
     if (counter) atomicAdd(p.error_flag, 1);
     return;
   }
+  if (acc == 0 || islot < 0) return;  // nothing kept, or the row cached nothing: the pool state stays
   const TC* src = static_cast<const TC*>(p.intermediate.data) + int64_t(islot) * p.intermediate.slot_stride +
                   (int64_t(step) * p.heads.num_v_heads + hv) * head_elems;
   TS* dst = static_cast<TS*>(p.state.data) + int64_t(slot) * p.state.slot_stride + hv * head_elems;

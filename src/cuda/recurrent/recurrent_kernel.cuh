@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
   // Errors of a sequence are counted once: by thread 0 of its (head 0, v-block 0) CTA.
   const bool counter = hv == 0 && blockIdx.x % kBlocksV == 0 && tid == 0 && p.error_flag != nullptr;
 
-  // ---- which tokens, which slots --------------------------------------------------------------
+  // ---- which tokens, which slots (the same checks, in the same order, as the CPU reference) -----
   int64_t tok0;
   int len;
   if (p.cu_seqlens != nullptr) {
@@ -80,24 +80,36 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
     tok0 = int64_t(b) * T;
     len = T;
   }
-  bool bad = len < 0 || len > T;
-  len = max(0, min(len, T));
+  if (len < 0 || len > T) {  // a row the kernel cannot place: counted, nothing written
+    if (counter) atomicAdd(p.error_flag, 1);
+    return;
+  }
   const int slot = p.state_indices[b];
-  bad = bad || slot >= p.state.num_slots;
-  int n_replay = 0;
-  if (replay && !bad) {
+  if (replay && slot < 0) return;  // padding row: commit leaves it alone
+  bool bad = slot >= p.state.num_slots;
+  int n_replay = 0, islot = -1;
+  if (replay) {
     n_replay = p.accepted[b];
-    bad = n_replay < 0 || n_replay > len;
+    bad = bad || n_replay < 0 || n_replay > len;
     for (int j = 0; j < n_replay && !bad && p.accepted_path != nullptr; ++j) {
       const int x = p.accepted_path[int64_t(b) * T + j];
       bad = x < 0 || x >= len;
+    }
+  } else {
+    if (p.intermediate.data != nullptr && p.intermediate_indices != nullptr) {
+      islot = p.intermediate_indices[b];
+      bad = bad || islot >= p.intermediate.num_slots;
+    }
+    for (int t = 0; t < len && !bad && p.parent != nullptr; ++t) {
+      const int x = p.parent[int64_t(b) * T + t];
+      bad = x < -1 || x >= t;
     }
   }
 
   const auto out_ptr = [&](int64_t tok) {
     return static_cast<TI*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + vb;
   };
-  if (bad || slot < 0) {  // padding row (or a bad one): o = 0, no state traffic
+  if (bad || slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
     if (bad && counter) atomicAdd(p.error_flag, 1);
     if (!replay)
       for (int t = 0; t < len; ++t)
@@ -105,15 +117,6 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
     return;
   }
   if (replay && n_replay == 0) return;  // nothing kept: the pool state stays
-
-  int islot = -1;
-  if (!replay && p.intermediate.data != nullptr && p.intermediate_indices != nullptr) {
-    islot = p.intermediate_indices[b];
-    if (islot >= p.intermediate.num_slots) {
-      if (counter) atomicAdd(p.error_flag, 1);
-      islot = -1;
-    }
-  }
 
   // ---- the state tile -------------------------------------------------------------------------
   TS* const head = static_cast<TS*>(p.state.data) + int64_t(slot) * p.state.slot_stride + hv * kHeadElems;
@@ -123,13 +126,13 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
     for (int r = 0; r < kRuns; ++r) load_vec<TS, kRun>(head + Map::run_offset(tid, vb, r), s[r]);
   };
   const auto store_tile = [&](auto* base) {
-    using T = std::remove_pointer_t<decltype(base)>;
+    using E = std::remove_pointer_t<decltype(base)>;
 #pragma unroll
-    for (int r = 0; r < kRuns; ++r) store_vec<T, kRun>(base + Map::run_offset(tid, vb, r), s[r]);
+    for (int r = 0; r < kRuns; ++r) store_vec<E, kRun>(base + Map::run_offset(tid, vb, r), s[r]);
   };
   load_root();  // issued first: the token staging below overlaps these loads
 
-  const float scale = p.heads.scale > 0.0f ? p.heads.scale : rsqrtf(float(K));
+  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
   const Gating& gt = p.gating;
 
   // One token x (local index) of this sequence: stage, dot products, update; o when asked.
@@ -259,19 +262,11 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
   int held = -1;  // the token whose state the registers hold; -1: the pool state
   for (int t = 0; t < len; ++t) {
     if (p.parent != nullptr) {
-      const int32_t* par = p.parent + int64_t(b) * T;
-      int pt = par[t];
-      if (pt < -1 || pt >= t) {  // not a tree: count it, continue from the pool state
-        if (counter) atomicAdd(p.error_flag, 1);
-        pt = -1;
-      }
+      const int32_t* par = p.parent + int64_t(b) * T;  // checked above: -1 <= par[t] < t
+      const int pt = par[t];
       if (pt != held) {
         uint64_t ancestors = 0;
-        for (int x = pt; x >= 0;) {
-          ancestors |= uint64_t(1) << x;
-          const int nx = par[x];
-          x = (nx >= -1 && nx < x) ? nx : -1;
-        }
+        for (int x = pt; x >= 0; x = par[x]) ancestors |= uint64_t(1) << x;
         load_root();
         while (ancestors != 0) {
           const int x = __ffsll(static_cast<long long>(ancestors)) - 1;

@@ -1,0 +1,229 @@
+// GPU decode vs the CPU reference on the same random problems, over the spec's axes: layout x state
+// dtype x input dtype x gating x q/k L2 norm (qwen3-next heads, 128 dims), GVA shapes and dims 64/256,
+// strided views and padded slots; padding rows, out-of-range slots, CUDA-graph replay, determinism
+// and pool offsets past 2^31 elements. Every output starts NaN-poisoned, untouched slots must stay
+// bit-identical.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/host_dtype.h"
+#include "common/problem.h"
+#include "gdnkit/gdnkit.h"
+#include "gpu/gpu_harness.h"
+
+namespace gdnkit::test {
+namespace {
+
+std::string short_name(DType d) {
+  switch (d) {
+    case DType::kFloat32: return "f32";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat16: return "f16";
+    default: return "x";
+  }
+}
+
+std::string case_name(const ProblemConfig& c) {
+  std::string s = std::string(c.layout == StateLayout::kKLast ? "klast" : "vlast") + "_s" + short_name(c.state_dtype) +
+                  "_in" + short_name(c.in_dtype) + (c.gate_mode == GateMode::kFused ? "_fused" : "_given") +
+                  (c.use_qk_l2norm ? "_l2" : "_nol2") + "_h" + std::to_string(c.H) + "x" + std::to_string(c.HV) +
+                  "_d" + std::to_string(c.K);
+  if (c.token_pad || c.head_pad) s += "_strided";
+  if (c.slot_pad) s += "_slotpad";
+  if (c.long_memory) s += "_longmem";
+  return s;
+}
+
+struct Named {
+  std::string name;
+  ProblemConfig cfg;
+};
+
+std::vector<Named> decode_cases() {
+  std::vector<Named> out;
+  int i = 0;
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (DType state : {DType::kFloat32, DType::kBFloat16})
+      for (DType in : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
+        for (GateMode gate : {GateMode::kFused, GateMode::kGiven})
+          for (bool l2 : {true, false}) {
+            ProblemConfig c;
+            c.op = OpKind::kDecode;
+            c.batch = 6;
+            c.padding_rows = 1;
+            c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
+            c.layout = layout, c.state_dtype = state, c.in_dtype = in, c.gate_mode = gate, c.use_qk_l2norm = l2;
+            c.gate_dtype = (i % 2) ? DType::kBFloat16 : DType::kFloat32;
+            if (i % 3 == 1) c.token_pad = 24, c.head_pad = 8;  // views of a fused projection
+            if (i % 3 == 2) c.slot_pad = 40;                   // strided pool (16-byte multiple)
+            c.seed = 100 + i++;
+            out.push_back({case_name(c), c});
+          }
+  // GVA H=2, HV=8 with the other head dims; long-memory decay on some.
+  for (int d : {64, 256})
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+      for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+        ProblemConfig c;
+        c.op = OpKind::kDecode;
+        c.batch = 5;
+        c.padding_rows = 1;
+        c.H = 2, c.HV = 8, c.K = d, c.V = d;
+        c.layout = layout, c.state_dtype = state;
+        c.long_memory = state == DType::kFloat32;
+        c.token_pad = 8, c.slot_pad = 16;
+        c.seed = 200 + i++;
+        out.push_back({case_name(c), c});
+      }
+  return out;
+}
+
+// Small cases for compute-sanitizer (memcheck, racecheck): every layout / state dtype, padding rows.
+std::vector<Named> sanitize_cases() {
+  std::vector<Named> out;
+  int i = 0;
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c;
+      c.op = OpKind::kDecode;
+      c.batch = 3, c.padding_rows = 1;
+      c.H = 1, c.HV = 2, c.K = 64, c.V = 64;
+      c.layout = layout, c.state_dtype = state, c.token_pad = 8;
+      c.seed = 300 + i++;
+      out.push_back({case_name(c), c});
+    }
+  return out;
+}
+
+// Runs decode on the CPU (ref) and the GPU (got) from identical copies of `before`, compares.
+void check_decode(const Problem& before) {
+  const ProblemConfig& cfg = before.config();
+  Problem ref = before, got = before;
+  DeviceProblem dev(got);
+  decode(ref.decode_params(), {Backend::kCPU, nullptr});
+  decode(got.decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+  dev.download(got);
+  const std::vector<int64_t> written = before.written_pool_slots_decode();
+  EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, cfg.in_dtype)));
+  EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kStep, cfg.state_dtype)));
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
+  EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
+  // Padding and out-of-range rows: o = 0 exactly.
+  const std::vector<double> o = got.read_tokens("o");
+  const int32_t* slots = before.as<int32_t>("state_indices");
+  for (int32_t r = 0; r < before.rows(); ++r)
+    if (slots[r] < 0 || slots[r] >= before.num_slots())
+      EXPECT_TRUE(AllZero("o of row " + std::to_string(r), token_rows(o, int64_t(cfg.HV) * cfg.V, r, r + 1)));
+}
+
+class DecodeTest : public ::testing::TestWithParam<Named> {};
+
+TEST_P(DecodeTest, MatchesCpuReference) { check_decode(Problem(GetParam().cfg)); }
+
+INSTANTIATE_TEST_SUITE_P(Axes, DecodeTest, ::testing::ValuesIn(decode_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Sanitize, DecodeTest, ::testing::ValuesIn(sanitize_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+ProblemConfig qwen_decode(StateLayout layout, DType state, int batch = 8) {
+  ProblemConfig c;
+  c.op = OpKind::kDecode;
+  c.batch = batch, c.padding_rows = 1;
+  c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
+  c.layout = layout, c.state_dtype = state;
+  return c;
+}
+
+// Slots >= P are skipped on the device: o = 0, counted in error_flag, no state I/O.
+TEST(DecodeGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    ProblemConfig c = qwen_decode(layout, DType::kFloat32, 4);
+    c.H = 2, c.HV = 4, c.K = 64, c.V = 64;
+    Problem p(c);
+    p.as<int32_t>("state_indices")[1] = int32_t(p.num_slots());
+    p.as<int32_t>("state_indices")[2] = int32_t(p.num_slots()) + 1000;
+    check_decode(p);
+    Problem got = p;
+    DeviceProblem dev(got);
+    decode(got.decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+    dev.download(got);
+    EXPECT_EQ(got.as<int32_t>("error_flag")[0], 2);
+  }
+}
+
+// Same inputs twice, and a CUDA-graph capture replayed once: all bit-identical to one eager run.
+TEST(DecodeGpu, GraphReplayAndRepeatBitwiseEqualEager) {
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      const Problem before(qwen_decode(layout, state, 16));
+      Problem eager = before, again = before, graphed = before;
+      DeviceProblem d_eager(eager), d_again(again), d_graph(graphed);
+      decode(eager.decode_params(d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});
+      decode(again.decode_params(d_again.resolver()), {Backend::kCUDA, d_again.stream()});
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      GDNKIT_TEST_CUDA(cudaStreamBeginCapture(d_graph.stream(), cudaStreamCaptureModeGlobal));
+      decode(graphed.decode_params(d_graph.resolver()), {Backend::kCUDA, d_graph.stream()});
+      GDNKIT_TEST_CUDA(cudaStreamEndCapture(d_graph.stream(), &graph));
+      GDNKIT_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      GDNKIT_TEST_CUDA(cudaGraphLaunch(exec, d_graph.stream()));
+      d_eager.download(eager);
+      d_again.download(again);
+      d_graph.download(graphed);
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      for (const char* name : {"o", "state", "error_flag"}) {
+        EXPECT_TRUE(BitwiseEqual(std::string(name) + " (repeat)", again.buffer(name), eager.buffer(name)));
+        EXPECT_TRUE(BitwiseEqual(std::string(name) + " (graph)", graphed.buffer(name), eager.buffer(name)));
+      }
+      // and the eager run is right
+      Problem ref = before;
+      decode(ref.decode_params(), {Backend::kCPU, nullptr});
+      EXPECT_TRUE(OutputsClose(eager, ref, output_tolerance(OpFamily::kStep, before.config().in_dtype)));
+    }
+}
+
+// A bf16 pool whose touched slot starts past 2^31 elements: slot 2 of slot_stride 2^30 + 64 elements
+// (about 4.3 GB of device memory). Only that slot holds data; the result must match the reference
+// computed on a small pool.
+TEST(DecodeGpu, PoolOffsetsPast2Pow31Elements) {
+  ProblemConfig c = qwen_decode(StateLayout::kKLast, DType::kBFloat16, 1);
+  c.padding_rows = 0, c.pool_slots = 1;
+  c.H = 2, c.HV = 8;
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    c.layout = layout;
+    const Problem before(c);
+    Problem ref = before, got = before;
+    decode(ref.decode_params(), {Backend::kCPU, nullptr});
+
+    const int64_t big_stride = (int64_t(1) << 30) + 64, big_slot = 2, elems = before.state_elems();
+    ASSERT_GT(big_slot * big_stride, int64_t(1) << 31);
+    void* big = nullptr;
+    const size_t bytes = size_t(big_slot * big_stride + elems) * 2;
+    if (cudaMalloc(&big, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      GTEST_SKIP() << "cannot allocate " << bytes << " bytes";
+    }
+    DeviceProblem dev(got);
+    uint16_t* slot_data = static_cast<uint16_t*>(big) + big_slot * big_stride;
+    GDNKIT_TEST_CUDA(cudaMemcpy(slot_data, before.buffer("state").bytes.data(), size_t(elems) * 2, cudaMemcpyHostToDevice));
+    const int32_t idx = int32_t(big_slot);
+    GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("state_indices"), &idx, 4, cudaMemcpyHostToDevice));
+    DecodeParams p = got.decode_params(dev.resolver());
+    p.state.data = big;
+    p.state.num_slots = big_slot + 1;
+    p.state.slot_stride = big_stride;
+    decode(p, {Backend::kCUDA, dev.stream()});
+    dev.download(got);
+    GDNKIT_TEST_CUDA(cudaMemcpy(got.buffer("state").bytes.data(), slot_data, size_t(elems) * 2, cudaMemcpyDeviceToHost));
+    cudaFree(big);
+    EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, c.in_dtype)));
+    EXPECT_TRUE(SlotsClose(got, ref, {0}, state_tolerance(OpFamily::kStep, c.state_dtype)));
+  }
+}
+
+}  // namespace
+}  // namespace gdnkit::test

@@ -1,0 +1,269 @@
+// GPU verify and commit vs the CPU reference: chains, trees (parent), varlen (cu_seqlens), the
+// intermediate cache in fp32 / bf16, update_state; commit from the cache and by recompute. Every
+// output and cache entry starts NaN-poisoned: the ones the op stores must be close to the reference,
+// the others (and untouched pool slots) bit-identical to before.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/problem.h"
+#include "gdnkit/gdnkit.h"
+#include "gpu/gpu_harness.h"
+
+namespace gdnkit::test {
+namespace {
+
+enum class Shape { kChain, kChainUpdate, kTree, kVarlenChain, kVarlenTree };
+
+const char* shape_name(Shape s) {
+  switch (s) {
+    case Shape::kChain: return "chain";
+    case Shape::kChainUpdate: return "chain_update";
+    case Shape::kTree: return "tree";
+    case Shape::kVarlenChain: return "varlen_chain_update";
+    case Shape::kVarlenTree: return "varlen_tree";
+  }
+  return "?";
+}
+
+std::string dt(DType d) { return d == DType::kFloat32 ? "f32" : d == DType::kBFloat16 ? "bf16" : "f16"; }
+
+struct Named {
+  std::string name;
+  ProblemConfig cfg;
+};
+
+ProblemConfig make(Shape shape, StateLayout layout, DType state, DType cache, int T, uint64_t seed) {
+  ProblemConfig c;
+  c.op = OpKind::kVerify;
+  c.batch = 5, c.padding_rows = 1, c.draft_tokens = T;
+  c.H = 2, c.HV = 8, c.K = 128, c.V = 128;
+  c.layout = layout, c.state_dtype = state, c.cache_dtype = cache;
+  c.tree = shape == Shape::kTree || shape == Shape::kVarlenTree;
+  c.update_state = shape == Shape::kChainUpdate || shape == Shape::kVarlenChain;
+  if (shape == Shape::kVarlenChain || shape == Shape::kVarlenTree) c.seq_lens = {T, 1, T - 1, 0, 2};
+  c.seed = seed;
+  return c;
+}
+
+std::string name_of(Shape s, const ProblemConfig& c) {
+  return std::string(shape_name(s)) + (c.layout == StateLayout::kKLast ? "_klast" : "_vlast") + "_s" +
+         dt(c.state_dtype) + "_c" + dt(c.cache_dtype) + "_in" + dt(c.in_dtype) + "_T" + std::to_string(c.draft_tokens) +
+         "_d" + std::to_string(c.K) + "_h" + std::to_string(c.H) + "x" + std::to_string(c.HV) +
+         (c.gate_mode == GateMode::kGiven ? "_given" : "") + (c.use_qk_l2norm ? "" : "_nol2") +
+         (c.token_pad ? "_strided" : "") + (c.slot_pad ? "_slotpad" : "");
+}
+
+const Shape kShapes[] = {Shape::kChain, Shape::kChainUpdate, Shape::kTree, Shape::kVarlenChain, Shape::kVarlenTree};
+
+std::vector<Named> verify_cases() {
+  std::vector<Named> out;
+  uint64_t seed = 1000;
+  for (Shape s : kShapes)
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+      for (DType state : {DType::kFloat32, DType::kBFloat16})
+        for (DType cache : {DType::kFloat32, DType::kBFloat16}) {
+          ProblemConfig c = make(s, layout, state, cache, 4, seed++);
+          if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 24;
+          out.push_back({name_of(s, c), c});
+        }
+  // Other inputs, gating, dims, T and the qwen3-next heads.
+  for (Shape s : {Shape::kChainUpdate, Shape::kTree})
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+      ProblemConfig c = make(s, layout, DType::kFloat32, DType::kFloat32, 8, seed++);
+      c.in_dtype = DType::kFloat16, c.gate_mode = GateMode::kGiven, c.use_qk_l2norm = false;
+      out.push_back({name_of(s, c), c});
+      c = make(s, layout, DType::kFloat32, DType::kFloat32, 3, seed++);
+      c.in_dtype = DType::kFloat32, c.H = 16, c.HV = 32;
+      out.push_back({name_of(s, c), c});
+      for (int d : {64, 256}) {
+        c = make(s, layout, DType::kBFloat16, DType::kBFloat16, 4, seed++);
+        c.K = c.V = d;
+        out.push_back({name_of(s, c), c});
+      }
+    }
+  return out;
+}
+
+std::vector<Named> sanitize_cases() {
+  std::vector<Named> out;
+  uint64_t seed = 2000;
+  for (Shape s : {Shape::kChainUpdate, Shape::kVarlenTree})
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+      ProblemConfig c = make(s, layout, s == Shape::kChainUpdate ? DType::kFloat32 : DType::kBFloat16,
+                             DType::kBFloat16, 4, seed++);
+      c.H = 1, c.HV = 2, c.K = c.V = 64;
+      out.push_back({name_of(s, c), c});
+    }
+  return out;
+}
+
+// Raw bytes of cache entry (slot, step) of `name`.
+std::vector<std::byte> cache_bytes(const Problem& p, const std::string& name, int64_t slot, int64_t step) {
+  const int64_t es = dtype_size(p.config().cache_dtype), per = p.state_elems();
+  const int64_t stride = p.config().draft_tokens * per + p.config().slot_pad;
+  const auto& bytes = p.buffer(name).bytes;
+  const auto first = bytes.begin() + (slot * stride + step * per) * es;
+  return std::vector<std::byte>(first, first + per * es);
+}
+
+// Rows whose states verify stores: a valid pool slot and cache slot (no bad parent in these tests).
+void check_verify_results(const Problem& before, const Problem& got, const Problem& ref) {
+  const ProblemConfig& cfg = before.config();
+  EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, cfg.in_dtype)));
+  const std::vector<int64_t> written = before.written_pool_slots_verify();
+  EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kStep, cfg.state_dtype)));
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
+  EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
+  if (!before.has("intermediate")) return;
+  const int32_t* slots = before.as<int32_t>("state_indices");
+  const int32_t* islots = before.as<int32_t>("intermediate_indices");
+  const int64_t Q = before.rows() + 2, T = cfg.draft_tokens;  // the builder's cache slots
+  for (int64_t q = 0; q < Q; ++q)
+    for (int64_t t = 0; t < T; ++t) {
+      bool stored = false;
+      for (int32_t r = 0; r < before.rows(); ++r)
+        stored = stored || (islots[r] == q && slots[r] >= 0 && slots[r] < before.num_slots() && t < before.row_len(r));
+      const std::string what = "intermediate[" + std::to_string(q) + ", " + std::to_string(t) + "]";
+      if (stored) {
+        EXPECT_TRUE(RelClose(what, got.read_cache("intermediate", q, t), ref.read_cache("intermediate", q, t),
+                             state_tolerance(OpFamily::kStep, cfg.cache_dtype)));
+      } else {
+        EXPECT_TRUE(cache_bytes(got, "intermediate", q, t) == cache_bytes(before, "intermediate", q, t))
+            << what << " changed but no row stores it";
+      }
+    }
+}
+
+class VerifyTest : public ::testing::TestWithParam<Named> {};
+
+TEST_P(VerifyTest, MatchesCpuReference) {
+  const Problem before(GetParam().cfg);
+  Problem ref = before, got = before;
+  DeviceProblem dev(got);
+  verify(ref.verify_params(), {Backend::kCPU, nullptr});
+  verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+  dev.download(got);
+  check_verify_results(before, got, ref);
+}
+
+INSTANTIATE_TEST_SUITE_P(Axes, VerifyTest, ::testing::ValuesIn(verify_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Sanitize, VerifyTest, ::testing::ValuesIn(sanitize_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// ---- commit ------------------------------------------------------------------------------------
+struct CommitCase {
+  std::string name;
+  ProblemConfig cfg;
+  CommitSource source;
+};
+
+// Verify then commit, on both backends; the committed pool slots must match the reference's.
+void check_commit(const Problem& before, CommitSource source) {
+  const ProblemConfig& cfg = before.config();
+  Problem ref = before, got = before;
+  DeviceProblem dev(got);
+  verify(ref.verify_params(), {Backend::kCPU, nullptr});
+  commit(ref.commit_params(source), {Backend::kCPU, nullptr});
+  verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+  commit(got.commit_params(source, dev.resolver()), {Backend::kCUDA, dev.stream()});
+  dev.download(got);
+  const std::vector<int64_t> written = before.written_pool_slots_commit();
+  // From a bf16 cache the pool gets bf16-rounded states whatever its own dtype.
+  const double tol = std::max(state_tolerance(OpFamily::kStep, cfg.state_dtype),
+                              source == CommitSource::kCache ? state_tolerance(OpFamily::kStep, cfg.cache_dtype) : 0.0);
+  EXPECT_TRUE(SlotsClose(got, ref, written, tol));
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
+  EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
+}
+
+std::vector<CommitCase> commit_cases() {
+  std::vector<CommitCase> out;
+  uint64_t seed = 3000;
+  for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute})
+    for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree})
+      for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+        for (DType state : {DType::kFloat32, DType::kBFloat16})
+          for (DType cache : {DType::kFloat32, DType::kBFloat16}) {
+            if (src == CommitSource::kRecompute && cache == DType::kBFloat16) continue;  // cache unused
+            ProblemConfig c = make(s, layout, state, cache, 4, seed++);
+            c.update_state = false;
+            if (seed % 2) c.token_pad = 8, c.slot_pad = 24;
+            out.push_back({std::string(src == CommitSource::kCache ? "cache_" : "recompute_") + name_of(s, c), c, src});
+          }
+  for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute})
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+      ProblemConfig c = make(Shape::kChain, layout, DType::kBFloat16, DType::kBFloat16, 2, seed++);
+      c.H = c.HV = 1, c.K = c.V = 64;
+      out.push_back({std::string("Sanitize_") + (src == CommitSource::kCache ? "cache_" : "recompute_") + name_of(Shape::kChain, c),
+                     c, src});
+    }
+  return out;
+}
+
+class CommitTest : public ::testing::TestWithParam<CommitCase> {};
+
+TEST_P(CommitTest, MatchesCpuReference) { check_commit(Problem(GetParam().cfg), GetParam().source); }
+
+INSTANTIATE_TEST_SUITE_P(Axes, CommitTest, ::testing::ValuesIn(commit_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Bad rows found on the device: a slot past the pool, accepted past the draft: skipped and counted.
+TEST(CommitGpu, BadRowsSkippedAndCountedSanitize) {
+  for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute}) {
+    ProblemConfig c = make(Shape::kChain, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, 3, 4000);
+    c.H = 1, c.HV = 2, c.K = c.V = 64, c.padding_rows = 0, c.batch = 4;
+    Problem p(c);
+    p.as<int32_t>("state_indices")[0] = int32_t(p.num_slots()) + 7;
+    p.as<int32_t>("accepted")[1] = 3;
+    p.as<int32_t>("accepted")[2] = 2;
+    Problem ref = p, got = p;
+    DeviceProblem dev(got);
+    // Verify runs as usual (row 0 is skipped there too); commit sees accepted > T only on the device:
+    // the reference gets valid params and the bad row is compared as untouched.
+    verify(ref.verify_params(), {Backend::kCPU, nullptr});
+    commit(ref.commit_params(src), {Backend::kCPU, nullptr});
+    verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+    const int32_t too_many = 4;  // > T = 3
+    GDNKIT_TEST_CUDA(cudaMemcpy(static_cast<int32_t*>(dev.device("accepted")) + 2, &too_many, 4, cudaMemcpyHostToDevice));
+    commit(got.commit_params(src, dev.resolver()), {Backend::kCUDA, dev.stream()});
+    dev.download(got);
+    // Reference error count: row 0 in verify and in commit. The device adds one for row 2.
+    EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 1);
+    const int64_t slot1 = p.as<int32_t>("state_indices")[1], slot2 = p.as<int32_t>("state_indices")[2];
+    EXPECT_TRUE(SlotsClose(got, ref, {slot1}, state_tolerance(OpFamily::kStep, c.state_dtype)));
+    EXPECT_TRUE(Identical("row 2's slot (skipped)", got.read_state("state", slot2), p.read_state("state", slot2)));
+  }
+}
+
+// Verify in a CUDA graph, replayed, equals eager verify bit for bit (trees and the cache included).
+TEST(VerifyGpu, GraphReplayBitwiseEqualEager) {
+  for (Shape s : {Shape::kChainUpdate, Shape::kVarlenTree}) {
+    const Problem before(make(s, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, 4, 5000));
+    Problem eager = before, graphed = before;
+    DeviceProblem d_eager(eager), d_graph(graphed);
+    verify(eager.verify_params(d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    GDNKIT_TEST_CUDA(cudaStreamBeginCapture(d_graph.stream(), cudaStreamCaptureModeGlobal));
+    verify(graphed.verify_params(d_graph.resolver()), {Backend::kCUDA, d_graph.stream()});
+    GDNKIT_TEST_CUDA(cudaStreamEndCapture(d_graph.stream(), &graph));
+    GDNKIT_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    GDNKIT_TEST_CUDA(cudaGraphLaunch(exec, d_graph.stream()));
+    d_eager.download(eager);
+    d_graph.download(graphed);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    for (const char* name : {"o", "state", "intermediate", "error_flag"})
+      EXPECT_TRUE(BitwiseEqual(name, graphed.buffer(name), eager.buffer(name)));
+  }
+}
+
+}  // namespace
+}  // namespace gdnkit::test
