@@ -43,7 +43,7 @@ SeqSet parse_seqset(const std::string& text) {
   const size_t x = text.find('x');
   if (x != std::string::npos) {
     const int64_t n = number(text.substr(0, x)), len = number(text.substr(x + 1));
-    if (n <= 0 || n > 4096) throw bad("N must be in 1..4096");
+    if (n <= 0 || n > (1 << 20)) throw bad("N must be in 1..1048576");
     set.lengths.assign(size_t(n), len);
   } else {
     std::stringstream ss(text);
@@ -406,7 +406,8 @@ std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
   if (info.backend == "cuda") {
     s += "- " + std::to_string(info.sms) + " SMs, L2 " + std::to_string(info.l2_bytes >> 20) + " MiB";
     if (!info.sm_clock_start.empty())
-      s += ", SM clock " + info.sm_clock_start + " MHz at start, " + info.sm_clock_end + " MHz at end (max " +
+      s += ", SM clock " + info.sm_clock_start + " MHz after the copy-ceiling run" +
+           (info.sm_clock_end.empty() ? "" : ", " + info.sm_clock_end + " MHz after the last row") + " (max " +
            info.sm_clock_max + ")";
     s += "\n";
     s += "- decode/verify: µs per call, median of CUDA-graph replays, cold L2 (calls rotate through slot sets, "
