@@ -317,6 +317,12 @@ struct ChunkCase {
   DType in;
 };
 
+void PrintTo(const ChunkCase& c, std::ostream* os) {
+  *os << "lens";
+  for (int32_t l : c.lens) *os << " " << l;
+  *os << (c.long_memory ? " long-memory " : " ") << dtype_name(c.in);
+}
+
 class RefChunked : public ::testing::TestWithParam<ChunkCase> {};
 
 TEST_P(RefChunked, EqualsRecurrent) {
@@ -418,6 +424,48 @@ TEST(RefVerify, ChainEqualsDecodeSteps) {
     if (state == DType::kFloat32) continue;
     // bf16: T roundings vs one must actually differ somewhere (the test can tell the two apart).
     EXPECT_FALSE(BitwiseEqual("pool", dec.buffer("state"), ver.buffer("state")));
+  }
+}
+
+// ---- commit: from the cache == by recompute == decode steps -----------------------------------------
+
+TEST(RefCommit, CacheEqualsRecomputeEqualsDecodeSteps) {
+  for (bool tree : {false, true}) {
+    ProblemConfig c;
+    c.op = OpKind::kVerify;
+    c.batch = 5;
+    c.draft_tokens = 5;
+    c.tree = tree;
+    c.seed = tree ? 31 : 32;
+    Problem cached(c);
+    const Problem original = cached;
+    cpu::verify(cached.verify_params());
+    Problem recomputed = cached;
+    cpu::commit(cached.commit_params(CommitSource::kCache));
+    cpu::commit(recomputed.commit_params(CommitSource::kRecompute));
+    const double tol = state_tolerance(OpFamily::kStep, c.state_dtype);
+    for (int32_t r = 0; r < cached.rows(); ++r) {
+      const int32_t slot = cached.as<int32_t>("state_indices")[r];
+      EXPECT_TRUE(RelClose(std::string(tree ? "tree" : "chain") + " row " + std::to_string(r) + " cache vs recompute",
+                           cached.read_state("state", slot), recomputed.read_state("state", slot), tol));
+    }
+    if (tree) continue;
+    // Chains: decode steps t = 0 .. accepted-1 per row (a row that kept fewer tokens is padding in
+    // the later steps).
+    Problem dec = original;
+    for (int t = 0; t < c.draft_tokens; ++t) {
+      Problem step = dec;  // fresh index tensor per step; the pool carries over
+      for (int32_t r = 0; r < step.rows(); ++r)
+        if (t >= original.as<int32_t>("accepted")[r]) step.as<int32_t>("state_indices")[r] = -1;
+      cpu::decode(decode_step(step, t));
+      dec.buffer("state").bytes = step.buffer("state").bytes;
+    }
+    for (int32_t r = 0; r < dec.rows(); ++r) {
+      const int32_t slot = dec.as<int32_t>("state_indices")[r];
+      EXPECT_TRUE(RelClose("chain row " + std::to_string(r) + " decode steps vs cache", dec.read_state("state", slot),
+                           cached.read_state("state", slot), tol));
+    }
+    EXPECT_TRUE(UntouchedSlotsEqual(original, dec, "state", original.written_pool_slots_commit()));
   }
 }
 
