@@ -89,7 +89,7 @@ if [ "${GDNKIT_SKIP_PYTHON:-0}" != 1 ] && [ -f pyproject.toml ]; then
       -C build.verbose=false .
   }
   python_tests() {
-    python3 -m pytest -q
+    python3 -m pytest -q -rs
     local rc=$?
     if [ $rc -eq 5 ]; then echo "pytest: no tests collected"; return 1; fi
     return $rc
