@@ -117,6 +117,7 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
   plan.num_sms = device_sms();
   plan.scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / std::sqrt(float(K));
   plan.qkv_vec = vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v);
+  plan.fp16_operands = p.q.dtype != DType::kBFloat16;
   const int64_t oes = dtype_size(p.o.dtype);
   plan.o_pair = aligned(p.o.data, size_t(2 * oes)) && p.o.token_stride % 2 == 0 && p.o.head_stride % 2 == 0;
   // Without checkpoint indices no checkpoint is stored: interval 0 tells the kernel so.

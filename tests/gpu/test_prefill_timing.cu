@@ -2,7 +2,8 @@
 // fused gating + q/k L2 norm, initial and final states in a pooled fp32 K-last pool), for each value
 // tile of the state pass and for the chunk-prep kernel alone. CUDA events around each call, warm-up
 // first, median of 15. For iterating on the kernel; the committed numbers come from `gdnkit bench
-// prefill`. Runs only with GDNKIT_PREFILL_TIMING=1 (skipped otherwise: it needs ~3 GB and seconds).
+// prefill`. Runs only with GDNKIT_PREFILL_TIMING=1 (skipped otherwise: it needs ~3 GB and seconds);
+// GDNKIT_PREFILL_TIMING_SET=<name> times one set (for ncu).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -64,7 +65,9 @@ TEST(PrefillTiming, TargetSets) {
   GDNKIT_TEST_CUDA(cudaEventCreate(&e0));
   GDNKIT_TEST_CUDA(cudaEventCreate(&e1));
   std::printf("\n%-9s %-7s %10s %10s %10s  (ms, median of 15; target)\n", "set", "vtile", "total", "prep", "TFLOP/s");
+  const char* only = std::getenv("GDNKIT_PREFILL_TIMING_SET");  // e.g. "1x8192": time one set
   for (const Set& s : sets) {
+    if (only != nullptr && std::string(only) != s.name) continue;
     const int64_t T = int64_t(s.N) * s.L, P = 2 * int64_t(s.N) + 1;
     __nv_bfloat16 *q, *k, *v, *o, *a, *b;
     float *A_log, *dt_bias, *pool;

@@ -1,11 +1,12 @@
-// Device loads/stores of the prefill kernels: token rows converted to bf16 (the tensor-core operand
-// type) with their sums of squares (for the q/k L2 norm), gate scalars, outputs and states.
+// Device loads/stores of the prefill kernels: token rows converted to the tensor-core operand
+// type Op (bf16 or fp16) with their sums of squares (for the q/k L2 norm), gate scalars, outputs and states.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
@@ -26,34 +27,37 @@ __device__ __forceinline__ float load_scalar(const void* base, DType dt, int64_t
   }
 }
 
-// 8 contiguous elements at base[i..i+7] as 8 bf16 (rounded when the input is fp16 / fp32).
-// vec: 16-byte loads are aligned (checked on the host from the pointer and the strides).
-__device__ __forceinline__ uint4 load8_bf16(const void* base, DType dt, int64_t i, bool vec) {
+// 8 contiguous elements at base[i..i+7] as 8 Op values (raw when the input dtype is Op, else
+// rounded from fp32). vec: 16-byte loads are aligned (checked on the host from the pointer and strides).
+template <class Op>
+__device__ __forceinline__ uint4 load8(const void* base, DType dt, int64_t i, bool vec) {
+  constexpr DType kOpType = std::is_same_v<Op, __half> ? DType::kFloat16 : DType::kBFloat16;
   uint4 out;
   uint32_t* o = reinterpret_cast<uint32_t*>(&out);
-  if (dt == DType::kBFloat16) {
-    const __nv_bfloat16* p = static_cast<const __nv_bfloat16*>(base) + i;
-    if (vec) return __ldg(reinterpret_cast<const uint4*>(p));
-    const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+  if (dt == kOpType) {
+    const uint16_t* u = static_cast<const uint16_t*>(base) + i;
+    if (vec) return __ldg(reinterpret_cast<const uint4*>(u));
 #pragma unroll
     for (int j = 0; j < 4; ++j) o[j] = uint32_t(u[2 * j]) | (uint32_t(u[2 * j + 1]) << 16);
     return out;
   }
   float f[8];
-  if (dt == DType::kFloat16) {
-    const __half* p = static_cast<const __half*>(base) + i;
+  if (dt == DType::kFloat16 || dt == DType::kBFloat16) {
+    const uint16_t* u = static_cast<const uint16_t*>(base) + i;
+    uint4 r;
     if (vec) {
-      const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
-      const __half2* h2 = reinterpret_cast<const __half2*>(&r);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 t = __half22float2(h2[j]);
-        f[2 * j] = t.x;
-        f[2 * j + 1] = t.y;
-      }
+      r = __ldg(reinterpret_cast<const uint4*>(u));
     } else {
+      uint32_t* rr = reinterpret_cast<uint32_t*>(&r);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) f[j] = __half2float(p[j]);
+      for (int j = 0; j < 4; ++j) rr[j] = uint32_t(u[2 * j]) | (uint32_t(u[2 * j + 1]) << 16);
+    }
+    const uint32_t* rr = reinterpret_cast<const uint32_t*>(&r);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 t = dt == DType::kFloat16 ? unpack2<__half>(rr[j]) : unpack2<__nv_bfloat16>(rr[j]);
+      f[2 * j] = t.x;
+      f[2 * j + 1] = t.y;
     }
   } else {
     const float* p = static_cast<const float*>(base) + i;
@@ -68,37 +72,38 @@ __device__ __forceinline__ uint4 load8_bf16(const void* base, DType dt, int64_t 
     }
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) o[j] = pack_bf16(f[2 * j], f[2 * j + 1]);
+  for (int j = 0; j < 4; ++j) o[j] = pack2<Op>(f[2 * j], f[2 * j + 1]);
   return out;
 }
 
+template <class Op>
 __device__ __forceinline__ float sumsq8(const uint4& x) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x);
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(&x);
   float s = 0.0f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float2 t = __bfloat1622float2(h[j]);
+    const float2 t = unpack2<Op>(u[j]);
     s = fmaf(t.x, t.x, fmaf(t.y, t.y, s));
   }
   return s;
 }
 
-// Loads the 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (bf16; rows >= L are zero) and
+// Loads the 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (Op; rows >= L are zero) and
 // writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as the spec) or mult per row.
 // Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma
-// results, so the operand is the input exactly (bf16 inputs) and the L2 norm costs no extra pass.
-template <int K>
-__device__ __forceinline__ void load_rows_with_norm(__nv_bfloat16* dst, float* rnorm, const InView& view, int head,
+// results, so the operand is the input exactly (16-bit inputs) and the L2 norm costs no extra pass.
+template <int K, class Op>
+__device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const InView& view, int head,
                                                     int64_t t0, int L, bool use_l2norm, float mult, bool vec) {
   constexpr int kVecPerRow = K / 8;  // 8, 16 or 32 lanes per row: a shuffle reduction stays in a warp
   const int tid = threadIdx.x;
-#pragma unroll 4
+#pragma unroll
   for (int it = tid; it < kChunk * kVecPerRow; it += kThreads) {
     const int row = it / kVecPerRow, cv = it % kVecPerRow;
     uint4 x = make_uint4(0, 0, 0, 0);
-    if (row < L) x = load8_bf16(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8, vec);
+    if (row < L) x = load8<Op>(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8, vec);
     *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x;
-    float ss = sumsq8(x);
+    float ss = sumsq8<Op>(x);
 #pragma unroll
     for (int off = kVecPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
     if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;

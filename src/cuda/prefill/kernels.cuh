@@ -4,7 +4,7 @@
 //       gates g, beta (fused or given), gcum = within-chunk cumulative sum of g,
 //       A[i][j] = beta_i exp(gcum_i - gcum_j) (k^_i . k^_j) for j < i     (k^ = L2-normalized k)
 //       T' = (I + A)^{-1} diag(beta)                                       (forward substitution, fp32)
-//     writes T' (bf16) and gcum (fp32) to the workspace.
+//     writes T' (operand dtype) and gcum (fp32) to the workspace.
 //  2. state_pass_kernel  grid (N, HV, V / VT): sequential over the chunks of one sequence, one value
 //     tile S[:, v0:v0+VT] of one head (the state pass is independent per column block of S).
 //     Per chunk, with D = diag(exp(gcum)):
@@ -13,9 +13,10 @@
 //                                                      w = T beta D k^, folded so w is never stored)
 //       o     = D q^ S + (mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j) v_new
 //       S     = exp(g_last) S + k^T diag(exp(g_last - gcum)) v_new
-//     S lives in registers (fp32 mma accumulators), with a bf16 copy in shared memory as the
+//     S lives in registers (fp32 mma accumulators), with an Op copy in shared memory as the
 //     operand of k S and q S.
-// All products run on tensor cores: mma.sync m16n8k16, bf16 operands, fp32 accumulation. The L2
+// All products run on tensor cores: mma.sync m16n8k16, Op operands (bf16 for bf16 inputs, fp16 for
+// fp16/fp32 inputs), fp32 accumulation. The L2
 // norms and the scale are per-token factors applied to mma results (rows of q/k stay raw in shared
 // memory).
 #pragma once
@@ -36,7 +37,7 @@ namespace gdnkit::cuda::chunked_prefill {
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: per (chunk, value head) WY preparation.
 // ---------------------------------------------------------------------------------------------
-template <int K>
+template <int K, class Op>
 __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParams p, const Plan plan) {
   constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
   constexpr int LDA = 68;     // fp32 A rows, 16-byte aligned for vector loads in the solve
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
   constexpr int kAfBytes = kChunk * LDA * 4;
   __shared__ alignas(16) unsigned char smem[kKsBytes > kAfBytes ? kKsBytes : kAfBytes];
   __shared__ float s_gc[kChunk], s_beta[kChunk], s_rk[kChunk];
-  __nv_bfloat16* Ks = reinterpret_cast<__nv_bfloat16*>(smem);  // [64][LDK] raw k rows
+  Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
   float* Af = reinterpret_cast<float*>(smem);                   // [64][LDA] A (after Ks is consumed)
 
   const int slot = blockIdx.x, h = blockIdx.y;
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
     s_gc[tid] = x;
     s_beta[tid] = beta;
   }
-  load_rows_with_norm<K>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
+  load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
   __syncthreads();
   if (tid >= 32 && tid < kChunk) s_gc[tid] += s_gc[31];
 
@@ -110,8 +111,8 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
       if (np <= warp) {
         uint32_t b[4];
         ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
-        mma_bf16(acc[2 * np], a, b[0], b[1]);
-        mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+        mma<Op>(acc[2 * np], a, b[0], b[1]);
+        mma<Op>(acc[2 * np + 1], a, b[2], b[3]);
       }
     }
   }
@@ -143,6 +144,12 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
     float x[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
+      // Rows past the chunk's tokens: A's row is 0 and beta_i = 0, so T' row i is 0 (short chunks
+      // skip the solve's tail).
+      if (i >= L) {
+        x[i] = 0.0f;
+        continue;
+      }
       const float* Ai = Af + i * LDA;
       float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;  // 4 chains: the sum is latency-bound
 #pragma unroll
@@ -159,9 +166,9 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
     }
     // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
     const float bc = s_beta[col];
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(plan.ws_t) + ws * (kChunk * kChunk);
+    Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) out[i * kChunk + col] = __float2bfloat16_rn(x[i] * bc);
+    for (int i = 0; i < kChunk; ++i) out[i * kChunk + col] = to_op<Op>(x[i] * bc);
     plan.ws_gc[ws * kChunk + tid] = s_gc[tid];
   }
 }
@@ -169,22 +176,22 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
 // ---------------------------------------------------------------------------------------------
 // Kernel 2: per (sequence, value head, value tile) sequential state pass.
 // ---------------------------------------------------------------------------------------------
-template <int K, int VT>
+template <int K, int VT, class Op>
 struct StateSmem {
   static constexpr int LDK = K + 8, LDV = VT + 8, LDT = kChunk + 8;
-  __nv_bfloat16 ks[kChunk * LDK];  // raw k rows of the chunk
-  __nv_bfloat16 qs[kChunk * LDK];  // raw q rows
-  __nv_bfloat16 sb[K * LDV];       // S (bf16 copy), [k][v]
-  __nv_bfloat16 ts[kChunk * LDT];  // T' of the chunk
-  __nv_bfloat16 vs[kChunk * LDV];  // v, then X in place
-  __nv_bfloat16 vn[kChunk * LDV];  // v_new
-  __nv_bfloat16 vd[kChunk * LDV];  // v_new_j rk_j exp(g_last - gcum_j): the state-update operand
+  Op ks[kChunk * LDK];  // raw k rows of the chunk
+  Op qs[kChunk * LDK];  // raw q rows
+  Op sb[K * LDV];       // S (Op copy), [k][v]
+  Op ts[kChunk * LDT];  // T' of the chunk
+  Op vs[kChunk * LDV];  // v, then X in place
+  Op vn[kChunk * LDV];  // v_new
+  Op vd[kChunk * LDV];  // v_new_j rk_j exp(g_last - gcum_j): the state-update operand
   float gc[kChunk], rk[kChunk], rq[kChunk];
 };
 
-template <int K, int VT>
+template <int K, int VT, class Op>
 __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParams p, const Plan plan) {
-  using Smem = StateSmem<K, VT>;
+  using Smem = StateSmem<K, VT, Op>;
   constexpr int LDK = Smem::LDK, LDV = Smem::LDV, LDT = Smem::LDT;
   constexpr int MT = K / 64;  // m16 tiles of S rows per warp (warp w owns rows w*K/4 .. +K/4)
   constexpr int NT = VT / 8;  // n8 tiles of S columns
@@ -246,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
         for (int half = 0; half < 2; ++half) {
           const int k = krow0 + mt * 16 + r + half * 8;
           *reinterpret_cast<uint32_t*>(&sm.sb[k * LDV + nt * 8 + q2]) =
-              pack_bf16(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]);
+              pack2<Op>(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]);
         }
   };
   auto store_s = [&](void* base, DType dt, int64_t offset) {
@@ -272,24 +279,24 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     const int64_t ws = (slot0 + c) * HV + h;
 
-    // ---- load the chunk: q, k rows (+ norms), v tile, T', gcum
-    load_rows_with_norm<K>(sm.ks, sm.rk, p.k, hk, t0, L, l2, 1.0f, plan.qkv_vec);
-    load_rows_with_norm<K>(sm.qs, sm.rq, p.q, hk, t0, L, l2, scale, plan.qkv_vec);
+    // ---- load the chunk: T', gcum, the v tile, then q, k rows (+ norms); independent loads first
     for (int it = tid; it < kChunk * (VT / 8); it += kThreads) {
       const int row = it / (VT / 8), cv = it % (VT / 8);
       uint4 x = make_uint4(0, 0, 0, 0);
       if (row < L)
-        x = load8_bf16(p.v.data, p.v.dtype, (t0 + row) * p.v.token_stride + h * p.v.head_stride + v0 + cv * 8,
+        x = load8<Op>(p.v.data, p.v.dtype, (t0 + row) * p.v.token_stride + h * p.v.head_stride + v0 + cv * 8,
                        plan.qkv_vec);
       *reinterpret_cast<uint4*>(&sm.vs[row * LDV + cv * 8]) = x;
     }
     {
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(plan.ws_t) +
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Op*>(plan.ws_t) +
                                                         ws * (kChunk * kChunk));
       for (int it = tid; it < kChunk * kChunk / 8; it += kThreads)
         *reinterpret_cast<uint4*>(&sm.ts[(it >> 3) * LDT + (it & 7) * 8]) = src[it];
       if (tid < kChunk) sm.gc[tid] = plan.ws_gc[ws * kChunk + tid];
     }
+    load_rows_with_norm<K, Op>(sm.ks, sm.rk, p.k, hk, t0, L, l2, 1.0f, plan.qkv_vec);
+    load_rows_with_norm<K, Op>(sm.qs, sm.rq, p.q, hk, t0, L, l2, scale, plan.qkv_vec);
     __syncthreads();
 
     const int i0 = warp * 16 + r, i1 = i0 + 8;  // this thread's two token rows in the warp's m16 tile
@@ -308,8 +315,8 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
           if (np <= warp) {
             uint32_t b[4];
             ldmatrix_x4(b, bn_frag_ptr<LDK>(sm.ks, np * 16, kk, lane));
-            mma_bf16(mq[2 * np], a, b[0], b[1]);
-            mma_bf16(mq[2 * np + 1], a, b[2], b[3]);
+            mma<Op>(mq[2 * np], a, b[0], b[1]);
+            mma<Op>(mq[2 * np + 1], a, b[2], b[3]);
           }
         }
       }
@@ -328,10 +335,10 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
       }
 #pragma unroll
       for (int kt = 0; kt < 4; ++kt) {
-        mf[kt][0] = pack_bf16(mq[2 * kt][0], mq[2 * kt][1]);
-        mf[kt][1] = pack_bf16(mq[2 * kt][2], mq[2 * kt][3]);
-        mf[kt][2] = pack_bf16(mq[2 * kt + 1][0], mq[2 * kt + 1][1]);
-        mf[kt][3] = pack_bf16(mq[2 * kt + 1][2], mq[2 * kt + 1][3]);
+        mf[kt][0] = pack2<Op>(mq[2 * kt][0], mq[2 * kt][1]);
+        mf[kt][1] = pack2<Op>(mq[2 * kt][2], mq[2 * kt][3]);
+        mf[kt][2] = pack2<Op>(mq[2 * kt + 1][0], mq[2 * kt + 1][1]);
+        mf[kt][3] = pack2<Op>(mq[2 * kt + 1][2], mq[2 * kt + 1][3]);
       }
     }
 
@@ -352,10 +359,10 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.sb, kk, np * 16, lane));
-          mma_bf16(pk[2 * np], ak, b[0], b[1]);
-          mma_bf16(pk[2 * np + 1], ak, b[2], b[3]);
-          mma_bf16(o[2 * np], aq, b[0], b[1]);
-          mma_bf16(o[2 * np + 1], aq, b[2], b[3]);
+          mma<Op>(pk[2 * np], ak, b[0], b[1]);
+          mma<Op>(pk[2 * np + 1], ak, b[2], b[3]);
+          mma<Op>(o[2 * np], aq, b[0], b[1]);
+          mma<Op>(o[2 * np + 1], aq, b[2], b[3]);
         }
       }
       const float d0 = expf(sm.gc[i0]), d1 = expf(sm.gc[i1]);
@@ -364,11 +371,11 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int col = nt * 8 + q2;
-        __nv_bfloat162* x0 = reinterpret_cast<__nv_bfloat162*>(&sm.vs[i0 * LDV + col]);
-        __nv_bfloat162* x1 = reinterpret_cast<__nv_bfloat162*>(&sm.vs[i1 * LDV + col]);
-        const float2 v0f = __bfloat1622float2(*x0), v1f = __bfloat1622float2(*x1);
-        *x0 = __floats2bfloat162_rn(v0f.x - ek0 * pk[nt][0], v0f.y - ek0 * pk[nt][1]);
-        *x1 = __floats2bfloat162_rn(v1f.x - ek1 * pk[nt][2], v1f.y - ek1 * pk[nt][3]);
+        uint32_t* x0 = reinterpret_cast<uint32_t*>(&sm.vs[i0 * LDV + col]);
+        uint32_t* x1 = reinterpret_cast<uint32_t*>(&sm.vs[i1 * LDV + col]);
+        const float2 v0f = unpack2<Op>(*x0), v1f = unpack2<Op>(*x1);
+        *x0 = pack2<Op>(v0f.x - ek0 * pk[nt][0], v0f.y - ek0 * pk[nt][1]);
+        *x1 = pack2<Op>(v1f.x - ek1 * pk[nt][2], v1f.y - ek1 * pk[nt][3]);
         o[nt][0] *= eq0;
         o[nt][1] *= eq0;
         o[nt][2] *= eq1;
@@ -392,8 +399,8 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
           for (int np = 0; np < NT / 2; ++np) {
             uint32_t b[4];
             ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.vs, kt * 16, np * 16, lane));
-            mma_bf16(vn[2 * np], a, b[0], b[1]);
-            mma_bf16(vn[2 * np + 1], a, b[2], b[3]);
+            mma<Op>(vn[2 * np], a, b[0], b[1]);
+            mma<Op>(vn[2 * np + 1], a, b[2], b[3]);
           }
         }
       }
@@ -402,10 +409,10 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int col = nt * 8 + q2;
-        *reinterpret_cast<uint32_t*>(&sm.vn[i0 * LDV + col]) = pack_bf16(vn[nt][0], vn[nt][1]);
-        *reinterpret_cast<uint32_t*>(&sm.vn[i1 * LDV + col]) = pack_bf16(vn[nt][2], vn[nt][3]);
-        *reinterpret_cast<uint32_t*>(&sm.vd[i0 * LDV + col]) = pack_bf16(vn[nt][0] * dd0, vn[nt][1] * dd0);
-        *reinterpret_cast<uint32_t*>(&sm.vd[i1 * LDV + col]) = pack_bf16(vn[nt][2] * dd1, vn[nt][3] * dd1);
+        *reinterpret_cast<uint32_t*>(&sm.vn[i0 * LDV + col]) = pack2<Op>(vn[nt][0], vn[nt][1]);
+        *reinterpret_cast<uint32_t*>(&sm.vn[i1 * LDV + col]) = pack2<Op>(vn[nt][2], vn[nt][3]);
+        *reinterpret_cast<uint32_t*>(&sm.vd[i0 * LDV + col]) = pack2<Op>(vn[nt][0] * dd0, vn[nt][1] * dd0);
+        *reinterpret_cast<uint32_t*>(&sm.vd[i1 * LDV + col]) = pack2<Op>(vn[nt][2] * dd1, vn[nt][3] * dd1);
       }
     }
     __syncthreads();
@@ -418,8 +425,8 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.vn, kt * 16, np * 16, lane));
-          mma_bf16(o[2 * np], mf[kt], b[0], b[1]);
-          mma_bf16(o[2 * np + 1], mf[kt], b[2], b[3]);
+          mma<Op>(o[2 * np], mf[kt], b[0], b[1]);
+          mma<Op>(o[2 * np + 1], mf[kt], b[2], b[3]);
         }
       }
     }
@@ -454,8 +461,8 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
           ldmatrix_x4_trans(a, at_frag_ptr<LDK>(sm.ks, kt * 16, krow0 + mt * 16, lane));
 #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
-            mma_bf16(s[mt][2 * np], a, b[np][0], b[np][1]);
-            mma_bf16(s[mt][2 * np + 1], a, b[np][2], b[np][3]);
+            mma<Op>(s[mt][2 * np], a, b[np][0], b[np][1]);
+            mma<Op>(s[mt][2 * np + 1], a, b[np][2], b[np][3]);
           }
         }
       }
@@ -480,31 +487,31 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
 // ---------------------------------------------------------------------------------------------
 // Launcher for one head dim K (instantiated in prefill_k<K>.cu).
 // ---------------------------------------------------------------------------------------------
-template <int K, int VT>
+template <int K, int VT, class Op>
 void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  const size_t smem = sizeof(StateSmem<K, VT>);
-  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_kernel<K, VT>,
+  const size_t smem = sizeof(StateSmem<K, VT, Op>);
+  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_kernel<K, VT, Op>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
   const dim3 grid(unsigned(p.num_seqs), unsigned(p.heads.num_v_heads), unsigned(p.heads.head_dim_v / VT));
-  state_pass_kernel<K, VT><<<grid, kThreads, smem, stream>>>(p, plan);
+  state_pass_kernel<K, VT, Op><<<grid, kThreads, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
-template <int K>
-void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
+template <int K, class Op>
+void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
   if ((stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0) {
     const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_v_heads));
-    chunk_prep_kernel<K><<<grid, kThreads, 0, stream>>>(p, plan);
+    chunk_prep_kernel<K, Op><<<grid, kThreads, 0, stream>>>(p, plan);
     GDNKIT_CUDA_CHECK_LAUNCH();
   }
   if (!(stages & kStageStatePass)) return;
   switch (vtile) {
-    case 16: launch_state_pass<K, 16>(p, plan, stream); break;
-    case 32: launch_state_pass<K, 32>(p, plan, stream); break;
+    case 16: launch_state_pass<K, 16, Op>(p, plan, stream); break;
+    case 32: launch_state_pass<K, 32, Op>(p, plan, stream); break;
     case 64:
       if constexpr (K <= 128) {
-        launch_state_pass<K, 64>(p, plan, stream);
+        launch_state_pass<K, 64, Op>(p, plan, stream);
         break;
       }
       [[fallthrough]];
@@ -512,6 +519,16 @@ void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t st
       throw Error(ErrorCode::kInvalidArgument,
                   "prefill: value tile " + std::to_string(vtile) + " not built for K=" + std::to_string(K));
   }
+}
+
+// Operands are bf16 for bf16 inputs (exact) and fp16 for fp16 / fp32 inputs (exact for fp16, and
+// 3 more mantissa bits than bf16 for fp32, which the fp32-output tolerance needs).
+template <int K>
+void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
+  if (plan.fp16_operands)
+    launch_op<K, __half>(p, plan, vtile, stream, stages);
+  else
+    launch_op<K, __nv_bfloat16>(p, plan, vtile, stream, stages);
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -1,5 +1,5 @@
 // Warp-level tensor-core primitives for the prefill kernels: ldmatrix and mma.sync m16n8k16
-// (bf16 inputs, fp32 accumulation). Fragment layouts follow the PTX ISA:
+// (bf16 or fp16 operands -- the "Op" type -- with fp32 accumulation). Fragment layouts follow the PTX ISA:
 //   A (16x16, row-major):  a[0]=A[r][c..c+1] a[1]=A[r+8][c..] a[2]=A[r][c+8..] a[3]=A[r+8][c+8..]
 //   B (16x8, "col-major"): b[0]=B[c..c+1][n] b[1]=B[c+8..c+9][n]
 //   C (16x8):              c[0..1]=C[r][2q..2q+1]  c[2..3]=C[r+8][2q..2q+1]
@@ -7,8 +7,10 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace gdnkit::cuda::chunked_prefill {
 
@@ -28,40 +30,72 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(p)));
 }
 
-// c += a * b  (m16n8k16, bf16 x bf16 -> fp32)
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// c += a * b  (m16n8k16, Op x Op -> fp32)
+template <class Op>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<Op, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
+// Two floats rounded to a packed Op pair (lo in the low half).
+template <class Op>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<Op, __half>) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) { return pack2<__nv_bfloat16>(lo, hi); }
+
+template <class Op>
+__device__ __forceinline__ float2 unpack2(uint32_t u) {
+  if constexpr (std::is_same_v<Op, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&u));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  }
+}
+
+template <class Op>
+__device__ __forceinline__ Op to_op(float x) {
+  if constexpr (std::is_same_v<Op, __half>) return __float2half_rn(x);
+  else return __float2bfloat16_rn(x);
 }
 
 // Address of lane's row for an A fragment (16x16 at (row0, col0)) of a row-major bf16 tile
 // with `ld` elements per row: matrices (rows 0-7, 8-15) x (cols 0-7, 8-15).
-template <int LD>
-__device__ __forceinline__ const __nv_bfloat16* a_frag_ptr(const __nv_bfloat16* tile, int row0, int col0, int lane) {
+template <int LD, class T>
+__device__ __forceinline__ const T* a_frag_ptr(const T* tile, int row0, int col0, int lane) {
   return tile + (row0 + (lane & 15)) * LD + col0 + (lane >> 4) * 8;
 }
 // A fragment of A = X^T where X (16 kdim-rows x 16 m-cols at (k0, m0)) is stored row-major: use .trans.
-template <int LD>
-__device__ __forceinline__ const __nv_bfloat16* at_frag_ptr(const __nv_bfloat16* tile, int k0, int m0, int lane) {
+template <int LD, class T>
+__device__ __forceinline__ const T* at_frag_ptr(const T* tile, int k0, int m0, int lane) {
   return tile + (k0 + ((lane >> 4) << 3) + (lane & 7)) * LD + m0 + ((lane >> 3) & 1) * 8;
 }
 // B fragments of two n-tiles (n0..n0+15) for B stored as [n][k] (k contiguous): non-trans ldmatrix.
 // r[0],r[1]: n-tile n0; r[2],r[3]: n-tile n0+8.
-template <int LD>
-__device__ __forceinline__ const __nv_bfloat16* bn_frag_ptr(const __nv_bfloat16* tile, int n0, int k0, int lane) {
+template <int LD, class T>
+__device__ __forceinline__ const T* bn_frag_ptr(const T* tile, int n0, int k0, int lane) {
   return tile + (n0 + ((lane >> 4) << 3) + (lane & 7)) * LD + k0 + ((lane >> 3) & 1) * 8;
 }
 // B fragments of two n-tiles for B stored as [k][n] (n contiguous): .trans ldmatrix.
-template <int LD>
-__device__ __forceinline__ const __nv_bfloat16* bk_frag_ptr(const __nv_bfloat16* tile, int k0, int n0, int lane) {
+template <int LD, class T>
+__device__ __forceinline__ const T* bk_frag_ptr(const T* tile, int k0, int n0, int lane) {
   return tile + (k0 + (lane & 15)) * LD + n0 + (lane >> 4) * 8;
 }
 
