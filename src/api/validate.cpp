@@ -378,8 +378,8 @@ void validate(const PrefillParams& p, Backend backend) {
     const size_t need = prefill_workspace_bytes(p);
     if (p.workspace_bytes < need)
       fail("workspace: expected at least ", need, " bytes (prefill_workspace_bytes), got ", p.workspace_bytes);
-    if (!aligned(p.workspace, 256))
-      fail("workspace: data pointer ", pointer_str(p.workspace), " is not 256-byte aligned");
+    if (!aligned(p.workspace, kVectorBytes))
+      fail("workspace: data pointer ", pointer_str(p.workspace), " is not 16-byte aligned");
   }
 }
 

@@ -583,6 +583,39 @@ TEST(Validation, BadCacheAndLayoutCombos) {
   EXPECT_INVALID_BOTH(l, "src: expected dtype float32 or bfloat16, got float16");
 }
 
+TEST(Validation, UnknownEnumsAndOptions) {
+  Host h;
+  auto d = h.decode();
+  d.state.layout = static_cast<StateLayout>(7);
+  EXPECT_INVALID_BOTH(d, "state: unknown state layout 7 (expected K-last or V-last)");
+  d = h.decode();
+  d.gating.mode = static_cast<GateMode>(3);
+  EXPECT_INVALID_BOTH(d, "gating: unknown mode 3 (expected kGiven or kFused)");
+  d = h.decode();
+  d.heads.scale = NAN;
+  EXPECT_INVALID_BOTH(d, "scale: expected a finite value");
+  auto c = h.commit();
+  c.source = static_cast<CommitSource>(5);
+  EXPECT_INVALID_BOTH(c, "source: unknown commit source 5 (expected kCache or kRecompute)");
+  auto p = h.prefill();
+  p.cpu_algorithm = static_cast<PrefillAlgorithm>(9);
+  EXPECT_INVALID_BOTH(p, "cpu_algorithm: unknown value 9");
+}
+
+// A caller-provided prefill workspace must hold prefill_workspace_bytes() (CUDA backend only).
+TEST(Validation, PrefillWorkspaceTooSmall) {
+  Host h;
+  auto p = h.prefill();
+  std::vector<float> ws(4);
+  p.workspace = ws.data();
+  p.workspace_bytes = sizeof(float) * ws.size();
+  EXPECT_NO_THROW(validate(p, Backend::kCPU));  // the CPU backend has no workspace
+  const size_t need = prefill_workspace_bytes(p);
+  if (need <= p.workspace_bytes) GTEST_SKIP() << "built without CUDA: no workspace is needed (" << need << " bytes)";
+  EXPECT_INVALID(p, Backend::kCUDA, "workspace: expected at least " + std::to_string(need) +
+                                        " bytes (prefill_workspace_bytes), got 16");
+}
+
 // ---- the entries validate before anything else -----------------------------------------------------
 
 // Validation runs before the device check: the CUDA entries report bad params, not a missing GPU.
