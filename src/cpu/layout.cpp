@@ -12,6 +12,8 @@ void convert_layout(const LayoutParams& p) {
   // Source block of one head: rows x cols, row-major. K-last stores [V][K], V-last [K][V].
   const int64_t rows = p.src.layout == StateLayout::kKLast ? V : K;
   const int64_t cols = p.src.layout == StateLayout::kKLast ? K : V;
+  // Validation asks for opposite layouts; equal ones would be a plain copy, never a transpose.
+  const bool transpose = p.src.layout != p.dst.layout;
   const int64_t block = K * V * esize;
   // Every head goes through a copy, so dst may alias src (in place, K == V): the transpose of a
   // block is computed from its saved copy before the block is overwritten.
@@ -22,6 +24,10 @@ void convert_layout(const LayoutParams& p) {
     for (int64_t h = 0; h < p.num_v_heads; ++h) {
       std::memcpy(tmp.data(), src + (slot * p.src.slot_stride + h * K * V) * esize, block);
       std::byte* out = dst + (slot * p.dst.slot_stride + h * K * V) * esize;
+      if (!transpose) {
+        std::memcpy(out, tmp.data(), block);
+        continue;
+      }
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c)
           std::memcpy(out + (c * rows + r) * esize, tmp.data() + (r * cols + c) * esize, esize);

@@ -5,11 +5,13 @@
 // values are rounded only when stored (o in v's dtype, states in the pool / cache dtype).
 //
 // Index conventions shared by all ops (the CUDA backend matches them):
-//  - a negative slot is padding: nothing is read or written for it (outputs of a padding row are 0);
+//  - a negative slot is padding: nothing is read or written for it (outputs of a padding row are 0;
+//    commit from the cache with a negative intermediate slot leaves the pool state as it is);
 //  - a slot >= P (pool) or >= Q (cache), an accepted count outside 0..len, a parent outside
-//    [-1, t-1], an accepted_path entry outside [0, len) or a sequence outside [0, T_total): the row
-//    (verify/commit) or sequence (prefill) is skipped entirely (outputs 0 where they are addressable,
-//    no state written) and *error_flag is incremented once for that row.
+//    [-1, t-1], an accepted_path entry outside [0, len), a cached step >= the cache's steps, a varlen
+//    row longer than T or a sequence outside [0, T_total): the row (verify/commit) or sequence
+//    (prefill) is skipped entirely (outputs 0 where they are addressable, no state written) and
+//    *error_flag is incremented once for that row or sequence.
 #pragma once
 
 #include <cstdint>

@@ -115,7 +115,7 @@ void commit(const CommitParams& p) {
     int32_t islot = -1;
     if (!bad && from_cache) {
       islot = p.intermediate.data && p.intermediate_indices ? p.intermediate_indices[b] : -1;
-      bad = islot >= p.intermediate.num_slots;
+      bad = islot >= p.intermediate.num_slots || (n > 0 && kept(n - 1) >= p.intermediate.num_steps);
     }
     if (bad) {
       flag_error(p.error_flag);

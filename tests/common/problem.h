@@ -108,6 +108,10 @@ class Problem {
   int64_t num_slots() const { return pool_slots_; }  // P
   int64_t state_elems() const;                      // HV*K*V
   int64_t slot_stride() const;                      // HV*K*V + slot_pad
+  // The intermediate / checkpoint buffer: Q slots of S steps, slots S*HV*K*V + slot_pad apart.
+  int64_t cache_slots() const { return cache_slots_; }
+  int64_t cache_steps() const { return cache_steps_; }
+  int64_t cache_slot_stride() const { return cache_steps_ * state_elems() + cfg_.slot_pad; }
 
   // Params (pointers through the resolver; nullptr resolver = host pointers).
   DecodeParams decode_params(const Resolver& r = nullptr);
