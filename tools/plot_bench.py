@@ -6,7 +6,8 @@
 Writes into DIR (default: $OUT, else the current folder), for the ops present in the files:
   decode_bandwidth.png   achieved TB/s vs batch, one line per shape/state/layout, copy ceiling drawn in
   verify_bandwidth.png   achieved TB/s vs batch per mode, one line per draft length T, copy ceiling drawn in
-  prefill_time.png       ms vs total tokens per shape (log-log), with the memory floor of each point
+  prefill_time.png       ms vs total tokens per shape (log-log) with each point's memory floor, and
+                         nominal TFLOP/s per sequence set
 Rows whose status is not "ok" are skipped (they are in the tables). Needs matplotlib.
 """
 import argparse
@@ -39,8 +40,10 @@ def bandwidth_units(runs):
     return (1e3, "GB/s") if cpu else (1.0, "TB/s")
 
 
-def draw_ceiling(ax, runs, scale, unit):
-    ceilings = sorted({run["copy_ceiling"]["tbps"] for run in runs if run["copy_ceiling"].get("tbps")})
+def draw_ceiling(ax, runs, op, scale, unit):
+    """The copy ceiling of each run that measured `op` (the one its rows are a percentage of)."""
+    ceilings = sorted({run["copy_ceiling"]["tbps"] for run in runs
+                       if run["copy_ceiling"].get("tbps") and any(r["op"] == op for r in run["rows"])})
     for i, c in enumerate(ceilings):
         ax.axhline(c * scale, color="black", linestyle="--", linewidth=1,
                    label=f"copy ceiling {c * scale:.2f} {unit}" if i == 0 or len(ceilings) > 1 else None)
@@ -63,7 +66,7 @@ def plot_decode(plt, runs, out):
     for label, pts in sorted(lines.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    draw_ceiling(ax, runs, scale, unit)
+    draw_ceiling(ax, runs, "decode", scale, unit)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch B (sequences, one token each)")
     ax.set_ylabel(f"achieved {unit} (state + q, k, v, o, gates)")
@@ -93,7 +96,7 @@ def plot_verify(plt, runs, out):
         for (label, t), pts in sorted(lines.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"T={t} {label}")
-        draw_ceiling(ax, runs, scale, unit)
+        draw_ceiling(ax, runs, "verify", scale, unit)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch B")
         ax.set_ylabel(f"achieved {unit}")
@@ -113,10 +116,11 @@ def plot_prefill(plt, runs, out):
     rows = ok_rows(runs, "prefill")
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [1, 1.2]})
     groups = defaultdict(list)
     for r in rows:
         groups[short(r) + (f" {r['mode']}" if r.get("mode") else "")].append(r)
+    # Left: time vs total tokens (log-log), each point with its memory floor.
     for label, rs in sorted(groups.items()):
         rs.sort(key=lambda r: (r["total_tokens"], r["seqs"]))
         x = [r["total_tokens"] for r in rs]
@@ -132,9 +136,28 @@ def plot_prefill(plt, runs, out):
     ax.set_yscale("log")
     ax.set_xlabel("total tokens T (all sequences)")
     ax.set_ylabel("ms per prefill (whole op)")
-    ax.set_title(title_of(runs, "prefill"))
+    ax.set_title("time vs tokens")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+    # Right: nominal TFLOP/s per sequence set (NxL = N sequences of L tokens), grouped bars.
+    sets = []
+    for r in sorted(rows, key=lambda r: (r["total_tokens"], r["seqs"])):
+        if r["seqs"] not in sets:
+            sets.append(r["seqs"])
+    width = 0.8 / max(1, len(groups))
+    cpu = any(run.get("backend") == "cpu" for run in runs)
+    scale, unit = (1e3, "GFLOP/s") if cpu else (1.0, "TFLOP/s")
+    for i, (label, rs) in enumerate(sorted(groups.items())):
+        by_set = {r["seqs"]: r["tflops"] * scale for r in rs if r.get("tflops")}
+        xs = [j + (i - (len(groups) - 1) / 2) * width for j, name in enumerate(sets) if name in by_set]
+        bx.bar(xs, [by_set[name] for name in sets if name in by_set], width=width, label=label)
+    bx.set_xticks(range(len(sets)))
+    bx.set_xticklabels(sets, rotation=45, ha="right", fontsize=8)
+    bx.set_ylabel(f"nominal {unit} = 4 T HV K V / time")
+    bx.set_title("throughput per sequence set (NxL = N sequences of L tokens)")
+    bx.grid(True, axis="y", alpha=0.3)
+    bx.legend(fontsize=7)
+    fig.suptitle(title_of(runs, "prefill"))
     path = os.path.join(out, "prefill_time.png")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -103,8 +103,11 @@ std::vector<int32_t> drafts_for(const Options& o) {
 
 std::vector<SeqSet> seqsets_for(const Options& o) {
   if (!o.seqsets.empty()) return o.seqsets;
-  std::vector<std::string> names = {"1x2048", "1x8192", "1x32768", "1x65536", "4096+4096",
-                                    "1024+7168", "2048x4", "1024x8", "8192x8", "8192x32"};
+  // BENCH.md's ten sets, read as it defines them (NxL = N sequences of L tokens), then the four NxL sets with
+  // N and L swapped (4x2048 = four sequences of 2048 tokens...): peers write "1024 x 8" for eight sequences of
+  // 1024, so both readings are measured and each row names its set unambiguously.
+  std::vector<std::string> names = {"1x2048", "1x8192", "1x32768", "1x65536", "4096+4096", "1024+7168", "2048x4",
+                                    "1024x8", "8192x8", "8192x32", "4x2048", "8x1024", "8x8192", "32x8192"};
   if (o.quick) names = {"1x8192", "4096+4096", "8192x8"};
   std::vector<SeqSet> sets;
   for (const auto& n : names) sets.push_back(parse_seqset(n));

@@ -33,7 +33,8 @@ bench options:
   --batches 1,2,...          decode/verify batch sizes
                              (default: decode 1,2,4,...,512; verify 1,8,32,64,128,256)
   --draft 2,3,...            verify draft tokens T (default: 2,3,4,8)
-  --seqs SET[,SET]           prefill sequence sets, NxL or A+B (default: the 10 sets of BENCH.md)
+  --seqs SET[,SET]           prefill sequence sets: NxL = N sequences of L tokens, A+B = lengths A and B
+                             (default: BENCH.md's 10 sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)
