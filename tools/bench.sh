@@ -11,11 +11,12 @@ cd "$(dirname "$0")/.."
 BUILD=${GDNKIT_BUILD_DIR:-build}
 JOBS=${GDNKIT_JOBS:-$(nproc)}
 
-GDNKIT_SKIP_PYTHON=1 bash tools/install-deps.sh
+bash tools/install-deps.sh build
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
-# The tests are not needed to benchmark; a build folder shared with tools/test.sh keeps its own setting.
-cmake -G Ninja -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGDNKIT_CUDA="${GDNKIT_CUDA:-AUTO}" >/dev/null
+# The tests are not needed to benchmark (nor GoogleTest); tools/test.sh turns them back on in the same folder.
+cmake -G Ninja -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGDNKIT_CUDA="${GDNKIT_CUDA:-AUTO}" \
+  -DGDNKIT_BUILD_TESTS=OFF -DGDNKIT_BUILD_CLI=ON >/dev/null
 cmake --build "$BUILD" -j "$JOBS" --target gdnkit_cli
 exec "$BUILD/gdnkit" bench "$@"

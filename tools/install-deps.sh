@@ -7,8 +7,12 @@
 #
 # The CUDA toolkit is not installed here: with nvcc present (PATH or /usr/local/cuda) the CUDA backend is
 # built as well, without it the build is CPU-only (GDNKIT_CUDA=AUTO).
-# GDNKIT_SKIP_PYTHON=1 skips the Python packages.
+#   bash tools/install-deps.sh          what the build, the tests and the Python package need
+#   bash tools/install-deps.sh build    only what building the library and the CLI needs (tools/bench.sh)
+# GDNKIT_SKIP_PYTHON=1 skips the Python packages. GoogleTest copied into carry/gtest (tools/carry-gtest.sh,
+# for machines without it and without a package mirror) counts as installed.
 set -euo pipefail
+mode=${1:-all}
 export DEBIAN_FRONTEND=noninteractive
 
 log() { echo "[install-deps] $*"; }
@@ -28,16 +32,19 @@ need_pkg() {  # need_pkg PACKAGE TEST-COMMAND...
 need_pkg cmake       command -v cmake
 need_pkg ninja-build command -v ninja
 need_pkg g++         command -v g++
-need_pkg libgtest-dev test -f /usr/include/gtest/gtest.h
-need_pkg python3     command -v python3
-if command -v python3 >/dev/null 2>&1; then
+here=$(cd "$(dirname "$0")/.." && pwd)
+if [ "$mode" = all ] && [ ! -f "$here/carry/gtest/include/gtest/gtest.h" ]; then
+  need_pkg libgtest-dev test -f /usr/include/gtest/gtest.h
+fi
+[ "$mode" = all ] && need_pkg python3 command -v python3
+if [ "$mode" = all ] && [ "${GDNKIT_SKIP_PYTHON:-0}" != 1 ] && command -v python3 >/dev/null 2>&1; then
   need_pkg python3-pip python3 -m pip --version
   need_pkg python3-dev python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'
 fi
 # libgtest-dev ships the static libraries on Debian 12; older ones shipped only the sources.
 have_gtest_lib=0
 for f in /usr/lib/*/libgtest.a /usr/lib/libgtest.a; do [ -f "$f" ] && have_gtest_lib=1; done
-if [ -f /usr/include/gtest/gtest.h ] && [ $have_gtest_lib = 0 ] && [[ ! " ${missing[*]} " =~ " libgtest-dev " ]]; then
+if [ "$mode" = all ] && [ -f /usr/include/gtest/gtest.h ] && [ $have_gtest_lib = 0 ] && [[ ! " ${missing[*]} " =~ " libgtest-dev " ]]; then
   missing+=(libgtest-dev)
 fi
 
@@ -57,7 +64,7 @@ if ! printf '3.24\n%s\n' "$cmake_version" | sort -V -C; then
 fi
 
 # ---- Python packages -------------------------------------------------------------------------------
-if [ "${GDNKIT_SKIP_PYTHON:-0}" != 1 ]; then
+if [ "$mode" = all ] && [ "${GDNKIT_SKIP_PYTHON:-0}" != 1 ]; then
   # module name -> requirement
   py_missing=()
   for pair in "scikit_build_core:scikit-build-core>=0.10" "nanobind:nanobind>=2.0" "numpy:numpy" "pytest:pytest"; do

@@ -40,8 +40,14 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
 
+# GoogleTest from carry/gtest where the system has none (tools/carry-gtest.sh: the GPU machine).
+gtest_root=()
+if [ ! -f /usr/include/gtest/gtest.h ] && [ -f carry/gtest/include/gtest/gtest.h ]; then
+  gtest_root=(-DGTEST_ROOT="$root/carry/gtest")
+fi
 configure() {
-  cmake -G Ninja -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGDNKIT_CUDA="${GDNKIT_CUDA:-AUTO}"
+  cmake -G Ninja -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGDNKIT_CUDA="${GDNKIT_CUDA:-AUTO}" \
+    -DGDNKIT_BUILD_TESTS=ON -DGDNKIT_BUILD_CLI=ON "${gtest_root[@]}"
 }
 build() { cmake --build "$BUILD" -j "$JOBS"; }
 run_ctest() { ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS"; }
