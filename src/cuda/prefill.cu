@@ -23,7 +23,7 @@ size_t t_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * kChunk * 2);
 }
 size_t gc_bytes(const PrefillParams& p) {
-  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * 4);
+  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * 2 * kChunk * 4);  // gcum, 1/||k||
 }
 
 // The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;

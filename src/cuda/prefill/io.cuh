@@ -89,10 +89,11 @@ __device__ __forceinline__ float sumsq8(const uint4& x) {
 }
 
 // Loads the 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (Op; rows >= L are zero) and
-// writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as the spec) or mult per row.
+// writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as the spec) or mult per row
+// (kNorm; else rnorm is not touched).
 // Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma
 // results, so the operand is the input exactly (16-bit inputs) and the L2 norm costs no extra pass.
-template <int K, class Op>
+template <int K, class Op, bool kNorm = true>
 __device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const InView& view, int head,
                                                     int64_t t0, int L, bool use_l2norm, float mult, bool vec) {
   constexpr int kVecPerRow = K / 8;  // 8, 16 or 32 lanes per row: a shuffle reduction stays in a warp
@@ -103,10 +104,12 @@ __device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const
     uint4 x = make_uint4(0, 0, 0, 0);
     if (row < L) x = load8<Op>(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8, vec);
     *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x;
-    float ss = sumsq8<Op>(x);
+    if constexpr (kNorm) {
+      float ss = sumsq8<Op>(x);
 #pragma unroll
-    for (int off = kVecPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;
+      for (int off = kVecPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;
+    }
   }
 }
 

@@ -15,6 +15,7 @@
 //       S     = exp(g_last) S + k^T diag(exp(g_last - gcum)) v_new
 //     S lives in registers (fp32 mma accumulators), with an Op copy in shared memory as the
 //     operand of k S and q S.
+// Kernel 1 also stores k's norms next to gcum, so kernel 2 computes only q's.
 // All products run on tensor cores: mma.sync m16n8k16, Op operands (bf16 for bf16 inputs, fp16 for
 // fp16/fp32 inputs), fp32 accumulation. The L2
 // norms and the scale are per-token factors applied to mma results (rows of q/k stay raw in shared
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
         for (int e = 0; e < 4; ++e) {
           const int i = warp * 16 + r + (e >> 1) * 8, j = nt * 8 + q2 + (e & 1);
           float val = 0.0f;
-          if (j < i) val = s_beta[i] * s_rk[i] * s_rk[j] * expf(s_gc[i] - s_gc[j]) * acc[nt][e];
+          if (j < i) val = s_beta[i] * s_rk[i] * s_rk[j] * __expf(s_gc[i] - s_gc[j]) * acc[nt][e];
           Af[i * LDA + j] = val;
         }
       }
@@ -169,7 +170,8 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
     Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) out[i * kChunk + col] = to_op<Op>(x[i] * bc);
-    plan.ws_gc[ws * kChunk + tid] = s_gc[tid];
+    plan.ws_gc[ws * (2 * kChunk) + tid] = s_gc[tid];
+    plan.ws_gc[ws * (2 * kChunk) + kChunk + tid] = s_rk[tid];  // the state pass reuses k's norms
   }
 }
 
@@ -293,9 +295,12 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
                                                         ws * (kChunk * kChunk));
       for (int it = tid; it < kChunk * kChunk / 8; it += kThreads)
         *reinterpret_cast<uint4*>(&sm.ts[(it >> 3) * LDT + (it & 7) * 8]) = src[it];
-      if (tid < kChunk) sm.gc[tid] = plan.ws_gc[ws * kChunk + tid];
+      if (tid < kChunk) {
+        sm.gc[tid] = plan.ws_gc[ws * (2 * kChunk) + tid];
+        sm.rk[tid] = plan.ws_gc[ws * (2 * kChunk) + kChunk + tid];
+      }
     }
-    load_rows_with_norm<K, Op>(sm.ks, sm.rk, p.k, hk, t0, L, l2, 1.0f, plan.qkv_vec);
+    load_rows_with_norm<K, Op, /*kNorm=*/false>(sm.ks, nullptr, p.k, hk, t0, L, l2, 1.0f, plan.qkv_vec);
     load_rows_with_norm<K, Op>(sm.qs, sm.rq, p.q, hk, t0, L, l2, scale, plan.qkv_vec);
     __syncthreads();
 
@@ -328,8 +333,8 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
           for (int e = 0; e < 2; ++e) {
             const int j = nt * 8 + q2 + e;
             const float gj = sm.gc[j], kj = sm.rk[j];
-            mq[nt][e] = j <= i0 ? mq[nt][e] * f0 * kj * expf(g0 - gj) : 0.0f;
-            mq[nt][2 + e] = j <= i1 ? mq[nt][2 + e] * f1 * kj * expf(g1 - gj) : 0.0f;
+            mq[nt][e] = j <= i0 ? mq[nt][e] * f0 * kj * __expf(g0 - gj) : 0.0f;
+            mq[nt][2 + e] = j <= i1 ? mq[nt][2 + e] * f1 * kj * __expf(g1 - gj) : 0.0f;
           }
         }
       }

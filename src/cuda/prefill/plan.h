@@ -23,7 +23,8 @@ inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens /
 struct Plan {
   int64_t num_slots = 0;
   void* ws_t = nullptr;    // [num_slots, HV, 64, 64] operand dtype: T' = (I + A)^{-1} diag(beta) per chunk and head
-  float* ws_gc = nullptr;  // [num_slots, HV, 64] fp32: within-chunk cumulative log decay (flat past the end)
+  float* ws_gc = nullptr;  // [num_slots, HV, 2, 64] fp32: within-chunk cumulative log decay (flat past
+                           // the end), then k's norm factor 1/||k|| (1 without the L2 norm)
   float scale = 0.0f;      // q scale (resolved default)
   bool qkv_vec = false;    // q, k, v allow 16-byte loads of 8 contiguous elements
   bool o_pair = false;     // o allows 2-element stores
@@ -31,7 +32,7 @@ struct Plan {
   int32_t num_sms = 132;
 };
 
-// Workspace bytes for the T' and gcum arrays (each 256-byte aligned).
+// Workspace bytes for the T' and gcum / norm arrays (each 256-byte aligned).
 size_t workspace_bytes(const PrefillParams& p);
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
 
