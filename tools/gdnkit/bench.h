@@ -50,6 +50,8 @@ struct Options {
   std::vector<int32_t> drafts;   // verify T; empty: default
   std::vector<SeqSet> seqsets;   // prefill; empty: default
   std::string json_path, markdown_path;
+  DType input = DType::kBFloat16;  // q, k, v, a, b (and o)
+  int32_t dim = 0;               // > 0: K = V = dim in every shape (name gets "-d<dim>")
   bool quick = false;
   bool cpu = false;
   int replays = 20;              // decode/verify graph replays (>= 15)
@@ -57,6 +59,8 @@ struct Options {
   std::string command_line;
 };
 
+// The shapes with --dim applied.
+std::vector<Shape> with_dim(const Options& o, std::vector<Shape> shapes);
 // The sweep each op runs, after defaults and --quick are applied.
 std::vector<Shape> shapes_for(const Options& o, const std::string& op);
 std::vector<DType> states_for(const Options& o, const std::string& op);

@@ -65,10 +65,20 @@ const char* verify_mode_name(VerifyMode mode) {
 
 // ---- sweeps ------------------------------------------------------------------------------------
 
+std::vector<Shape> with_dim(const Options& o, std::vector<Shape> shapes) {
+  if (o.dim > 0) {
+    for (Shape& s : shapes) {
+      s.K = s.V = o.dim;
+      s.name += "-d" + std::to_string(o.dim);
+    }
+  }
+  return shapes;
+}
+
 std::vector<Shape> shapes_for(const Options& o, const std::string& op) {
-  if (!o.shapes.empty()) return o.shapes;
-  if (op == "prefill" && !o.quick) return {*find_shape("qwen3-next"), *find_shape("qwen3.5-397b-tp8")};
-  return {*find_shape("qwen3-next")};
+  if (!o.shapes.empty()) return with_dim(o, o.shapes);
+  if (op == "prefill" && !o.quick) return with_dim(o, {*find_shape("qwen3-next"), *find_shape("qwen3.5-397b-tp8")});
+  return with_dim(o, {*find_shape("qwen3-next")});
 }
 
 std::vector<DType> states_for(const Options& o, const std::string& op) {
@@ -415,7 +425,7 @@ std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
     s += "\n";
     s += "- decode/verify: µs per call, median of CUDA-graph replays, cold L2 (calls rotate through slot sets, "
          ">= 4x L2 of state per replay); bytes = state read + written (+ fp32 intermediates) + q, k, v, o, "
-         "gates; inputs bf16\n";
+         "gates; inputs " + std::string(rows.empty() ? "bf16" : short_dtype(rows.front().input_dtype)) + "\n";
     s += "- prefill: ms per op (events around it, median of runs after warm-up), fused gating + q/k L2 norm, "
          "initial state from the pool and final state written; TFLOP/s = 4 T HV K V / time; floor = "
          "(q, k, v, o, gates, states) / copy ceiling\n";

@@ -18,7 +18,8 @@ using Clock = std::chrono::steady_clock;
 
 // The small default: every op takes microseconds to a few milliseconds on one core.
 const Shape kSmall{"cpu-small", 2, 4, 64, 64};
-constexpr DType kInput = DType::kBFloat16;
+// q, k, v, a, b dtype of this run (--input); set once by run_cpu / run_cuda.
+DType g_input = DType::kBFloat16;
 constexpr int kSamples = 7;
 
 // Host buffer with float alignment.
@@ -53,19 +54,19 @@ struct HostTokens {
   HostBuf q, k, v, o, a, b, A_log, dt_bias;
   TokenBuffers views;
   HostTokens(const Shape& s, int64_t tokens, std::mt19937_64& rng)
-      : q(size_t(tokens) * s.H * s.K * dtype_size(kInput)),
-        k(size_t(tokens) * s.H * s.K * dtype_size(kInput)),
-        v(size_t(tokens) * s.HV * s.V * dtype_size(kInput)),
-        o(size_t(tokens) * s.HV * s.V * dtype_size(kInput)),
-        a(size_t(tokens) * s.HV * dtype_size(kInput)),
-        b(size_t(tokens) * s.HV * dtype_size(kInput)),
+      : q(size_t(tokens) * s.H * s.K * dtype_size(g_input)),
+        k(size_t(tokens) * s.H * s.K * dtype_size(g_input)),
+        v(size_t(tokens) * s.HV * s.V * dtype_size(g_input)),
+        o(size_t(tokens) * s.HV * s.V * dtype_size(g_input)),
+        a(size_t(tokens) * s.HV * dtype_size(g_input)),
+        b(size_t(tokens) * s.HV * dtype_size(g_input)),
         A_log(size_t(s.HV) * 4),
         dt_bias(size_t(s.HV) * 4) {
-    fill_normal(q.get(), kInput, tokens * s.H * s.K, rng, 0, 1);
-    fill_normal(k.get(), kInput, tokens * s.H * s.K, rng, 0, 1);
-    fill_normal(v.get(), kInput, tokens * s.HV * s.V, rng, 0, 1);
-    fill_normal(a.get(), kInput, tokens * s.HV, rng, 0, 1);
-    fill_normal(b.get(), kInput, tokens * s.HV, rng, 0, 1);
+    fill_normal(q.get(), g_input, tokens * s.H * s.K, rng, 0, 1);
+    fill_normal(k.get(), g_input, tokens * s.H * s.K, rng, 0, 1);
+    fill_normal(v.get(), g_input, tokens * s.HV * s.V, rng, 0, 1);
+    fill_normal(a.get(), g_input, tokens * s.HV, rng, 0, 1);
+    fill_normal(b.get(), g_input, tokens * s.HV, rng, 0, 1);
     std::uniform_real_distribution<float> u(1.f, 16.f);
     for (int i = 0; i < s.HV; ++i) A_log.as<float>()[i] = std::log(u(rng));
     fill_normal(dt_bias.get(), DType::kFloat32, s.HV, rng, 0, 0.5);
@@ -96,7 +97,7 @@ Row base_row(const std::string& op, const Shape& s, DType state, StateLayout lay
   r.op = op;
   r.backend = "cpu";
   r.shape = s;
-  r.input_dtype = kInput;
+  r.input_dtype = g_input;
   r.state_dtype = state;
   r.layout = layout;
   return r;
@@ -108,7 +109,7 @@ Row cpu_decode(const Shape& s, DType state, StateLayout layout, int32_t B) {
   Row r = base_row("decode", s, state, layout);
   r.batch = B;
   r.total_tokens = B;
-  r.bytes = decode_bytes(s, B, kInput, state);
+  r.bytes = decode_bytes(s, B, g_input, state);
   std::mt19937_64 rng(uint64_t(B) * 31 + uint64_t(state) * 7 + uint64_t(layout));
   const int64_t pool_slots = 2 * int64_t(B) + 3;
   r.pool_slots = pool_slots;
@@ -120,12 +121,12 @@ Row cpu_decode(const Shape& s, DType state, StateLayout layout, int32_t B) {
   DecodeParams p;
   p.heads = head_config(s);
   p.batch = B;
-  set_token_views(s, kInput, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+  set_token_views(s, g_input, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
   p.state = make_pool(s, pool.get(), state, layout, pool_slots);
   p.state_indices = slots.data();
   p.error_flag = &flag;
   time_calls(r, 10, [&] { decode(p, {Backend::kCPU, nullptr}); });
-  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, int64_t(B) * s.HV * s.V);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, int64_t(B) * s.HV * s.V);
   r.error_flag = flag;
   return r;
 }
@@ -142,7 +143,7 @@ Row cpu_verify(const Shape& s, DType state, StateLayout layout, VerifyMode mode,
   for (auto& a : accepted) accepted_total += (a = int32_t(1 + rng() % uint64_t(T)));
   const bool cache = mode != VerifyMode::kCommitRecompute, commit_after = mode != VerifyMode::kCache;
   if (commit_after) r.accepted_mean = double(accepted_total) / B;
-  r.bytes = verify_bytes(s, B, T, kInput, state, mode, accepted_total);
+  r.bytes = verify_bytes(s, B, T, g_input, state, mode, accepted_total);
   const int64_t pool_slots = 2 * int64_t(B) + 3;
   r.pool_slots = pool_slots;
   HostBuf pool(size_t(pool_slots * slot_elems(s) * dtype_size(state)));
@@ -155,7 +156,7 @@ Row cpu_verify(const Shape& s, DType state, StateLayout layout, VerifyMode mode,
   p.heads = head_config(s);
   p.batch = B;
   p.num_draft_tokens = T;
-  set_token_views(s, kInput, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+  set_token_views(s, g_input, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
   p.state = make_pool(s, pool.get(), state, layout, pool_slots);
   p.state_indices = slots.data();
   p.error_flag = &flag;
@@ -170,7 +171,7 @@ Row cpu_verify(const Shape& s, DType state, StateLayout layout, VerifyMode mode,
     verify(static_cast<const VerifyParams&>(p), ctx);
     if (commit_after) commit(p, ctx);
   });
-  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, int64_t(B) * T * s.HV * s.V);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, int64_t(B) * T * s.HV * s.V);
   r.error_flag = flag;
   return r;
 }
@@ -184,7 +185,7 @@ Row cpu_prefill(const Shape& s, DType state, StateLayout layout, const SeqSet& s
   r.num_seqs = N;
   r.total_tokens = T;
   r.flops = prefill_flops(s, T);
-  r.floor_bytes = prefill_floor_bytes(s, set, kInput, state);
+  r.floor_bytes = prefill_floor_bytes(s, set, g_input, state);
   std::mt19937_64 rng(uint64_t(T) * 7 + uint64_t(N) + uint64_t(algo));
   const int64_t pool_slots = 2 * int64_t(N) + 3;
   r.pool_slots = pool_slots;
@@ -199,7 +200,7 @@ Row cpu_prefill(const Shape& s, DType state, StateLayout layout, const SeqSet& s
   p.heads = head_config(s);
   p.num_seqs = N;
   p.total_tokens = T;
-  set_token_views(s, kInput, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+  set_token_views(s, g_input, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
   p.cu_seqlens = cu.data();
   p.cu_seqlens_dtype = DType::kInt32;
   p.state = make_pool(s, pool.get(), state, layout, pool_slots);
@@ -208,7 +209,7 @@ Row cpu_prefill(const Shape& s, DType state, StateLayout layout, const SeqSet& s
   p.error_flag = &flag;
   p.cpu_algorithm = algo;
   time_calls(r, 1, [&] { prefill(p, {Backend::kCPU, nullptr}); });
-  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, T * s.HV * s.V);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, T * s.HV * s.V);
   r.error_flag = flag;
   return r;
 }
@@ -247,11 +248,12 @@ void guarded(Row fallback, const RowSink& sink, double ceiling, Fn&& fn) {
 }  // namespace
 
 void run_cpu(const Options& o, RunInfo& info, const RowSink& sink) {
+  g_input = o.input;
   info.backend = "cpu";
   info.device = "host CPU";
   info.copy_ceiling_tbps = host_copy_ceiling_tbps();
   const double ceiling = info.copy_ceiling_tbps;
-  const std::vector<Shape> shapes = o.shapes.empty() ? std::vector<Shape>{kSmall} : o.shapes;
+  const std::vector<Shape> shapes = o.shapes.empty() ? with_dim(o, {kSmall}) : shapes_for(o, "decode");
   const std::vector<DType> states =
       o.states.empty() ? std::vector<DType>{DType::kFloat32, DType::kBFloat16} : o.states;
   const std::vector<StateLayout> layouts =

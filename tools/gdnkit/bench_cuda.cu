@@ -265,7 +265,8 @@ struct DeviceTokens {
   }
 };
 
-constexpr DType kInput = DType::kBFloat16;
+// q, k, v, a, b dtype of this run (--input); set once by run_cpu / run_cuda.
+DType g_input = DType::kBFloat16;
 constexpr int kMinCallsPerReplay = 8;
 
 Row base_row(const std::string& op, const Shape& s, DType state, StateLayout layout) {
@@ -273,7 +274,7 @@ Row base_row(const std::string& op, const Shape& s, DType state, StateLayout lay
   r.op = op;
   r.backend = "cuda";
   r.shape = s;
-  r.input_dtype = kInput;
+  r.input_dtype = g_input;
   r.state_dtype = state;
   r.layout = layout;
   return r;
@@ -319,12 +320,12 @@ Row bench_decode(const Device& d, const Options& o, const Shape& s, DType state,
   r.slot_sets = sets;
   r.pool_slots = pool_slots;
   r.state_bytes_per_replay = double(calls) * B * slot_bytes;
-  r.bytes = decode_bytes(s, B, kInput, state);
+  r.bytes = decode_bytes(s, B, g_input, state);
 
   const uint64_t seed = 1000003ull * B + 17 * int(state) + int(layout);
   DevBuf pool(size_t(pool_slots * slot_bytes)), indices(size_t(sets) * B * 4), flag(4);
   fill(pool.get(), state, int64_t(pool_slots) * s.HV * s.K * s.V, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
-  DeviceTokens tok(s, kInput, int64_t(sets) * B, seed, d.stream);
+  DeviceTokens tok(s, g_input, int64_t(sets) * B, seed, d.stream);
   upload(indices.get(), random_slots(pool_slots, int64_t(sets) * B, seed).data(), indices.bytes(), d.stream);
   GDNKIT_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
 
@@ -333,7 +334,7 @@ Row bench_decode(const Device& d, const Options& o, const Shape& s, DType state,
     DecodeParams& p = params[size_t(i)];
     p.heads = head_config(s);
     p.batch = B;
-    set_token_views(s, kInput, tok.views, int64_t(i) * B, p.q, p.k, p.v, p.o, p.gating);
+    set_token_views(s, g_input, tok.views, int64_t(i) * B, p.q, p.k, p.v, p.o, p.gating);
     p.state = make_pool(s, pool.get(), state, layout, pool_slots);
     p.state_indices = indices.get<int32_t>() + int64_t(i) * B;
     p.error_flag = flag.get<int32_t>();
@@ -350,7 +351,7 @@ Row bench_decode(const Device& d, const Options& o, const Shape& s, DType state,
   const auto ms = time_graph(d, [&] { for (int j = 0; j < calls; ++j) decode(params[size_t(j % sets)], ctx); },
                              o.replays);
   fill_timing(r, ms, calls);
-  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, int64_t(sets) * B * s.HV * s.V, d.stream);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, int64_t(sets) * B * s.HV * s.V, d.stream);
   r.error_flag = read_flag(flag);
   return r;
 }
@@ -381,7 +382,7 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
   int64_t accepted_total = 0;
   for (auto& a : accepted) accepted_total += (a = int32_t(1 + rng() % uint32_t(T)));
   if (commit_after) r.accepted_mean = double(accepted_total) / B;
-  r.bytes = verify_bytes(s, B, T, kInput, state, mode, accepted_total);
+  r.bytes = verify_bytes(s, B, T, g_input, state, mode, accepted_total);
 
   const uint64_t seed = 7000003ull * B + 101 * T + 17 * int(state) + int(layout) + 3 * int(mode);
   const int64_t cache_slots = cache ? int64_t(sets) * B : 0;
@@ -389,7 +390,7 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
   DevBuf inter(size_t(cache_slots) * T * slot_elems * 4), inter_indices(size_t(std::max<int64_t>(cache_slots, 1)) * 4);
   DevBuf d_accepted(size_t(B) * 4);
   fill(pool.get(), state, pool_slots * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
-  DeviceTokens tok(s, kInput, int64_t(sets) * B * T, seed, d.stream);
+  DeviceTokens tok(s, g_input, int64_t(sets) * B * T, seed, d.stream);
   upload(indices.get(), random_slots(pool_slots, int64_t(sets) * B, seed).data(), indices.bytes(), d.stream);
   if (cache)
     upload(inter_indices.get(), random_slots(cache_slots, cache_slots, seed + 1).data(), inter_indices.bytes(),
@@ -403,7 +404,7 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
     p.heads = head_config(s);
     p.batch = B;
     p.num_draft_tokens = T;
-    set_token_views(s, kInput, tok.views, int64_t(i) * B * T, p.q, p.k, p.v, p.o, p.gating);
+    set_token_views(s, g_input, tok.views, int64_t(i) * B * T, p.q, p.k, p.v, p.o, p.gating);
     p.state = make_pool(s, pool.get(), state, layout, pool_slots);
     p.state_indices = indices.get<int32_t>() + int64_t(i) * B;
     p.error_flag = flag.get<int32_t>();
@@ -436,7 +437,7 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
   const auto ms = time_graph(d, [&] { for (int j = 0; j < calls; ++j) one_call(params[size_t(j % sets)]); },
                              o.replays);
   fill_timing(r, ms, calls);
-  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, int64_t(sets) * B * T * s.HV * s.V, d.stream);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, int64_t(sets) * B * T * s.HV * s.V, d.stream);
   r.error_flag = read_flag(flag);
   return r;
 }
@@ -452,7 +453,7 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   r.num_seqs = N;
   r.total_tokens = T;
   r.flops = prefill_flops(s, T);
-  r.floor_bytes = prefill_floor_bytes(s, set, kInput, state);
+  r.floor_bytes = prefill_floor_bytes(s, set, g_input, state);
   const int64_t slot_elems = int64_t(s.HV) * s.K * s.V;
   // Spare slots so that the N slots are a random subset; a quarter more (a set like 8192x32 has 8192 sequences,
   // 16 GiB of fp32 qwen3-next states).
@@ -467,7 +468,7 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   DevBuf pool(size_t(pool_slots * slot_elems * dtype_size(state))), cu(cu32.size() * 4), slots(size_t(N) * 4),
       flag(4);
   fill(pool.get(), state, pool_slots * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
-  DeviceTokens tok(s, kInput, T, seed, d.stream);
+  DeviceTokens tok(s, g_input, T, seed, d.stream);
   upload(cu.get(), cu32.data(), cu.bytes(), d.stream);
   upload(slots.get(), random_slots(pool_slots, N, seed).data(), slots.bytes(), d.stream);
   GDNKIT_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
@@ -476,7 +477,7 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   p.heads = head_config(s);
   p.num_seqs = N;
   p.total_tokens = T;
-  set_token_views(s, kInput, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+  set_token_views(s, g_input, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
   p.cu_seqlens = cu.get();
   p.cu_seqlens_dtype = DType::kInt32;
   p.cu_seqlens_host = cu_host.data();
@@ -512,7 +513,7 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   r.time_us_min = *std::min_element(us.begin(), us.end());
   r.time_us_max = *std::max_element(us.begin(), us.end());
   r.samples = int(us.size());
-  r.nonfinite_outputs = count_nonfinite(tok.o.get(), kInput, T * s.HV * s.V, d.stream);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, T * s.HV * s.V, d.stream);
   r.error_flag = read_flag(flag);
   return r;
 }
@@ -557,6 +558,7 @@ std::string cuda_device_summary() {
 }
 
 void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
+  g_input = o.input;
   Device d;
   int dev = 0;
   GDNKIT_CUDA_CHECK(cudaGetDevice(&dev));

@@ -30,6 +30,8 @@ bench options:
                              (default: qwen3-next; prefill also qwen3.5-397b-tp8)
   --state fp32|bf16|both     state dtype (default: decode both, verify/prefill fp32)
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
+  --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
+  --dim 64|128|256           K = V for every shape (default 128)
   --batches 1,2,...          decode/verify batch sizes
                              (default: decode 1,2,4,...,512; verify 1,8,32,64,128,256)
   --draft 2,3,...            verify draft tokens T (default: 2,3,4,8)
@@ -109,6 +111,16 @@ Options parse_bench(int argc, char** argv, int first) {
       else if (v == "vlast") o.layouts = {StateLayout::kVLast};
       else if (v == "both") o.layouts = {StateLayout::kKLast, StateLayout::kVLast};
       else usage_error("--layout: expected klast, vlast or both, got '" + v + "'");
+    } else if (a == "--input") {
+      const std::string v = value(i);
+      if (v == "bf16") o.input = DType::kBFloat16;
+      else if (v == "fp16") o.input = DType::kFloat16;
+      else if (v == "fp32") o.input = DType::kFloat32;
+      else usage_error("--input: expected bf16, fp16 or fp32, got '" + v + "'");
+    } else if (a == "--dim") {
+      const int32_t d = int_list(a, value(i), 1, 1024).front();
+      if (d != 64 && d != 128 && d != 256) usage_error("--dim: expected 64, 128 or 256, got " + std::to_string(d));
+      o.dim = d;
     } else if (a == "--batches") {
       o.batches = int_list(a, value(i), 1, 65536);
     } else if (a == "--draft") {
