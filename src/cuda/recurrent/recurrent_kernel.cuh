@@ -46,10 +46,10 @@ void launch_recurrent(const CommitParams& p, Launch what, Stream stream);
 #ifdef GDNKIT_RECURRENT_DEFINE_KERNELS
 
 template <StateLayout kLayout, class TS, class TI, int K, int V>
-__global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams p, const Launch what) {
+__global__ void __launch_bounds__(kThreads, (TileMap<kLayout, TS, K, V>::kMinBlocks)) recurrent_kernel(const CommitParams p, const Launch what) {
   using Map = TileMap<kLayout, TS, K, V>;
   constexpr bool kKLast = kLayout == StateLayout::kKLast;
-  constexpr int kBV = Map::kBV, kRuns = Map::kRuns, kRun = Map::kRun;
+  constexpr int kBV = Map::kBV, kRuns = Map::kRuns, kChunks = Map::kChunks, kVec = Map::kVec;
   constexpr int kBlocksV = V / kBV;
   constexpr int64_t kHeadElems = int64_t(K) * V;
 
@@ -120,15 +120,19 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
 
   // ---- the state tile -------------------------------------------------------------------------
   TS* const head = static_cast<TS*>(p.state.data) + int64_t(slot) * p.state.slot_stride + hv * kHeadElems;
-  float s[kRuns][kRun];
+  float s[kRuns][kChunks][kVec];
   const auto load_root = [&] {
 #pragma unroll
-    for (int r = 0; r < kRuns; ++r) load_vec<TS, kRun>(head + Map::run_offset(tid, vb, r), s[r]);
+    for (int r = 0; r < kRuns; ++r)
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) load_vec<TS, kVec>(head + Map::chunk_offset(tid, vb, r, c), s[r][c]);
   };
   const auto store_tile = [&](auto* base) {
     using E = std::remove_pointer_t<decltype(base)>;
 #pragma unroll
-    for (int r = 0; r < kRuns; ++r) store_vec<E, kRun>(base + Map::run_offset(tid, vb, r), s[r]);
+    for (int r = 0; r < kRuns; ++r)
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) store_vec<E, kVec>(base + Map::chunk_offset(tid, vb, r, c), s[r][c]);
   };
   load_root();  // issued first: the token staging below overlaps these loads
 
@@ -180,25 +184,29 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
     const float decay = expf(s_gate[0]), beta = s_gate[1];
 
     if constexpr (kKLast) {
-      // Runs are along k: this thread's 16 k of q and k, dot products per run (= per v).
-      float kr[kRun], qr[kRun];
-      const int k0 = Map::k0(tid);
+      // This thread's k (see TileMap): q and k of the token, dot products per run (= per v).
+      float kr[kChunks][kVec], qr[kChunks][kVec];
 #pragma unroll
-      for (int e = 0; e < kRun; e += 4) {
-        const float4 k4 = *reinterpret_cast<const float4*>(&s_k[k0 + e]);
-        const float4 q4 = *reinterpret_cast<const float4*>(&s_q[k0 + e]);
-        kr[e] = k4.x * rk, kr[e + 1] = k4.y * rk, kr[e + 2] = k4.z * rk, kr[e + 3] = k4.w * rk;
-        qr[e] = q4.x * rq, qr[e + 1] = q4.y * rq, qr[e + 2] = q4.z * rq, qr[e + 3] = q4.w * rq;
-      }
+      for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+        for (int j = 0; j < kVec; j += 4) {
+          const int k = Map::k_of(tid, c, j);
+          const float4 k4 = *reinterpret_cast<const float4*>(&s_k[k]);
+          const float4 q4 = *reinterpret_cast<const float4*>(&s_q[k]);
+          kr[c][j] = k4.x * rk, kr[c][j + 1] = k4.y * rk, kr[c][j + 2] = k4.z * rk, kr[c][j + 3] = k4.w * rk;
+          qr[c][j] = q4.x * rq, qr[c][j + 1] = q4.y * rq, qr[c][j + 2] = q4.z * rq, qr[c][j + 3] = q4.w * rq;
+        }
       float pk[kRuns], pq[kRuns];
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
         pk[r] = 0.0f, pq[r] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < kRun; ++e) {
-          pk[r] = fmaf(s[r][e], kr[e], pk[r]);
-          pq[r] = fmaf(s[r][e], qr[e], pq[r]);
-        }
+        for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            pk[r] = fmaf(s[r][c][j], kr[c][j], pk[r]);
+            pq[r] = fmaf(s[r][c][j], qr[c][j], pq[r]);
+          }
       }
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
@@ -211,7 +219,9 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
         const float u = beta * (s_v[vl] - decay * pk[r]);
         if (write_o && Map::writes_output(tid)) out_ptr(tok)[vl] = from_float<TI>(decay * pq[r] + kq_n * u);
 #pragma unroll
-        for (int e = 0; e < kRun; ++e) s[r][e] = fmaf(kr[e], u, decay * s[r][e]);
+        for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) s[r][c][j] = fmaf(kr[c][j], u, decay * s[r][c][j]);
       }
     } else {
       // Runs are along v: this thread's kRuns k rows; dot products per element (= per v), reduced
@@ -222,33 +232,33 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const CommitParams 
         kr[r] = s_k[Map::k_of_run(tid, r)] * rk;
         qr[r] = s_q[Map::k_of_run(tid, r)] * rq;
       }
-      float pk[kRun], pq[kRun];
+      float pk[kVec], pq[kVec];
 #pragma unroll
-      for (int e = 0; e < kRun; ++e) {
+      for (int e = 0; e < kVec; ++e) {
         pk[e] = 0.0f, pq[e] = 0.0f;
 #pragma unroll
         for (int r = 0; r < kRuns; ++r) {
-          pk[e] = fmaf(s[r][e], kr[r], pk[e]);
-          pq[e] = fmaf(s[r][e], qr[r], pq[e]);
+          pk[e] = fmaf(s[r][0][e], kr[r], pk[e]);
+          pq[e] = fmaf(s[r][0][e], qr[r], pq[e]);
         }
         pk[e] = group_sum<Map::kThreadsV>(pk[e]);
         pq[e] = group_sum<Map::kThreadsV>(pq[e]);
       }
-      const int c0 = Map::tv(tid) * kRun;  // first local column of this thread
+      const int c0 = Map::tv(tid) * kVec;  // first local column of this thread
       if (lane < Map::kThreadsV) {
 #pragma unroll
-        for (int e = 0; e < kRun; ++e) s_red[warp][c0 + e][0] = pk[e], s_red[warp][c0 + e][1] = pq[e];
+        for (int e = 0; e < kVec; ++e) s_red[warp][c0 + e][0] = pk[e], s_red[warp][c0 + e][1] = pq[e];
       }
       __syncthreads();
 #pragma unroll
-      for (int e = 0; e < kRun; ++e) {
+      for (int e = 0; e < kVec; ++e) {
         float sk = 0.0f, sq = 0.0f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) sk += s_red[w][c0 + e][0], sq += s_red[w][c0 + e][1];
         const float u = beta * (s_v[c0 + e] - decay * sk);
         if (write_o && Map::writes_output(tid)) out_ptr(tok)[c0 + e] = from_float<TI>(decay * sq + kq_n * u);
 #pragma unroll
-        for (int r = 0; r < kRuns; ++r) s[r][e] = fmaf(kr[r], u, decay * s[r][e]);
+        for (int r = 0; r < kRuns; ++r) s[r][0][e] = fmaf(kr[r], u, decay * s[r][0][e]);
       }
     }
   };
