@@ -168,6 +168,7 @@ void run_cpu(const Options& o, RunInfo& info, const RowSink& sink);
 #ifdef GDNKIT_WITH_CUDA
 void run_cuda(const Options& o, RunInfo& info, const RowSink& sink);
 std::string cuda_device_summary();  // for `gdnkit info`: clocks, L2, memory per device
+std::string cuda_op_probe();        // for `gdnkit info`: "decode ok, verify not implemented, ..."; "" without a GPU
 #endif
 
 }  // namespace gdnkit::bench

@@ -536,6 +536,64 @@ void guarded(Row fallback, const RowSink& sink, double ceiling, Fn&& fn) {
 
 }  // namespace
 
+std::string cuda_op_probe() {
+  if (!cuda_available()) return "";
+  // One tiny problem per op (H=1, HV=2, K=V=128, two tokens): tells which CUDA entries are implemented.
+  const Shape s{"probe", 1, 2, 128, 128};
+  const int64_t slot = int64_t(s.HV) * s.K * s.V;
+  Device d;
+  const Context ctx = d.ctx();
+  DeviceTokens tok(s, DType::kBFloat16, 2, 5, d.stream);
+  DevBuf pool(size_t(2 * slot * 4)), other(size_t(2 * slot * 4)), inter(size_t(2 * slot * 4)), ints(64);
+  fill(pool.get(), DType::kFloat32, 2 * slot, 9, Fill::kNormal, 0.f, 0.05f, d.stream);
+  const int32_t host_ints[8] = {1, 0, 1, 0, 2, 0, 0, 0};  // slot, islot, accepted, cu_seqlens {0, 2}, flag
+  upload(ints.get(), host_ints, sizeof host_ints, d.stream);
+  int32_t* di = ints.get<int32_t>();
+  std::string out;
+  auto attempt = [&](const char* name, auto&& call) {
+    std::string st = "ok";
+    try {
+      call();
+      GDNKIT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+    } catch (const Error& e) {
+      st = e.code() == ErrorCode::kNotImplemented ? "not implemented" : std::string("error (") + e.what() + ")";
+    }
+    out += std::string(out.empty() ? "" : ", ") + name + " " + st;
+  };
+  CommitParams p;
+  p.heads = head_config(s);
+  p.batch = 1;
+  p.num_draft_tokens = 2;
+  set_token_views(s, DType::kBFloat16, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+  p.state = make_pool(s, pool.get(), DType::kFloat32, StateLayout::kKLast, 2);
+  p.state_indices = di;
+  p.error_flag = di + 7;
+  p.intermediate = {inter.get(), DType::kFloat32, StateLayout::kKLast, 1, 2, 2 * slot};
+  p.intermediate_indices = di + 1;
+  p.accepted = di + 2;
+  attempt("decode", [&] { decode(static_cast<const DecodeParams&>(p), ctx); });
+  attempt("verify", [&] { verify(static_cast<const VerifyParams&>(p), ctx); });
+  attempt("commit", [&] { commit(p, ctx); });
+  PrefillParams pf;
+  pf.heads = head_config(s);
+  pf.num_seqs = 1;
+  pf.total_tokens = 2;
+  set_token_views(s, DType::kBFloat16, tok.views, 0, pf.q, pf.k, pf.v, pf.o, pf.gating);
+  pf.cu_seqlens = di + 3;
+  pf.state = p.state;
+  pf.initial_indices = di;
+  pf.final_indices = di;
+  attempt("prefill", [&] { prefill(pf, ctx); });
+  LayoutParams lp;
+  lp.num_v_heads = s.HV;
+  lp.head_dim_k = s.K;
+  lp.head_dim_v = s.V;
+  lp.src = p.state;
+  lp.dst = make_pool(s, other.get(), DType::kFloat32, StateLayout::kVLast, 2);
+  attempt("convert_layout", [&] { convert_layout(lp, ctx); });
+  return out;
+}
+
 std::string cuda_device_summary() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {

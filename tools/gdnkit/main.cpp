@@ -226,6 +226,12 @@ int info() {
               cuda_available() ? "yes" : "no");
 #ifdef GDNKIT_WITH_CUDA
   std::printf("cuda devices:\n%s", cuda_device_summary().c_str());
+  try {
+    const std::string ops = cuda_op_probe();
+    if (!ops.empty()) std::printf("cuda ops (one tiny call each): %s\n", ops.c_str());
+  } catch (const std::exception& e) {
+    std::printf("cuda ops: probe failed: %s\n", e.what());
+  }
 #endif
   std::printf(
       "\nsupported configurations (SPEC.md):\n"
