@@ -194,6 +194,24 @@ TEST(SemOutOfRange, CommitBadAcceptedPathOrCacheSlot) {
     }
 }
 
+TEST(SemOutOfRange, CommitCachedStepBeyondTheCache) {
+  // A cache with fewer steps than the kept token's index: that row is skipped and counted.
+  ProblemConfig c = verify_config();
+  c.update_state = false;
+  Problem p(c);
+  cpu::verify(p.verify_params());
+  for (int32_t r = 0; r < p.rows(); ++r) index_at(p, "accepted", r) = r == 1 ? 4 : 2;
+  const Problem before = p;
+  CommitParams cp = p.commit_params(CommitSource::kCache);
+  cp.intermediate.num_steps = 3;  // steps 0..2 exist; row 1 needs step 3
+  cpu::commit(cp);
+  EXPECT_EQ(p.as<int32_t>("error_flag")[0], 1);
+  std::vector<int64_t> written = before.written_pool_slots_commit();
+  written.erase(std::remove(written.begin(), written.end(), int64_t(index_at(p, "state_indices", 1))), written.end());
+  EXPECT_EQ(written.size(), 3u);
+  EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state", written));
+}
+
 ProblemConfig prefill_config() {
   ProblemConfig c;
   c.op = OpKind::kPrefill;
