@@ -72,7 +72,7 @@ fi
 # Python package (tests/python, python/README.md): the extension built against this build's library
 # (GDNKIT_PY_PIP=1: `pip install --no-build-isolation .` instead), the pytest suite (GPU tests included),
 # then `python -m gdnkit.bench`: gdnkit vs FLA on identical inputs (fla_compare.{json,md}; options in
-# GDNKIT_PYBENCH_ARGS). FLA's wheels in .whl/ (carry them) are installed to /tmp/site when present.
+# GDNKIT_PYBENCH_ARGS, GDNKIT_PYBENCH=0 skips it; GDNKIT_PYTEST_ARGS adds pytest options). FLA's wheels in .whl/ (carry them) are installed to /tmp/site when present.
 if want python; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -94,15 +94,19 @@ if want python; then
   [ $rc -eq 0 ] || tail -30 "$OUT/python_build.log"
   note "python build: rc=$rc"
   if [ $rc -eq 0 ]; then
-    PYTHONPATH=$py_path python3 -m pytest tests/python -q -rs -p no:cacheprovider >"$OUT/python_tests.log" 2>&1
+    # shellcheck disable=SC2086
+    PYTHONPATH=$py_path python3 -m pytest tests/python -q -rs -p no:cacheprovider ${GDNKIT_PYTEST_ARGS:-} \
+      >"$OUT/python_tests.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/python_tests.log" | head -30
     note "python tests: rc=$rc ($(tail -1 "$OUT/python_tests.log"))"
-    # shellcheck disable=SC2086
-    PYTHONPATH=$py_path python3 -m gdnkit.bench --out "$OUT" ${GDNKIT_PYBENCH_ARGS:-} >"$OUT/fla_compare.log" 2>&1
-    rc=$?
-    [ $rc -eq 0 ] || tail -30 "$OUT/fla_compare.log"
-    note "fla compare (python -m gdnkit.bench): rc=$rc"
+    if [ "${GDNKIT_PYBENCH:-1}" = 1 ]; then
+      # shellcheck disable=SC2086
+      PYTHONPATH=$py_path python3 -m gdnkit.bench --out "$OUT" ${GDNKIT_PYBENCH_ARGS:-} >"$OUT/fla_compare.log" 2>&1
+      rc=$?
+      [ $rc -eq 0 ] || tail -30 "$OUT/fla_compare.log"
+      note "fla compare (python -m gdnkit.bench): rc=$rc"
+    fi
   fi
 fi
 
