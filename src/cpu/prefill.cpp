@@ -79,8 +79,12 @@ void prefill_chunked(const PrefillParams& p) { detail::run_prefill(p, detail::ch
 void prefill(const PrefillParams& p) {
   switch (p.cpu_algorithm) {
     case PrefillAlgorithm::kAuto:  // the recurrence is the reference
-    case PrefillAlgorithm::kRecurrent: prefill_recurrent(p); return;
-    case PrefillAlgorithm::kChunked: prefill_chunked(p); return;
+    case PrefillAlgorithm::kRecurrent:
+      prefill_recurrent(p);
+      return;
+    case PrefillAlgorithm::kChunked:
+      prefill_chunked(p);
+      return;
   }
   throw Error(ErrorCode::kInvalidArgument,
               "prefill: cpu_algorithm " + std::to_string(int(p.cpu_algorithm)) + " is not auto, recurrent or chunked");

@@ -23,7 +23,7 @@ using SequenceFn = void (*)(const TokenReader& reader, const OutView& o, int64_t
 void run_prefill(const PrefillParams& p, SequenceFn fn);
 
 // The chunked algorithm for one (sequence, head): see prefill_chunked.cpp.
-void chunked_sequence(const TokenReader& reader, const OutView& o, int64_t start, int64_t len, int h,
-                      int64_t interval, double* S, const CheckpointFn& checkpoint);
+void chunked_sequence(const TokenReader& reader, const OutView& o, int64_t start, int64_t len, int h, int64_t interval,
+                      double* S, const CheckpointFn& checkpoint);
 
 }  // namespace gdnkit::cpu::detail

@@ -129,8 +129,8 @@ void state_pass(const double* Kc, const double* U, const double* G, int L, int K
 
 namespace detail {
 
-void chunked_sequence(const TokenReader& reader, const OutView& o, int64_t start, int64_t len, int h,
-                      int64_t interval, double* S, const CheckpointFn& checkpoint) {
+void chunked_sequence(const TokenReader& reader, const OutView& o, int64_t start, int64_t len, int h, int64_t interval,
+                      double* S, const CheckpointFn& checkpoint) {
   using chunk::kChunk;
   const int K = reader.K(), V = reader.V();
   std::vector<double> Qc(kChunk * K), Kc(kChunk * K), Vc(kChunk * V), G(kChunk), beta(kChunk);

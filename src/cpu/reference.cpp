@@ -10,12 +10,14 @@ namespace gdnkit::cpu::detail {
 
 void load_state(const void* base, DType dtype, StateLayout layout, int64_t offset, int K, int V, double* S) {
   for (int k = 0; k < K; ++k)
-    for (int v = 0; v < V; ++v) S[int64_t(k) * V + v] = host::load(base, dtype, offset + state_elem(layout, K, V, k, v));
+    for (int v = 0; v < V; ++v)
+      S[int64_t(k) * V + v] = host::load(base, dtype, offset + state_elem(layout, K, V, k, v));
 }
 
 void store_state(void* base, DType dtype, StateLayout layout, int64_t offset, int K, int V, const double* S) {
   for (int k = 0; k < K; ++k)
-    for (int v = 0; v < V; ++v) host::store(base, dtype, offset + state_elem(layout, K, V, k, v), S[int64_t(k) * V + v]);
+    for (int v = 0; v < V; ++v)
+      host::store(base, dtype, offset + state_elem(layout, K, V, k, v), S[int64_t(k) * V + v]);
 }
 
 TokenReader::TokenReader(const HeadConfig& heads, const InView& q, const InView& k, const InView& v,

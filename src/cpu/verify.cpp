@@ -25,8 +25,7 @@ bool row_range(const VerifyParams& p, int32_t b, int64_t* start, int64_t* len) {
 }
 
 void zero_row(const VerifyParams& p, int64_t start, int64_t len) {
-  for (int64_t t = 0; t < len; ++t)
-    detail::zero_output(p.o, start + t, p.heads.num_v_heads, p.heads.head_dim_v);
+  for (int64_t t = 0; t < len; ++t) detail::zero_output(p.o, start + t, p.heads.num_v_heads, p.heads.head_dim_v);
 }
 
 }  // namespace
@@ -61,8 +60,8 @@ void verify(const VerifyParams& p) {
     // Trees keep the state after every token (in double): token t continues from parent[t]'s state.
     std::vector<double> after(tree ? len * KV : KV);
     for (int h = 0; h < HV; ++h) {
-      detail::load_state(p.state.data, p.state.dtype, p.state.layout, detail::pool_offset(p.state, slot, h, K, V), K,
-                         V, pool_state.data());
+      detail::load_state(p.state.data, p.state.dtype, p.state.layout, detail::pool_offset(p.state, slot, h, K, V), K, V,
+                         pool_state.data());
       if (!tree) after.assign(pool_state.begin(), pool_state.end());
       for (int64_t t = 0; t < len; ++t) {
         double* S = tree ? after.data() + t * KV : after.data();

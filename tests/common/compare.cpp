@@ -82,13 +82,13 @@ ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& 
     return ::testing::AssertionFailure() << what << ": " << x.bytes.size() << " bytes vs " << ref.bytes.size();
   for (size_t i = 0; i < x.bytes.size(); ++i)
     if (x.bytes[i] != ref.bytes[i])
-      return ::testing::AssertionFailure() << what << ": byte " << i << " differs (" << int(x.bytes[i]) << " vs "
-                                           << int(ref.bytes[i]) << ")";
+      return ::testing::AssertionFailure()
+             << what << ": byte " << i << " differs (" << int(x.bytes[i]) << " vs " << int(ref.bytes[i]) << ")";
   return ::testing::AssertionSuccess();
 }
 
-::testing::AssertionResult UntouchedSlotsEqual(const Problem& before, const Problem& after,
-                                               const std::string& name, const std::vector<int64_t>& written) {
+::testing::AssertionResult UntouchedSlotsEqual(const Problem& before, const Problem& after, const std::string& name,
+                                               const std::vector<int64_t>& written) {
   const Buffer& a = after.buffer(name);
   const Buffer& b = before.buffer(name);
   if (a.bytes.size() != b.bytes.size())

@@ -16,7 +16,7 @@ namespace gdnkit::test {
 
 // SPEC.md "Tolerances": rel = ||x - ref|| / ||ref|| against an fp64 reference.
 // "Step" ops are decode, verify and commit; prefill is the chunked prefill.
-inline constexpr double kStepOutBf16 = 4e-3;   // also used for fp16 outputs
+inline constexpr double kStepOutBf16 = 4e-3;  // also used for fp16 outputs
 inline constexpr double kStepOutFp32 = 5e-5;
 inline constexpr double kStepStateFp32 = 1e-5;
 inline constexpr double kStepStateBf16 = 8e-3;
@@ -30,10 +30,10 @@ double output_tolerance(OpFamily op, DType out_dtype);
 double state_tolerance(OpFamily op, DType state_dtype);
 
 struct ErrorStats {
-  double rel = 0;        // ||x - ref|| / ||ref|| (||x - ref|| when ||ref|| == 0)
-  double max_abs = 0;    // max |x - ref|
-  int64_t worst = -1;    // index of max_abs
-  int64_t nan_count = 0; // non-finite values in x (or ref)
+  double rel = 0;         // ||x - ref|| / ||ref|| (||x - ref|| when ||ref|| == 0)
+  double max_abs = 0;     // max |x - ref|
+  int64_t worst = -1;     // index of max_abs
+  int64_t nan_count = 0;  // non-finite values in x (or ref)
   double ref_norm = 0;
 };
 ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& ref);
@@ -51,8 +51,8 @@ ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& 
 // The pool buffer `name` of `after` equals `before` bit for bit, except the state region
 // [slot * slot_stride, slot * slot_stride + HV*K*V) of each slot in `written` (the slot padding is
 // compared too).
-::testing::AssertionResult UntouchedSlotsEqual(const Problem& before, const Problem& after,
-                                               const std::string& name, const std::vector<int64_t>& written);
+::testing::AssertionResult UntouchedSlotsEqual(const Problem& before, const Problem& after, const std::string& name,
+                                               const std::vector<int64_t>& written);
 
 // Token rows of a [T_total][heads][dim] read (Problem::read_tokens) belonging to rows [t0, t1).
 std::vector<double> token_rows(const std::vector<double>& x, int64_t row_elems, int64_t t0, int64_t t1);

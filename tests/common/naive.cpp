@@ -6,8 +6,7 @@
 
 namespace gdnkit::test {
 
-NaiveModel::NaiveModel(const Problem& p)
-    : H_(p.config().H), HV_(p.config().HV), K_(p.config().K), V_(p.config().V) {
+NaiveModel::NaiveModel(const Problem& p) : H_(p.config().H), HV_(p.config().HV), K_(p.config().K), V_(p.config().V) {
   const ProblemConfig& c = p.config();
   q_ = p.read_tokens("q");
   k_ = p.read_tokens("k");
@@ -75,9 +74,14 @@ std::vector<double> round_to(const std::vector<double>& x, DType dtype) {
   for (size_t i = 0; i < x.size(); ++i) {
     const float f = float(x[i]);
     switch (dtype) {
-      case DType::kBFloat16: out[i] = host::bf16_to_float(host::float_to_bf16(f)); break;
-      case DType::kFloat16: out[i] = host::fp16_to_float(host::float_to_fp16(f)); break;
-      default: out[i] = f;
+      case DType::kBFloat16:
+        out[i] = host::bf16_to_float(host::float_to_bf16(f));
+        break;
+      case DType::kFloat16:
+        out[i] = host::fp16_to_float(host::float_to_fp16(f));
+        break;
+      default:
+        out[i] = f;
     }
   }
   return out;

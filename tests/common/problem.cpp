@@ -16,13 +16,9 @@ int64_t elems_of(const Buffer& b, DType dtype) { return int64_t(b.bytes.size()) 
 
 bool is_qk(const std::string& name) { return name == "q" || name == "k"; }
 bool is_vo(const std::string& name) { return name == "v" || name == "o"; }
-bool is_gate(const std::string& name) {
-  return name == "g" || name == "beta" || name == "a" || name == "b";
-}
+bool is_gate(const std::string& name) { return name == "g" || name == "beta" || name == "a" || name == "b"; }
 
-StateLayout other(StateLayout l) {
-  return l == StateLayout::kKLast ? StateLayout::kVLast : StateLayout::kKLast;
-}
+StateLayout other(StateLayout l) { return l == StateLayout::kKLast ? StateLayout::kVLast : StateLayout::kKLast; }
 
 // Offset of S[h][k][v] inside one slot / cache step.
 int64_t state_offset(StateLayout layout, int K, int V, int h, int k, int v) {
@@ -39,9 +35,14 @@ void fill_nan(void* data, DType dtype, int64_t count) {
       for (int64_t i = 0; i < count; ++i) std::memcpy(static_cast<char*>(data) + 4 * i, &nan, 4);
       return;
     }
-    case DType::kBFloat16: std::fill_n(static_cast<uint16_t*>(data), count, uint16_t(0x7fc0)); return;
-    case DType::kFloat16: std::fill_n(static_cast<uint16_t*>(data), count, uint16_t(0x7e00)); return;
-    default: throw std::invalid_argument("fill_nan: not a float dtype");
+    case DType::kBFloat16:
+      std::fill_n(static_cast<uint16_t*>(data), count, uint16_t(0x7fc0));
+      return;
+    case DType::kFloat16:
+      std::fill_n(static_cast<uint16_t*>(data), count, uint16_t(0x7e00));
+      return;
+    default:
+      throw std::invalid_argument("fill_nan: not a float dtype");
   }
 }
 
@@ -120,8 +121,8 @@ struct Rng {
 };
 
 // Per-token tensor [T, heads, dim] with strides: NaN everywhere, then N(0,1) in the logical elements.
-void fill_token_tensor(Buffer& buf, DType dtype, int64_t T, int heads, int dim, int64_t ts, int64_t hs,
-                       Rng* rng, std::vector<double>* values) {
+void fill_token_tensor(Buffer& buf, DType dtype, int64_t T, int heads, int dim, int64_t ts, int64_t hs, Rng* rng,
+                       std::vector<double>* values) {
   fill_nan(buf.bytes.data(), dtype, elems_of(buf, dtype));
   if (!rng) return;
   for (int64_t t = 0; t < T; ++t)
@@ -156,14 +157,16 @@ void Problem::build_tokens(std::mt19937_64& gen) {
     std::vector<double> a(total_ * HV), b(total_ * HV), A_log(HV), dt_bias(HV);
     for (auto& x : a) x = rng.normal();
     for (auto& x : b) x = rng.normal();
-    for (auto& x : A_log)
-      x = cfg_.long_memory ? std::log(rng.uniform(1e-3, 1e-2)) : std::log(rng.uniform(1.0, 16.0));
+    for (auto& x : A_log) x = cfg_.long_memory ? std::log(rng.uniform(1e-3, 1e-2)) : std::log(rng.uniform(1.0, 16.0));
     for (auto& x : dt_bias) x = rng.normal(0.5);
     auto round_to = [](double x, DType d) {
       switch (d) {
-        case DType::kBFloat16: return double(host::bf16_to_float(host::float_to_bf16(float(x))));
-        case DType::kFloat16: return double(host::fp16_to_float(host::float_to_fp16(float(x))));
-        default: return double(float(x));
+        case DType::kBFloat16:
+          return double(host::bf16_to_float(host::float_to_bf16(float(x))));
+        case DType::kFloat16:
+          return double(host::fp16_to_float(host::float_to_fp16(float(x))));
+        default:
+          return double(float(x));
       }
     };
     for (auto& x : a) x = round_to(x, cfg_.gate_dtype);
@@ -333,8 +336,8 @@ void Problem::build_prefill() {
     int64_t max_len = 0;
     for (auto l : lens_) max_len = std::max(max_len, l);
     cache_slots_ = rows_ + 1;
-    cache_steps_ = cfg_.checkpoint_steps > 0 ? cfg_.checkpoint_steps
-                                             : std::max<int64_t>(1, max_len / cfg_.checkpoint_interval);
+    cache_steps_ =
+        cfg_.checkpoint_steps > 0 ? cfg_.checkpoint_steps : std::max<int64_t>(1, max_len / cfg_.checkpoint_interval);
     const int64_t stride = cache_steps_ * state_elems() + cfg_.slot_pad;
     Buffer& cp = add("checkpoints", size_t(cache_slots_ * stride) * dtype_size(cfg_.cache_dtype), true);
     fill_nan(cp.bytes.data(), cfg_.cache_dtype, cache_slots_ * stride);

@@ -51,14 +51,14 @@ struct ProblemConfig {
   StateLayout layout = StateLayout::kKLast;
   GateMode gate_mode = GateMode::kFused;
   bool use_qk_l2norm = true;
-  float scale = 0.0f;         // <= 0: 1/sqrt(K)
-  int32_t token_pad = 0;      // extra elements after each token row (q/k/v/o and gates)
-  int32_t head_pad = 0;       // extra elements after each head (q/k/v/o)
-  int64_t slot_pad = 0;       // extra elements per pool / cache slot
-  int32_t pool_slots = 0;     // P; 0: 2 * rows + 3 (so some slots are never touched)
-  int32_t padding_rows = 0;   // decode/verify: rows whose state slot is -1
-  bool long_memory = false;   // A_log = log U(1e-3, 1e-2) instead of log U(1, 16)
-  double state_scale = 0.5;   // initial pool states ~ N(0, state_scale^2)
+  float scale = 0.0f;        // <= 0: 1/sqrt(K)
+  int32_t token_pad = 0;     // extra elements after each token row (q/k/v/o and gates)
+  int32_t head_pad = 0;      // extra elements after each head (q/k/v/o)
+  int64_t slot_pad = 0;      // extra elements per pool / cache slot
+  int32_t pool_slots = 0;    // P; 0: 2 * rows + 3 (so some slots are never touched)
+  int32_t padding_rows = 0;  // decode/verify: rows whose state slot is -1
+  bool long_memory = false;  // A_log = log U(1e-3, 1e-2) instead of log U(1, 16)
+  double state_scale = 0.5;  // initial pool states ~ N(0, state_scale^2)
   uint64_t seed = 1;
   // verify / commit
   bool tree = false;          // random parent[] (each parent[t] in [-1, t-1])
@@ -80,8 +80,14 @@ struct Buffer {
   std::string name;
   std::vector<std::byte> bytes;
   bool is_output = false;  // the op may write it (copy back after a device run)
-  template <class T> T* as() { return reinterpret_cast<T*>(bytes.data()); }
-  template <class T> const T* as() const { return reinterpret_cast<const T*>(bytes.data()); }
+  template <class T>
+  T* as() {
+    return reinterpret_cast<T*>(bytes.data());
+  }
+  template <class T>
+  const T* as() const {
+    return reinterpret_cast<const T*>(bytes.data());
+  }
 };
 
 // Maps a buffer to the pointer the params should carry (e.g. its device mirror).
@@ -97,17 +103,23 @@ class Problem {
   bool has(const std::string& name) const;
   Buffer& buffer(const std::string& name);
   const Buffer& buffer(const std::string& name) const;
-  template <class T> T* as(const std::string& name) { return buffer(name).as<T>(); }
-  template <class T> const T* as(const std::string& name) const { return buffer(name).as<T>(); }
+  template <class T>
+  T* as(const std::string& name) {
+    return buffer(name).as<T>();
+  }
+  template <class T>
+  const T* as(const std::string& name) const {
+    return buffer(name).as<T>();
+  }
 
   // Sizes.
-  int32_t rows() const { return rows_; }            // B (decode/verify) or N (prefill)
-  int64_t total_tokens() const { return total_; }   // T_total
+  int32_t rows() const { return rows_; }           // B (decode/verify) or N (prefill)
+  int64_t total_tokens() const { return total_; }  // T_total
   int64_t row_start(int32_t r) const { return starts_[r]; }
   int64_t row_len(int32_t r) const { return lens_[r]; }
   int64_t num_slots() const { return pool_slots_; }  // P
-  int64_t state_elems() const;                      // HV*K*V
-  int64_t slot_stride() const;                      // HV*K*V + slot_pad
+  int64_t state_elems() const;                       // HV*K*V
+  int64_t slot_stride() const;                       // HV*K*V + slot_pad
   // The intermediate / checkpoint buffer: Q slots of S steps, slots S*HV*K*V + slot_pad apart.
   int64_t cache_slots() const { return cache_slots_; }
   int64_t cache_steps() const { return cache_steps_; }

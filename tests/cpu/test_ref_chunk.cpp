@@ -29,7 +29,10 @@ ChunkInputs random_chunk(int L, int K, int V, double decay, uint64_t seed) {
   ChunkInputs c{L, K, V, Mat(L * K), Mat(L * K), Mat(L * V), Mat(L), Mat(L), Mat(K * V)};
   auto unit = [&](double* x, double scale) {
     double ss = 0;
-    for (int d = 0; d < K; ++d) ss += (x[d] = n01(gen)) * x[d];
+    for (int d = 0; d < K; ++d) {
+      x[d] = n01(gen);
+      ss += x[d] * x[d];
+    }
     for (int d = 0; d < K; ++d) x[d] *= scale / std::sqrt(ss);
   };
   for (int i = 0; i < L; ++i) {
@@ -94,7 +97,10 @@ TEST(RefChunkStages, WyValuesSolveTheDeltaSystem) {
 
 // One chunk (all stages) == L steps of the shared recurrence step, outputs and the state after it.
 TEST(RefChunkStages, ChunkEqualsRecurrenceSteps) {
-  struct Case { int L, K, V; double decay; };
+  struct Case {
+    int L, K, V;
+    double decay;
+  };
   for (const Case k : {Case{1, 64, 64, 1.0}, Case{37, 128, 64, 1.0}, Case{64, 128, 128, 0.01}, Case{64, 64, 256, 60.0},
                        Case{64, 256, 128, 3.0}}) {
     const ChunkInputs c = random_chunk(k.L, k.K, k.V, k.decay, 7 + k.L + k.K);

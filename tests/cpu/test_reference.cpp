@@ -109,7 +109,8 @@ TEST(RefClosedForm, PrefillEqualsExpandedProduct) {
           }
           if (t == p.row_len(n) - 1) std::copy(Sn.begin(), Sn.end(), S_ref.begin() + h * K * V);
         }
-        if (p.row_len(n) == 0) std::copy(S0.begin() + h * K * V, S0.begin() + (h + 1) * K * V, S_ref.begin() + h * K * V);
+        if (p.row_len(n) == 0)
+          std::copy(S0.begin() + h * K * V, S0.begin() + (h + 1) * K * V, S_ref.begin() + h * K * V);
       }
       const std::string what = "seq " + std::to_string(n) + (mode == GateMode::kFused ? " fused" : " given");
       EXPECT_TRUE(RelClose(what + " o", o_rows(p, p.row_start(n), p.row_start(n) + p.row_len(n)), o_ref, 1e-6));
@@ -170,7 +171,8 @@ TEST_P(RefOps, DecodeMatchesModel) {
     }
     std::vector<double> o;
     const auto S = m.run(before.read_state("state", slot), {r}, &o);
-    EXPECT_TRUE(RelClose("row " + std::to_string(r) + " o", o_rows(p, r, r + 1), round_to(o, c.in_dtype), tight(c.in_dtype)));
+    EXPECT_TRUE(
+        RelClose("row " + std::to_string(r) + " o", o_rows(p, r, r + 1), round_to(o, c.in_dtype), tight(c.in_dtype)));
     EXPECT_TRUE(RelClose("row " + std::to_string(r) + " state", p.read_state("state", slot), round_to(S, c.state_dtype),
                          tight(c.state_dtype)));
   }
@@ -199,15 +201,16 @@ void check_verify(const Case& k, bool tree, bool varlen) {
       const auto S = m.run(S0, path_to(before, r, t), &o);
       const std::vector<double> o_t(o.end() - c.HV * c.V, o.end());
       const std::string what = "row " + std::to_string(r) + " token " + std::to_string(t);
-      EXPECT_TRUE(RelClose(what + " o", o_rows(p, p.row_start(r) + t, p.row_start(r) + t + 1), round_to(o_t, c.in_dtype),
-                           tight(c.in_dtype)));
+      EXPECT_TRUE(RelClose(what + " o", o_rows(p, p.row_start(r) + t, p.row_start(r) + t + 1),
+                           round_to(o_t, c.in_dtype), tight(c.in_dtype)));
       EXPECT_TRUE(RelClose(what + " intermediate", p.read_cache("intermediate", islot, t), round_to(S, c.cache_dtype),
                            tight(c.cache_dtype)));
       last = S;
     }
-    if (c.update_state && p.row_len(r) > 0)
+    if (c.update_state && p.row_len(r) > 0) {
       EXPECT_TRUE(RelClose("row " + std::to_string(r) + " updated state", p.read_state("state", slot),
                            round_to(last, c.state_dtype), tight(c.state_dtype)));
+    }
   }
   EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state", p.written_pool_slots_verify()));
   EXPECT_EQ(p.as<int32_t>("error_flag")[0], 0);
@@ -232,13 +235,17 @@ void check_commit(const Case& k, bool tree, CommitSource source) {
     const int32_t slot = p.as<int32_t>("state_indices")[r];
     const int32_t n = p.as<int32_t>("accepted")[r];
     std::vector<int64_t> kept;
-    for (int32_t i = 0; i < n; ++i) kept.push_back(p.row_start(r) + (tree ? p.as<int32_t>("accepted_path")[r * T + i] : i));
+    for (int32_t i = 0; i < n; ++i)
+      kept.push_back(p.row_start(r) + (tree ? p.as<int32_t>("accepted_path")[r * T + i] : i));
     const auto S = m.run(before.read_state("state", slot), kept, nullptr);
     // From the cache the state was rounded to the cache dtype first (accepted 0: the pool is unchanged).
-    const std::vector<double> expect =
-        source == CommitSource::kCache && n > 0 ? round_to(round_to(S, c.cache_dtype), c.state_dtype) : round_to(S, c.state_dtype);
-    const DType worst = c.state_dtype == DType::kFloat32 && (source == CommitSource::kRecompute || c.cache_dtype == DType::kFloat32)
-                            ? DType::kFloat32 : DType::kBFloat16;
+    const std::vector<double> expect = source == CommitSource::kCache && n > 0
+                                           ? round_to(round_to(S, c.cache_dtype), c.state_dtype)
+                                           : round_to(S, c.state_dtype);
+    const DType worst =
+        c.state_dtype == DType::kFloat32 && (source == CommitSource::kRecompute || c.cache_dtype == DType::kFloat32)
+            ? DType::kFloat32
+            : DType::kBFloat16;
     EXPECT_TRUE(RelClose("row " + std::to_string(r) + " accepted " + std::to_string(n) + " state",
                          p.read_state("state", slot), expect, tight(worst)));
   }
@@ -271,11 +278,15 @@ void check_prefill(const Case& k, PrefillAlgorithm algo) {
     const int32_t fin = p.as<int32_t>("final_indices")[n];
     const int32_t cslot = p.as<int32_t>("checkpoint_indices")[n];
     const std::string what = "seq " + std::to_string(n) + " (len " + std::to_string(p.row_len(n)) + ")";
-    const std::vector<double> S0 = init >= 0 ? before.read_state("state", init) : std::vector<double>(p.state_elems(), 0.0);
+    const std::vector<double> S0 =
+        init >= 0 ? before.read_state("state", init) : std::vector<double>(p.state_elems(), 0.0);
     std::vector<double> o;
     const auto S = m.run(S0, iota_tokens(p.row_start(n), p.row_len(n)), &o);
-    EXPECT_TRUE(RelClose(what + " o", o_rows(p, p.row_start(n), p.row_start(n) + p.row_len(n)), round_to(o, c.in_dtype), tol_o));
-    if (fin >= 0) EXPECT_TRUE(RelClose(what + " final state", p.read_state("state", fin), round_to(S, c.state_dtype), tol_s));
+    EXPECT_TRUE(RelClose(what + " o", o_rows(p, p.row_start(n), p.row_start(n) + p.row_len(n)), round_to(o, c.in_dtype),
+                         tol_o));
+    if (fin >= 0) {
+      EXPECT_TRUE(RelClose(what + " final state", p.read_state("state", fin), round_to(S, c.state_dtype), tol_s));
+    }
     for (int64_t j = 0; j < p.row_len(n) / 64; ++j) {
       const auto Sj = m.run(S0, iota_tokens(p.row_start(n), (j + 1) * 64), nullptr);
       EXPECT_TRUE(RelClose(what + " checkpoint " + std::to_string(j), p.read_cache("checkpoints", cslot, j),
@@ -293,21 +304,20 @@ constexpr DType F32 = DType::kFloat32, BF16 = DType::kBFloat16, F16 = DType::kFl
 constexpr StateLayout KL = StateLayout::kKLast, VL = StateLayout::kVLast;
 constexpr GateMode FUSED = GateMode::kFused, GIVEN = GateMode::kGiven;
 
-INSTANTIATE_TEST_SUITE_P(
-    Axes, RefOps,
-    ::testing::Values(
-        //   K    V    H  HV  in    state cache layout gate   pads         gate dtype
-        Case{128, 128, 2, 4, BF16, F32, F32, KL, FUSED, 0, 0, 0},
-        Case{128, 128, 2, 4, BF16, F32, F32, VL, GIVEN, 0, 0, 0},
-        Case{128, 128, 1, 2, F32, BF16, BF16, KL, GIVEN, 0, 0, 0},
-        Case{128, 128, 2, 2, F16, F32, BF16, VL, FUSED, 0, 0, 0, F16},
-        Case{64, 64, 2, 4, BF16, BF16, F32, VL, FUSED, 3, 5, 7, BF16},
-        Case{256, 256, 1, 1, BF16, F32, F32, KL, FUSED, 0, 0, 0},
-        Case{64, 128, 1, 2, F16, F32, F32, KL, GIVEN, 8, 0, 16},
-        Case{128, 64, 2, 4, F32, F32, F32, VL, FUSED, 0, 4, 0, BF16},
-        Case{256, 128, 1, 2, BF16, BF16, BF16, VL, GIVEN, 0, 0, 3},
-        Case{128, 256, 1, 1, F16, F32, F32, KL, FUSED, 1, 1, 1}),
-    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name(); });
+INSTANTIATE_TEST_SUITE_P(Axes, RefOps,
+                         ::testing::Values(
+                             //   K    V    H  HV  in    state cache layout gate   pads         gate dtype
+                             Case{128, 128, 2, 4, BF16, F32, F32, KL, FUSED, 0, 0, 0},
+                             Case{128, 128, 2, 4, BF16, F32, F32, VL, GIVEN, 0, 0, 0},
+                             Case{128, 128, 1, 2, F32, BF16, BF16, KL, GIVEN, 0, 0, 0},
+                             Case{128, 128, 2, 2, F16, F32, BF16, VL, FUSED, 0, 0, 0, F16},
+                             Case{64, 64, 2, 4, BF16, BF16, F32, VL, FUSED, 3, 5, 7, BF16},
+                             Case{256, 256, 1, 1, BF16, F32, F32, KL, FUSED, 0, 0, 0},
+                             Case{64, 128, 1, 2, F16, F32, F32, KL, GIVEN, 8, 0, 16},
+                             Case{128, 64, 2, 4, F32, F32, F32, VL, FUSED, 0, 4, 0, BF16},
+                             Case{256, 128, 1, 2, BF16, BF16, BF16, VL, GIVEN, 0, 0, 3},
+                             Case{128, 256, 1, 1, F16, F32, F32, KL, FUSED, 1, 1, 1}),
+                         [](const ::testing::TestParamInfo<Case>& param_info) { return param_info.param.name(); });
 
 // ---- 3. chunked prefill == recurrent prefill ----------------------------------------------------
 
@@ -346,7 +356,8 @@ TEST_P(RefChunked, EqualsRecurrent) {
   EXPECT_TRUE(RelClose("o (tight)", chk.read_tokens("o"), rec.read_tokens("o"), tight_o));
   for (int32_t n = 0; n < rec.rows(); ++n) {
     const int32_t fin = rec.as<int32_t>("final_indices")[n];
-    EXPECT_TRUE(RelClose("final state " + std::to_string(n), chk.read_state("state", fin), rec.read_state("state", fin), 1e-6));
+    EXPECT_TRUE(
+        RelClose("final state " + std::to_string(n), chk.read_state("state", fin), rec.read_state("state", fin), 1e-6));
     const int32_t cslot = rec.as<int32_t>("checkpoint_indices")[n];
     for (int64_t j = 0; j < rec.row_len(n) / 128; ++j)
       EXPECT_TRUE(RelClose("checkpoint " + std::to_string(j), chk.read_cache("checkpoints", cslot, j),
@@ -355,14 +366,13 @@ TEST_P(RefChunked, EqualsRecurrent) {
   EXPECT_TRUE(UntouchedSlotsEqual(rec, chk, "state", rec.written_pool_slots_prefill()));
 }
 
-INSTANTIATE_TEST_SUITE_P(Lengths, RefChunked,
-                         ::testing::Values(ChunkCase{{0}, false, DType::kBFloat16}, ChunkCase{{1}, false, DType::kBFloat16},
-                                           ChunkCase{{63}, false, DType::kFloat32}, ChunkCase{{64}, false, DType::kBFloat16},
-                                           ChunkCase{{65}, false, DType::kFloat32},
-                                           ChunkCase{{1000}, false, DType::kBFloat16},
-                                           ChunkCase{{1000}, true, DType::kBFloat16},
-                                           ChunkCase{{1000}, true, DType::kFloat32},
-                                           ChunkCase{{0, 1, 63, 64, 65, 129}, true, DType::kFloat16}));
+INSTANTIATE_TEST_SUITE_P(
+    Lengths, RefChunked,
+    ::testing::Values(ChunkCase{{0}, false, DType::kBFloat16}, ChunkCase{{1}, false, DType::kBFloat16},
+                      ChunkCase{{63}, false, DType::kFloat32}, ChunkCase{{64}, false, DType::kBFloat16},
+                      ChunkCase{{65}, false, DType::kFloat32}, ChunkCase{{1000}, false, DType::kBFloat16},
+                      ChunkCase{{1000}, true, DType::kBFloat16}, ChunkCase{{1000}, true, DType::kFloat32},
+                      ChunkCase{{0, 1, 63, 64, 65, 129}, true, DType::kFloat16}));
 
 // ---- 4. verify (chain) == T decode steps -----------------------------------------------------------
 
@@ -414,12 +424,14 @@ TEST(RefVerify, ChainEqualsDecodeSteps) {
                              state_tolerance(OpFamily::kStep, state)));
       }
     }
-    EXPECT_TRUE(RelClose("o", dec.read_tokens("o"), ver.read_tokens("o"), output_tolerance(OpFamily::kStep, c.in_dtype)));
+    EXPECT_TRUE(
+        RelClose("o", dec.read_tokens("o"), ver.read_tokens("o"), output_tolerance(OpFamily::kStep, c.in_dtype)));
     for (int32_t r = 0; r < ver.rows(); ++r) {
       const int32_t slot = ver.as<int32_t>("state_indices")[r];
-      if (slot >= 0)
+      if (slot >= 0) {
         EXPECT_TRUE(RelClose("final state row " + std::to_string(r), dec.read_state("state", slot),
                              ver.read_state("state", slot), state_tolerance(OpFamily::kStep, state)));
+      }
     }
     if (state == DType::kFloat32) continue;
     // bf16: T roundings vs one must actually differ somewhere (the test can tell the two apart).

@@ -56,7 +56,9 @@ TEST(SemPadding, DecodeVerifyCommitSkipPaddingRows) {
   cpu::decode(d.decode_params());
   EXPECT_TRUE(UntouchedSlotsEqual(before, d, "state", d.written_pool_slots_decode()));
   for (int32_t r = 0; r < d.rows(); ++r)
-    if (index_at(d, "state_indices", r) < 0) EXPECT_TRUE(AllZero("decode padding row o", o_rows(d, r, r + 1)));
+    if (index_at(d, "state_indices", r) < 0) {
+      EXPECT_TRUE(AllZero("decode padding row o", o_rows(d, r, r + 1)));
+    }
 }
 
 TEST(SemPadding, AllPaddingTouchesNothingButOutputs) {
@@ -90,12 +92,16 @@ void expect_skipped(const ProblemConfig& c, int bad_row, Break breakit, Op op, i
   op(pad);
   EXPECT_EQ(bad.as<int32_t>("error_flag")[0], expected_flags);
   EXPECT_EQ(pad.as<int32_t>("error_flag")[0], 0);
-  EXPECT_TRUE(AllZero("skipped row o", o_rows(bad, bad.row_start(bad_row), bad.row_start(bad_row) + bad.row_len(bad_row))));
-  if (!pad.has("initial_indices"))  // prefill's padding twin computes the row from S = 0
+  EXPECT_TRUE(
+      AllZero("skipped row o", o_rows(bad, bad.row_start(bad_row), bad.row_start(bad_row) + bad.row_len(bad_row))));
+  if (!pad.has("initial_indices")) {  // prefill's padding twin computes the row from S = 0
     EXPECT_TRUE(BitwiseEqual("o", bad.buffer("o"), pad.buffer("o")));
+  }
   EXPECT_TRUE(BitwiseEqual("state", bad.buffer("state"), pad.buffer("state")));
   for (const char* cache : {"intermediate", "checkpoints"})
-    if (bad.has(cache)) EXPECT_TRUE(BitwiseEqual(cache, bad.buffer(cache), pad.buffer(cache)));
+    if (bad.has(cache)) {
+      EXPECT_TRUE(BitwiseEqual(cache, bad.buffer(cache), pad.buffer(cache)));
+    }
 }
 
 ProblemConfig verify_config() {
@@ -111,10 +117,12 @@ ProblemConfig verify_config() {
 TEST(SemOutOfRange, DecodeSlotBeyondPool) {
   ProblemConfig c;
   c.batch = 4;
-  expect_skipped(c, 2, [](Problem& p) { index_at(p, "state_indices", 2) = int32_t(p.num_slots()); },
-                 [](Problem& p) { cpu::decode(p.decode_params()); });
-  expect_skipped(c, 0, [](Problem& p) { index_at(p, "state_indices", 0) = int32_t(p.num_slots()) + 1000; },
-                 [](Problem& p) { cpu::decode(p.decode_params()); });
+  expect_skipped(
+      c, 2, [](Problem& p) { index_at(p, "state_indices", 2) = int32_t(p.num_slots()); },
+      [](Problem& p) { cpu::decode(p.decode_params()); });
+  expect_skipped(
+      c, 0, [](Problem& p) { index_at(p, "state_indices", 0) = int32_t(p.num_slots()) + 1000; },
+      [](Problem& p) { cpu::decode(p.decode_params()); });
 }
 
 TEST(SemOutOfRange, NullErrorFlagStillSkips) {
@@ -127,18 +135,23 @@ TEST(SemOutOfRange, NullErrorFlagStillSkips) {
   d.error_flag = nullptr;
   cpu::decode(d);
   EXPECT_TRUE(AllZero("o", o_rows(p, 1, 2)));
-  EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state", {index_at(p, "state_indices", 0), index_at(p, "state_indices", 2)}));
+  EXPECT_TRUE(
+      UntouchedSlotsEqual(before, p, "state", {index_at(p, "state_indices", 0), index_at(p, "state_indices", 2)}));
 }
 
 TEST(SemOutOfRange, VerifySlotIntermediateSlotAndParent) {
   const auto run = [](Problem& p) { cpu::verify(p.verify_params()); };
-  expect_skipped(verify_config(), 1, [](Problem& p) { index_at(p, "state_indices", 1) = int32_t(p.num_slots()); }, run);
-  expect_skipped(verify_config(), 3, [](Problem& p) { index_at(p, "intermediate_indices", 3) = 1 << 30; }, run);
+  expect_skipped(
+      verify_config(), 1, [](Problem& p) { index_at(p, "state_indices", 1) = int32_t(p.num_slots()); }, run);
+  expect_skipped(
+      verify_config(), 3, [](Problem& p) { index_at(p, "intermediate_indices", 3) = 1 << 30; }, run);
   ProblemConfig tree = verify_config();
   tree.tree = true;
   tree.update_state = false;
-  expect_skipped(tree, 2, [](Problem& p) { index_at(p, "parent", 2 * 4 + 1) = 1; }, run);   // parent[t] == t
-  expect_skipped(tree, 0, [](Problem& p) { index_at(p, "parent", 0 * 4 + 3) = -2; }, run);  // below -1
+  expect_skipped(
+      tree, 2, [](Problem& p) { index_at(p, "parent", 2 * 4 + 1) = 1; }, run);  // parent[t] == t
+  expect_skipped(
+      tree, 0, [](Problem& p) { index_at(p, "parent", 0 * 4 + 3) = -2; }, run);  // below -1
 }
 
 TEST(SemOutOfRange, VerifyVarlenRowLongerThanT) {
@@ -188,7 +201,8 @@ TEST(SemOutOfRange, CommitBadAcceptedPathOrCacheSlot) {
       cpu::commit(p.commit_params(src));
       EXPECT_EQ(p.as<int32_t>("error_flag")[0], 1) << br.what;
       std::vector<int64_t> written = before.written_pool_slots_commit();
-      written.erase(std::remove(written.begin(), written.end(), int64_t(index_at(p, "state_indices", r))), written.end());
+      written.erase(std::remove(written.begin(), written.end(), int64_t(index_at(p, "state_indices", r))),
+                    written.end());
       EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state", written)) << br.what;
       EXPECT_FALSE(written.empty()) << br.what;  // the other rows did commit
     }
@@ -224,9 +238,12 @@ ProblemConfig prefill_config() {
 TEST(SemOutOfRange, PrefillSlots) {
   for (PrefillAlgorithm algo : {PrefillAlgorithm::kRecurrent, PrefillAlgorithm::kChunked}) {
     const auto run = [algo](Problem& p) { cpu::prefill(p.prefill_params(algo)); };
-    expect_skipped(prefill_config(), 0, [](Problem& p) { index_at(p, "initial_indices", 0) = int32_t(p.num_slots()); }, run);
-    expect_skipped(prefill_config(), 2, [](Problem& p) { index_at(p, "final_indices", 2) = int32_t(p.num_slots()) + 7; }, run);
-    expect_skipped(prefill_config(), 1, [](Problem& p) { index_at(p, "checkpoint_indices", 1) = 99; }, run);
+    expect_skipped(
+        prefill_config(), 0, [](Problem& p) { index_at(p, "initial_indices", 0) = int32_t(p.num_slots()); }, run);
+    expect_skipped(
+        prefill_config(), 2, [](Problem& p) { index_at(p, "final_indices", 2) = int32_t(p.num_slots()) + 7; }, run);
+    expect_skipped(
+        prefill_config(), 1, [](Problem& p) { index_at(p, "checkpoint_indices", 1) = 99; }, run);
   }
 }
 
@@ -238,8 +255,8 @@ TEST(SemOutOfRange, PrefillSequenceBeyondTotal) {
   pp.cu_seqlens_host = nullptr;
   cpu::prefill(pp);
   EXPECT_EQ(p.as<int32_t>("error_flag")[0], 1);
-  EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state",
-                                  {index_at(p, "final_indices", 0), index_at(p, "final_indices", 1)}));
+  EXPECT_TRUE(
+      UntouchedSlotsEqual(before, p, "state", {index_at(p, "final_indices", 0), index_at(p, "final_indices", 1)}));
   for (double x : o_rows(p, 75, 205)) ASSERT_TRUE(std::isnan(x));  // not addressable: not written at all
 }
 
@@ -307,7 +324,9 @@ TEST(SemPrefill, CheckpointsOnlyWhereDue) {
   c.checkpoint_steps = 2;  // seq 0 reaches 3 checkpoints, only 2 fit
   Problem p(c);
   cpu::prefill(p.prefill_params(PrefillAlgorithm::kChunked));
-  auto stored = [&](int32_t n, int64_t j) { return !std::isnan(p.read_cache("checkpoints", index_at(p, "checkpoint_indices", n), j)[0]); };
+  auto stored = [&](int32_t n, int64_t j) {
+    return !std::isnan(p.read_cache("checkpoints", index_at(p, "checkpoint_indices", n), j)[0]);
+  };
   EXPECT_TRUE(stored(0, 0));
   EXPECT_TRUE(stored(0, 1));
   EXPECT_FALSE(stored(1, 0));  // 63 < C
@@ -320,8 +339,9 @@ TEST(SemPrefill, CheckpointsOnlyWhereDue) {
   std::vector<int32_t> used = {index_at(p, "checkpoint_indices", 0), index_at(p, "checkpoint_indices", 1),
                                index_at(p, "checkpoint_indices", 2)};
   for (int32_t s = 0; s < p.rows() + 1; ++s)
-    if (std::find(used.begin(), used.end(), s) == used.end())
+    if (std::find(used.begin(), used.end(), s) == used.end()) {
       for (double x : p.read_cache("checkpoints", s, 0)) ASSERT_TRUE(std::isnan(x));
+    }
 }
 
 TEST(SemPrefill, Int64CuSeqlensAndNoHostCopy) {
@@ -368,7 +388,8 @@ TEST(SemLayout, KLastEqualsVLastTransposed) {
       cpu::commit(vl.commit_params(CommitSource::kCache));
       for (int32_t r = 0; r < kl.rows(); ++r)
         for (int t = 0; t < 3; ++t)
-          EXPECT_TRUE(Identical("intermediate", kl.read_cache("intermediate", index_at(kl, "intermediate_indices", r), t),
+          EXPECT_TRUE(Identical("intermediate",
+                                kl.read_cache("intermediate", index_at(kl, "intermediate_indices", r), t),
                                 vl.read_cache("intermediate", index_at(vl, "intermediate_indices", r), t)));
     } else {
       cpu::prefill(kl.prefill_params(PrefillAlgorithm::kChunked));
@@ -384,9 +405,14 @@ TEST(SemLayout, KLastEqualsVLastTransposed) {
 }
 
 TEST(SemLayout, ConvertRoundTripAndInPlace) {
-  struct Dims { int K, V; DType dtype; StateLayout from; };
-  for (const Dims d : {Dims{64, 128, DType::kFloat32, StateLayout::kKLast}, Dims{256, 64, DType::kBFloat16, StateLayout::kVLast},
-                       Dims{128, 128, DType::kBFloat16, StateLayout::kKLast}, Dims{64, 64, DType::kFloat32, StateLayout::kVLast}}) {
+  struct Dims {
+    int K, V;
+    DType dtype;
+    StateLayout from;
+  };
+  for (const Dims d :
+       {Dims{64, 128, DType::kFloat32, StateLayout::kKLast}, Dims{256, 64, DType::kBFloat16, StateLayout::kVLast},
+        Dims{128, 128, DType::kBFloat16, StateLayout::kKLast}, Dims{64, 64, DType::kFloat32, StateLayout::kVLast}}) {
     ProblemConfig c;
     c.K = d.K, c.V = d.V;
     c.state_dtype = d.dtype;
@@ -479,14 +505,18 @@ TEST(SemStateDtype, Bf16IsFp32RoundedOnceAtTheStore) {
     EXPECT_TRUE(BitwiseEqual("o", b16.buffer("o"), f32.buffer("o")));
     for (int64_t s = 0; s < b16.num_slots(); ++s) {
       const auto a = b16.read_state("state", s);
-      if (!std::isnan(a[0])) EXPECT_TRUE(Identical("slot " + std::to_string(s), a, round_to(f32.read_state("state", s), DType::kBFloat16)));
+      if (!std::isnan(a[0])) {
+        EXPECT_TRUE(Identical("slot " + std::to_string(s), a, round_to(f32.read_state("state", s), DType::kBFloat16)));
+      }
     }
     for (const auto& name : caches) {
       const int64_t steps = op == OpKind::kVerify ? 5 : 2;
       for (int32_t s = 0; s < b16.rows() + 1; ++s)
         for (int64_t j = 0; j < steps; ++j) {
           const auto a = b16.read_cache(name, s, j);
-          if (!std::isnan(a[0])) EXPECT_TRUE(Identical(name, a, round_to(f32.read_cache(name, s, j), DType::kBFloat16)));
+          if (!std::isnan(a[0])) {
+            EXPECT_TRUE(Identical(name, a, round_to(f32.read_cache(name, s, j), DType::kBFloat16)));
+          }
         }
     }
   }
@@ -514,7 +544,9 @@ TEST(SemViews, StridedViewsAndSlotPaddingGiveIdenticalResults) {
     EXPECT_TRUE(Identical("o", strided.read_tokens("o"), dense.read_tokens("o")));
     for (int64_t s = 0; s < dense.num_slots(); ++s) {
       const auto a = dense.read_state("state", s);
-      if (!std::isnan(a[0])) EXPECT_TRUE(Identical("slot " + std::to_string(s), strided.read_state("state", s), a));
+      if (!std::isnan(a[0])) {
+        EXPECT_TRUE(Identical("slot " + std::to_string(s), strided.read_state("state", s), a));
+      }
     }
     // The padding of o (between heads and tokens) is never written.
     const Buffer& o = strided.buffer("o");
@@ -523,9 +555,15 @@ TEST(SemViews, StridedViewsAndSlotPaddingGiveIdenticalResults) {
     for (int64_t t = 0; t < strided.total_tokens(); ++t)
       for (int64_t e = 0; e < ts; ++e) {
         const bool logical = e < c.HV * hs && e % hs < c.V;
-        if (!logical) ASSERT_EQ(0, std::memcmp(o.bytes.data() + (t * ts + e) * 2, o0.bytes.data() + (t * ts + e) * 2, 2));
+        if (!logical) {
+          ASSERT_EQ(0, std::memcmp(o.bytes.data() + (t * ts + e) * 2, o0.bytes.data() + (t * ts + e) * 2, 2));
+        }
       }
-    if (op != OpKind::kVerify) EXPECT_TRUE(UntouchedSlotsEqual(before, strided, "state", op == OpKind::kDecode ? strided.written_pool_slots_decode() : strided.written_pool_slots_prefill()));
+    if (op != OpKind::kVerify) {
+      EXPECT_TRUE(UntouchedSlotsEqual(
+          before, strided, "state",
+          op == OpKind::kDecode ? strided.written_pool_slots_decode() : strided.written_pool_slots_prefill()));
+    }
   }
 }
 
@@ -558,7 +596,8 @@ TEST(SemGates, SoftplusThresholdScaleAndNoL2Norm) {
   const Problem before = p;
   cpu::prefill(p.prefill_params());
   const NaiveModel m(before);
-  EXPECT_NEAR(m.g(0, 0), -std::exp(double(before.as<float>("A_log")[0])) * (25.0 + before.as<float>("dt_bias")[0]), 1e-9);
+  EXPECT_NEAR(m.g(0, 0), -std::exp(double(before.as<float>("A_log")[0])) * (25.0 + before.as<float>("dt_bias")[0]),
+              1e-9);
   std::vector<int64_t> tokens(40);
   std::iota(tokens.begin(), tokens.end(), 0);
   std::vector<double> o;
