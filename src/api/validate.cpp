@@ -157,8 +157,8 @@ void validate_gating(const Gating& g, int64_t tokens, int64_t hv, Backend backen
     require_float_dtype("b", g.b.dtype);
     validate_view("a", g.a, tokens, hv, 1, "HV", "", backend);
     validate_view("b", g.b, tokens, hv, 1, "HV", "", backend);
-    // A_log and dt_bias are per head, read even when there are no tokens only if there is work: require
-    // them whenever fused gating is chosen, so a missing pointer is caught on the first (possibly empty) call.
+    // A_log and dt_bias [HV] do not depend on the tokens: required whenever fused gating is chosen, so a
+    // missing pointer is caught on the first call even if that call has no tokens.
     if (g.A_log == nullptr) fail("A_log: required pointer is null (fused gating needs A_log [HV] float32)");
     if (g.dt_bias == nullptr) fail("dt_bias: required pointer is null (fused gating needs dt_bias [HV] float32)");
     if (!aligned(g.A_log, 4)) fail("A_log: data pointer ", pointer_str(g.A_log), " is not aligned to float32");
@@ -249,6 +249,11 @@ void validate_decode_like(const DecodeParams& p, int64_t tokens, bool need_q_o, 
   validate_index_pointer("error_flag", p.error_flag, 1, false);
 }
 
+// Length of sequence b of a verify/commit call (host-readable cu_seqlens only).
+int64_t seq_len(const VerifyParams& p, int64_t b) {
+  return p.cu_seqlens == nullptr ? p.num_draft_tokens : int64_t(p.cu_seqlens[b + 1]) - p.cu_seqlens[b];
+}
+
 // Verify's own fields; returns the number of token rows. need_q_o: false for commit.
 int64_t validate_verify_like(const VerifyParams& p, bool need_q_o, bool is_commit, Backend backend) {
   const int64_t B = p.batch, T = p.num_draft_tokens;
@@ -265,9 +270,10 @@ int64_t validate_verify_like(const VerifyParams& p, bool need_q_o, bool is_commi
   if (!is_commit && p.update_state && p.parent != nullptr)
     fail("update_state: only for chain drafts (parent must be nullptr), but parent is given");
   if (p.parent != nullptr && backend == Backend::kCPU) {
-    // A token continues from an earlier token of its own sequence (or the pool state, -1).
+    // A token continues from an earlier token of its own sequence (or the pool state, -1). Entries past a
+    // varlen sequence's length are not read.
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < T; ++t) {
+      for (int64_t t = 0, len = seq_len(p, b); t < len; ++t) {
         const int32_t par = p.parent[b * T + t];
         if (par < -1 || par >= t)
           fail("parent: expected -1 <= parent[b][t] < t (b=", b, ", t=", t, "), got ", par);
@@ -279,11 +285,6 @@ int64_t validate_verify_like(const VerifyParams& p, bool need_q_o, bool is_commi
     validate_index_pointer("intermediate_indices", p.intermediate_indices, B, true);
   }
   return tokens;
-}
-
-// Length of sequence b of a verify/commit call (host-readable cu_seqlens only).
-int64_t seq_len(const VerifyParams& p, int64_t b) {
-  return p.cu_seqlens == nullptr ? p.num_draft_tokens : int64_t(p.cu_seqlens[b + 1]) - p.cu_seqlens[b];
 }
 
 }  // namespace

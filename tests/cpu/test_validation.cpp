@@ -526,6 +526,18 @@ TEST(Validation, BadCacheAndLayoutCombos) {
   EXPECT_INVALID(v, Backend::kCPU, "parent: expected -1 <= parent[b][t] < t (b=1, t=1), got 1");
   h.parent[4] = -1;
 
+  // Varlen trees: parents past a sequence's length are padding and not checked.
+  v = h.verify();
+  std::vector<int32_t> cu{0, 3, 4};  // sequence 1 has one token
+  v.cu_seqlens = cu.data();
+  v.parent = h.parent.data();
+  h.parent[5] = 7;
+  EXPECT_NO_THROW(validate(v, Backend::kCPU));
+  h.parent[3] = 0;  // token 0 of sequence 1 cannot continue from itself
+  EXPECT_INVALID(v, Backend::kCPU, "parent: expected -1 <= parent[b][t] < t (b=1, t=0), got 0");
+  h.parent[3] = -1;
+  h.parent[5] = 1;
+
   auto c = h.commit();
   c.intermediate.data = nullptr;
   c.intermediate_indices = nullptr;
