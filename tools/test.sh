@@ -91,8 +91,13 @@ step readme-example readme_example
 # Python package: CPU build by default (the C++ suites above cover CUDA compilation).
 if [ "${GDNKIT_SKIP_PYTHON:-0}" != 1 ] && [ -f pyproject.toml ]; then
   python_install() {
-    python3 -m pip install -q --no-build-isolation -C cmake.define.GDNKIT_CUDA="${GDNKIT_PY_CUDA:-OFF}" \
-      -C build.verbose=false .
+    # Debian's system Python refuses pip installs (PEP 668) unless told otherwise; a venv or pyenv does not.
+    local flags=()
+    if python3 -m pip install --help 2>/dev/null | grep -q -- --break-system-packages; then
+      flags+=(--break-system-packages)
+    fi
+    python3 -m pip install -q "${flags[@]}" --no-build-isolation \
+      -C cmake.define.GDNKIT_CUDA="${GDNKIT_PY_CUDA:-OFF}" .
   }
   python_tests() {
     python3 -m pytest -q -rs
