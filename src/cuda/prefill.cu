@@ -23,7 +23,7 @@ size_t t_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * kChunk * 2);
 }
 size_t gc_bytes(const PrefillParams& p) {
-  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * 2 * kChunk * 4);  // gcum, 1/||k||
+  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * 3 * kChunk * 4);  // gcum, norms
 }
 
 // The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
@@ -85,13 +85,14 @@ bool vec_ok(const InView& v) {
 
 size_t workspace_bytes(const PrefillParams& p) {
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return t_bytes(p) + gc_bytes(p);
+  return 2 * t_bytes(p) + gc_bytes(p);  // T', M, gcum + norms
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.num_slots = num_chunk_slots(p);
   plan.ws_t = base;
-  plan.ws_gc = reinterpret_cast<float*>(static_cast<char*>(base) + t_bytes(p));
+  plan.ws_m = static_cast<char*>(base) + t_bytes(p);
+  plan.ws_gc = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
 }
 
 bool vtile_supported(int K, int vtile) {

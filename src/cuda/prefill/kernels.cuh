@@ -4,18 +4,18 @@
 //       gates g, beta (fused or given), gcum = within-chunk cumulative sum of g,
 //       A[i][j] = beta_i exp(gcum_i - gcum_j) (k^_i . k^_j) for j < i     (k^ = L2-normalized k)
 //       T' = (I + A)^{-1} diag(beta)                                       (forward substitution, fp32)
-//     writes T' (operand dtype) and gcum (fp32) to the workspace.
+//       M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j                (intra-chunk attention)
+//     writes T', M (operand dtype), gcum and the q/k norm factors (fp32) to the workspace.
 //  2. state_pass_kernel  grid (N, HV, V / VT): sequential over the chunks of one sequence, one value
 //     tile S[:, v0:v0+VT] of one head (the state pass is independent per column block of S).
 //     Per chunk, with D = diag(exp(gcum)):
 //       X     = v - D k^ S                           (64 x VT)
 //       v_new = T' X                                 (= u - w S of the WY form: u = T beta v,
 //                                                      w = T beta D k^, folded so w is never stored)
-//       o     = D q^ S + (mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j) v_new
+//       o     = D q^ S + M v_new
 //       S     = exp(g_last) S + k^T diag(exp(g_last - gcum)) v_new
 //     S lives in registers (fp32 mma accumulators), with an Op copy in shared memory as the
 //     operand of k S and q S.
-// Kernel 1 also stores k's norms next to gcum, so kernel 2 computes only q's.
 // All products run on tensor cores: mma.sync m16n8k16, Op operands (bf16 for bf16 inputs, fp16 for
 // fp16/fp32 inputs), fp32 accumulation. The L2
 // norms and the scale are per-token factors applied to mma results (rows of q/k stay raw in shared
@@ -38,16 +38,22 @@ namespace gdnkit::cuda::chunked_prefill {
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: per (chunk, value head) WY preparation.
 // ---------------------------------------------------------------------------------------------
+// Dynamic shared memory of kernel 1: raw k and q rows; the fp32 A matrix reuses their bytes.
+template <int K, class Op>
+constexpr size_t prep_smem_bytes() {
+  return size_t(2) * kChunk * (K + 8) * sizeof(Op) > size_t(kChunk) * 68 * 4 ? size_t(2) * kChunk * (K + 8) * sizeof(Op)
+                                                                              : size_t(kChunk) * 68 * 4;
+}
+
 template <int K, class Op>
 __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParams p, const Plan plan) {
   constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
   constexpr int LDA = 68;     // fp32 A rows, 16-byte aligned for vector loads in the solve
-  constexpr int kKsBytes = kChunk * LDK * 2;
-  constexpr int kAfBytes = kChunk * LDA * 4;
-  __shared__ alignas(16) unsigned char smem[kKsBytes > kAfBytes ? kKsBytes : kAfBytes];
-  __shared__ float s_gc[kChunk], s_beta[kChunk], s_rk[kChunk];
-  Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
-  float* Af = reinterpret_cast<float*>(smem);                   // [64][LDA] A (after Ks is consumed)
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ float s_gc[kChunk], s_beta[kChunk], s_rk[kChunk], s_rq[kChunk];
+  Op* Ks = reinterpret_cast<Op*>(smem);     // [64][LDK] raw k rows
+  Op* Qs = Ks + kChunk * LDK;               // [64][LDK] raw q rows
+  float* Af = reinterpret_cast<float*>(smem);  // [64][LDA] A (after Ks, Qs are consumed)
 
   const int slot = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -96,17 +102,22 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
     s_beta[tid] = beta;
   }
   load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
+  load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
   __syncthreads();
   if (tid >= 32 && tid < kChunk) s_gc[tid] += s_gc[31];
 
-  // G = k k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns 0..16w+15.
-  float acc[8][4];
+  // G = k k^T and Mq = q k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns
+  // 0..16w+15 (the two products share the k fragments).
+  float acc[8][4], accm[8][4];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = accm[i][e] = 0.0f;
 #pragma unroll
   for (int kk = 0; kk < K; kk += 16) {
-    uint32_t a[4];
+    uint32_t a[4], aq[4];
     ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, warp * 16, kk, lane));
+    ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, warp * 16, kk, lane));
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       if (np <= warp) {
@@ -114,10 +125,34 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
         ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
         mma<Op>(acc[2 * np], a, b[0], b[1]);
         mma<Op>(acc[2 * np + 1], a, b[2], b[3]);
+        mma<Op>(accm[2 * np], aq, b[0], b[1]);
+        mma<Op>(accm[2 * np + 1], aq, b[2], b[3]);
       }
     }
   }
-  __syncthreads();  // Ks is dead from here on: Af reuses its bytes
+  __syncthreads();  // Ks, Qs are dead from here on: Af reuses their bytes; gcum is final
+
+  // M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), the intra-chunk attention of
+  // the output (rq includes the scale). Upper blocks are written as 0.
+  const int64_t ws = int64_t(slot) * HV + h;
+  {
+    const int r = lane >> 2, q2 = (lane & 3) * 2;
+    Op* mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = warp * 16 + r + half * 8, j = nt * 8 + q2;
+        float m0 = 0.0f, m1 = 0.0f;
+        if (nt < 2 * (warp + 1)) {
+          const float fi = s_rq[i], gi = s_gc[i];
+          if (j <= i) m0 = accm[nt][2 * half] * fi * s_rk[j] * __expf(gi - s_gc[j]);
+          if (j + 1 <= i) m1 = accm[nt][2 * half + 1] * fi * s_rk[j + 1] * __expf(gi - s_gc[j + 1]);
+        }
+        *reinterpret_cast<uint32_t*>(mout + i * kChunk + j) = pack2<Op>(m0, m1);
+      }
+    }
+  }
 
   // A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0.
   {
@@ -139,7 +174,6 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
 
   // T = (I + A)^{-1} by forward substitution, one column per thread, fp32 in registers:
   //   T[i][c] = delta_ic - sum_{j<i} A[i][j] T[j][c].  Rows of A are broadcast reads.
-  const int64_t ws = int64_t(slot) * HV + h;
   if (tid < kChunk) {
     const int col = tid;
     float x[kChunk];
@@ -170,8 +204,10 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
     Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) out[i * kChunk + col] = to_op<Op>(x[i] * bc);
-    plan.ws_gc[ws * (2 * kChunk) + tid] = s_gc[tid];
-    plan.ws_gc[ws * (2 * kChunk) + kChunk + tid] = s_rk[tid];  // the state pass reuses k's norms
+    // The state pass reuses gcum and the norms (rq includes the scale).
+    plan.ws_gc[ws * (3 * kChunk) + tid] = s_gc[tid];
+    plan.ws_gc[ws * (3 * kChunk) + kChunk + tid] = s_rk[tid];
+    plan.ws_gc[ws * (3 * kChunk) + 2 * kChunk + tid] = s_rq[tid];
   }
 }
 
@@ -185,14 +221,29 @@ struct StateSmem {
   Op qs[kChunk * LDK];  // raw q rows
   Op sb[K * LDV];       // S (Op copy), [k][v]
   Op ts[kChunk * LDT];  // T' of the chunk
+  Op ms[kChunk * LDT];  // M of the chunk (masked decayed q k^T)
   Op vs[kChunk * LDV];  // v, then X in place
   Op vn[kChunk * LDV];  // v_new
   Op vd[kChunk * LDV];  // v_new_j rk_j exp(g_last - gcum_j): the state-update operand
   float gc[kChunk], rk[kChunk], rq[kChunk];
 };
 
+// One thread's share of a chunk's inputs (uint4 = 8 operands): q and k rows, the v tile, T', M,
+// and the per-token scalars.
+template <int K, int VT>
+struct ChunkRegs {
+  static constexpr int kRow = kChunk * K / 8 / kThreads;    // per q (and per k)
+  static constexpr int kV = kChunk * VT / 8 / kThreads;     // v tile
+  static constexpr int kT = kChunk * kChunk / 8 / kThreads;  // T' (and M)
+  uint4 k[kRow], q[kRow], v[kV], t[kT], m[kT];
+  float gc = 0.0f, rk = 0.0f, rq = 0.0f;
+};
+
+// kPrefetch: the loads of chunk c+1 are issued right after chunk c reached shared memory, so their
+// latency hides behind chunk c's math (costs ~100 registers: only for the narrow value tile).
 template <int K, int VT, class Op>
 __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParams p, const Plan plan) {
+  constexpr bool kPrefetch = VT == 16 && K <= 128;
   using Smem = StateSmem<K, VT, Op>;
   constexpr int LDK = Smem::LDK, LDV = Smem::LDV, LDT = Smem::LDT;
   constexpr int MT = K / 64;  // m16 tiles of S rows per warp (warp w owns rows w*K/4 .. +K/4)
@@ -269,84 +320,87 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
           store_state_elem(base, dt, offset + state_offset(p.state.layout, h, k, v, K, V), s[mt][nt][e]);
         }
   };
-  write_sb();
 
-  const float scale = plan.scale;
-  const bool l2 = p.heads.use_qk_l2norm;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   const int64_t slot0 = start / kChunk + n;
   const int64_t C = p.checkpoint_interval;
-  for (int64_t c = 0; c < nchunks; ++c) {
+
+  // Chunk inputs pass through registers: global -> ChunkRegs -> shared memory.
+  using Regs = ChunkRegs<K, VT>;
+  auto fetch = [&](Regs& f, int64_t c) {
     const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     const int64_t ws = (slot0 + c) * HV + h;
+#pragma unroll
+    for (int u = 0; u < Regs::kV; ++u) {
+      const int it = tid + u * kThreads, row = it / (VT / 8), cv = it % (VT / 8);
+      f.v[u] = row < L ? load8<Op>(p.v.data, p.v.dtype,
+                                   (t0 + row) * p.v.token_stride + h * p.v.head_stride + v0 + cv * 8, plan.qkv_vec)
+                       : make_uint4(0, 0, 0, 0);
+    }
+    const uint4* tsrc = reinterpret_cast<const uint4*>(static_cast<const Op*>(plan.ws_t) + ws * (kChunk * kChunk));
+    const uint4* msrc = reinterpret_cast<const uint4*>(static_cast<const Op*>(plan.ws_m) + ws * (kChunk * kChunk));
+#pragma unroll
+    for (int u = 0; u < Regs::kT; ++u) {
+      f.t[u] = __ldg(tsrc + tid + u * kThreads);
+      f.m[u] = __ldg(msrc + tid + u * kThreads);
+    }
+    if (tid < kChunk) {
+      f.gc = plan.ws_gc[ws * (3 * kChunk) + tid];
+      f.rk = plan.ws_gc[ws * (3 * kChunk) + kChunk + tid];
+      f.rq = plan.ws_gc[ws * (3 * kChunk) + 2 * kChunk + tid];
+    }
+#pragma unroll
+    for (int u = 0; u < Regs::kRow; ++u) {
+      const int it = tid + u * kThreads, row = it / (K / 8), cv = it % (K / 8);
+      const int64_t tk = (t0 + row) * p.k.token_stride + hk * p.k.head_stride + cv * 8;
+      const int64_t tq = (t0 + row) * p.q.token_stride + hk * p.q.head_stride + cv * 8;
+      f.k[u] = row < L ? load8<Op>(p.k.data, p.k.dtype, tk, plan.qkv_vec) : make_uint4(0, 0, 0, 0);
+      f.q[u] = row < L ? load8<Op>(p.q.data, p.q.dtype, tq, plan.qkv_vec) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto commit = [&](const Regs& f) {
+#pragma unroll
+    for (int u = 0; u < Regs::kV; ++u) {
+      const int it = tid + u * kThreads, row = it / (VT / 8), cv = it % (VT / 8);
+      *reinterpret_cast<uint4*>(&sm.vs[row * LDV + cv * 8]) = f.v[u];
+    }
+#pragma unroll
+    for (int u = 0; u < Regs::kT; ++u) {
+      const int it = tid + u * kThreads;
+      *reinterpret_cast<uint4*>(&sm.ts[(it >> 3) * LDT + (it & 7) * 8]) = f.t[u];
+      *reinterpret_cast<uint4*>(&sm.ms[(it >> 3) * LDT + (it & 7) * 8]) = f.m[u];
+    }
+    if (tid < kChunk) {
+      sm.gc[tid] = f.gc;
+      sm.rk[tid] = f.rk;
+      sm.rq[tid] = f.rq;
+    }
+#pragma unroll
+    for (int u = 0; u < Regs::kRow; ++u) {
+      const int it = tid + u * kThreads, row = it / (K / 8), cv = it % (K / 8);
+      *reinterpret_cast<uint4*>(&sm.ks[row * LDK + cv * 8]) = f.k[u];
+      *reinterpret_cast<uint4*>(&sm.qs[row * LDK + cv * 8]) = f.q[u];
+    }
+  };
+  Regs f;
+  if (kPrefetch && nchunks > 0) fetch(f, 0);
 
-    // ---- load the chunk: T', gcum, the v tile, then q, k rows (+ norms); independent loads first
-    for (int it = tid; it < kChunk * (VT / 8); it += kThreads) {
-      const int row = it / (VT / 8), cv = it % (VT / 8);
-      uint4 x = make_uint4(0, 0, 0, 0);
-      if (row < L)
-        x = load8<Op>(p.v.data, p.v.dtype, (t0 + row) * p.v.token_stride + h * p.v.head_stride + v0 + cv * 8,
-                       plan.qkv_vec);
-      *reinterpret_cast<uint4*>(&sm.vs[row * LDV + cv * 8]) = x;
-    }
-    {
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Op*>(plan.ws_t) +
-                                                        ws * (kChunk * kChunk));
-      for (int it = tid; it < kChunk * kChunk / 8; it += kThreads)
-        *reinterpret_cast<uint4*>(&sm.ts[(it >> 3) * LDT + (it & 7) * 8]) = src[it];
-      if (tid < kChunk) {
-        sm.gc[tid] = plan.ws_gc[ws * (2 * kChunk) + tid];
-        sm.rk[tid] = plan.ws_gc[ws * (2 * kChunk) + kChunk + tid];
-      }
-    }
-    load_rows_with_norm<K, Op, /*kNorm=*/false>(sm.ks, nullptr, p.k, hk, t0, L, l2, 1.0f, plan.qkv_vec);
-    load_rows_with_norm<K, Op>(sm.qs, sm.rq, p.q, hk, t0, L, l2, scale, plan.qkv_vec);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t t0 = start + c * kChunk;
+    const int L = int(min(int64_t(kChunk), len - c * kChunk));
+
+    // ---- the chunk's inputs to shared memory (with kPrefetch, fetched while the previous chunk
+    // computed)
+    if constexpr (!kPrefetch) fetch(f, c);
+    commit(f);
+    if (c == 0) write_sb();  // after the first chunk's loads were issued: the state load overlaps them
     __syncthreads();
+    if constexpr (kPrefetch) {
+      if (c + 1 < nchunks) fetch(f, c + 1);
+    }
 
     const int i0 = warp * 16 + r, i1 = i0 + 8;  // this thread's two token rows in the warp's m16 tile
-    // ---- M = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j): A fragments over tokens j
-    uint32_t mf[4][4];
-    {
-      float mq[8][4];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) mq[i][0] = mq[i][1] = mq[i][2] = mq[i][3] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < K; kk += 16) {
-        uint32_t a[4];
-        ldmatrix_x4(a, a_frag_ptr<LDK>(sm.qs, warp * 16, kk, lane));
-#pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          if (np <= warp) {
-            uint32_t b[4];
-            ldmatrix_x4(b, bn_frag_ptr<LDK>(sm.ks, np * 16, kk, lane));
-            mma<Op>(mq[2 * np], a, b[0], b[1]);
-            mma<Op>(mq[2 * np + 1], a, b[2], b[3]);
-          }
-        }
-      }
-      const float g0 = sm.gc[i0], g1 = sm.gc[i1], f0 = sm.rq[i0], f1 = sm.rq[i1];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        if (nt < 2 * (warp + 1)) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = nt * 8 + q2 + e;
-            const float gj = sm.gc[j], kj = sm.rk[j];
-            mq[nt][e] = j <= i0 ? mq[nt][e] * f0 * kj * __expf(g0 - gj) : 0.0f;
-            mq[nt][2 + e] = j <= i1 ? mq[nt][2 + e] * f1 * kj * __expf(g1 - gj) : 0.0f;
-          }
-        }
-      }
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        mf[kt][0] = pack2<Op>(mq[2 * kt][0], mq[2 * kt][1]);
-        mf[kt][1] = pack2<Op>(mq[2 * kt][2], mq[2 * kt][3]);
-        mf[kt][2] = pack2<Op>(mq[2 * kt + 1][0], mq[2 * kt + 1][1]);
-        mf[kt][3] = pack2<Op>(mq[2 * kt + 1][2], mq[2 * kt + 1][3]);
-      }
-    }
-
     // ---- P = k S, O = q S for the warp's 16 tokens; X = v - D rk P (in place); O *= D rq
     float o[NT][4];
     {
@@ -426,12 +480,14 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
       if (kt <= warp) {
+        uint32_t mf[4];
+        ldmatrix_x4(mf, a_frag_ptr<LDT>(sm.ms, warp * 16, kt * 16, lane));
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.vn, kt * 16, np * 16, lane));
-          mma<Op>(o[2 * np], mf[kt], b[0], b[1]);
-          mma<Op>(o[2 * np + 1], mf[kt], b[2], b[3]);
+          mma<Op>(o[2 * np], mf, b[0], b[1]);
+          mma<Op>(o[2 * np + 1], mf, b[2], b[3]);
         }
       }
     }
@@ -483,7 +539,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
                 int64_t(cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * K * V));
       }
     }
-    __syncthreads();  // the next chunk overwrites ks, qs, vs, ts, vn, vd, gc
+    __syncthreads();  // the next chunk overwrites ks, qs, vs, ts, ms, vn, vd, gc
   }
 
   if (fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(fslot) * p.state.slot_stride);
@@ -507,7 +563,11 @@ template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
   if ((stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0) {
     const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_v_heads));
-    chunk_prep_kernel<K, Op><<<grid, kThreads, 0, stream>>>(p, plan);
+    constexpr size_t smem = prep_smem_bytes<K, Op>();
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(chunk_prep_kernel<K, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    GDNKIT_CUDA_CHECK(attr);
+    chunk_prep_kernel<K, Op><<<grid, kThreads, smem, stream>>>(p, plan);
     GDNKIT_CUDA_CHECK_LAUNCH();
   }
   if (!(stages & kStageStatePass)) return;
