@@ -73,8 +73,7 @@ void validate_index_pointer(const char* name, const void* ptr, int64_t count, bo
 void validate_heads(const HeadConfig& h) {
   if (h.num_qk_heads <= 0) fail("q: number of q/k heads H must be > 0, got H=", h.num_qk_heads);
   if (h.num_v_heads <= 0) fail("v: number of value heads HV must be > 0, got HV=", h.num_v_heads);
-  if (h.num_v_heads % h.num_qk_heads != 0)
-    fail("q: H=", h.num_qk_heads, " does not divide HV=", h.num_v_heads);
+  if (h.num_v_heads % h.num_qk_heads != 0) fail("q: H=", h.num_qk_heads, " does not divide HV=", h.num_v_heads);
   if (!is_supported_dim(h.head_dim_k))
     fail("q: head dim K=", h.head_dim_k, " is not supported (expected 64, 128 or 256)");
   if (!is_supported_dim(h.head_dim_v))
@@ -174,16 +173,15 @@ int64_t state_elems(int64_t hv, int64_t k, int64_t v) { return hv * k * v; }
 
 // Pool slots are read and written with 16-byte vectors on CUDA: data 16-byte aligned, slot stride a
 // multiple of 16 bytes (HV*K*V always is for the supported dims).
-void validate_state_alignment(const char* name, const void* data, DType dtype, int64_t slot_stride,
-                              Backend backend) {
+void validate_state_alignment(const char* name, const void* data, DType dtype, int64_t slot_stride, Backend backend) {
   const int64_t elem = dtype_size(dtype);
   const int64_t align = backend == Backend::kCUDA ? kVectorBytes : elem;
   if (!aligned(data, align))
     fail(name, ": data pointer ", pointer_str(data), " is not ", align, "-byte aligned",
          backend == Backend::kCUDA ? " (CUDA backend: 16-byte vector loads)" : " (element alignment)");
   if (backend == Backend::kCUDA && slot_stride % (kVectorBytes / elem) != 0)
-    fail(name, ": slot_stride=", slot_stride, " is not a multiple of ", kVectorBytes / elem,
-         " elements (16 bytes of ", dtype_name(dtype), ", CUDA backend vector loads)");
+    fail(name, ": slot_stride=", slot_stride, " is not a multiple of ", kVectorBytes / elem, " elements (16 bytes of ",
+         dtype_name(dtype), ", CUDA backend vector loads)");
 }
 
 // required: the op reads or writes pool slots (some sequence may name a slot).
@@ -275,8 +273,7 @@ int64_t validate_verify_like(const VerifyParams& p, bool need_q_o, bool is_commi
     for (int64_t b = 0; b < B; ++b)
       for (int64_t t = 0, len = seq_len(p, b); t < len; ++t) {
         const int32_t par = p.parent[b * T + t];
-        if (par < -1 || par >= t)
-          fail("parent: expected -1 <= parent[b][t] < t (b=", b, ", t=", t, "), got ", par);
+        if (par < -1 || par >= t) fail("parent: expected -1 <= parent[b][t] < t (b=", b, ", t=", t, "), got ", par);
       }
   }
 
@@ -394,8 +391,8 @@ void validate(const LayoutParams& p, Backend backend) {
   require_layout("src", p.src.layout);
   require_layout("dst", p.dst.layout);
   if (p.dst.layout == p.src.layout)
-    fail("dst: expected layout ", layout_name(p.src.layout == StateLayout::kKLast ? StateLayout::kVLast
-                                                                                    : StateLayout::kKLast),
+    fail("dst: expected layout ",
+         layout_name(p.src.layout == StateLayout::kKLast ? StateLayout::kVLast : StateLayout::kKLast),
          " (opposite of src), got ", layout_name(p.dst.layout));
   if (p.dst.dtype != p.src.dtype)
     fail("dst: expected dtype ", dtype_name(p.src.dtype), " (the dtype of src), got ", dtype_name(p.dst.dtype));
@@ -422,8 +419,7 @@ void validate(const LayoutParams& p, Backend backend) {
     if (p.head_dim_k != p.head_dim_v)
       fail("dst: in-place conversion needs K == V, got K=", p.head_dim_k, ", V=", p.head_dim_v);
     if (p.dst.slot_stride != p.src.slot_stride)
-      fail("dst: in-place conversion needs slot_stride=", p.src.slot_stride, " (that of src), got ",
-           p.dst.slot_stride);
+      fail("dst: in-place conversion needs slot_stride=", p.src.slot_stride, " (that of src), got ", p.dst.slot_stride);
     return;
   }
   // Out of place: the two pools must not share memory (a partial overlap would read converted data).

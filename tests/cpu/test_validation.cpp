@@ -314,8 +314,8 @@ TEST(Validation, ShapeMismatch) {
 
   d = h.decode();
   d.state.slot_stride = Host::kState - 64;
-  EXPECT_INVALID_BOTH(d, "state: slot_stride=" + std::to_string(Host::kState - 64) + " is smaller than HV*K*V=" +
-                             std::to_string(Host::kState));
+  EXPECT_INVALID_BOTH(d, "state: slot_stride=" + std::to_string(Host::kState - 64) +
+                             " is smaller than HV*K*V=" + std::to_string(Host::kState));
 
   d = h.decode();
   d.state.num_slots = 0;
@@ -427,8 +427,9 @@ TEST(Validation, MisalignedPointerCudaRules) {
   d = h.decode();
   d.v.token_stride = Host::HV * Host::V + 4;  // 8 bytes past a 16-byte multiple
   EXPECT_NO_THROW(validate(d, Backend::kCPU));
-  EXPECT_INVALID(d, Backend::kCUDA,
-                 "v: token_stride=260 is not a multiple of 8 elements (16 bytes of bfloat16, CUDA backend vector loads)");
+  EXPECT_INVALID(
+      d, Backend::kCUDA,
+      "v: token_stride=260 is not a multiple of 8 elements (16 bytes of bfloat16, CUDA backend vector loads)");
 
   d = h.decode();
   d.state.slot_stride = Host::kState + 2;
@@ -541,7 +542,8 @@ TEST(Validation, BadCacheAndLayoutCombos) {
   auto c = h.commit();
   c.intermediate.data = nullptr;
   c.intermediate_indices = nullptr;
-  EXPECT_INVALID_BOTH(c, "intermediate: required pointer is null (commit from the cache reads the intermediate states)");
+  EXPECT_INVALID_BOTH(c,
+                      "intermediate: required pointer is null (commit from the cache reads the intermediate states)");
 
   c = h.commit();
   c.parent = h.parent.data();  // a tree: the kept tokens must be listed
@@ -556,7 +558,8 @@ TEST(Validation, BadCacheAndLayoutCombos) {
 
   c = h.commit();
   h.accepted[0] = Host::T + 1;
-  EXPECT_INVALID(c, Backend::kCPU, "accepted: expected 0 <= accepted[b] <= 3 (the draft length of sequence b=0), got 4");
+  EXPECT_INVALID(c, Backend::kCPU,
+                 "accepted: expected 0 <= accepted[b] <= 3 (the draft length of sequence b=0), got 4");
   h.accepted[0] = 2;
 
   auto p = h.prefill();
@@ -624,8 +627,8 @@ TEST(Validation, PrefillWorkspaceTooSmall) {
   EXPECT_NO_THROW(validate(p, Backend::kCPU));  // the CPU backend has no workspace
   const size_t need = prefill_workspace_bytes(p);
   if (need <= p.workspace_bytes) GTEST_SKIP() << "built without CUDA: no workspace is needed (" << need << " bytes)";
-  EXPECT_INVALID(p, Backend::kCUDA, "workspace: expected at least " + std::to_string(need) +
-                                        " bytes (prefill_workspace_bytes), got 16");
+  EXPECT_INVALID(p, Backend::kCUDA,
+                 "workspace: expected at least " + std::to_string(need) + " bytes (prefill_workspace_bytes), got 16");
 }
 
 // ---- the entries validate before anything else -----------------------------------------------------
@@ -687,19 +690,19 @@ TEST(Validation, NothingWrittenWhenValidationFails) {
   // would have happened already.
   auto d = h.decode();
   d.error_flag = reinterpret_cast<int32_t*>(reinterpret_cast<char*>(h.error_flag.data()) + 2);
-  expect_nothing_written(h, d, [](const auto& p, const Context& c) { decode(p, c); },
-                         "error_flag: data pointer ");
+  expect_nothing_written(
+      h, d, [](const auto& p, const Context& c) { decode(p, c); }, "error_flag: data pointer ");
 
   auto v = h.verify();
   v.intermediate_indices = nullptr;
   v.update_state = true;
-  expect_nothing_written(h, v, [](const auto& p, const Context& c) { verify(p, c); },
-                         "intermediate_indices: required pointer is null");
+  expect_nothing_written(
+      h, v, [](const auto& p, const Context& c) { verify(p, c); }, "intermediate_indices: required pointer is null");
 
   auto c = h.commit();
   h.accepted[1] = 9;
-  expect_nothing_written(h, c, [](const auto& p, const Context& ctx) { commit(p, ctx); },
-                         "accepted: expected 0 <= accepted[b] <= 3");
+  expect_nothing_written(
+      h, c, [](const auto& p, const Context& ctx) { commit(p, ctx); }, "accepted: expected 0 <= accepted[b] <= 3");
   h.accepted[1] = 0;
 
   auto p = h.prefill();
@@ -708,13 +711,13 @@ TEST(Validation, NothingWrittenWhenValidationFails) {
   p.checkpoints.num_slots = Host::N;
   p.checkpoints.num_steps = 1;
   p.checkpoints.slot_stride = Host::kState;
-  expect_nothing_written(h, p, [](const auto& q, const Context& ctx) { prefill(q, ctx); },
-                         "checkpoint_indices: required pointer is null");
+  expect_nothing_written(
+      h, p, [](const auto& q, const Context& ctx) { prefill(q, ctx); }, "checkpoint_indices: required pointer is null");
 
   auto l = h.layout();
   l.dst.data = h.state.data() + 5;
-  expect_nothing_written(h, l, [](const auto& q, const Context& ctx) { convert_layout(q, ctx); },
-                         "dst: overlaps src");
+  expect_nothing_written(
+      h, l, [](const auto& q, const Context& ctx) { convert_layout(q, ctx); }, "dst: overlaps src");
 }
 
 }  // namespace
