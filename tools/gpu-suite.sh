@@ -2,8 +2,8 @@
 # The GPU machine's one script: build what is missing, run the GPU tests and the benchmarks,
 # write logs and JSON to $OUT, print a short table last.
 #
-#   tools/gpu-suite.sh [stage ...]     stages: build tests sanitize bench-decode bench-verify
-#                                      bench-prefill python all (default: all)
+#   tools/gpu-suite.sh [stage ...]     stages: build tests sanitize prefill-timing bench-decode
+#                                      bench-verify bench-prefill python all (default: all)
 #   GDNKIT_GTEST_FILTER=...            restricts the GPU tests (gtest filter)
 #
 # Needs: CUDA toolkit, CMake, ninja, and GoogleTest headers + static libs in carry/gtest
@@ -49,6 +49,15 @@ if want sanitize; then
     tail -3 "$OUT/sanitize_$tool.log"
     note "compute-sanitizer $tool: rc=$rc"
   done
+fi
+
+# Quick timing of the CUDA prefill kernels on the target sets, per value tile and for the chunk
+# prep alone (tests/gpu/test_prefill_timing.cu; for kernel work, the committed numbers are bench-prefill's).
+if want prefill-timing; then
+  GDNKIT_PREFILL_TIMING=1 "$BUILD"/tests/gdnkit_gpu_tests --gtest_filter='PrefillTiming*' \
+    >"$OUT/prefill_timing.log" 2>&1
+  note "prefill timing: rc=$?"
+  grep -E "^(set|[0-9])" "$OUT/prefill_timing.log"
 fi
 
 # Benchmarks: BENCH.md's sweep per op (GDNKIT_BENCH_ARGS adds options, e.g. "--quick" or "--shape all"),

@@ -3,7 +3,7 @@
 //  1. chunk_prep_kernel  grid (chunk slots, HV): everything that depends on one chunk only.
 //       gates g, beta (fused or given), gcum = within-chunk cumulative sum of g,
 //       A[i][j] = beta_i exp(gcum_i - gcum_j) (k^_i . k^_j) for j < i     (k^ = L2-normalized k)
-//       T' = (I + A)^{-1} diag(beta)                                       (forward substitution, fp32)
+//       T' = (I + A)^{-1} diag(beta)                                (blocked triangular inverse, fp32)
 //       M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j                (intra-chunk attention)
 //     writes T', M (operand dtype), gcum and the q/k norm factors (fp32) to the workspace.
 //  2. state_pass_kernel  grid (N, HV, V / VT): sequential over the chunks of one sequence, one value
@@ -38,11 +38,12 @@ namespace gdnkit::cuda::chunked_prefill {
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: per (chunk, value head) WY preparation.
 // ---------------------------------------------------------------------------------------------
-// Dynamic shared memory of kernel 1: raw k and q rows; the fp32 A matrix reuses their bytes.
+// Dynamic shared memory of kernel 1: raw k and q rows; the fp32 solve (A, T) reuses their bytes.
 template <int K, class Op>
 constexpr size_t prep_smem_bytes() {
-  return size_t(2) * kChunk * (K + 8) * sizeof(Op) > size_t(kChunk) * 68 * 4 ? size_t(2) * kChunk * (K + 8) * sizeof(Op)
-                                                                              : size_t(kChunk) * 68 * 4;
+  constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);     // k, q rows
+  constexpr size_t solve = (size_t(2) * kChunk * 68 + 3 * 256) * 4;       // A, T, block-row sums
+  return rows > solve ? rows : solve;
 }
 
 template <int K, class Op>
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
   __shared__ float s_gc[kChunk], s_beta[kChunk], s_rk[kChunk], s_rq[kChunk];
   Op* Ks = reinterpret_cast<Op*>(smem);     // [64][LDK] raw k rows
   Op* Qs = Ks + kChunk * LDK;               // [64][LDK] raw q rows
-  float* Af = reinterpret_cast<float*>(smem);  // [64][LDA] A (after Ks, Qs are consumed)
+  float* Af = reinterpret_cast<float*>(smem);  // [64][LDA] A (after Ks, Qs are consumed), then T
 
   const int slot = blockIdx.x, h = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -172,38 +173,65 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
   }
   __syncthreads();
 
-  // T = (I + A)^{-1} by forward substitution, one column per thread, fp32 in registers:
-  //   T[i][c] = delta_ic - sum_{j<i} A[i][j] T[j][c].  Rows of A are broadcast reads.
-  if (tid < kChunk) {
-    const int col = tid;
-    float x[kChunk];
+  // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory):
+  //   diagonal blocks  T_ii = (I + A_ii)^{-1}: forward substitution in warp i, one column per lane;
+  //   block rows i = 1..3: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj for all j < i at once.
+  // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0.
+  float* Tf = Af + kChunk * LDA;  // [64][LDA] T (lower blocks)
+  float* Pf = Tf + kChunk * LDA;  // [3][16][16] the sums of one block row
+  if (warp * 16 < L) {
+    const int col = lane & 15, b0 = warp * 16;
+    float x[16];
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      // Rows past the chunk's tokens: A's row is 0 and beta_i = 0, so T' row i is 0 (short chunks
-      // skip the solve's tail).
-      if (i >= L) {
-        x[i] = 0.0f;
-        continue;
+    for (int i = 0; i < 16; ++i) {
+      const float* Ai = Af + (b0 + i) * LDA + b0;
+      float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
+#pragma unroll
+      for (int j = 0; j < i; ++j) {
+        if (j & 1) acc1 = fmaf(-Ai[j], x[j], acc1);
+        else acc0 = fmaf(-Ai[j], x[j], acc0);
       }
-      const float* Ai = Af + i * LDA;
-      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;  // 4 chains: the sum is latency-bound
-#pragma unroll
-      for (int j = 0; j + 3 < i; j += 4) {
-        const float4 a4 = *reinterpret_cast<const float4*>(Ai + j);
-        s0 = fmaf(a4.x, x[j], s0);
-        s1 = fmaf(a4.y, x[j + 1], s1);
-        s2 = fmaf(a4.z, x[j + 2], s2);
-        s3 = fmaf(a4.w, x[j + 3], s3);
-      }
-#pragma unroll
-      for (int j = i & ~3; j < i; ++j) s0 = fmaf(Ai[j], x[j], s0);
-      x[i] = (i == col ? 1.0f : 0.0f) - ((s0 + s1) + (s2 + s3));
+      x[i] = acc0 + acc1;
     }
-    // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
-    const float bc = s_beta[col];
-    Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
+    if (lane < 16) {
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) out[i * kChunk + col] = to_op<Op>(x[i] * bc);
+      for (int i = 0; i < 16; ++i) Tf[(b0 + i) * LDA + b0 + col] = x[i];
+    }
+  }
+  __syncthreads();
+  for (int bi = 1; bi * 16 < L; ++bi) {
+    for (int e = tid; e < bi * 256; e += kThreads) {
+      const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15;
+      const float* Ar = Af + (bi * 16 + r) * LDA;
+      float acc0 = 0.0f, acc1 = 0.0f;
+      for (int m = bj * 16; m < bi * 16; m += 2) {
+        acc0 = fmaf(Ar[m], Tf[m * LDA + bj * 16 + c], acc0);
+        acc1 = fmaf(Ar[m + 1], Tf[(m + 1) * LDA + bj * 16 + c], acc1);
+      }
+      Pf[e] = acc0 + acc1;
+    }
+    __syncthreads();
+    for (int e = tid; e < bi * 256; e += kThreads) {
+      const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15;
+      const float* Tr = Tf + (bi * 16 + r) * LDA + bi * 16;
+      float acc = 0.0f;
+#pragma unroll
+      for (int m = 0; m < 16; ++m) acc = fmaf(Tr[m], Pf[bj * 256 + m * 16 + c], acc);
+      Tf[(bi * 16 + r) * LDA + bj * 16 + c] = -acc;
+    }
+    __syncthreads();
+  }
+  // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
+  {
+    Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
+    for (int e = tid; e < kChunk * kChunk / 2; e += kThreads) {
+      const int i = e >> 5, c = (e & 31) * 2;
+      const float t0v = (c <= i && i < L) ? Tf[i * LDA + c] * s_beta[c] : 0.0f;
+      const float t1v = (c + 1 <= i && i < L) ? Tf[i * LDA + c + 1] * s_beta[c + 1] : 0.0f;
+      *reinterpret_cast<uint32_t*>(out + 2 * e) = pack2<Op>(t0v, t1v);
+    }
+  }
+  if (tid < kChunk) {
     // The state pass reuses gcum and the norms (rq includes the scale).
     plan.ws_gc[ws * (3 * kChunk) + tid] = s_gc[tid];
     plan.ws_gc[ws * (3 * kChunk) + kChunk + tid] = s_rk[tid];
