@@ -390,6 +390,44 @@ struct Dims {
 
 // ---- ops --------------------------------------------------------------------------------------
 
+// Runs one library entry with the GIL held. A gdnkit::Error it throws is caught here and thrown again
+// from this module. NOTES: on the GPU machine (Ubuntu 24.04, gcc 13.3, Python 3.12) an Error thrown
+// inside the library while the GIL was released crashed the process (SIGSEGV), while errors thrown by
+// this file reached Python; the library's calls are asynchronous on CUDA and the CPU backend is a
+// reference, so holding the GIL costs nothing that matters.
+template <class Fn>
+void call_library(Fn&& fn) {
+  ErrorCode code = ErrorCode::kInvalidArgument;
+  std::string message;
+  try {
+    fn();
+    return;
+  } catch (const Error& e) {
+    code = e.code();
+    message = e.what();
+  }
+  throw Error(code, message);
+}
+
+// Internal: which way of raising a library error reaches Python on this machine (diagnosis only).
+//   0: Error thrown here with the GIL released      1: library error, GIL held, not caught here
+//   2: library error through call_library            3: library error, GIL released, not caught here
+void debug_throw(int mode) {
+  DecodeParams p;
+  p.heads.num_qk_heads = 3;  // does not divide HV: validate() throws "q: H=3 does not divide HV=4"
+  p.heads.num_v_heads = 4;
+  if (mode == 0) {
+    nb::gil_scoped_release release;
+    fail("debug: thrown by the binding");
+  }
+  if (mode == 1) validate(p, Backend::kCPU);
+  if (mode == 2) call_library([&] { validate(p, Backend::kCPU); });
+  if (mode == 3) {
+    nb::gil_scoped_release release;
+    validate(p, Backend::kCPU);
+  }
+}
+
 // Fills the fields decode, verify and commit share. q and o may be absent (commit).
 void fill_decode_like(DecodeParams& p, Devices& dev, const OptArray& q, const Array& k, const Array& v,
                       const OptArray& o, const Array& state, const Array& state_indices, const std::string& layout,
@@ -446,8 +484,7 @@ void decode_op(const Array& q, const Array& k, const Array& v, const Array& o, c
     fail("q: decode takes one token per sequence: expected ", B, " tokens (the length of state_indices), got ",
          tk.count);
   DeviceGuard guard(dev);
-  nb::gil_scoped_release release;
-  decode(p, make_context(dev, stream));
+  call_library([&] { decode(p, make_context(dev, stream)); });
 }
 
 // B and T of a verify/commit call: varlen from cu_seqlens ([B+1]) and an explicit T, or fixed from the
@@ -504,8 +541,7 @@ void verify_op(const Array& q, const Array& k, const Array& v, const Array& o, c
   fill_verify(p, dev, tk, B, cu_seqlens, parent, intermediate, intermediate_indices, num_draft_tokens, layout, k);
   p.update_state = update_state;
   DeviceGuard guard(dev);
-  nb::gil_scoped_release release;
-  verify(p, make_context(dev, stream));
+  call_library([&] { verify(p, make_context(dev, stream)); });
 }
 
 void commit_op(const Array& k, const Array& v, const Array& state, const Array& state_indices,
@@ -533,8 +569,7 @@ void commit_op(const Array& k, const Array& v, const Array& state, const Array& 
   p.accepted = index_array(accepted, "accepted", B, "[B] int32");
   p.accepted_path = opt_index(accepted_path, "accepted_path", B * int64_t(p.num_draft_tokens), "[B, T] int32");
   DeviceGuard guard(dev);
-  nb::gil_scoped_release release;
-  commit(p, make_context(dev, stream));
+  call_library([&] { commit(p, make_context(dev, stream)); });
 }
 
 // cu_seqlens values as int64 on the host, from a host array of either index dtype.
@@ -642,8 +677,7 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
   }
   p.error_flag = error_flag_ptr(error_flag);
   DeviceGuard guard(dev);
-  nb::gil_scoped_release release;
-  prefill(p, make_context(dev, stream));
+  call_library([&] { prefill(p, make_context(dev, stream)); });
 }
 
 void convert_layout_op(const Array& src, const Array& dst, const std::string& src_layout, uintptr_t stream) {
@@ -665,8 +699,7 @@ void convert_layout_op(const Array& src, const Array& dst, const std::string& sr
   if (p.dst.num_slots != p.src.num_slots)
     fail("dst: expected ", p.src.num_slots, " slots (those of src), got ", p.dst.num_slots);
   DeviceGuard guard(dev);
-  nb::gil_scoped_release release;
-  convert_layout(p, make_context(dev, stream));
+  call_library([&] { convert_layout(p, make_context(dev, stream)); });
 }
 
 }  // namespace
@@ -726,6 +759,7 @@ NB_MODULE(_gdnkit, m) {
         "checkpoint_interval"_a = 0, "checkpoint_indices"_a = nb::none(), "cu_seqlens_cpu"_a = nb::none(),
         "cpu_algorithm"_a = "auto", "workspace"_a = nb::none(), "error_flag"_a = nb::none(), "stream"_a = 0);
   m.def("convert_layout", &convert_layout_op, "src"_a, "dst"_a, nb::kw_only(), "src_layout"_a, "stream"_a = 0);
+  m.def("_debug_throw", &debug_throw, "mode"_a);
   m.def("cuda_compiled", &g::cuda_compiled);
   m.def("cuda_available", &g::cuda_available);
   m.def("build_info", &g::build_info);

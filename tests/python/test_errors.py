@@ -17,6 +17,15 @@ def test_exception_classes():
     assert issubclass(gdnkit.GdnkitRuntimeError, RuntimeError)
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_library_errors_reach_python(mode):
+    """Errors thrown by this module (0) and by the library (1: direct, 2: the path every op takes)."""
+    msg = "debug: thrown by the binding" if mode == 0 else "q: H=3 does not divide HV=4"
+    with pytest.raises(gdnkit.GdnkitError) as info:
+        gdnkit._gdnkit._debug_throw(mode)
+    assert str(info.value) == msg
+
+
 def decode_case(rng=None, **kw):
     rng = rng or np.random.default_rng(7)
     H = kw.pop("H", 2)

@@ -253,7 +253,7 @@ class TinyGDN(torch.nn.Module):
         k = y[:, H * K:2 * H * K].view(-1, H, K)
         v = y[:, 2 * H * K:2 * H * K + HV * V].view(-1, HV, V)
         a, b = y[:, -2 * HV:-HV], y[:, -HV:]
-        o = torch.ops.gdnkit.decode(q, k, v, state, slots, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias)
+        o = torch.ops.gdnkit.decode(q, k, v, state, slots, None, a=a, b=b, A_log=self.A_log, dt_bias=self.dt_bias)
         return self.out(o.reshape(o.shape[0], -1))
 
 

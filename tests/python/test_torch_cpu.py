@@ -111,22 +111,25 @@ def small_decode_args(g, B=3, P=5):
     H, HV, K, V = 1, 2, 64, 64
     return dict(q=randn(g, B, H, K), k=randn(g, B, H, K), v=randn(g, B, HV, V),
                 state=0.1 * randn(g, P, HV, V, K), state_indices=torch.tensor([4, 0, 2], dtype=torch.int32)[:B],
-                a=randn(g, B, HV), b=randn(g, B, HV), A_log=torch.zeros(HV), dt_bias=torch.zeros(HV))
+                error_flag=None, a=randn(g, B, HV), b=randn(g, B, HV), A_log=torch.zeros(HV), dt_bias=torch.zeros(HV))
 
 
 def test_custom_op_matches_ops():
     g = gen("custom-op")
     args = small_decode_args(g)
-    args2 = {n: t.clone() for n, t in args.items()}
+    args2 = {n: (t.clone() if t is not None else None) for n, t in args.items()}
     o1 = torch.ops.gdnkit.decode(**args)
     o2 = gdnkit.decode(args2.pop("q"), args2.pop("k"), args2.pop("v"), args2.pop("state"),
                        args2.pop("state_indices"), **args2)
     assert torch.equal(o1, o2)
 
 
-def test_custom_op_opcheck():
-    g = gen("opcheck")
+@pytest.mark.parametrize("flag", [False, True])
+def test_custom_op_opcheck(flag):
+    g = gen("opcheck", flag)
     args = small_decode_args(g)
+    if flag:
+        args["error_flag"] = torch.zeros(1, dtype=torch.int32)
     torch.library.opcheck(torch.ops.gdnkit.decode.default, (), args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
@@ -143,7 +146,7 @@ def test_custom_op_compiles():
         k = y[:, 64:128].view(-1, 1, 64)
         v = y[:, 128:256].view(-1, 2, 64)
         a, b = y[:, 256:258], y[:, 258:260]
-        return torch.ops.gdnkit.decode(q, k, v, state, slots, a=a, b=b, A_log=args["A_log"],
+        return torch.ops.gdnkit.decode(q, k, v, state, slots, None, a=a, b=b, A_log=args["A_log"],
                                        dt_bias=args["dt_bias"]).sum(-1)
 
     x = randn(g, 3, 8)

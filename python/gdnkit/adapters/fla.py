@@ -135,7 +135,7 @@ def _prefill(fn, q, k, v, g, beta, scale, initial_state, output_final_state, l2n
     gates = _gates(fn, g, beta, v, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
     pool, init_idx, final_idx = _state(initial_state, output_final_state, False, N, HV, K, V, state_v_first,
                                        q.device)
-    o = torch.ops.gdnkit.prefill(q, k, v, cu, state=pool, initial_indices=init_idx, final_indices=final_idx,
+    o = torch.ops.gdnkit.prefill(q, k, v, cu, pool, None, None, initial_indices=init_idx, final_indices=final_idx,
                                  layout="k_last" if state_v_first else "v_last", scale=scale,
                                  use_qk_l2norm=bool(l2norm),
                                  cu_seqlens_cpu=cu_seqlens_cpu, **gates)
@@ -172,10 +172,10 @@ def fused_recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optiona
     pool, _, idx = _state(initial_state, output_final_state, True, B, HV, K, V, state_v_first, q.device)
     layout = "k_last" if state_v_first else "v_last"
     if T == 1:
-        o = torch.ops.gdnkit.decode(q, k, v, pool, idx, layout=layout, scale=scale,
+        o = torch.ops.gdnkit.decode(q, k, v, pool, idx, None, layout=layout, scale=scale,
                                     use_qk_l2norm=bool(use_qk_l2norm_in_kernel), **gates)
     else:
-        o = torch.ops.gdnkit.verify(q, k, v, pool, idx, layout=layout, scale=scale,
+        o = torch.ops.gdnkit.verify(q, k, v, pool, idx, None, None, layout=layout, scale=scale,
                                     use_qk_l2norm=bool(use_qk_l2norm_in_kernel), update_state=True, **gates)
     return o, (pool if output_final_state else None)
 

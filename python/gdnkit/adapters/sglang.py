@@ -98,7 +98,7 @@ def fused_sigmoid_gating_delta_rule_update(A_log: Tensor, a: Tensor, dt_bias: Te
 
     one_token_each = (cu_seqlens is None and T == 1) or (cu_seqlens is not None and T_total == N)
     if inter is None and parent is None and one_token_each and not disable_state_update:
-        return torch.ops.gdnkit.decode(q, k, v, pool, idx, **common)
+        return torch.ops.gdnkit.decode(q, k, v, pool, idx, None, **common)
 
     if inter is not None or parent is not None or (cu_seqlens is None and T <= _RECURRENT_MAX_T) or one_token_each:
         if cu_seqlens is not None:
@@ -106,11 +106,11 @@ def fused_sigmoid_gating_delta_rule_update(A_log: Tensor, a: Tensor, dt_bias: Te
             cu = int32(cu_seqlens)
         else:
             t_max, cu = T, None
-        return torch.ops.gdnkit.verify(q, k, v, pool, idx, cu_seqlens=cu, parent=parent, intermediate=inter,
+        return torch.ops.gdnkit.verify(q, k, v, pool, idx, inter, None, cu_seqlens=cu, parent=parent,
                                        intermediate_indices=iidx, update_state=not disable_state_update,
                                        num_draft_tokens=t_max, **common)
 
     # long sequences: the chunked prefill, reading and writing the same slots
     cu = cu_seqlens if cu_seqlens is not None else torch.arange(0, T_total + 1, T, dtype=torch.int32, device=device)
-    return torch.ops.gdnkit.prefill(q, k, v, cu, state=pool, initial_indices=idx,
+    return torch.ops.gdnkit.prefill(q, k, v, cu, pool, None, None, initial_indices=idx,
                                     final_indices=None if disable_state_update else idx, **common)
