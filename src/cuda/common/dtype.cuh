@@ -90,6 +90,22 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[N
   }
 }
 
+// ---- shared-memory reads the compiler must not merge --------------------------------------------
+// A value read twice from shared memory in one phase (no barrier between) is normally kept live in
+// registers between the two uses; where registers bound occupancy, re-reading is cheaper.
+__device__ __forceinline__ float4 lds4_fresh(const float* p) {
+  float4 x;
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(addr));
+  return x;
+}
+__device__ __forceinline__ float lds_fresh(const float* p) {
+  float x;
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr));
+  return x;
+}
+
 // ---- warp reductions --------------------------------------------------------------------------
 // Sum over the lanes whose ids differ only in the bits of [kFirst, 32): xor butterflies, every lane
 // of the group ends with the group's sum.

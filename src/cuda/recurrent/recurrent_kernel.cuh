@@ -183,64 +183,64 @@ __global__ void __launch_bounds__(kThreads, (TileMap<kLayout, TS, K, V>::kMinBlo
     const float kq_n = kq * rk * rq;
     const float decay = expf(s_gate[0]), beta = s_gate[1];
 
+    // The norms are applied to the sums, not the vectors: S^T (k rk) = rk (S^T k), and the update
+    // k_k u_v with normalized k is raw k_k (rk u_v). The staged raw q, k are read where used and not
+    // kept in registers, which bounds how many CTAs (and state loads in flight) an SM holds.
     if constexpr (kKLast) {
-      // This thread's k (see TileMap): q and k of the token, dot products per run (= per v).
-      float kr[kChunks][kVec], qr[kChunks][kVec];
+      float pk[kRuns], pq[kRuns];
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) pk[r] = 0.0f, pq[r] = 0.0f;
 #pragma unroll
       for (int c = 0; c < kChunks; ++c)
 #pragma unroll
         for (int j = 0; j < kVec; j += 4) {
           const int k = Map::k_of(tid, c, j);
-          const float4 k4 = *reinterpret_cast<const float4*>(&s_k[k]);
-          const float4 q4 = *reinterpret_cast<const float4*>(&s_q[k]);
-          kr[c][j] = k4.x * rk, kr[c][j + 1] = k4.y * rk, kr[c][j + 2] = k4.z * rk, kr[c][j + 3] = k4.w * rk;
-          qr[c][j] = q4.x * rq, qr[c][j + 1] = q4.y * rq, qr[c][j + 2] = q4.z * rq, qr[c][j + 3] = q4.w * rq;
-        }
-      float pk[kRuns], pq[kRuns];
+          const float4 k4 = lds4_fresh(&s_k[k]), q4 = lds4_fresh(&s_q[k]);
 #pragma unroll
-      for (int r = 0; r < kRuns; ++r) {
-        pk[r] = 0.0f, pq[r] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            pk[r] = fmaf(s[r][c][j], kr[c][j], pk[r]);
-            pq[r] = fmaf(s[r][c][j], qr[c][j], pq[r]);
+          for (int r = 0; r < kRuns; ++r) {
+            pk[r] = fmaf(s[r][c][j], k4.x, pk[r]), pq[r] = fmaf(s[r][c][j], q4.x, pq[r]);
+            pk[r] = fmaf(s[r][c][j + 1], k4.y, pk[r]), pq[r] = fmaf(s[r][c][j + 1], q4.y, pq[r]);
+            pk[r] = fmaf(s[r][c][j + 2], k4.z, pk[r]), pq[r] = fmaf(s[r][c][j + 2], q4.z, pq[r]);
+            pk[r] = fmaf(s[r][c][j + 3], k4.w, pk[r]), pq[r] = fmaf(s[r][c][j + 3], q4.w, pq[r]);
           }
-      }
+        }
+      float uk[kRuns];  // rk * u_v of each run
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
-        pk[r] = lane_group_sum<Map::kLanesPerV>(pk[r]);
-        pq[r] = lane_group_sum<Map::kLanesPerV>(pq[r]);
-      }
-#pragma unroll
-      for (int r = 0; r < kRuns; ++r) {
+        const float sk = lane_group_sum<Map::kLanesPerV>(pk[r]) * rk;
+        const float sq = lane_group_sum<Map::kLanesPerV>(pq[r]) * rq;
         const int vl = Map::v_of_run(tid, r);
-        const float u = beta * (s_v[vl] - decay * pk[r]);
-        if (write_o && Map::writes_output(tid)) out_ptr(tok)[vl] = from_float<TI>(decay * pq[r] + kq_n * u);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) s[r][c][j] = fmaf(kr[c][j], u, decay * s[r][c][j]);
+        const float u = beta * (s_v[vl] - decay * sk);
+        if (write_o && Map::writes_output(tid)) out_ptr(tok)[vl] = from_float<TI>(decay * sq + kq_n * u);
+        uk[r] = u * rk;
       }
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+        for (int j = 0; j < kVec; j += 4) {
+          const float4 k4 = lds4_fresh(&s_k[Map::k_of(tid, c, j)]);
+#pragma unroll
+          for (int r = 0; r < kRuns; ++r) {
+            s[r][c][j] = fmaf(k4.x, uk[r], decay * s[r][c][j]);
+            s[r][c][j + 1] = fmaf(k4.y, uk[r], decay * s[r][c][j + 1]);
+            s[r][c][j + 2] = fmaf(k4.z, uk[r], decay * s[r][c][j + 2]);
+            s[r][c][j + 3] = fmaf(k4.w, uk[r], decay * s[r][c][j + 3]);
+          }
+        }
     } else {
       // Runs are along v: this thread's kRuns k rows; dot products per element (= per v), reduced
       // across the lanes with the same columns, then across the warps through shared memory.
-      float kr[kRuns], qr[kRuns];
-#pragma unroll
-      for (int r = 0; r < kRuns; ++r) {
-        kr[r] = s_k[Map::k_of_run(tid, r)] * rk;
-        qr[r] = s_q[Map::k_of_run(tid, r)] * rq;
-      }
       float pk[kVec], pq[kVec];
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        pk[e] = 0.0f, pq[e] = 0.0f;
+      for (int e = 0; e < kVec; ++e) pk[e] = 0.0f, pq[e] = 0.0f;
 #pragma unroll
-        for (int r = 0; r < kRuns; ++r) {
-          pk[e] = fmaf(s[r][0][e], kr[r], pk[e]);
-          pq[e] = fmaf(s[r][0][e], qr[r], pq[e]);
-        }
+      for (int r = 0; r < kRuns; ++r) {
+        const float kv = lds_fresh(&s_k[Map::k_of_run(tid, r)]), qv = lds_fresh(&s_q[Map::k_of_run(tid, r)]);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) pk[e] = fmaf(s[r][0][e], kv, pk[e]), pq[e] = fmaf(s[r][0][e], qv, pq[e]);
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
         pk[e] = group_sum<Map::kThreadsV>(pk[e]);
         pq[e] = group_sum<Map::kThreadsV>(pq[e]);
       }
@@ -250,15 +250,21 @@ __global__ void __launch_bounds__(kThreads, (TileMap<kLayout, TS, K, V>::kMinBlo
         for (int e = 0; e < kVec; ++e) s_red[warp][c0 + e][0] = pk[e], s_red[warp][c0 + e][1] = pq[e];
       }
       __syncthreads();
+      float uk[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         float sk = 0.0f, sq = 0.0f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) sk += s_red[w][c0 + e][0], sq += s_red[w][c0 + e][1];
-        const float u = beta * (s_v[c0 + e] - decay * sk);
-        if (write_o && Map::writes_output(tid)) out_ptr(tok)[c0 + e] = from_float<TI>(decay * sq + kq_n * u);
+        const float u = beta * (s_v[c0 + e] - decay * (sk * rk));
+        if (write_o && Map::writes_output(tid)) out_ptr(tok)[c0 + e] = from_float<TI>(decay * (sq * rq) + kq_n * u);
+        uk[e] = u * rk;
+      }
 #pragma unroll
-        for (int r = 0; r < kRuns; ++r) s[r][0][e] = fmaf(kr[r], u, decay * s[r][0][e]);
+      for (int r = 0; r < kRuns; ++r) {
+        const float kv = lds_fresh(&s_k[Map::k_of_run(tid, r)]);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) s[r][0][e] = fmaf(kv, uk[e], decay * s[r][0][e]);
       }
     }
   };
