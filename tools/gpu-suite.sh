@@ -79,9 +79,10 @@ if [ ${#benched[@]} -gt 0 ]; then
 fi
 
 # Python package (tests/python, python/README.md): the extension built against this build's library
-# (GDNKIT_PY_PIP=1: `pip install --no-build-isolation .` instead), the pytest suite (GPU tests included),
-# then `python -m gdnkit.bench`: gdnkit vs FLA on identical inputs (fla_compare.{json,md}; options in
-# GDNKIT_PYBENCH_ARGS, GDNKIT_PYBENCH=0 skips it; GDNKIT_PYTEST_ARGS adds pytest options). FLA's wheels in .whl/ (carry them) are installed to /tmp/site when present.
+# (GDNKIT_PY_PIP=1: `pip install --no-build-isolation .` instead); then `python -m gdnkit.bench`, gdnkit vs
+# FLA on identical inputs (fla_compare.{json,md}; options in GDNKIT_PYBENCH_ARGS, GDNKIT_PYBENCH=0 skips it);
+# then the pytest suite, GPU tests included (GDNKIT_PYTEST_ARGS adds options, GDNKIT_PYTEST_TIMEOUT caps it).
+# FLA's wheels in .whl/ (carry them) are installed to /tmp/site when present.
 if want python; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -103,12 +104,6 @@ if want python; then
   [ $rc -eq 0 ] || tail -30 "$OUT/python_build.log"
   note "python build: rc=$rc"
   if [ $rc -eq 0 ]; then
-    # shellcheck disable=SC2086
-    PYTHONPATH=$py_path python3 -m pytest tests/python -q -rs -p no:cacheprovider ${GDNKIT_PYTEST_ARGS:-} \
-      >"$OUT/python_tests.log" 2>&1
-    rc=$?
-    grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/python_tests.log" | head -30
-    note "python tests: rc=$rc ($(tail -1 "$OUT/python_tests.log"))"
     if [ "${GDNKIT_PYBENCH:-1}" = 1 ]; then
       # shellcheck disable=SC2086
       PYTHONPATH=$py_path python3 -m gdnkit.bench --out "$OUT" ${GDNKIT_PYBENCH_ARGS:-} >"$OUT/fla_compare.log" 2>&1
@@ -116,6 +111,13 @@ if want python; then
       [ $rc -eq 0 ] || tail -30 "$OUT/fla_compare.log"
       note "fla compare (python -m gdnkit.bench): rc=$rc"
     fi
+    # GDNKIT_PYTEST_TIMEOUT: seconds left for pytest (the device call has a wall-clock limit)
+    # shellcheck disable=SC2086
+    PYTHONPATH=$py_path timeout "${GDNKIT_PYTEST_TIMEOUT:-3000}" python3 -m pytest tests/python -q -rs -p no:cacheprovider ${GDNKIT_PYTEST_ARGS:-} \
+      >"$OUT/python_tests.log" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/python_tests.log" | head -30
+    note "python tests: rc=$rc ($(tail -1 "$OUT/python_tests.log"))"
   fi
 fi
 
