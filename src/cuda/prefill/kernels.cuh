@@ -17,9 +17,8 @@
 //     S lives in registers (fp32 mma accumulators), with an Op copy in shared memory as the
 //     operand of k S and q S.
 // All products run on tensor cores: mma.sync m16n8k16, Op operands (bf16 for bf16 inputs, fp16 for
-// fp16/fp32 inputs), fp32 accumulation. The L2
-// norms and the scale are per-token factors applied to mma results (rows of q/k stay raw in shared
-// memory).
+// fp16/fp32 inputs), fp32 accumulation. The L2 norms and the scale are per-token factors applied to
+// mma results (rows of q/k stay raw in shared memory). Design and measurements: docs/prefill-design.md.
 #pragma once
 
 #include <cuda_bf16.h>
