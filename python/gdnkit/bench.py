@@ -7,6 +7,9 @@ timed CUDA-graph replay runs one call per input set, rotating through enough set
 touches at least 4x the L2 size of state (cold L2, as in serving); the median of the replays over the
 number of calls is reported in microseconds per call.
 
+Verify: FLA's ``fused_recurrent_gated_delta_rule`` on T tokens per sequence vs gdnkit's ``verify`` of a
+T-token chain storing the final state in the pool (no intermediate cache), timed like decode.
+
 Prefill: FLA's ``chunk_gated_delta_rule`` vs gdnkit's ``prefill`` on the sequence sets of BENCH.md, same
 heads and dtypes, fused gating and L2 norm in the kernel, initial states read and final states written.
 CUDA events around each call, warm-up first, median of >= 10 calls (5 for the largest sets).
@@ -31,6 +34,7 @@ from typing import Callable, Dict, List, Optional
 H, HV, K, V = 16, 32, 128, 128
 
 DECODE_BATCHES = [1, 4, 16, 64, 128, 256, 512]
+VERIFY_ROWS = [(8, 2), (8, 4), (64, 2), (64, 4), (256, 4)]
 PREFILL_SETS = {
     "1x2048": [2048], "1x8192": [8192], "1x32768": [32768], "1x65536": [65536],
     "4096+4096": [4096, 4096], "1024+7168": [1024, 7168], "2048x4": [2048] * 4, "1024x8": [1024] * 8,
@@ -129,11 +133,13 @@ def _gdnkit_call(fn: Callable[[], object]):
         return f"gdnkit: {e}"
 
 
-def bench_decode(B: int, layout: str, fla_recurrent, l2_bytes: int, replays: int) -> Dict:
+def bench_decode(B: int, layout: str, fla_recurrent, l2_bytes: int, replays: int, T: int = 1) -> Dict:
+    """T = 1: gdnkit decode; T > 1: gdnkit verify of a T-token chain with the final state stored (no cache),
+    vs FLA's fused_recurrent on the same T tokens per sequence (initial state in, final state out)."""
     torch = _torch()
     import gdnkit
 
-    gen = torch.Generator(device="cuda").manual_seed(1000 + B)
+    gen = torch.Generator(device="cuda").manual_seed(1000 * T + B)
     dev = "cuda"
     state_bytes = B * HV * K * V * 4
     sets = max(4, min(64, math.ceil(4 * l2_bytes / state_bytes)))
@@ -144,11 +150,11 @@ def bench_decode(B: int, layout: str, fla_recurrent, l2_bytes: int, replays: int
     def rn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen, device=dev).to(dtype)
 
-    q = [rn(B, 1, H, K) for _ in range(sets)]
-    k = [rn(B, 1, H, K) for _ in range(sets)]
-    v = [rn(B, 1, HV, V) for _ in range(sets)]
-    a = [rn(B, 1, HV) for _ in range(sets)]
-    b = [rn(B, 1, HV) for _ in range(sets)]
+    q = [rn(B, T, H, K) for _ in range(sets)]
+    k = [rn(B, T, H, K) for _ in range(sets)]
+    v = [rn(B, T, HV, V) for _ in range(sets)]
+    a = [rn(B, T, HV) for _ in range(sets)]
+    b = [rn(B, T, HV) for _ in range(sets)]
     A_log = torch.log(torch.rand(HV, generator=gen, device=dev) * 15 + 1)
     dt_bias = 0.5 * torch.randn(HV, generator=gen, device=dev)
     h0 = [0.1 * torch.randn(B, *st_shape, generator=gen, device=dev) for _ in range(sets)]
@@ -160,11 +166,17 @@ def bench_decode(B: int, layout: str, fla_recurrent, l2_bytes: int, replays: int
         pool[slots[s].long()] = h0[s]
     o = [torch.empty_like(v[s]) for s in range(sets)]
 
+    def gdn_one(s, out=None):
+        if T == 1:
+            return gdnkit.decode(q[s].view(B, H, K), k[s].view(B, H, K), v[s].view(B, HV, V), pool, slots[s],
+                                 layout=layout, a=a[s].view(B, HV), b=b[s].view(B, HV), A_log=A_log,
+                                 dt_bias=dt_bias, o=None if out is None else out.view(B, HV, V))
+        return gdnkit.verify(q[s], k[s], v[s], pool, slots[s], layout=layout, a=a[s], b=b[s], A_log=A_log,
+                             dt_bias=dt_bias, update_state=True, o=out)
+
     def gdn_all():
         for s in range(sets):
-            gdnkit.decode(q[s].view(B, H, K), k[s].view(B, H, K), v[s].view(B, HV, V), pool, slots[s],
-                          layout=layout, a=a[s].view(B, HV), b=b[s].view(B, HV), A_log=A_log, dt_bias=dt_bias,
-                          o=o[s].view(B, HV, V))
+            gdn_one(s, o[s])
 
     fla_kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
                   dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, state_v_first=v_first)
@@ -173,8 +185,9 @@ def bench_decode(B: int, layout: str, fla_recurrent, l2_bytes: int, replays: int
         for s in range(sets):
             fla_recurrent(q[s], k[s], v[s], g=a[s], beta=b[s], initial_state=h0[s], **fla_kw)
 
-    row = dict(op="decode", name=f"B={B}", B=B, layout=layout, calls_per_replay=sets)
-    bytes_per_call = 2 * state_bytes + 2 * B * H * K * 2 + 2 * B * HV * V * 2 + 2 * B * HV * 2
+    row = dict(op="decode" if T == 1 else "verify", name=f"B={B}" if T == 1 else f"B={B},T={T}", B=B, T=T,
+               layout=layout, calls_per_replay=sets)
+    bytes_per_call = 2 * state_bytes + T * (2 * B * H * K * 2 + 2 * B * HV * V * 2 + 2 * B * HV * 2)
     row["bytes_per_call"] = bytes_per_call
     note = _gdnkit_call(gdn_all)
     if note is None:
@@ -190,12 +203,10 @@ def bench_decode(B: int, layout: str, fla_recurrent, l2_bytes: int, replays: int
         row["ratio"] = row["gdnkit_us"] / row["fla_us"]
         # the same call from the same state for both: outputs and final states
         pool[slots[0].long()] = h0[0]
-        gdn_o = gdnkit.decode(q[0].view(B, H, K), k[0].view(B, H, K), v[0].view(B, HV, V), pool, slots[0],
-                              layout=layout, a=a[0].view(B, HV), b=b[0].view(B, HV), A_log=A_log,
-                              dt_bias=dt_bias)
+        gdn_o = gdn_one(0)
         with torch.no_grad():
             fla_o, fla_ht = fla_recurrent(q[0], k[0], v[0], g=a[0], beta=b[0], initial_state=h0[0], **fla_kw)
-        row["rel_o"] = _rel(gdn_o, fla_o.view(B, HV, V))
+        row["rel_o"] = _rel(gdn_o, fla_o.view(gdn_o.shape))
         row["rel_state"] = _rel(pool[slots[0].long()], fla_ht)
     del q, k, v, a, b, h0, pool, o
     torch.cuda.empty_cache()
@@ -287,6 +298,17 @@ def markdown(meta: Dict, rows: List[Dict]) -> str:
                        f"{_fmt(r.get('fla_tbps'), '.2f')} | {_fmt(r.get('rel_o'), '.1e')} | "
                        f"{_fmt(r.get('rel_state'), '.1e')} | {r.get('note', '')} |")
         out.append("")
+    ver = [r for r in rows if r["op"] == "verify"]
+    if ver:
+        out += ["## Verify: T-token chains, final state stored (us per call, cold L2, CUDA-graph replays)", "",
+                "| B | T | gdnkit us | FLA us | ratio | gdnkit TB/s | FLA TB/s | rel o | rel state | note |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in ver:
+            out.append(f"| {r['B']} | {r['T']} | {_fmt(r.get('gdnkit_us'), '.2f')} | {_fmt(r.get('fla_us'), '.2f')} | "
+                       f"{_fmt(r.get('ratio'), '.2f')} | {_fmt(r.get('gdnkit_tbps'), '.2f')} | "
+                       f"{_fmt(r.get('fla_tbps'), '.2f')} | {_fmt(r.get('rel_o'), '.1e')} | "
+                       f"{_fmt(r.get('rel_state'), '.1e')} | {r.get('note', '')} |")
+        out.append("")
     pre = [r for r in rows if r["op"] == "prefill"]
     if pre:
         out += ["## Prefill (ms per call; TFLOP/s = 4 T HV K V / time)", "",
@@ -304,10 +326,12 @@ def markdown(meta: Dict, rows: List[Dict]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gdnkit.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench-out", help="folder for fla_compare.json and fla_compare.md")
-    ap.add_argument("--ops", default="decode,prefill", help="comma list of decode, prefill")
+    ap.add_argument("--ops", default="decode,verify,prefill", help="comma list of decode, verify, prefill")
     ap.add_argument("--layout", default="k_last", choices=["k_last", "v_last"],
                     help="state layout for both (FLA: state_v_first = layout == k_last)")
     ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
+    ap.add_argument("--verify", default=",".join(f"{b}x{t}" for b, t in VERIFY_ROWS),
+                    help="verify rows BxT (B sequences of T draft tokens)")
     ap.add_argument("--sets", default=",".join(PREFILL_SETS), help="prefill sequence sets (BENCH.md names)")
     ap.add_argument("--replays", type=int, default=20, help="decode graph replays (median)")
     ap.add_argument("--reps", type=int, default=10, help="prefill timed calls (median)")
@@ -333,6 +357,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "decode" in ops:
         for B in [int(x) for x in args.batches.split(",") if x]:
             rows.append(bench_decode(B, args.layout, fla_recurrent, l2, args.replays))
+            print(json.dumps(rows[-1]), flush=True)
+    if "verify" in ops:
+        for spec in [x for x in args.verify.split(",") if x]:
+            B, T = (int(x) for x in spec.split("x"))
+            rows.append(bench_decode(B, args.layout, fla_recurrent, l2, args.replays, T=T))
             print(json.dumps(rows[-1]), flush=True)
     if "prefill" in ops:
         for name in [x for x in args.sets.split(",") if x]:
