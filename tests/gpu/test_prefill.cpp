@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -362,6 +363,63 @@ TEST(PrefillGpu, SmallCallerWorkspaceRefused) {
   cudaFree(ws);
   EXPECT_TRUE(BitwiseEqual("o", got.buffer("o"), before.buffer("o")));
   EXPECT_TRUE(BitwiseEqual("state", got.buffer("state"), before.buffer("state")));
+}
+
+}  // namespace
+}  // namespace gdnkit::test
+
+namespace gdnkit::test {
+namespace {
+
+// Host-side planning, no kernel: chunk c of sequence n owns workspace slot floor(cu[n]/64) + n + c;
+// the slots of all chunks are distinct and below num_chunk_slots for any non-decreasing cu_seqlens
+// (the host sizes the workspace without reading them).
+TEST(PrefillPlan, ChunkSlotsDistinctAndBounded) {
+  std::mt19937_64 gen(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int N = 1 + int(gen() % 40);
+    std::vector<int64_t> cu(N + 1, 0);
+    for (int n = 0; n < N; ++n) {
+      const uint64_t kind = gen() % 4;  // empty, short, around the chunk, long
+      const int64_t len = kind == 0 ? 0 : kind == 1 ? int64_t(gen() % 8) : kind == 2 ? 60 + int64_t(gen() % 10)
+                                                                                      : int64_t(gen() % 700);
+      cu[n + 1] = cu[n] + len;
+    }
+    PrefillParams p;
+    p.num_seqs = N;
+    p.total_tokens = cu[N];
+    const int64_t slots = cuda::chunked_prefill::num_chunk_slots(p);
+    std::vector<char> used(size_t(slots), 0);
+    for (int n = 0; n < N; ++n)
+      for (int64_t c = 0; c * 64 < cu[n + 1] - cu[n]; ++c) {
+        const int64_t s = cu[n] / 64 + n + c;
+        ASSERT_LT(s, slots) << "trial " << trial << " n " << n << " c " << c;
+        ASSERT_FALSE(used[size_t(s)]) << "slot " << s << " taken twice (trial " << trial << ")";
+        used[size_t(s)] = 1;
+      }
+  }
+}
+
+// The value tile: widest tile that still gives ~2 CTAs per SM; 64 is not built for K = 256.
+TEST(PrefillPlan, ValueTileHeuristic) {
+  auto tile = [](int N, int HV, int K, int V) {
+    PrefillParams p;
+    p.num_seqs = N;
+    p.heads.num_qk_heads = 1, p.heads.num_v_heads = HV, p.heads.head_dim_k = K, p.heads.head_dim_v = V;
+    return cuda::chunked_prefill::choose_vtile(p, 132);
+  };
+  EXPECT_EQ(tile(8, 32, 128, 128), 64);     // 8x8192: 512 CTAs at VT=64 (fastest measured)
+  EXPECT_EQ(tile(1024, 32, 128, 128), 64);  // 1024x8
+  EXPECT_EQ(tile(1, 32, 128, 128), 16);     // 1x32768, 1x8192: 256 CTAs at VT=16 (fastest measured)
+  EXPECT_EQ(tile(4, 32, 128, 128), 32);
+  EXPECT_EQ(tile(64, 8, 256, 256), 32);     // K = 256 has no 64 tile
+  EXPECT_EQ(tile(1, 2, 64, 64), 16);
+  for (int K : {64, 128, 256})
+    for (int V : {64, 128, 256})
+      for (int N : {1, 3, 100, 5000}) {
+        const int vt = tile(N, 8, K, V);
+        EXPECT_TRUE(cuda::chunked_prefill::vtile_supported(K, vt) && vt <= V) << K << " " << V << " " << N;
+      }
 }
 
 }  // namespace
