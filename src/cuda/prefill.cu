@@ -95,9 +95,7 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_gc = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
 }
 
-bool vtile_supported(int K, int vtile) {
-  return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128);
-}
+bool vtile_supported(int K, int vtile) { return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128); }
 
 // The state pass is sequential over chunks: its parallelism is N * HV * (V / VT) CTAs. Take the
 // widest tile (least recomputation of the per-chunk q k^T and fewest q/k reloads) that still gives
@@ -146,9 +144,15 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(p.heads.head_dim_v));
   switch (K) {
-    case 64: launch<64>(p, plan, vtile, stream, stages); break;
-    case 128: launch<128>(p, plan, vtile, stream, stages); break;
-    case 256: launch<256>(p, plan, vtile, stream, stages); break;
+    case 64:
+      launch<64>(p, plan, vtile, stream, stages);
+      break;
+    case 128:
+      launch<128>(p, plan, vtile, stream, stages);
+      break;
+    case 256:
+      launch<256>(p, plan, vtile, stream, stages);
+      break;
     default:
       throw Error(ErrorCode::kInvalidArgument,
                   "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");

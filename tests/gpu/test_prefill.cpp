@@ -26,19 +26,24 @@ namespace {
 
 std::string short_name(DType d) {
   switch (d) {
-    case DType::kFloat32: return "f32";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat16: return "f16";
-    case DType::kInt64: return "i64";
-    default: return "i32";
+    case DType::kFloat32:
+      return "f32";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat16:
+      return "f16";
+    case DType::kInt64:
+      return "i64";
+    default:
+      return "i32";
   }
 }
 
 std::string case_name(const ProblemConfig& c, const std::string& tag = "") {
   std::string s = std::string(c.layout == StateLayout::kKLast ? "klast" : "vlast") + "_s" + short_name(c.state_dtype) +
                   "_in" + short_name(c.in_dtype) + (c.gate_mode == GateMode::kFused ? "_fused" : "_given") +
-                  (c.use_qk_l2norm ? "_l2" : "_nol2") + "_h" + std::to_string(c.H) + "x" + std::to_string(c.HV) +
-                  "_k" + std::to_string(c.K) + "v" + std::to_string(c.V);
+                  (c.use_qk_l2norm ? "_l2" : "_nol2") + "_h" + std::to_string(c.H) + "x" + std::to_string(c.HV) + "_k" +
+                  std::to_string(c.K) + "v" + std::to_string(c.V);
   if (c.token_pad || c.head_pad) s += "_strided";
   if (c.slot_pad) s += "_slotpad";
   if (c.long_memory) s += "_longmem";
@@ -88,7 +93,7 @@ std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
   const ProblemConfig& c = p.config();
   const Buffer& cp = p.buffer("checkpoints");
   const int64_t entry = p.state_elems(), steps_total = (int64_t(cp.bytes.size()) / dtype_size(c.cache_dtype)) /
-                                                         (p.rows() + 1);  // slot stride in elements
+                                                       (p.rows() + 1);  // slot stride in elements
   const int64_t steps = (steps_total - c.slot_pad) / entry;
   for (int32_t r = 0; r < p.rows(); ++r) {
     const int32_t slot = p.as<int32_t>("checkpoint_indices")[r];
@@ -381,8 +386,10 @@ TEST(PrefillPlan, ChunkSlotsDistinctAndBounded) {
     std::vector<int64_t> cu(N + 1, 0);
     for (int n = 0; n < N; ++n) {
       const uint64_t kind = gen() % 4;  // empty, short, around the chunk, long
-      const int64_t len = kind == 0 ? 0 : kind == 1 ? int64_t(gen() % 8) : kind == 2 ? 60 + int64_t(gen() % 10)
-                                                                                      : int64_t(gen() % 700);
+      const int64_t len = kind == 0   ? 0
+                          : kind == 1 ? int64_t(gen() % 8)
+                          : kind == 2 ? 60 + int64_t(gen() % 10)
+                                      : int64_t(gen() % 700);
       cu[n + 1] = cu[n] + len;
     }
     PrefillParams p;
@@ -412,7 +419,7 @@ TEST(PrefillPlan, ValueTileHeuristic) {
   EXPECT_EQ(tile(1024, 32, 128, 128), 64);  // 1024x8
   EXPECT_EQ(tile(1, 32, 128, 128), 16);     // 1x32768, 1x8192: 256 CTAs at VT=16 (fastest measured)
   EXPECT_EQ(tile(4, 32, 128, 128), 32);
-  EXPECT_EQ(tile(64, 8, 256, 256), 32);     // K = 256 has no 64 tile
+  EXPECT_EQ(tile(64, 8, 256, 256), 32);  // K = 256 has no 64 tile
   EXPECT_EQ(tile(1, 2, 64, 64), 16);
   for (int K : {64, 128, 256})
     for (int V : {64, 128, 256})

@@ -57,8 +57,11 @@ TEST(PrefillTiming, TargetSets) {
   const char* env = std::getenv("GDNKIT_PREFILL_TIMING");
   if (env == nullptr || std::string(env) != "1") GTEST_SKIP() << "set GDNKIT_PREFILL_TIMING=1 to time";
   const int H = 16, HV = 32, K = 128, V = 128;
-  const Set sets[] = {{"8x8192", 8, 8192, 1.0}, {"1x32768", 1, 32768, 1.2}, {"1024x8", 1024, 8, 0.20},
-                      {"1x8192", 1, 8192, 0.40}, {"1x2048", 1, 2048, 0.0}};
+  const Set sets[] = {{"8x8192", 8, 8192, 1.0},
+                      {"1x32768", 1, 32768, 1.2},
+                      {"1024x8", 1024, 8, 0.20},
+                      {"1x8192", 1, 8192, 0.40},
+                      {"1x2048", 1, 2048, 0.0}};
   cudaStream_t stream;
   GDNKIT_TEST_CUDA(cudaStreamCreate(&stream));
   cudaEvent_t e0, e1;
@@ -141,8 +144,8 @@ TEST(PrefillTiming, TargetSets) {
     const double flop = 4.0 * double(T) * HV * K * V;
     for (int vt : {0, 16, 32, 64}) {
       const double t = time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, vt); });
-      std::printf("%-9s %-7s %10.3f %10.3f %10.1f  %s\n", s.name,
-                  vt == 0 ? "auto" : std::to_string(vt).c_str(), t, prep, flop / (t * 1e-3) / 1e12,
+      std::printf("%-9s %-7s %10.3f %10.3f %10.1f  %s\n", s.name, vt == 0 ? "auto" : std::to_string(vt).c_str(), t,
+                  prep, flop / (t * 1e-3) / 1e12,
                   s.target_ms > 0 ? ("target " + std::to_string(s.target_ms)).c_str() : "");
     }
     GDNKIT_TEST_CUDA(cudaStreamSynchronize(stream));

@@ -21,9 +21,12 @@ __device__ __forceinline__ int64_t load_cu(const PrefillParams& p, int64_t i) {
 
 __device__ __forceinline__ float load_scalar(const void* base, DType dt, int64_t i) {
   switch (dt) {
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[i]);
-    default: return static_cast<const float*>(base)[i];
+    case DType::kBFloat16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    case DType::kFloat16:
+      return __half2float(static_cast<const __half*>(base)[i]);
+    default:
+      return static_cast<const float*>(base)[i];
   }
 }
 
@@ -64,8 +67,14 @@ __device__ __forceinline__ uint4 load8(const void* base, DType dt, int64_t i, bo
     if (vec) {
       const float4 a = __ldg(reinterpret_cast<const float4*>(p));
       const float4 b = __ldg(reinterpret_cast<const float4*>(p + 4));
-      f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-      f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+      f[0] = a.x;
+      f[1] = a.y;
+      f[2] = a.z;
+      f[3] = a.w;
+      f[4] = b.x;
+      f[5] = b.y;
+      f[6] = b.z;
+      f[7] = b.w;
     } else {
 #pragma unroll
       for (int j = 0; j < 8; ++j) f[j] = p[j];
@@ -94,15 +103,16 @@ __device__ __forceinline__ float sumsq8(const uint4& x) {
 // Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma
 // results, so the operand is the input exactly (16-bit inputs) and the L2 norm costs no extra pass.
 template <int K, class Op, bool kNorm = true>
-__device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const InView& view, int head,
-                                                    int64_t t0, int L, bool use_l2norm, float mult, bool vec) {
+__device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const InView& view, int head, int64_t t0,
+                                                    int L, bool use_l2norm, float mult, bool vec) {
   constexpr int kVecPerRow = K / 8;  // 8, 16 or 32 lanes per row: a shuffle reduction stays in a warp
   const int tid = threadIdx.x;
 #pragma unroll
   for (int it = tid; it < kChunk * kVecPerRow; it += kThreads) {
     const int row = it / kVecPerRow, cv = it % kVecPerRow;
     uint4 x = make_uint4(0, 0, 0, 0);
-    if (row < L) x = load8<Op>(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8, vec);
+    if (row < L)
+      x = load8<Op>(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8, vec);
     *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x;
     if constexpr (kNorm) {
       float ss = sumsq8<Op>(x);

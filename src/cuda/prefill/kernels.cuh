@@ -40,8 +40,8 @@ namespace gdnkit::cuda::chunked_prefill {
 // Dynamic shared memory of kernel 1: raw k and q rows; the fp32 solve (A, T) reuses their bytes.
 template <int K, class Op>
 constexpr size_t prep_smem_bytes() {
-  constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);     // k, q rows
-  constexpr size_t solve = (size_t(2) * kChunk * 68 + 3 * 256) * 4;       // A, T, block-row sums
+  constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);  // k, q rows
+  constexpr size_t solve = (size_t(2) * kChunk * 68 + 3 * 256) * 4;   // A, T, block-row sums
   return rows > solve ? rows : solve;
 }
 
@@ -51,8 +51,8 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
   constexpr int LDA = 68;     // fp32 A rows, 16-byte aligned for vector loads in the solve
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float s_gc[kChunk], s_beta[kChunk], s_rk[kChunk], s_rq[kChunk];
-  Op* Ks = reinterpret_cast<Op*>(smem);     // [64][LDK] raw k rows
-  Op* Qs = Ks + kChunk * LDK;               // [64][LDK] raw q rows
+  Op* Ks = reinterpret_cast<Op*>(smem);        // [64][LDK] raw k rows
+  Op* Qs = Ks + kChunk * LDK;                  // [64][LDK] raw q rows
   float* Af = reinterpret_cast<float*>(smem);  // [64][LDA] A (after Ks, Qs are consumed), then T
 
   const int slot = blockIdx.x, h = blockIdx.y;
@@ -64,7 +64,10 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (load_cu(p, mid) / kChunk + mid <= slot) lo = mid; else hi = mid - 1;
+    if (load_cu(p, mid) / kChunk + mid <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const int n = lo;
   const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
@@ -187,8 +190,10 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
       float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
 #pragma unroll
       for (int j = 0; j < i; ++j) {
-        if (j & 1) acc1 = fmaf(-Ai[j], x[j], acc1);
-        else acc0 = fmaf(-Ai[j], x[j], acc0);
+        if (j & 1)
+          acc1 = fmaf(-Ai[j], x[j], acc1);
+        else
+          acc0 = fmaf(-Ai[j], x[j], acc0);
       }
       x[i] = acc0 + acc1;
     }
@@ -259,8 +264,8 @@ struct StateSmem {
 // and the per-token scalars.
 template <int K, int VT>
 struct ChunkRegs {
-  static constexpr int kRow = kChunk * K / 8 / kThreads;    // per q (and per k)
-  static constexpr int kV = kChunk * VT / 8 / kThreads;     // v tile
+  static constexpr int kRow = kChunk * K / 8 / kThreads;     // per q (and per k)
+  static constexpr int kV = kChunk * VT / 8 / kThreads;      // v tile
   static constexpr int kT = kChunk * kChunk / 8 / kThreads;  // T' (and M)
   uint4 k[kRow], q[kRow], v[kV], t[kT], m[kT];
   float gc = 0.0f, rk = 0.0f, rq = 0.0f;
@@ -321,7 +326,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
       for (int e = 0; e < 4; ++e) {
         const int k = krow0 + mt * 16 + r + (e >> 1) * 8, v = v0 + nt * 8 + q2 + (e & 1);
         s[mt][nt][e] = islot >= 0 ? load_state_elem(p.state.data, p.state.dtype,
-                                                     ibase + state_offset(p.state.layout, h, k, v, K, V))
+                                                    ibase + state_offset(p.state.layout, h, k, v, K, V))
                                   : 0.0f;
       }
   auto write_sb = [&]() {
@@ -578,8 +583,8 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
 template <int K, int VT, class Op>
 void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
   const size_t smem = sizeof(StateSmem<K, VT, Op>);
-  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_kernel<K, VT, Op>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(state_pass_kernel<K, VT, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
   const dim3 grid(unsigned(p.num_seqs), unsigned(p.heads.num_v_heads), unsigned(p.heads.head_dim_v / VT));
   state_pass_kernel<K, VT, Op><<<grid, kThreads, smem, stream>>>(p, plan);
@@ -599,8 +604,12 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
   }
   if (!(stages & kStageStatePass)) return;
   switch (vtile) {
-    case 16: launch_state_pass<K, 16, Op>(p, plan, stream); break;
-    case 32: launch_state_pass<K, 32, Op>(p, plan, stream); break;
+    case 16:
+      launch_state_pass<K, 16, Op>(p, plan, stream);
+      break;
+    case 32:
+      launch_state_pass<K, 32, Op>(p, plan, stream);
+      break;
     case 64:
       if constexpr (K <= 128) {
         launch_state_pass<K, 64, Op>(p, plan, stream);

@@ -72,8 +72,10 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
 
 template <class Op>
 __device__ __forceinline__ Op to_op(float x) {
-  if constexpr (std::is_same_v<Op, __half>) return __float2half_rn(x);
-  else return __float2bfloat16_rn(x);
+  if constexpr (std::is_same_v<Op, __half>)
+    return __float2half_rn(x);
+  else
+    return __float2bfloat16_rn(x);
 }
 
 // Address of lane's row for an A fragment (16x16 at (row0, col0)) of a row-major bf16 tile

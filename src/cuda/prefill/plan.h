@@ -22,13 +22,13 @@ inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens /
 
 struct Plan {
   int64_t num_slots = 0;
-  void* ws_t = nullptr;    // [num_slots, HV, 64, 64] operand dtype: T' = (I + A)^{-1} diag(beta) per chunk and head
-  void* ws_m = nullptr;    // [num_slots, HV, 64, 64] operand dtype: M, the masked decayed q k^T
-  float* ws_gc = nullptr;  // [num_slots, HV, 3, 64] fp32: within-chunk cumulative log decay (flat past
-                           // the end), 1/||k|| and scale/||q|| (1 and scale without the L2 norm)
-  float scale = 0.0f;      // q scale (resolved default)
-  bool qkv_vec = false;    // q, k, v allow 16-byte loads of 8 contiguous elements
-  bool o_pair = false;     // o allows 2-element stores
+  void* ws_t = nullptr;        // [num_slots, HV, 64, 64] operand dtype: T' = (I + A)^{-1} diag(beta) per chunk and head
+  void* ws_m = nullptr;        // [num_slots, HV, 64, 64] operand dtype: M, the masked decayed q k^T
+  float* ws_gc = nullptr;      // [num_slots, HV, 3, 64] fp32: within-chunk cumulative log decay (flat past
+                               // the end), 1/||k|| and scale/||q|| (1 and scale without the L2 norm)
+  float scale = 0.0f;          // q scale (resolved default)
+  bool qkv_vec = false;        // q, k, v allow 16-byte loads of 8 contiguous elements
+  bool o_pair = false;         // o allows 2-element stores
   bool fp16_operands = false;  // tensor-core operands fp16 (fp16 / fp32 inputs) instead of bf16
   int32_t num_sms = 132;
 };
