@@ -111,10 +111,21 @@ if want python; then
       [ $rc -eq 0 ] || tail -30 "$OUT/fla_compare.log"
       note "fla compare (python -m gdnkit.bench): rc=$rc"
     fi
+    # A library error once killed the process (SIGSEGV; python/CMakeLists.txt): the error tests run in
+    # their own process, after a probe of each way an error is raised (gdnkit._gdnkit._debug_throw).
+    for mode in 0 1 2 3; do
+      PYTHONPATH=$py_path timeout 60 python3 -c "import gdnkit
+try: gdnkit._gdnkit._debug_throw($mode)
+except gdnkit.GdnkitError as e: print('ok', e)" >"$OUT/python_probe.log" 2>&1
+      echo "error probe $mode: rc=$? $(tail -1 "$OUT/python_probe.log")"
+    done
+    PYTHONPATH=$py_path timeout 300 python3 -m pytest tests/python/test_errors.py -q -rs -p no:cacheprovider \
+      >"$OUT/python_probe.log" 2>&1
+    note "python error tests: rc=$? ($(tail -1 "$OUT/python_probe.log"))"
     # GDNKIT_PYTEST_TIMEOUT: seconds left for pytest (the device call has a wall-clock limit)
     # shellcheck disable=SC2086
-    PYTHONPATH=$py_path timeout "${GDNKIT_PYTEST_TIMEOUT:-3000}" python3 -m pytest tests/python -q -rs -p no:cacheprovider ${GDNKIT_PYTEST_ARGS:-} \
-      >"$OUT/python_tests.log" 2>&1
+    PYTHONPATH=$py_path timeout "${GDNKIT_PYTEST_TIMEOUT:-3000}" python3 -m pytest tests/python -q -rs \
+      -p no:cacheprovider --ignore=tests/python/test_errors.py ${GDNKIT_PYTEST_ARGS:-} >"$OUT/python_tests.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/python_tests.log" | head -30
     note "python tests: rc=$rc ($(tail -1 "$OUT/python_tests.log"))"
