@@ -111,7 +111,7 @@ if want python; then
       [ $rc -eq 0 ] || tail -30 "$OUT/fla_compare.log"
       note "fla compare (python -m gdnkit.bench): rc=$rc"
     fi
-    # A library error once killed the process (SIGSEGV; python/CMakeLists.txt): the error tests run in
+    # A library error once killed the process (SIGSEGV; python/README.md): the error tests run in
     # their own process, after a probe of each way an error is raised (gdnkit._gdnkit._debug_throw).
     for mode in 0 1 2 3; do
       PYTHONPATH=$py_path timeout 60 python3 -c "import gdnkit

@@ -15,10 +15,10 @@
 
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/message.h"
 #include "gdnkit/gdnkit.h"
 
 #ifdef GDNKIT_WITH_CUDA
@@ -33,19 +33,12 @@ namespace {
 using Array = nb::ndarray<>;
 using OptArray = std::optional<nb::ndarray<>>;
 
-template <class... Args>
-[[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  throw Error(ErrorCode::kInvalidArgument, os.str());
-}
+using msg::fail;
 
 std::string shape_str(const Array& a) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (size_t i = 0; i < a.ndim(); ++i) msg::append(s, msg::cat(i ? ", " : "", a.shape(i)));
+  return s + "]";
 }
 
 std::string dl_dtype_name(nb::dlpack::dtype d) {
@@ -297,9 +290,8 @@ void check_state_tail(const Array& a, const char* name, size_t lead, int64_t hv,
   const int64_t d2 = layout == StateLayout::kKLast ? k : v;
   if (a.ndim() != lead + 3 || int64_t(a.shape(lead)) != hv || int64_t(a.shape(lead + 1)) != d1 ||
       int64_t(a.shape(lead + 2)) != d2) {
-    std::ostringstream want;
-    want << "[" << (lead == 1 ? "P" : "Q, S") << ", " << hv << ", " << d1 << ", " << d2 << "]";
-    fail(name, ": expected shape ", want.str(), " (", layout == StateLayout::kKLast ? "k_last: [.., HV, V, K]"
+    const std::string want = msg::cat("[", lead == 1 ? "P" : "Q, S", ", ", hv, ", ", d1, ", ", d2, "]");
+    fail(name, ": expected shape ", want, " (", layout == StateLayout::kKLast ? "k_last: [.., HV, V, K]"
                                                                                      : "v_last: [.., HV, K, V]",
          " with HV=", hv, ", K=", k, ", V=", v, "), got ", shape_str(a));
   }
@@ -390,11 +382,11 @@ struct Dims {
 
 // ---- ops --------------------------------------------------------------------------------------
 
-// Runs one library entry with the GIL held. A gdnkit::Error it throws is caught here and thrown again
-// from this module. NOTES: on the GPU machine (Ubuntu 24.04, gcc 13.3, Python 3.12) an Error thrown
-// inside the library while the GIL was released crashed the process (SIGSEGV), while errors thrown by
-// this file reached Python; the library's calls are asynchronous on CUDA and the CPU backend is a
-// reference, so holding the GIL costs nothing that matters.
+// Runs one library entry with the GIL held and rethrows a gdnkit::Error from this module.
+// NOTES: a SIGSEGV seen on the GPU machine when a library error reached Python was the std::ostringstream
+// that formatted numbers into the message (a backtrace put it in std::ostream::_M_insert<long>); messages
+// are now built without iostreams (src/common/message.h). Holding the GIL costs nothing that matters: CUDA
+// calls only enqueue work, and the CPU backend is a reference.
 template <class Fn>
 void call_library(Fn&& fn) {
   ErrorCode code = ErrorCode::kInvalidArgument;

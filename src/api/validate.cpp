@@ -8,10 +8,10 @@
 // device (cu_seqlens, parent, accepted, accepted_path) are checked too.
 #include <cmath>
 #include <cstdint>
-#include <sstream>
 #include <string>
 #include <utility>
 
+#include "common/message.h"
 #include "gdnkit/gdnkit.h"
 
 namespace gdnkit {
@@ -19,18 +19,9 @@ namespace {
 
 // ---- messages --------------------------------------------------------------------------------
 
-template <class... Args>
-[[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  throw Error(ErrorCode::kInvalidArgument, os.str());
-}
+using msg::fail;
 
-std::string pointer_str(const void* ptr) {
-  std::ostringstream os;
-  os << ptr;
-  return os.str();
-}
+std::string pointer_str(const void* ptr) { return msg::cat(ptr); }
 
 // The CUDA kernels load rows of q/k/v/o and pool slots with 16-byte vector loads.
 constexpr int64_t kVectorBytes = 16;
