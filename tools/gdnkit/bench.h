@@ -154,6 +154,9 @@ double verify_bytes(const Shape& s, int32_t B, int32_t T, DType in, DType state,
                     int64_t accepted_total);
 double prefill_floor_bytes(const Shape& s, const SeqSet& set, DType in, DType state);
 double prefill_flops(const Shape& s, int64_t total_tokens);
+// A row with the fields every op fills the same way.
+Row make_row(const std::string& backend, const std::string& op, const Shape& s, DType input, DType state,
+             StateLayout layout);
 void finish_row(Row& r, double copy_ceiling_tbps);  // fills tbps / pct / tflops / floor from time_us
 
 double median(std::vector<double> v);

@@ -215,6 +215,18 @@ double prefill_flops(const Shape& s, int64_t total_tokens) {
   return 4.0 * double(total_tokens) * s.HV * s.K * s.V;
 }
 
+Row make_row(const std::string& backend, const std::string& op, const Shape& s, DType input, DType state,
+             StateLayout layout) {
+  Row r;
+  r.op = op;
+  r.backend = backend;
+  r.shape = s;
+  r.input_dtype = input;
+  r.state_dtype = state;
+  r.layout = layout;
+  return r;
+}
+
 void finish_row(Row& r, double ceiling) {
   if (r.time_us <= 0) return;
   const double sec = r.time_us * 1e-6;

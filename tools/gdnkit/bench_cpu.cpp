@@ -93,14 +93,7 @@ void time_calls(Row& r, int reps, Fn&& fn) {
 }
 
 Row base_row(const std::string& op, const Shape& s, DType state, StateLayout layout) {
-  Row r;
-  r.op = op;
-  r.backend = "cpu";
-  r.shape = s;
-  r.input_dtype = g_input;
-  r.state_dtype = state;
-  r.layout = layout;
-  return r;
+  return make_row("cpu", op, s, g_input, state, layout);
 }
 
 int64_t slot_elems(const Shape& s) { return int64_t(s.HV) * s.K * s.V; }

@@ -16,9 +16,13 @@
 
 #include "bench.h"
 #include "cuda/check.h"
+#include "cuda/common/dtype.cuh"
 
 namespace gdnkit::bench {
 namespace {
+
+using cuda::from_float;
+using cuda::to_float;
 
 // ---- random device inputs ----------------------------------------------------------------------
 // Counter-based: element i of a fill is a function of (seed, i) only, so fills are reproducible and
@@ -40,15 +44,6 @@ __device__ __forceinline__ float uniform_open(uint64_t seed, uint64_t i, uint64_
 
 enum class Fill : int { kNormal, kLogUniform };
 
-template <class T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-
 // kNormal: x0 + x1 * N(0,1) (Box-Muller); kLogUniform: log(U(x0, x1)).
 template <class T>
 __global__ void fill_kernel(T* __restrict__ p, int64_t n, uint64_t seed, Fill kind, float x0, float x1) {
@@ -66,19 +61,10 @@ __global__ void fill_kernel(T* __restrict__ p, int64_t n, uint64_t seed, Fill ki
 }
 
 template <class T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-
-template <class T>
 __global__ void count_nonfinite_kernel(const T* __restrict__ p, int64_t n, unsigned long long* count) {
   unsigned long long c = 0;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    c += !isfinite(to_float<T>(p[i]));
+    c += !isfinite(to_float(p[i]));
   if (c) atomicAdd(count, c);
 }
 
@@ -270,14 +256,7 @@ DType g_input = DType::kBFloat16;
 constexpr int kMinCallsPerReplay = 8;
 
 Row base_row(const std::string& op, const Shape& s, DType state, StateLayout layout) {
-  Row r;
-  r.op = op;
-  r.backend = "cuda";
-  r.shape = s;
-  r.input_dtype = g_input;
-  r.state_dtype = state;
-  r.layout = layout;
-  return r;
+  return make_row("cuda", op, s, g_input, state, layout);
 }
 
 // Cold L2: slot sets such that one replay reads >= 4x L2 of state; at least 2, so that two consecutive
