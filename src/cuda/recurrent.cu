@@ -1,16 +1,20 @@
 // CUDA decode, verify and commit: host checks the kernels need beyond validate(), the one dispatch
 // from run-time choices (layout, state dtype, input dtype, head dims) to kernel instantiations, and
-// the commit-from-cache copy kernel. Nothing here synchronizes or allocates: graph-capturable.
+// the commit-from-cache copy kernel. K-last decode runs the warp-independent kernel (decode_warp.cuh),
+// everything else the block kernel (recurrent_kernel.cuh). Nothing here synchronizes or allocates:
+// graph-capturable.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "api/backends.h"
 #include "cuda/check.h"
 #include "cuda/common/dtype.cuh"
+#include "cuda/recurrent/decode_warp.cuh"
 #include "cuda/recurrent/recurrent_kernel.cuh"
 
 namespace gdnkit::cuda {
@@ -44,31 +48,47 @@ void check_recurrent(const char* op, const CommitParams& p) {
                                                 std::to_string(p.num_draft_tokens));
 }
 
-template <StateLayout L, class TS, class TI>
+// The kernels behind the one dispatch: the block kernel of every op and layout, or the warp-independent
+// decode kernel for K-last pools.
+template <StateLayout L>
+struct BlockKernel {
+  template <class TS, class TI, int K, int V>
+  static void launch(const CommitParams& p, Launch what, Stream stream) {
+    recurrent::launch_recurrent<L, TS, TI, K, V>(p, what, stream);
+  }
+};
+struct WarpDecodeKernel {  // decode only (one token, state written back): `what` is implied
+  template <class TS, class TI, int K, int V>
+  static void launch(const CommitParams& p, Launch, Stream stream) {
+    recurrent::launch_decode_warp<TS, TI, K, V>(p, stream);
+  }
+};
+
+template <class Kernel, class TS, class TI>
 void by_dims(const CommitParams& p, Launch what, Stream stream) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
-  if (K == 64 && V == 64) return recurrent::launch_recurrent<L, TS, TI, 64, 64>(p, what, stream);
-  if (K == 128 && V == 128) return recurrent::launch_recurrent<L, TS, TI, 128, 128>(p, what, stream);
-  if (K == 256 && V == 256) return recurrent::launch_recurrent<L, TS, TI, 256, 256>(p, what, stream);
+  if (K == 64 && V == 64) return Kernel::template launch<TS, TI, 64, 64>(p, what, stream);
+  if (K == 128 && V == 128) return Kernel::template launch<TS, TI, 128, 128>(p, what, stream);
+  if (K == 256 && V == 256) return Kernel::template launch<TS, TI, 256, 256>(p, what, stream);
   throw Error(ErrorCode::kNotImplemented, "cuda: head dims K=" + std::to_string(K) + ", V=" + std::to_string(V) +
                                               " are not built (built: K = V in {64, 128, 256})");
 }
 
-template <StateLayout L, class TS>
+template <class Kernel, class TS>
 void by_input(const CommitParams& p, Launch what, Stream stream) {
   switch (p.k.dtype) {  // q, k, v, o share it (validated)
-    case DType::kFloat32: return by_dims<L, TS, float>(p, what, stream);
-    case DType::kBFloat16: return by_dims<L, TS, __nv_bfloat16>(p, what, stream);
-    case DType::kFloat16: return by_dims<L, TS, __half>(p, what, stream);
+    case DType::kFloat32: return by_dims<Kernel, TS, float>(p, what, stream);
+    case DType::kBFloat16: return by_dims<Kernel, TS, __nv_bfloat16>(p, what, stream);
+    case DType::kFloat16: return by_dims<Kernel, TS, __half>(p, what, stream);
     default: invalid(std::string("k: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.k.dtype));
   }
 }
 
-template <StateLayout L>
+template <class Kernel>
 void by_state(const CommitParams& p, Launch what, Stream stream) {
   switch (p.state.dtype) {
-    case DType::kFloat32: return by_input<L, float>(p, what, stream);
-    case DType::kBFloat16: return by_input<L, __nv_bfloat16>(p, what, stream);
+    case DType::kFloat32: return by_input<Kernel, float>(p, what, stream);
+    case DType::kBFloat16: return by_input<Kernel, __nv_bfloat16>(p, what, stream);
     default: invalid(std::string("state: expected dtype float32 or bfloat16, got ") + dtype_name(p.state.dtype));
   }
 }
@@ -76,10 +96,20 @@ void by_state(const CommitParams& p, Launch what, Stream stream) {
 void dispatch_recurrent(const char* op, const CommitParams& p, Launch what, Stream stream) {
   check_recurrent(op, p);
   switch (p.state.layout) {
-    case StateLayout::kKLast: return by_state<StateLayout::kKLast>(p, what, stream);
-    case StateLayout::kVLast: return by_state<StateLayout::kVLast>(p, what, stream);
+    case StateLayout::kKLast: return by_state<BlockKernel<StateLayout::kKLast>>(p, what, stream);
+    case StateLayout::kVLast: return by_state<BlockKernel<StateLayout::kVLast>>(p, what, stream);
     default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
   }
+}
+
+// Benchmarking switch, read once per process: GDNKIT_DECODE_KERNEL=block runs K-last decode on the block
+// kernel (the one verify and commit use) instead of the warp-independent one, for A/B timing in one run.
+bool decode_uses_block_kernel() {
+  static const bool block = [] {
+    const char* e = std::getenv("GDNKIT_DECODE_KERNEL");
+    return e != nullptr && std::string(e) == "block";
+  }();
+  return block;
 }
 
 // ---- commit from the cache: pool[slot] = intermediate[islot, last kept token] -----------------
@@ -159,6 +189,10 @@ void decode(const DecodeParams& p, Stream stream) {
   CommitParams c;
   static_cast<DecodeParams&>(c) = p;
   c.num_draft_tokens = 1;
+  if (p.state.layout == StateLayout::kKLast && !decode_uses_block_kernel()) {
+    check_recurrent("decode", c);
+    return by_state<WarpDecodeKernel>(c, Launch{Mode::kScore, true}, stream);
+  }
   dispatch_recurrent("decode", c, Launch{Mode::kScore, true}, stream);
 }
 
