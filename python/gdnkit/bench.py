@@ -289,38 +289,29 @@ def markdown(meta: Dict, rows: List[Dict]) -> str:
            f"Command: `{meta['command']}`", "",
            "ratio = gdnkit time / FLA time (< 1: gdnkit faster). rel = ||gdnkit - FLA|| / ||FLA|| on the same inputs.",
            ""]
-    dec = [r for r in rows if r["op"] == "decode"]
-    if dec:
-        out += ["## Decode (us per call, cold L2, CUDA-graph replays)", "",
-                "| B | gdnkit us | FLA us | ratio | gdnkit TB/s | FLA TB/s | rel o | rel state | note |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        for r in dec:
-            out.append(f"| {r['B']} | {_fmt(r.get('gdnkit_us'), '.2f')} | {_fmt(r.get('fla_us'), '.2f')} | "
-                       f"{_fmt(r.get('ratio'), '.2f')} | {_fmt(r.get('gdnkit_tbps'), '.2f')} | "
-                       f"{_fmt(r.get('fla_tbps'), '.2f')} | {_fmt(r.get('rel_o'), '.1e')} | "
-                       f"{_fmt(r.get('rel_state'), '.1e')} | {r.get('note', '')} |")
-        out.append("")
-    ver = [r for r in rows if r["op"] == "verify"]
-    if ver:
-        out += ["## Verify: T-token chains, final state stored (us per call, cold L2, CUDA-graph replays)", "",
-                "| B | T | gdnkit us | FLA us | ratio | gdnkit TB/s | FLA TB/s | rel o | rel state | note |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in ver:
-            out.append(f"| {r['B']} | {r['T']} | {_fmt(r.get('gdnkit_us'), '.2f')} | {_fmt(r.get('fla_us'), '.2f')} | "
-                       f"{_fmt(r.get('ratio'), '.2f')} | {_fmt(r.get('gdnkit_tbps'), '.2f')} | "
-                       f"{_fmt(r.get('fla_tbps'), '.2f')} | {_fmt(r.get('rel_o'), '.1e')} | "
-                       f"{_fmt(r.get('rel_state'), '.1e')} | {r.get('note', '')} |")
-        out.append("")
-    pre = [r for r in rows if r["op"] == "prefill"]
-    if pre:
-        out += ["## Prefill (ms per call; TFLOP/s = 4 T HV K V / time)", "",
-                "| set | tokens | gdnkit ms | FLA ms | ratio | gdnkit TFLOP/s | FLA TFLOP/s | rel o | rel state | note |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in pre:
-            out.append(f"| {r['name']} | {r['T']} | {_fmt(r.get('gdnkit_ms'), '.3f')} | {_fmt(r.get('fla_ms'), '.3f')} | "
-                       f"{_fmt(r.get('ratio'), '.2f')} | {_fmt(r.get('gdnkit_tflops'), '.1f')} | "
-                       f"{_fmt(r.get('fla_tflops'), '.1f')} | {_fmt(r.get('rel_o'), '.1e')} | "
-                       f"{_fmt(r.get('rel_state'), '.1e')} | {r.get('note', '')} |")
+    # (op, section title, [(header, row key, format)]); every table ends with the same ratio/error columns.
+    tail = [("ratio", "ratio", ".2f")]
+    errs = [("rel o", "rel_o", ".1e"), ("rel state", "rel_state", ".1e")]
+    sections = [
+        ("decode", "Decode (us per call, cold L2, CUDA-graph replays)",
+         [("B", "B", None), ("gdnkit us", "gdnkit_us", ".2f"), ("FLA us", "fla_us", ".2f")] + tail +
+         [("gdnkit TB/s", "gdnkit_tbps", ".2f"), ("FLA TB/s", "fla_tbps", ".2f")] + errs),
+        ("verify", "Verify: T-token chains, final state stored (us per call, cold L2, CUDA-graph replays)",
+         [("B", "B", None), ("T", "T", None), ("gdnkit us", "gdnkit_us", ".2f"), ("FLA us", "fla_us", ".2f")] + tail +
+         [("gdnkit TB/s", "gdnkit_tbps", ".2f"), ("FLA TB/s", "fla_tbps", ".2f")] + errs),
+        ("prefill", "Prefill (ms per call; TFLOP/s = 4 T HV K V / time)",
+         [("set", "name", None), ("tokens", "T", None), ("gdnkit ms", "gdnkit_ms", ".3f"), ("FLA ms", "fla_ms", ".3f")] +
+         tail + [("gdnkit TFLOP/s", "gdnkit_tflops", ".1f"), ("FLA TFLOP/s", "fla_tflops", ".1f")] + errs),
+    ]
+    for op, title, cols in sections:
+        sel = [r for r in rows if r["op"] == op]
+        if not sel:
+            continue
+        out += [f"## {title}", "", "| " + " | ".join(h for h, _, _ in cols) + " | note |",
+                "|" + "---|" * (len(cols) + 1)]
+        for r in sel:
+            cells = [str(r[k]) if f is None else _fmt(r.get(k), f) for _, k, f in cols]
+            out.append("| " + " | ".join(cells) + f" | {r.get('note', '')} |")
         out.append("")
     return "\n".join(out)
 
