@@ -9,7 +9,6 @@
 
 #include <cstdint>
 
-#include "gdnkit/params.h"
 #include "gdnkit/types.h"
 
 namespace gdnkit::cuda {
@@ -131,20 +130,6 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
 // g = -exp(A_log) * softplus(a + dt_bias): log-space decay of one token and value head.
 __device__ __forceinline__ float fused_decay(float A_log, float a, float dt_bias) {
   return -expf(A_log) * softplus(a + dt_bias);
-}
-
-// g (log-space decay) and beta of token `tok`, value head `hv`: computed from a, b (fused gating) or read
-// (given gating), as SPEC.md "The recurrence".
-__device__ __forceinline__ void load_gates(const Gating& gt, int64_t tok, int hv, float& g, float& beta) {
-  if (gt.mode == GateMode::kFused) {
-    const float a = load_dyn(gt.a.data, gt.a.dtype, tok * gt.a.token_stride + hv * gt.a.head_stride);
-    const float b = load_dyn(gt.b.data, gt.b.dtype, tok * gt.b.token_stride + hv * gt.b.head_stride);
-    g = fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f);
-    beta = sigmoid(b);
-  } else {
-    g = load_dyn(gt.g.data, gt.g.dtype, tok * gt.g.token_stride + hv * gt.g.head_stride);
-    beta = load_dyn(gt.beta.data, gt.beta.dtype, tok * gt.beta.token_stride + hv * gt.beta.head_stride);
-  }
 }
 
 }  // namespace gdnkit::cuda

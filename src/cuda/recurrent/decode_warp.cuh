@@ -128,8 +128,17 @@ __global__ void __launch_bounds__(kWarps * 32, DecodeTile<K>::kMinWarpsPerSM / k
     load_run<TI, kVec>(kp + Map::k_of(lane, c), k[c]);
   }
   const float v_lane = lane < kRows ? to_float(vp[lane]) : 0.0f;  // lane r holds v[v0 + r]
+  const Gating& gt = p.gating;
   float g, beta;
-  load_gates(p.gating, tok, hv, g, beta);
+  if (gt.mode == GateMode::kFused) {
+    const float a = load_dyn(gt.a.data, gt.a.dtype, tok * gt.a.token_stride + hv * gt.a.head_stride);
+    const float bb = load_dyn(gt.b.data, gt.b.dtype, tok * gt.b.token_stride + hv * gt.b.head_stride);
+    g = fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f);
+    beta = sigmoid(bb);
+  } else {
+    g = load_dyn(gt.g.data, gt.g.dtype, tok * gt.g.token_stride + hv * gt.g.head_stride);
+    beta = load_dyn(gt.beta.data, gt.beta.dtype, tok * gt.beta.token_stride + hv * gt.beta.head_stride);
+  }
 
   const auto out = [&] {
     return static_cast<TI*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;

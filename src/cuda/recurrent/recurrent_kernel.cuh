@@ -153,7 +153,15 @@ __global__ void __launch_bounds__(kThreads, (TileMap<kLayout, TS, K, V>::kMinBlo
     for (int i = tid; i < kBV; i += kThreads) s_v[i] = to_float(vp[i]);
     if (tid == 0) {
       float g, beta;
-      load_gates(gt, tok, hv, g, beta);
+      if (gt.mode == GateMode::kFused) {
+        const float a = load_dyn(gt.a.data, gt.a.dtype, tok * gt.a.token_stride + hv * gt.a.head_stride);
+        const float bb = load_dyn(gt.b.data, gt.b.dtype, tok * gt.b.token_stride + hv * gt.b.head_stride);
+        g = fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f);
+        beta = sigmoid(bb);
+      } else {
+        g = load_dyn(gt.g.data, gt.g.dtype, tok * gt.g.token_stride + hv * gt.g.head_stride);
+        beta = load_dyn(gt.beta.data, gt.beta.dtype, tok * gt.beta.token_stride + hv * gt.beta.head_stride);
+      }
       s_gate[0] = g;
       s_gate[1] = beta;
     }
