@@ -15,6 +15,10 @@ namespace gdnkit::cuda {
                                          cudaGetErrorString(err) + ") at " + file + ":" + std::to_string(line));
 }
 
+// Whether kernels that support it are launched with programmatic dependent launch (PDL): on unless the
+// environment sets GDNKIT_PDL=0 (read once per process; for A/B timing). Defined in runtime.cpp.
+bool programmatic_launch_enabled();
+
 }  // namespace gdnkit::cuda
 
 #define GDNKIT_CUDA_CHECK(call)                                                     \

@@ -1,8 +1,8 @@
 // CUDA decode, verify and commit: host checks the kernels need beyond validate(), the one dispatch
 // from run-time choices (layout, state dtype, input dtype, head dims) to kernel instantiations, and
-// the commit-from-cache copy kernel. K-last decode runs the warp-independent kernel (decode_warp.cuh),
-// everything else the block kernel (recurrent_kernel.cuh). Nothing here synchronizes or allocates:
-// graph-capturable.
+// the commit-from-cache copy kernel. Every op runs the warp-independent kernel (warp_kernel.cuh); the
+// block kernel (recurrent_kernel.cuh) stays behind GDNKIT_RECURRENT_KERNEL=block for A/B timing.
+// Nothing here synchronizes or allocates: graph-capturable.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -14,14 +14,15 @@
 #include "api/backends.h"
 #include "cuda/check.h"
 #include "cuda/common/dtype.cuh"
-#include "cuda/recurrent/decode_warp.cuh"
 #include "cuda/recurrent/recurrent_kernel.cuh"
+#include "cuda/recurrent/warp_kernel.cuh"
 
 namespace gdnkit::cuda {
 namespace {
 
 using recurrent::Launch;
 using recurrent::Mode;
+using recurrent::WarpOp;
 
 [[noreturn]] void invalid(const std::string& msg) { throw Error(ErrorCode::kInvalidArgument, msg); }
 
@@ -48,19 +49,20 @@ void check_recurrent(const char* op, const CommitParams& p) {
                                                 std::to_string(p.num_draft_tokens));
 }
 
-// The kernels behind the one dispatch: the block kernel of every op and layout, or the warp-independent
-// decode kernel for K-last pools.
+// The kernels behind the one dispatch: the warp-independent kernel of one op and layout, or the block
+// kernel (every op and layout; `what` says which op).
+template <StateLayout L, WarpOp kOp>
+struct WarpKernel {
+  template <class TS, class TI, int K, int V>
+  static void launch(const CommitParams& p, Launch what, Stream stream) {
+    recurrent::launch_warp_recurrent<L, TS, TI, K, V, kOp>(p, what.write_state, stream);
+  }
+};
 template <StateLayout L>
 struct BlockKernel {
   template <class TS, class TI, int K, int V>
   static void launch(const CommitParams& p, Launch what, Stream stream) {
     recurrent::launch_recurrent<L, TS, TI, K, V>(p, what, stream);
-  }
-};
-struct WarpDecodeKernel {  // decode only (one token, state written back): `what` is implied
-  template <class TS, class TI, int K, int V>
-  static void launch(const CommitParams& p, Launch, Stream stream) {
-    recurrent::launch_decode_warp<TS, TI, K, V>(p, stream);
   }
 };
 
@@ -93,23 +95,29 @@ void by_state(const CommitParams& p, Launch what, Stream stream) {
   }
 }
 
-void dispatch_recurrent(const char* op, const CommitParams& p, Launch what, Stream stream) {
-  check_recurrent(op, p);
-  switch (p.state.layout) {
-    case StateLayout::kKLast: return by_state<BlockKernel<StateLayout::kKLast>>(p, what, stream);
-    case StateLayout::kVLast: return by_state<BlockKernel<StateLayout::kVLast>>(p, what, stream);
-    default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
-  }
-}
-
-// Benchmarking switch, read once per process: GDNKIT_DECODE_KERNEL=block runs K-last decode on the block
-// kernel (the one verify and commit use) instead of the warp-independent one, for A/B timing in one run.
-bool decode_uses_block_kernel() {
+// Benchmarking switch, read once per process: GDNKIT_RECURRENT_KERNEL=block runs decode, verify and
+// commit-by-recompute on the block kernel instead of the warp-independent one, for A/B timing in one run.
+bool uses_block_kernel() {
   static const bool block = [] {
-    const char* e = std::getenv("GDNKIT_DECODE_KERNEL");
+    const char* e = std::getenv("GDNKIT_RECURRENT_KERNEL");
     return e != nullptr && std::string(e) == "block";
   }();
   return block;
+}
+
+template <WarpOp kOp>
+void dispatch_recurrent(const char* op, const CommitParams& p, Launch what, Stream stream) {
+  check_recurrent(op, p);
+  const bool block = uses_block_kernel();
+  switch (p.state.layout) {
+    case StateLayout::kKLast:
+      return block ? by_state<BlockKernel<StateLayout::kKLast>>(p, what, stream)
+                   : by_state<WarpKernel<StateLayout::kKLast, kOp>>(p, what, stream);
+    case StateLayout::kVLast:
+      return block ? by_state<BlockKernel<StateLayout::kVLast>>(p, what, stream)
+                   : by_state<WarpKernel<StateLayout::kVLast, kOp>>(p, what, stream);
+    default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
+  }
 }
 
 // ---- commit from the cache: pool[slot] = intermediate[islot, last kept token] -----------------
@@ -189,17 +197,13 @@ void decode(const DecodeParams& p, Stream stream) {
   CommitParams c;
   static_cast<DecodeParams&>(c) = p;
   c.num_draft_tokens = 1;
-  if (p.state.layout == StateLayout::kKLast && !decode_uses_block_kernel()) {
-    check_recurrent("decode", c);
-    return by_state<WarpDecodeKernel>(c, Launch{Mode::kScore, true}, stream);
-  }
-  dispatch_recurrent("decode", c, Launch{Mode::kScore, true}, stream);
+  dispatch_recurrent<WarpOp::kDecode>("decode", c, Launch{Mode::kScore, true}, stream);
 }
 
 void verify(const VerifyParams& p, Stream stream) {
   CommitParams c;
   static_cast<VerifyParams&>(c) = p;
-  dispatch_recurrent("verify", c, Launch{Mode::kScore, p.update_state && p.parent == nullptr}, stream);
+  dispatch_recurrent<WarpOp::kVerify>("verify", c, Launch{Mode::kScore, p.update_state && p.parent == nullptr}, stream);
 }
 
 void commit(const CommitParams& p, Stream stream) {
@@ -208,7 +212,7 @@ void commit(const CommitParams& p, Stream stream) {
     case CommitSource::kRecompute: {
       CommitParams c = p;
       c.intermediate.data = nullptr;  // replay stores only the final state
-      return dispatch_recurrent("commit", c, Launch{Mode::kReplay, true}, stream);
+      return dispatch_recurrent<WarpOp::kReplay>("commit", c, Launch{Mode::kReplay, true}, stream);
     }
     default: invalid("commit: unknown source " + std::to_string(int(p.source)));
   }

@@ -1,9 +1,11 @@
-// Device discovery for the CUDA backend.
+// Device discovery for the CUDA backend, and the process-wide launch switches.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "api/backends.h"
+#include "cuda/check.h"
 
 namespace gdnkit::cuda {
 
@@ -20,6 +22,14 @@ bool device_usable() {
     return major == 9;  // kernels are built for sm_90a only
   }();
   return usable;
+}
+
+bool programmatic_launch_enabled() {
+  static const bool enabled = [] {
+    const char* e = std::getenv("GDNKIT_PDL");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return enabled;
 }
 
 std::string device_info() {

@@ -1,0 +1,301 @@
+// The recurrent kernel behind decode, verify and commit-by-recompute, warp-independent: each warp owns
+// (sequence b, value head hv, kRows columns of S) for all of the sequence's tokens (warp_tile.cuh says
+// which state values each lane holds). No shared memory and no barrier: a warp's state loads go out as
+// soon as its slot index arrives, and the token loop runs at the warp's own pace while other warps of
+// the SM wait on memory. The state stays in fp32 registers across the tokens: one state read, one write,
+// plus the intermediate states verify is asked to store.
+//
+// One token (SPEC.md "The recurrence"), q and k normalized (q also scaled) in registers, per column v:
+//   d_k = S[:, v] . k      d_q = S[:, v] . q          (before the decay, reduced together)
+//   u_v = beta * (v_v - exp(g) * d_k)
+//   o_v = exp(g) * d_q + (k . q) * u_v               (= S_new[:, v] . q)
+//   S_new[:, v] = exp(g) * S[:, v] + k * u_v          (rounded to the storage dtype at a store)
+//
+// Trees (parent given): token t continues from the state after parent[t]. When parent[t] is the token
+// the registers hold (a chain inside the tree), that is one step; otherwise the warp reloads the pool
+// state and replays the ancestors of t in index order (a parent precedes its child), recomputing rather
+// than reading the intermediate cache, which may be bf16 or absent. Cost O(T * depth) steps, for T <= 64
+// draft tokens (the ancestor set is a 64-bit mask).
+//
+// NOTES: the tile (kRows columns per warp, 2 warps per CTA) keeps 32 fp32 state values per lane at
+// K = 128: about 64 registers for decode, so 32 warps fit an SM, each with kRows * K * sizeof(state)
+// bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs). The two
+// warps of a CTA take neighbouring columns of one head, so a CTA reads one contiguous range (K-last) or
+// 64-byte row pieces (V-last fp32). Decode is its own instantiation (kOp), so the token loop, the tree
+// logic and the cache stores cost it no registers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/check.h"
+#include "cuda/common/dtype.cuh"
+#include "cuda/recurrent/warp_tile.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::recurrent {
+
+enum class WarpOp : int32_t {
+  kDecode = 0,  // one token per sequence (token b), o, state written back
+  kVerify = 1,  // T tokens (fixed or varlen, chain or tree): o per token, intermediate states when asked
+  kReplay = 2,  // commit by recompute: replay the kept tokens (no q, no o) and store the state
+};
+
+constexpr int kWarpCtaWarps = 2;  // warps per CTA
+
+// write_state: verify of chains with update_state stores the final state (decode and replay always do).
+template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
+void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream);
+
+#ifdef GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
+
+// __launch_bounds__ target in warps per SM (ptxas, CUDA 13.0, sm_90a, K = 128). Decode: 32 -> 64
+// registers, no spills for K-last; V-last holds 8 + 8 q/k values per lane (K-last: 4 + 4) and spills 64
+// bytes at 64, none at 72 (28 warps); so does K = 256. Verify and replay carry the token loop and the
+// row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
+template <StateLayout kLayout, int K, WarpOp kOp>
+constexpr int warp_kernel_min_warps() {
+  if (kOp != WarpOp::kDecode) return 20;
+  return K <= 128 && kLayout == StateLayout::kKLast ? 32 : 28;
+}
+
+template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
+__global__ void __launch_bounds__(kWarpCtaWarps * 32, warp_kernel_min_warps<kLayout, K, kOp>() / kWarpCtaWarps)
+    warp_recurrent_kernel(const CommitParams p, const bool write_state) {
+  using Tile = WarpTile<kLayout, TS, K, V>;
+  constexpr int kRows = Tile::kRows, kVPer = Tile::kVPer, kKPer = Tile::kKPer, kVLanes = Tile::kVLanes;
+  constexpr int kColBlocks = V / kRows;  // column blocks per head
+  constexpr int64_t kHeadElems = int64_t(K) * V;
+  constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
+
+  const int lane = threadIdx.x % 32;
+  // Warp w -> (b, hv, column block), column block fastest: the warps of a CTA take neighbouring columns.
+  // The launcher checks that B * HV * kColBlocks fits int32.
+  const unsigned w = blockIdx.x * unsigned(kWarpCtaWarps) + threadIdx.x / 32;
+  const unsigned HV = unsigned(p.heads.num_v_heads);
+  if (w >= unsigned(p.batch) * HV * kColBlocks) return;  // the last CTA's spare warp (whole warp)
+  const int v0 = int(w % kColBlocks) * kRows;
+  const unsigned bh = w / kColBlocks;
+  const int hv = int(bh % HV), b = int(bh / HV);
+  const int hq = hv / (int(HV) / p.heads.num_qk_heads);  // GVA
+  const int T = kDecode ? 1 : p.num_draft_tokens;
+  // Errors of a sequence are counted once: by lane 0 of the warp owning columns 0.. of head 0.
+  const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
+
+  // Programmatic dependent launch (the launcher asks for it): the next kernel of the stream may launch
+  // its CTAs once every CTA of this one has started, and this kernel's CTAs may start before the
+  // previous kernel finished. Nothing above reads memory; every read below waits for the previous
+  // kernel's writes. That overlaps one launch with the last wave of the previous kernel: what B = 1
+  // decode is made of.
+  asm volatile("griddepcontrol.launch_dependents;");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+
+  const int slot = p.state_indices[b];  // first: the state loads wait on it
+
+  // ---- which tokens, which slots (the same checks, in the same order, as the CPU reference) -----
+  int64_t tok0 = kDecode ? b : int64_t(b) * T;
+  int len = T;
+  if (!kDecode && p.cu_seqlens != nullptr) {
+    tok0 = p.cu_seqlens[b];
+    len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
+  }
+  const auto out_ptr = [&](int64_t tok) {
+    return static_cast<TI*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
+  };
+  float s[kVPer][kKPer];  // the tile (warp_tile.cuh)
+  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
+  const Gating& gt = p.gating;
+
+  // One token x (local index) of this sequence: its loads, then its step (o when asked).
+  struct Token {
+    float k[kKPer], q[kKPer];
+    float v_lane;  // lane l holds v[v0 + l % kRows], shuffled to the lanes that use it
+    float g, beta;
+  };
+  const auto load_token = [&](int x) {
+    const int64_t tok = tok0 + x;
+    const TI* kp = static_cast<const TI*>(p.k.data) + tok * p.k.token_stride + int64_t(hq) * p.k.head_stride;
+    const TI* qp = static_cast<const TI*>(p.q.data) + tok * p.q.token_stride + int64_t(hq) * p.q.head_stride;
+    const TI* vp = static_cast<const TI*>(p.v.data) + tok * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
+    Token d;
+    Tile::load_k_entries(kp, d.k, lane);
+    if (!kReplay) Tile::load_k_entries(qp, d.q, lane);
+    d.v_lane = to_float(vp[lane % kRows]);
+    if (gt.mode == GateMode::kFused) {
+      const float a = load_dyn(gt.a.data, gt.a.dtype, tok * gt.a.token_stride + hv * gt.a.head_stride);
+      const float bb = load_dyn(gt.b.data, gt.b.dtype, tok * gt.b.token_stride + hv * gt.b.head_stride);
+      d.g = fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f);
+      d.beta = sigmoid(bb);
+    } else {
+      d.g = load_dyn(gt.g.data, gt.g.dtype, tok * gt.g.token_stride + hv * gt.g.head_stride);
+      d.beta = load_dyn(gt.beta.data, gt.beta.dtype, tok * gt.beta.token_stride + hv * gt.beta.head_stride);
+    }
+    return d;
+  };
+  const auto apply = [&](Token& d, int x, bool write_o) {
+    float(&k)[kKPer] = d.k;
+    float(&q)[kKPer] = d.q;
+    // q, k: L2 norms (eps inside the root), scale; k . q of the normalized vectors.
+    float kk = 0.0f, qq = 0.0f, kq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kKPer; ++j) {
+      kk = fmaf(k[j], k[j], kk);
+      if (!kReplay) qq = fmaf(q[j], q[j], qq), kq = fmaf(k[j], q[j], kq);
+    }
+    kk = group_sum<kVLanes>(kk);
+    if (!kReplay) qq = group_sum<kVLanes>(qq), kq = group_sum<kVLanes>(kq);
+    const float rk = p.heads.use_qk_l2norm ? 1.0f / sqrtf(kk + 1e-6f) : 1.0f;
+    const float rq = (p.heads.use_qk_l2norm ? 1.0f / sqrtf(qq + 1e-6f) : 1.0f) * scale;
+    const float kq_n = kq * rk * rq;
+#pragma unroll
+    for (int j = 0; j < kKPer; ++j) {
+      k[j] *= rk;
+      if (!kReplay) q[j] *= rq;
+    }
+    const float decay = expf(d.g), beta = d.beta;
+
+    // Per column: dot products, output (lane i * kVLanes + (lane % kVLanes) writes column i), update.
+#pragma unroll
+    for (int i = 0; i < kVPer; ++i) {
+      float dk = 0.0f, dq = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kKPer; ++j) {
+        dk = fmaf(s[i][j], k[j], dk);
+        if (!kReplay) dq = fmaf(s[i][j], q[j], dq);
+      }
+      dk = group_sum<kVLanes>(dk);
+      const float u = beta * (__shfl_sync(0xffffffffu, d.v_lane, Tile::v_of(lane, i)) - decay * dk);
+      if (!kReplay) {
+        dq = group_sum<kVLanes>(dq);
+        if (write_o && lane / kVLanes == i)
+          out_ptr(tok0 + x)[Tile::v_of(lane, i)] = from_float<TI>(fmaf(kq_n, u, decay * dq));
+      }
+#pragma unroll
+      for (int j = 0; j < kKPer; ++j) s[i][j] = fmaf(k[j], u, decay * s[i][j]);
+    }
+  };
+  const auto step = [&](int x, bool write_o) {
+    Token d = load_token(x);
+    apply(d, x, write_o);
+  };
+
+  Token first;  // decode: the token's loads go out before the slot arrives
+  if constexpr (kDecode) first = load_token(0);
+
+  if (len < 0 || len > T) {  // a row the kernel cannot place: counted, nothing written
+    if (counter) atomicAdd(p.error_flag, 1);
+    return;
+  }
+  if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
+  bool bad = slot >= p.state.num_slots;
+  int n_replay = 0, islot = -1;
+  if constexpr (kReplay) {
+    n_replay = p.accepted[b];
+    bad = bad || n_replay < 0 || n_replay > len;
+    for (int j = 0; j < n_replay && !bad && p.accepted_path != nullptr; ++j) {
+      const int x = p.accepted_path[int64_t(b) * T + j];
+      bad = x < 0 || x >= len;
+    }
+  } else if constexpr (!kDecode) {
+    if (p.intermediate.data != nullptr && p.intermediate_indices != nullptr) {
+      islot = p.intermediate_indices[b];
+      bad = bad || islot >= p.intermediate.num_slots;
+    }
+    for (int t = 0; t < len && !bad && p.parent != nullptr; ++t) {
+      const int x = p.parent[int64_t(b) * T + t];
+      bad = x < -1 || x >= t;
+    }
+  }
+
+  if (bad || slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
+    if (bad && counter) atomicAdd(p.error_flag, 1);
+    if (!kReplay && lane < kRows)
+      for (int t = 0; t < len; ++t) out_ptr(tok0 + t)[lane] = from_float<TI>(0.0f);
+    return;
+  }
+  if (kReplay && n_replay == 0) return;  // nothing kept: the pool state stays
+
+  // ---- the state tile: all loads issued before any use ----------------------------------------------
+  TS* const tile = static_cast<TS*>(p.state.data) + int64_t(slot) * p.state.slot_stride + int64_t(hv) * kHeadElems +
+                   Tile::origin(v0);
+  Tile::load(tile, s, lane);
+
+  // ---- the tokens -------------------------------------------------------------------------------
+  if constexpr (kDecode) {
+    apply(first, 0, true);
+    Tile::store(tile, s, lane);
+  } else if constexpr (kReplay) {
+    for (int j = 0; j < n_replay; ++j) step(p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j, false);
+    Tile::store(tile, s, lane);
+  } else {
+    int held = -1;  // the token whose state the registers hold; -1: the pool state
+#pragma unroll 1
+    for (int t = 0; t < len; ++t) {
+      if (p.parent != nullptr) {
+        const int32_t* par = p.parent + int64_t(b) * T;  // checked above: -1 <= par[t] < t
+        const int pt = par[t];
+        if (pt != held) {
+          uint64_t ancestors = 0;
+          for (int x = pt; x >= 0; x = par[x]) ancestors |= uint64_t(1) << x;
+          Tile::load(tile, s, lane);
+          while (ancestors != 0) {
+            const int x = __ffsll(static_cast<long long>(ancestors)) - 1;
+            ancestors &= ancestors - 1;
+            step(x, false);
+          }
+        }
+      }
+      step(t, true);
+      held = t;
+      if (islot >= 0 && t < p.intermediate.num_steps) {
+        const int64_t off = int64_t(islot) * p.intermediate.slot_stride + (int64_t(t) * HV + hv) * kHeadElems +
+                            Tile::origin(v0);
+        if (p.intermediate.dtype == DType::kFloat32)
+          Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane);
+        else
+          Tile::store(static_cast<__nv_bfloat16*>(p.intermediate.data) + off, s, lane);
+      }
+    }
+    if (write_state && p.parent == nullptr) Tile::store(tile, s, lane);
+  }
+}
+
+template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
+void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream) {
+  constexpr int kRows = WarpTile<kLayout, TS, K, V>::kRows;
+  if (p.batch <= 0 || p.heads.num_v_heads <= 0) return;
+  const int64_t warps = int64_t(p.batch) * p.heads.num_v_heads * (V / kRows);
+  if (warps > int64_t(INT32_MAX))
+    throw Error(ErrorCode::kNotImplemented, "cuda recurrent: B*HV*V/" + std::to_string(kRows) + " = " +
+                                                std::to_string(warps) + " warps do not fit a 32-bit index");
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned((warps + kWarpCtaWarps - 1) / kWarpCtaWarps));
+  cfg.blockDim = dim3(kWarpCtaWarps * 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = pdl;
+  cfg.numAttrs = programmatic_launch_enabled() ? 1 : 0;
+  GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp>, p, write_state));
+}
+
+// Explicit instantiations: one translation unit per (layout, state dtype); all ops, input dtypes, dims.
+#define GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, D)                                                        \
+  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kDecode>(const CommitParams&, bool, Stream); \
+  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kVerify>(const CommitParams&, bool, Stream); \
+  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kReplay>(const CommitParams&, bool, Stream);
+#define GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, TI) \
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 64)    \
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 128)   \
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 256)
+#define GDNKIT_WARP_RECURRENT_INSTANTIATE(L, TS)                 \
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, float)           \
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, __nv_bfloat16)   \
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, __half)
+
+#endif  // GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
+
+}  // namespace gdnkit::cuda::recurrent
