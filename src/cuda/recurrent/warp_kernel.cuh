@@ -17,12 +17,13 @@
 // than reading the intermediate cache, which may be bf16 or absent. Cost O(T * depth) steps, for T <= 64
 // draft tokens (the ancestor set is a 64-bit mask).
 //
-// NOTES: the tile (kRows columns per warp, 2 warps per CTA) keeps 32 fp32 state values per lane at
-// K = 128: about 64 registers for decode, so 32 warps fit an SM, each with kRows * K * sizeof(state)
-// bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs). The two
-// warps of a CTA take neighbouring columns of one head, so a CTA reads one contiguous range (K-last) or
-// 64-byte row pieces (V-last fp32). Decode is its own instantiation (kOp), so the token loop, the tree
-// logic and the cache stores cost it no registers.
+// NOTES: the tile (warp_tile.cuh: kRows columns per warp) keeps 32 fp32 state values per lane at
+// K = 128: 64 registers for K-last decode, so 32 warps fit an SM, each with kRows * K * sizeof(state)
+// bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs). The warps
+// of a CTA (2 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
+// range (K-last) or 128-byte row pieces (V-last, staged through shared memory). Decode, verify and replay
+// are separate instantiations (kOp), so the token loop, the tree logic and the cache stores cost decode
+// no registers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -43,8 +44,6 @@ enum class WarpOp : int32_t {
   kReplay = 2,  // commit by recompute: replay the kept tokens (no q, no o) and store the state
 };
 
-constexpr int kWarpCtaWarps = 2;  // warps per CTA
-
 // write_state: verify of chains with update_state stores the final state (decode and replay always do).
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
 void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream);
@@ -62,20 +61,23 @@ constexpr int warp_kernel_min_warps() {
 }
 
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
-__global__ void __launch_bounds__(kWarpCtaWarps * 32, warp_kernel_min_warps<kLayout, K, kOp>() / kWarpCtaWarps)
+__global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
+                                  warp_kernel_min_warps<kLayout, K, kOp>() / WarpTile<kLayout, TS, K, V>::kCtaWarps)
     warp_recurrent_kernel(const CommitParams p, const bool write_state) {
   using Tile = WarpTile<kLayout, TS, K, V>;
   constexpr int kRows = Tile::kRows, kVPer = Tile::kVPer, kKPer = Tile::kKPer, kVLanes = Tile::kVLanes;
   constexpr int kColBlocks = V / kRows;  // column blocks per head
+  constexpr int kCtaWarps = Tile::kCtaWarps;
+  __shared__ typename Tile::Stage stage;
   constexpr int64_t kHeadElems = int64_t(K) * V;
   constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
 
   const int lane = threadIdx.x % 32;
-  // Warp w -> (b, hv, column block), column block fastest: the warps of a CTA take neighbouring columns.
-  // The launcher checks that B * HV * kColBlocks fits int32.
-  const unsigned w = blockIdx.x * unsigned(kWarpCtaWarps) + threadIdx.x / 32;
+  // Warp w -> (b, hv, column block), column block fastest: the warps of a CTA take neighbouring columns
+  // of one head (kCtaWarps divides kColBlocks), so every early return below is taken by the whole CTA,
+  // as V-last's staged loads (barriers) need. The launcher checks that B * HV * kColBlocks fits int32.
+  const unsigned w = blockIdx.x * unsigned(kCtaWarps) + threadIdx.x / 32;
   const unsigned HV = unsigned(p.heads.num_v_heads);
-  if (w >= unsigned(p.batch) * HV * kColBlocks) return;  // the last CTA's spare warp (whole warp)
   const int v0 = int(w % kColBlocks) * kRows;
   const unsigned bh = w / kColBlocks;
   const int hv = int(bh % HV), b = int(bh / HV);
@@ -110,6 +112,7 @@ __global__ void __launch_bounds__(kWarpCtaWarps * 32, warp_kernel_min_warps<kLay
 
   // One token x (local index) of this sequence: its loads, then its step (o when asked).
   struct Token {
+    int x;  // local token index (o row)
     float k[kKPer], q[kKPer];
     float v_lane;  // lane l holds v[v0 + l % kRows], shuffled to the lanes that use it
     float g, beta;
@@ -120,6 +123,7 @@ __global__ void __launch_bounds__(kWarpCtaWarps * 32, warp_kernel_min_warps<kLay
     const TI* qp = static_cast<const TI*>(p.q.data) + tok * p.q.token_stride + int64_t(hq) * p.q.head_stride;
     const TI* vp = static_cast<const TI*>(p.v.data) + tok * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
     Token d;
+    d.x = x;
     Tile::load_k_entries(kp, d.k, lane);
     if (!kReplay) Tile::load_k_entries(qp, d.q, lane);
     d.v_lane = to_float(vp[lane % kRows]);
@@ -134,7 +138,7 @@ __global__ void __launch_bounds__(kWarpCtaWarps * 32, warp_kernel_min_warps<kLay
     }
     return d;
   };
-  const auto apply = [&](Token& d, int x, bool write_o) {
+  const auto apply = [&](Token& d, bool write_o) {
     float(&k)[kKPer] = d.k;
     float(&q)[kKPer] = d.q;
     // q, k: L2 norms (eps inside the root), scale; k . q of the normalized vectors.
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(kWarpCtaWarps * 32, warp_kernel_min_warps<kLay
       if (!kReplay) {
         dq = group_sum<kVLanes>(dq);
         if (write_o && lane / kVLanes == i)
-          out_ptr(tok0 + x)[Tile::v_of(lane, i)] = from_float<TI>(fmaf(kq_n, u, decay * dq));
+          out_ptr(tok0 + d.x)[Tile::v_of(lane, i)] = from_float<TI>(fmaf(kq_n, u, decay * dq));
       }
 #pragma unroll
       for (int j = 0; j < kKPer; ++j) s[i][j] = fmaf(k[j], u, decay * s[i][j]);
@@ -178,11 +182,11 @@ __global__ void __launch_bounds__(kWarpCtaWarps * 32, warp_kernel_min_warps<kLay
   };
   const auto step = [&](int x, bool write_o) {
     Token d = load_token(x);
-    apply(d, x, write_o);
+    apply(d, write_o);
   };
 
-  Token first;  // decode: the token's loads go out before the slot arrives
-  if constexpr (kDecode) first = load_token(0);
+  Token cur;  // the next token to apply; decode: its loads go out before the slot arrives
+  if constexpr (kDecode) cur = load_token(0);
 
   if (len < 0 || len > T) {  // a row the kernel cannot place: counted, nothing written
     if (counter) atomicAdd(p.error_flag, 1);
@@ -217,48 +221,64 @@ __global__ void __launch_bounds__(kWarpCtaWarps * 32, warp_kernel_min_warps<kLay
   }
   if (kReplay && n_replay == 0) return;  // nothing kept: the pool state stays
 
-  // ---- the state tile: all loads issued before any use ----------------------------------------------
+  // ---- the tokens -------------------------------------------------------------------------------
+  // Chains (decode, replay, verify without parent) run their tokens in order with the next token's
+  // loads issued before the current token's math, so only the first token's load latency is exposed
+  // (and that one overlaps the state loads). Trees take `step` (loads, then math) per token.
+  const int n_tokens = kDecode ? 1 : (kReplay ? n_replay : len);
+  const bool chain = kOp != WarpOp::kVerify || p.parent == nullptr;
+  const auto token_index = [&](int j) {
+    return kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j;
+  };
+  if (!kDecode && chain && n_tokens > 0) cur = load_token(token_index(0));
+
   TS* const tile = static_cast<TS*>(p.state.data) + int64_t(slot) * p.state.slot_stride + int64_t(hv) * kHeadElems +
                    Tile::origin(v0);
-  Tile::load(tile, s, lane);
+  Tile::load(tile, s, lane, stage);  // every state load issued before any use
 
-  // ---- the tokens -------------------------------------------------------------------------------
-  if constexpr (kDecode) {
-    apply(first, 0, true);
-    Tile::store(tile, s, lane);
-  } else if constexpr (kReplay) {
-    for (int j = 0; j < n_replay; ++j) step(p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j, false);
-    Tile::store(tile, s, lane);
-  } else {
+  // Verify's intermediate state after token t.
+  const auto store_intermediate = [&](int t) {
+    if (kOp != WarpOp::kVerify || islot < 0 || t >= p.intermediate.num_steps) return;
+    const int64_t off = int64_t(islot) * p.intermediate.slot_stride + (int64_t(t) * HV + hv) * kHeadElems +
+                        Tile::origin(v0);
+    if (p.intermediate.dtype == DType::kFloat32)
+      Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane);
+    else
+      Tile::store(static_cast<__nv_bfloat16*>(p.intermediate.data) + off, s, lane);
+  };
+
+  if (chain) {
+#pragma unroll 1
+    for (int j = 0; j < n_tokens; ++j) {
+      Token next;
+      if (j + 1 < n_tokens) next = load_token(token_index(j + 1));
+      apply(cur, !kReplay);
+      store_intermediate(j);
+      cur = next;
+    }
+    if (kOp != WarpOp::kVerify || write_state) Tile::store(tile, s, lane);
+    return;
+  }
+  if constexpr (kOp == WarpOp::kVerify) {  // tree
+    const int32_t* par = p.parent + int64_t(b) * T;  // checked above: -1 <= par[t] < t
     int held = -1;  // the token whose state the registers hold; -1: the pool state
 #pragma unroll 1
     for (int t = 0; t < len; ++t) {
-      if (p.parent != nullptr) {
-        const int32_t* par = p.parent + int64_t(b) * T;  // checked above: -1 <= par[t] < t
-        const int pt = par[t];
-        if (pt != held) {
-          uint64_t ancestors = 0;
-          for (int x = pt; x >= 0; x = par[x]) ancestors |= uint64_t(1) << x;
-          Tile::load(tile, s, lane);
-          while (ancestors != 0) {
-            const int x = __ffsll(static_cast<long long>(ancestors)) - 1;
-            ancestors &= ancestors - 1;
-            step(x, false);
-          }
+      const int pt = par[t];
+      if (pt != held) {
+        uint64_t ancestors = 0;
+        for (int x = pt; x >= 0; x = par[x]) ancestors |= uint64_t(1) << x;
+        Tile::load(tile, s, lane, stage);
+        while (ancestors != 0) {
+          const int x = __ffsll(static_cast<long long>(ancestors)) - 1;
+          ancestors &= ancestors - 1;
+          step(x, false);
         }
       }
       step(t, true);
       held = t;
-      if (islot >= 0 && t < p.intermediate.num_steps) {
-        const int64_t off = int64_t(islot) * p.intermediate.slot_stride + (int64_t(t) * HV + hv) * kHeadElems +
-                            Tile::origin(v0);
-        if (p.intermediate.dtype == DType::kFloat32)
-          Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane);
-        else
-          Tile::store(static_cast<__nv_bfloat16*>(p.intermediate.data) + off, s, lane);
-      }
+      store_intermediate(t);
     }
-    if (write_state && p.parent == nullptr) Tile::store(tile, s, lane);
   }
 }
 
@@ -271,8 +291,9 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
     throw Error(ErrorCode::kNotImplemented, "cuda recurrent: B*HV*V/" + std::to_string(kRows) + " = " +
                                                 std::to_string(warps) + " warps do not fit a 32-bit index");
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned((warps + kWarpCtaWarps - 1) / kWarpCtaWarps));
-  cfg.blockDim = dim3(kWarpCtaWarps * 32);
+  constexpr int kCtaWarps = WarpTile<kLayout, TS, K, V>::kCtaWarps;
+  cfg.gridDim = dim3(unsigned(warps / kCtaWarps));  // exact: kCtaWarps divides V / kRows
+  cfg.blockDim = dim3(kCtaWarps * 32);
   cfg.stream = stream;
   cudaLaunchAttribute pdl[1];
   pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -5,16 +5,20 @@
 // for i < kVPer columns and j < kKPer rows: kRows * K / 32 values (32 at K = 128, 256; 16 at K = 64).
 // Lanes that differ only in their low bits below kVLanes hold different columns and the same rows;
 // the others split k. So every dot product over k is a per-lane sum plus group_sum<kVLanes>, and the
-// q/k norms reduce the same way (each k sits in exactly one lane of a group).
+// q/k norms reduce the same way (each k sits in exactly one lane of a group). Both layouts use
+// kVLanes = 1 today (every lane holds all of the warp's columns); the reductions keep the parameter.
 //
 //   K-last ([V][K], column v contiguous in k): every lane holds all kRows columns (kVLanes = 1) and K/32
 //     k of each, as runs of kVec contiguous k: k = (j / kVec) * 32 * kVec + l * kVec + j % kVec, so one
 //     run instruction of the warp covers 32 * kVec contiguous elements of a column (whole lines).
-//   V-last ([K][V], row k contiguous in v): a lane holds kVPer contiguous v of each of its k rows (one
-//     run of at most 16 bytes); kVLanes lanes cover the warp's kRows columns of a row, the other
-//     32 / kVLanes lanes take rows k = l / kVLanes + (32 / kVLanes) * j. A run instruction of the warp
-//     covers 32 / kVLanes rows of kRows * sizeof(state) bytes (32 bytes: one whole sector each, for
-//     fp32 at K <= 128; the two warps of a CTA take neighbouring columns, so bf16 rows are 32 bytes per CTA).
+//   V-last ([K][V], row k contiguous in v): every lane holds all kRows columns (kVLanes = 1) of rows
+//     k = l + 32 j. A warp's columns are only kRows * sizeof(state) bytes of each row (32 bytes fp32, 16
+//     bf16): loaded straight into registers, such pieces ran at 56% (fp32) and 48-54% (bf16) of the copy
+//     ceiling on the H100 (decode, B >= 32), where whole-line K-last runs reach 97%. So the CTA's warps
+//     (32 columns: 128-byte fp32 rows) load the state together: cp.async of whole row pieces into shared
+//     memory, one barrier, then each warp reads its values from there (padded rows: no bank conflicts).
+//     Stores go straight from registers, kRows contiguous v per lane and row (the L2 merges the warps'
+//     pieces of a line before it writes the line back).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -72,21 +76,23 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
   static constexpr int kRows = K <= 128 ? 8 : 4;  // columns per warp
   static constexpr int kVPer = kRows, kVLanes = 1, kKPer = K / 32;
   static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
-  static_assert(K % 32 == 0 && kKPer % kVec == 0 && V % kRows == 0, "tile does not divide the head");
+  static constexpr int kCtaWarps = 2;  // warps per CTA: neighbouring columns of one head
+  static_assert(K % 32 == 0 && kKPer % kVec == 0 && V % (kRows * kCtaWarps) == 0, "tile does not divide the head");
+  struct Stage {};  // loads go straight to registers
 
   __device__ static int k_of(int lane, int j) { return (j / kVec) * 32 * kVec + lane * kVec + j % kVec; }
   __device__ static int v_of(int /*lane*/, int i) { return i; }
   // Element offset of the warp's columns inside one head's [V][K] block.
   __device__ static int64_t origin(int v0) { return int64_t(v0) * K; }
 
-  // s <- the tile at `tile` (head block + origin), any storage dtype E.
-  template <class E>
-  __device__ static void load(const E* tile, float (&s)[kVPer][kKPer], int lane) {
+  // s <- the pool state at `tile` (head block + origin). Every warp of the CTA calls it together.
+  __device__ static void load(const TS* tile, float (&s)[kVPer][kKPer], int lane, Stage&) {
 #pragma unroll
     for (int i = 0; i < kVPer; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) load_run<E, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
+      for (int j = 0; j < kKPer; j += kVec) load_run<TS, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
   }
+  // Any storage dtype E (pool or intermediate cache).
   template <class E>
   __device__ static void store(E* tile, const float (&s)[kVPer][kKPer], int lane) {
 #pragma unroll
@@ -105,33 +111,49 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
 template <class TS, int K, int V>
 struct WarpTile<StateLayout::kVLast, TS, K, V> {
   static constexpr int kRows = K <= 128 ? 8 : 4;
-  static constexpr int kVPer = kRows * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kRows;  // v per run
-  static constexpr int kVLanes = kRows / kVPer;
-  static constexpr int kKPer = K * kVLanes / 32;
-  static_assert(K % 32 == 0 && kRows % kVPer == 0 && V % kRows == 0, "tile does not divide the head");
+  static constexpr int kVPer = kRows, kVLanes = 1, kKPer = K / 32;
+  static constexpr int kCtaCols = 32;                  // columns per CTA: 128-byte fp32 row pieces
+  static constexpr int kCtaWarps = kCtaCols / kRows;   // 4 (8 at K = 256)
+  static_assert(K % 32 == 0 && V % kCtaCols == 0, "tile does not divide the head");
+  static constexpr int kChunk = 16 / int(sizeof(TS));  // elements per 16-byte cp.async
+  static constexpr int kPitch = kCtaCols + kChunk;     // padded stage row: lane reads hit distinct banks
+  struct Stage {
+    __align__(16) TS e[K][kPitch];
+  };
 
-  __device__ static int k_of(int lane, int j) { return lane / kVLanes + (32 / kVLanes) * j; }
-  __device__ static int v_of(int lane, int i) { return (lane % kVLanes) * kVPer + i; }
+  __device__ static int k_of(int lane, int j) { return lane + 32 * j; }
+  __device__ static int v_of(int /*lane*/, int i) { return i; }
   __device__ static int64_t origin(int v0) { return v0; }
 
-  template <class E>
-  __device__ static void load(const E* tile, float (&s)[kVPer][kKPer], int lane) {
+  __device__ static void load(const TS* tile, float (&s)[kVPer][kKPer], int lane, Stage& st) {
+    const int warp = int(threadIdx.x) / 32;
+    const TS* cta = tile - warp * kRows;  // the CTA's first column: its warps take consecutive column blocks
+    constexpr int kChunksPerRow = kCtaCols / kChunk;
+    __syncthreads();  // every warp has read the previous contents
+#pragma unroll 4
+    for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&st.e[r][col]));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(cta + int64_t(r) * V + col) : "memory");
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
 #pragma unroll
     for (int j = 0; j < kKPer; ++j) {
-      float run[kVPer];
-      load_run<E, kVPer>(tile + int64_t(k_of(lane, j)) * V + v_of(lane, 0), run);
+      float run[kRows];
+      load_vec<TS, kRows>(&st.e[k_of(lane, j)][warp * kRows], run);  // shared memory: the same vector loads
 #pragma unroll
-      for (int i = 0; i < kVPer; ++i) s[i][j] = run[i];
+      for (int i = 0; i < kRows; ++i) s[i][j] = run[i];
     }
   }
   template <class E>
   __device__ static void store(E* tile, const float (&s)[kVPer][kKPer], int lane) {
 #pragma unroll
     for (int j = 0; j < kKPer; ++j) {
-      float run[kVPer];
+      float run[kRows];
 #pragma unroll
-      for (int i = 0; i < kVPer; ++i) run[i] = s[i][j];
-      store_run<E, kVPer>(tile + int64_t(k_of(lane, j)) * V + v_of(lane, 0), run);
+      for (int i = 0; i < kRows; ++i) run[i] = s[i][j];
+      store_run<E, kRows>(tile + int64_t(k_of(lane, j)) * V, run);
     }
   }
   template <class TI>
