@@ -56,6 +56,7 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
 // row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
 template <StateLayout kLayout, int K, WarpOp kOp>
 constexpr int warp_kernel_min_warps() {
+  if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
   if (kOp != WarpOp::kDecode) return 20;
   return K <= 128 && kLayout == StateLayout::kKLast ? 32 : 28;
 }
@@ -242,9 +243,9 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const int64_t off = int64_t(islot) * p.intermediate.slot_stride + (int64_t(t) * HV + hv) * kHeadElems +
                         Tile::origin(v0);
     if (p.intermediate.dtype == DType::kFloat32)
-      Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane);
+      Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane, stage);
     else
-      Tile::store(static_cast<__nv_bfloat16*>(p.intermediate.data) + off, s, lane);
+      Tile::store(static_cast<__nv_bfloat16*>(p.intermediate.data) + off, s, lane, stage);
   };
 
   if (chain) {
@@ -256,7 +257,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
       store_intermediate(j);
       cur = next;
     }
-    if (kOp != WarpOp::kVerify || write_state) Tile::store(tile, s, lane);
+    if (kOp != WarpOp::kVerify || write_state) Tile::store(tile, s, lane, stage);
     return;
   }
   if constexpr (kOp == WarpOp::kVerify) {  // tree

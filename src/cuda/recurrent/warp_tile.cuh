@@ -17,8 +17,8 @@
 //     ceiling on the H100 (decode, B >= 32), where whole-line K-last runs reach 97%. So the CTA's warps
 //     (32 columns: 128-byte fp32 rows) load the state together: cp.async of whole row pieces into shared
 //     memory, one barrier, then each warp reads its values from there (padded rows: no bank conflicts).
-//     Stores go straight from registers, kRows contiguous v per lane and row (the L2 merges the warps'
-//     pieces of a line before it writes the line back).
+//     Stores take the same way back (registers -> shared memory -> whole row pieces): staging only the
+//     loads changed nothing measurable (57%), so the partial-line stores were what cost.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -94,7 +94,7 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
   }
   // Any storage dtype E (pool or intermediate cache).
   template <class E>
-  __device__ static void store(E* tile, const float (&s)[kVPer][kKPer], int lane) {
+  __device__ static void store(E* tile, const float (&s)[kVPer][kKPer], int lane, Stage&) {
 #pragma unroll
     for (int i = 0; i < kVPer; ++i)
 #pragma unroll
@@ -115,25 +115,28 @@ struct WarpTile<StateLayout::kVLast, TS, K, V> {
   static constexpr int kCtaCols = 32;                  // columns per CTA: 128-byte fp32 row pieces
   static constexpr int kCtaWarps = kCtaCols / kRows;   // 4 (8 at K = 256)
   static_assert(K % 32 == 0 && V % kCtaCols == 0, "tile does not divide the head");
-  static constexpr int kChunk = 16 / int(sizeof(TS));  // elements per 16-byte cp.async
-  static constexpr int kPitch = kCtaCols + kChunk;     // padded stage row: lane reads hit distinct banks
+  // The stage: one fp32 row piece of kCtaCols per k, padded by 16 bytes so that the lanes' reads and
+  // writes of 16-byte runs (rows lane + 32 j) fall in distinct bank groups. Loads stage the raw state
+  // dtype at the start of each row; stores stage fp32.
+  static constexpr int kPitch = kCtaCols + 4;
   struct Stage {
-    __align__(16) TS e[K][kPitch];
+    __align__(16) float e[K][kPitch];
   };
 
   __device__ static int k_of(int lane, int j) { return lane + 32 * j; }
   __device__ static int v_of(int /*lane*/, int i) { return i; }
   __device__ static int64_t origin(int v0) { return v0; }
 
+  // Every warp of the CTA calls load and store together (barriers inside).
   __device__ static void load(const TS* tile, float (&s)[kVPer][kKPer], int lane, Stage& st) {
+    constexpr int kChunk = 16 / int(sizeof(TS)), kChunksPerRow = kCtaCols / kChunk;
     const int warp = int(threadIdx.x) / 32;
     const TS* cta = tile - warp * kRows;  // the CTA's first column: its warps take consecutive column blocks
-    constexpr int kChunksPerRow = kCtaCols / kChunk;
-    __syncthreads();  // every warp has read the previous contents
+    __syncthreads();  // every warp is done with the stage's previous contents
 #pragma unroll 4
     for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&st.e[r][col]));
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<TS*>(&st.e[r][0]) + col));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(cta + int64_t(r) * V + col) : "memory");
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -141,19 +144,31 @@ struct WarpTile<StateLayout::kVLast, TS, K, V> {
 #pragma unroll
     for (int j = 0; j < kKPer; ++j) {
       float run[kRows];
-      load_vec<TS, kRows>(&st.e[k_of(lane, j)][warp * kRows], run);  // shared memory: the same vector loads
+      load_vec<TS, kRows>(reinterpret_cast<const TS*>(&st.e[k_of(lane, j)][0]) + warp * kRows, run);
 #pragma unroll
       for (int i = 0; i < kRows; ++i) s[i][j] = run[i];
     }
   }
   template <class E>
-  __device__ static void store(E* tile, const float (&s)[kVPer][kKPer], int lane) {
+  __device__ static void store(E* tile, const float (&s)[kVPer][kKPer], int lane, Stage& st) {
+    constexpr int kChunk = 16 / int(sizeof(E)), kChunksPerRow = kCtaCols / kChunk;
+    const int warp = int(threadIdx.x) / 32;
+    E* cta = tile - warp * kRows;
+    __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kKPer; ++j) {
-      float run[kRows];
+    for (int j = 0; j < kKPer; ++j)
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) run[i] = s[i][j];
-      store_run<E, kRows>(tile + int64_t(k_of(lane, j)) * V, run);
+      for (int i = 0; i < kRows; i += 4)
+        *reinterpret_cast<float4*>(&st.e[k_of(lane, j)][warp * kRows + i]) =
+            make_float4(s[i][j], s[i + 1][j], s[i + 2][j], s[i + 3][j]);
+    __syncthreads();
+#pragma unroll 2
+    for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
+      float run[kChunk];
+#pragma unroll
+      for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(&run[i]) = *reinterpret_cast<const float4*>(&st.e[r][col + i]);
+      store_vec<E, kChunk>(cta + int64_t(r) * V + col, run);
     }
   }
   template <class TI>
