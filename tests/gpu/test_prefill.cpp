@@ -204,6 +204,10 @@ std::vector<Case> shape_cases() {
     ProblemConfig c = base({100, 30}, 1, 8);  // HV/H = 8
     add(c, "gva8");
   }
+  // Kernel 1 loops over the value heads of a GVA group: one head per group, and an odd group size
+  // (the second group starts at an odd head).
+  add(base({100, 30}, 2, 2), "gva1");
+  add(base({100, 30}, 2, 6), "gva3");
   // Every value tile the state pass is built with.
   for (int K : {64, 128, 256})
     for (int vt : {16, 32, 64}) {

@@ -1,6 +1,7 @@
 // CUDA chunked prefill (SPEC.md "prefill"), two kernels per call:
 //
-//  1. chunk_prep_kernel  grid (chunk slots, HV): everything that depends on one chunk only.
+//  1. chunk_prep_kernel  grid (chunk slots, H): everything that depends on one chunk only. q, k rows,
+//     their norms, k k^T and q k^T once per q/k head, then per value head of its GVA group:
 //       gates g, beta (fused or given), gcum = within-chunk cumulative sum of g,
 //       A[i][j] = beta_i exp(gcum_i - gcum_j) (k^_i . k^_j) for j < i     (k^ = L2-normalized k)
 //       T' = (I + A)^{-1} diag(beta)                                (blocked triangular inverse, fp32)
@@ -35,30 +36,119 @@
 namespace gdnkit::cuda::chunked_prefill {
 
 // ---------------------------------------------------------------------------------------------
-// Kernel 1: per (chunk, value head) WY preparation.
+// Kernel 1: per (chunk, q/k head) WY preparation of the HV/H value heads of its GVA group.
 // ---------------------------------------------------------------------------------------------
-// Dynamic shared memory of kernel 1: raw k and q rows; the fp32 solve (A, T) reuses their bytes.
+// The k k^T and q k^T accumulators a thread keeps for all value heads of the group: warp w holds
+// the 2(w+1) n8-tiles of its rows' lower blocks, 20 tiles of 32 float4 (one per lane) per product.
+constexpr int kPrepTiles = 20;
+__device__ __forceinline__ int prep_tile(int warp, int nt, int lane) { return (warp * (warp + 1) + nt) * 32 + lane; }
+
+// Dynamic shared memory of kernel 1: raw k and q rows; once they are consumed, their bytes hold the
+// fp32 solve (A, then T in place, and the block-row sums) and the accumulators of both products.
 template <int K, class Op>
 constexpr size_t prep_smem_bytes() {
-  constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);  // k, q rows
-  constexpr size_t solve = (size_t(2) * kChunk * 68 + 3 * 256) * 4;   // A, T, block-row sums
-  return rows > solve ? rows : solve;
+  constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);      // k, q rows
+  constexpr size_t solve = (size_t(kChunk) * 68 + 3 * 256) * 4;           // A / T, block-row sums
+  constexpr size_t stash = size_t(2) * kPrepTiles * 32 * sizeof(float4);  // k k^T, q k^T
+  return rows > solve + stash ? rows : solve + stash;
 }
 
+// The CTAs per SM that this shared memory allows on sm_90 (228 KB per SM, 1 KB reserved per CTA, under
+// 2 KB static), asked of ptxas as the register budget: left to itself it settled for 96 registers at
+// K=128 but spilled to get there.
 template <int K, class Op>
-__global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParams p, const Plan plan) {
+constexpr int prep_ctas_per_sm() {
+  return int(size_t(228) * 1024 / (prep_smem_bytes<K, Op>() + 3 * 1024));
+}
+
+// Raw gate inputs of one value head for warp 0's two tokens (lane, lane + 32): fused a, b (x, y)
+// with dt_bias and A_log, or given g, beta. Loads only, no math: the next head's are issued before
+// this head's M, A and solve, so their latency hides behind them.
+struct GateLoads {
+  float x[2] = {0.0f, 0.0f}, y[2] = {0.0f, 0.0f};
+  float dt_bias = 0.0f, A_log = 0.0f;
+};
+
+__device__ __forceinline__ GateLoads load_gates(const PrefillParams& p, int h, int64_t t0, int L, int lane) {
+  const Gating& G = p.gating;
+  const bool fused = G.mode == GateMode::kFused;
+  GateLoads in;
+  if (fused) {
+    in.dt_bias = G.dt_bias[h];
+    in.A_log = G.A_log[h];
+  }
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    if (lane + 32 * u >= L) continue;
+    const int64_t t = t0 + lane + 32 * u;
+    if (fused) {
+      in.x[u] = load_scalar(G.a.data, G.a.dtype, t * G.a.token_stride + h * G.a.head_stride);
+      in.y[u] = load_scalar(G.b.data, G.b.dtype, t * G.b.token_stride + h * G.b.head_stride);
+    } else {
+      in.x[u] = static_cast<const float*>(G.g.data)[t * G.g.token_stride + h * G.g.head_stride];
+      in.y[u] = load_scalar(G.beta.data, G.beta.dtype, t * G.beta.token_stride + h * G.beta.head_stride);
+    }
+  }
+  return in;
+}
+
+// Warp 0: the gates of tokens lane and lane + 32 from their loads, and gcum by a warp scan of each
+// half (the upper half adds the lower half's total). Padding tokens get g = 0 (gcum stays flat, so
+// gcum[63] is g_last) and beta = 0.
+__device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLoads& in, int L, int lane, float* gc,
+                                            float* beta) {
+  float x[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    float g = 0.0f, b = 0.0f;
+    if (lane + 32 * u < L) {
+      if (p.gating.mode == GateMode::kFused) {
+        const float xa = in.x[u] + in.dt_bias;
+        const float sp = xa > 20.0f ? xa : log1pf(expf(xa));
+        g = -expf(in.A_log) * sp;
+        b = 1.0f / (1.0f + expf(-in.y[u]));
+      } else {
+        g = in.x[u];
+        b = in.y[u];
+      }
+    }
+    x[u] = g;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, x[u], off);
+      if (lane >= off) x[u] += y;
+    }
+    beta[lane + 32 * u] = b;
+  }
+  gc[lane] = x[0];
+  gc[lane + 32] = x[1] + __shfl_sync(0xffffffffu, x[0], 31);
+}
+
+// One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T are computed
+// once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
+// h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
+template <int K, class Op>
+__global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
+    chunk_prep_kernel(const PrefillParams p, const Plan plan) {
   constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
   constexpr int LDA = 68;     // fp32 A rows, 16-byte aligned for vector loads in the solve
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ float s_gc[kChunk], s_beta[kChunk], s_rk[kChunk], s_rq[kChunk];
-  Op* Ks = reinterpret_cast<Op*>(smem);        // [64][LDK] raw k rows
-  Op* Qs = Ks + kChunk * LDK;                  // [64][LDK] raw q rows
-  float* Af = reinterpret_cast<float*>(smem);  // [64][LDA] A (after Ks, Qs are consumed), then T
+  // gcum and beta per value head, double-buffered by head parity: warp 0 writes the next head's
+  // while the other warps still store this head's T' and gcum.
+  __shared__ float s_gc[2][kChunk], s_beta[2][kChunk], s_rk[kChunk], s_rq[kChunk];
+  Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
+  Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows
+  // After Ks, Qs are consumed:
+  float* Af = reinterpret_cast<float*>(smem);              // [64][LDA] A, lower blocks
+  float* Tf = Af;                                          // T = (I + A)^{-1}, in place of A
+  float* Pf = Af + kChunk * LDA;                           // [3][16][16] the sums of one block row
+  float4* Gacc = reinterpret_cast<float4*>(Pf + 3 * 256);  // k k^T accumulators (prep_tile)
+  float4* Macc = Gacc + kPrepTiles * 32;                   // q k^T accumulators
 
-  const int slot = blockIdx.x, h = blockIdx.y;
+  const int slot = blockIdx.x, hk = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int HV = p.heads.num_v_heads;
-  const int hk = h / (HV / p.heads.num_qk_heads);
+  const int HV = p.heads.num_v_heads, group = HV / p.heads.num_qk_heads;
+  const int h0 = hk * group, h1 = h0 + group;  // the value heads of the group
 
   // slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot.
   int lo = 0, hi = p.num_seqs - 1;
@@ -77,169 +167,171 @@ __global__ void __launch_bounds__(kThreads) chunk_prep_kernel(const PrefillParam
   const int64_t t0 = start + c * kChunk;
   const int L = int(min(int64_t(kChunk), end - t0));
 
-  // Gates; padding tokens get g = 0 (gcum stays flat, so gcum[63] is g_last) and beta = 0.
-  if (tid < kChunk) {
-    float g = 0.0f, beta = 0.0f;
-    if (tid < L) {
-      const int64_t t = t0 + tid;
-      const Gating& G = p.gating;
-      if (G.mode == GateMode::kFused) {
-        const float a = load_scalar(G.a.data, G.a.dtype, t * G.a.token_stride + h * G.a.head_stride);
-        const float b = load_scalar(G.b.data, G.b.dtype, t * G.b.token_stride + h * G.b.head_stride);
-        const float x = a + G.dt_bias[h];
-        const float sp = x > 20.0f ? x : log1pf(expf(x));
-        g = -expf(G.A_log[h]) * sp;
-        beta = 1.0f / (1.0f + expf(-b));
-      } else {
-        g = static_cast<const float*>(G.g.data)[t * G.g.token_stride + h * G.g.head_stride];
-        beta = load_scalar(G.beta.data, G.beta.dtype, t * G.beta.token_stride + h * G.beta.head_stride);
-      }
-    }
-    float x = g;  // inclusive warp scan; warp 1 adds warp 0's total below
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const float y = __shfl_up_sync(0xffffffffu, x, off);
-      if (lane >= off) x += y;
-    }
-    s_gc[tid] = x;
-    s_beta[tid] = beta;
-  }
+  GateLoads gates;  // warp 0: the next value head's gate inputs
+  if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
   load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
   load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
+  if (warp == 0) store_gates(p, gates, L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
   __syncthreads();
-  if (tid >= 32 && tid < kChunk) s_gc[tid] += s_gc[31];
 
   // G = k k^T and Mq = q k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns
-  // 0..16w+15 (the two products share the k fragments).
-  float acc[8][4], accm[8][4];
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[i][e] = accm[i][e] = 0.0f;
-#pragma unroll
-  for (int kk = 0; kk < K; kk += 16) {
-    uint32_t a[4], aq[4];
-    ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, warp * 16, kk, lane));
-    ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, warp * 16, kk, lane));
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      if (np <= warp) {
-        uint32_t b[4];
-        ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
-        mma<Op>(acc[2 * np], a, b[0], b[1]);
-        mma<Op>(acc[2 * np + 1], a, b[2], b[3]);
-        mma<Op>(accm[2 * np], aq, b[0], b[1]);
-        mma<Op>(accm[2 * np + 1], aq, b[2], b[3]);
-      }
-    }
-  }
-  __syncthreads();  // Ks, Qs are dead from here on: Af reuses their bytes; gcum is final
-
-  // M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), the intra-chunk attention of
-  // the output (rq includes the scale). Upper blocks are written as 0.
-  const int64_t ws = int64_t(slot) * HV + h;
+  // 0..16w+15 (the two products share the k fragments). Every value head of the group reuses them:
+  // each thread parks its own accumulators in shared memory (no barrier needed to read them back),
+  // as 64 more live registers through the solve took the kernel from 90 to 168 registers.
   {
-    const int r = lane >> 2, q2 = (lane & 3) * 2;
-    Op* mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
+    float acc[8][4], accm[8][4];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int i = 0; i < 8; ++i)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = warp * 16 + r + half * 8, j = nt * 8 + q2;
-        float m0 = 0.0f, m1 = 0.0f;
-        if (nt < 2 * (warp + 1)) {
-          const float fi = s_rq[i], gi = s_gc[i];
-          if (j <= i) m0 = accm[nt][2 * half] * fi * s_rk[j] * __expf(gi - s_gc[j]);
-          if (j + 1 <= i) m1 = accm[nt][2 * half + 1] * fi * s_rk[j + 1] * __expf(gi - s_gc[j + 1]);
+      for (int e = 0; e < 4; ++e) acc[i][e] = accm[i][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < K; kk += 16) {
+      uint32_t a[4], aq[4];
+      ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, warp * 16, kk, lane));
+      ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, warp * 16, kk, lane));
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (np <= warp) {
+          uint32_t b[4];
+          ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
+          mma<Op>(acc[2 * np], a, b[0], b[1]);
+          mma<Op>(acc[2 * np + 1], a, b[2], b[3]);
+          mma<Op>(accm[2 * np], aq, b[0], b[1]);
+          mma<Op>(accm[2 * np + 1], aq, b[2], b[3]);
         }
-        *reinterpret_cast<uint32_t*>(mout + i * kChunk + j) = pack2<Op>(m0, m1);
       }
     }
-  }
-
-  // A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0.
-  {
-    const int r = lane >> 2, q2 = (lane & 3) * 2;
+    __syncthreads();  // Ks, Qs are dead from here on: the accumulators, A and T reuse their bytes
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < 2 * (warp + 1)) {
+        Gacc[prep_tile(warp, nt, lane)] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+        Macc[prep_tile(warp, nt, lane)] = make_float4(accm[nt][0], accm[nt][1], accm[nt][2], accm[nt][3]);
+      }
+    }
+  }
+
+  for (int h = h0; h < h1; ++h) {
+    const float* gc = s_gc[h & 1];  // final: stored before the last barrier
+    const float* beta = s_beta[h & 1];
+    if (warp == 0 && h + 1 < h1) gates = load_gates(p, h + 1, t0, L, lane);  // stored after this head's solve
+
+    // M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), the intra-chunk attention of
+    // the output (rq includes the scale). Upper blocks are written as 0.
+    const int64_t ws = int64_t(slot) * HV + h;
+    {
+      const int r = lane >> 2, q2 = (lane & 3) * 2;
+      Op* mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = warp * 16 + r + (e >> 1) * 8, j = nt * 8 + q2 + (e & 1);
-          float val = 0.0f;
-          if (j < i) val = s_beta[i] * s_rk[i] * s_rk[j] * __expf(s_gc[i] - s_gc[j]) * acc[nt][e];
-          Af[i * LDA + j] = val;
+      for (int nt = 0; nt < 8; ++nt) {
+        const bool lower = nt < 2 * (warp + 1);
+        const float4 m4 = lower ? Macc[prep_tile(warp, nt, lane)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float accm[4] = {m4.x, m4.y, m4.z, m4.w};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = warp * 16 + r + half * 8, j = nt * 8 + q2;
+          float m0 = 0.0f, m1 = 0.0f;
+          if (lower) {
+            const float fi = s_rq[i], gi = gc[i];
+            if (j <= i) m0 = accm[2 * half] * fi * s_rk[j] * __expf(gi - gc[j]);
+            if (j + 1 <= i) m1 = accm[2 * half + 1] * fi * s_rk[j + 1] * __expf(gi - gc[j + 1]);
+          }
+          *reinterpret_cast<uint32_t*>(mout + i * kChunk + j) = pack2<Op>(m0, m1);
         }
       }
     }
-  }
-  __syncthreads();
 
-  // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory):
-  //   diagonal blocks  T_ii = (I + A_ii)^{-1}: forward substitution in warp i, one column per lane;
-  //   block rows i = 1..3: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj for all j < i at once.
-  // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0.
-  float* Tf = Af + kChunk * LDA;  // [64][LDA] T (lower blocks)
-  float* Pf = Tf + kChunk * LDA;  // [3][16][16] the sums of one block row
-  if (warp * 16 < L) {
-    const int col = lane & 15, b0 = warp * 16;
-    float x[16];
+    // A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0.
+    {
+      const int r = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float* Ai = Af + (b0 + i) * LDA + b0;
-      float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
+      for (int nt = 0; nt < 8; ++nt) {
+        if (nt < 2 * (warp + 1)) {
+          const float4 g4 = Gacc[prep_tile(warp, nt, lane)];
+          const float acc[4] = {g4.x, g4.y, g4.z, g4.w};
 #pragma unroll
-      for (int j = 0; j < i; ++j) {
-        if (j & 1)
-          acc1 = fmaf(-Ai[j], x[j], acc1);
-        else
-          acc0 = fmaf(-Ai[j], x[j], acc0);
+          for (int e = 0; e < 4; ++e) {
+            const int i = warp * 16 + r + (e >> 1) * 8, j = nt * 8 + q2 + (e & 1);
+            float val = 0.0f;
+            if (j < i) val = beta[i] * s_rk[i] * s_rk[j] * __expf(gc[i] - gc[j]) * acc[e];
+            Af[i * LDA + j] = val;
+          }
+        }
       }
-      x[i] = acc0 + acc1;
-    }
-    if (lane < 16) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) Tf[(b0 + i) * LDA + b0 + col] = x[i];
-    }
-  }
-  __syncthreads();
-  for (int bi = 1; bi * 16 < L; ++bi) {
-    for (int e = tid; e < bi * 256; e += kThreads) {
-      const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15;
-      const float* Ar = Af + (bi * 16 + r) * LDA;
-      float acc0 = 0.0f, acc1 = 0.0f;
-      for (int m = bj * 16; m < bi * 16; m += 2) {
-        acc0 = fmaf(Ar[m], Tf[m * LDA + bj * 16 + c], acc0);
-        acc1 = fmaf(Ar[m + 1], Tf[(m + 1) * LDA + bj * 16 + c], acc1);
-      }
-      Pf[e] = acc0 + acc1;
     }
     __syncthreads();
-    for (int e = tid; e < bi * 256; e += kThreads) {
-      const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15;
-      const float* Tr = Tf + (bi * 16 + r) * LDA + bi * 16;
-      float acc = 0.0f;
+
+    // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory), written over A:
+    //   diagonal blocks  T_ii = (I + A_ii)^{-1}: forward substitution in warp i, one column per lane;
+    //   block rows i = 1..3: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj for all j < i at once.
+    // Each block of A is read for the last time before T's block replaces it: A_ii by its own warp
+    // (then __syncwarp), A_ik of block row i when its sums P are formed (then a barrier); the rows
+    // above are T already, as the products need.
+    // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0
+    // (and the blocks skipped keep stale values, which nothing reads).
+    if (warp * 16 < L) {
+      const int col = lane & 15, b0 = warp * 16;
+      float x[16];
 #pragma unroll
-      for (int m = 0; m < 16; ++m) acc = fmaf(Tr[m], Pf[bj * 256 + m * 16 + c], acc);
-      Tf[(bi * 16 + r) * LDA + bj * 16 + c] = -acc;
+      for (int i = 0; i < 16; ++i) {
+        const float* Ai = Af + (b0 + i) * LDA + b0;
+        float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
+#pragma unroll
+        for (int j = 0; j < i; ++j) {
+          if (j & 1)
+            acc1 = fmaf(-Ai[j], x[j], acc1);
+          else
+            acc0 = fmaf(-Ai[j], x[j], acc0);
+        }
+        x[i] = acc0 + acc1;
+      }
+      __syncwarp();  // every lane has read A_ii
+      if (lane < 16) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) Tf[(b0 + i) * LDA + b0 + col] = x[i];
+      }
     }
     __syncthreads();
-  }
-  // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
-  {
-    Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
-    for (int e = tid; e < kChunk * kChunk / 2; e += kThreads) {
-      const int i = e >> 5, c = (e & 31) * 2;
-      const float t0v = (c <= i && i < L) ? Tf[i * LDA + c] * s_beta[c] : 0.0f;
-      const float t1v = (c + 1 <= i && i < L) ? Tf[i * LDA + c + 1] * s_beta[c + 1] : 0.0f;
-      *reinterpret_cast<uint32_t*>(out + 2 * e) = pack2<Op>(t0v, t1v);
+    for (int bi = 1; bi * 16 < L; ++bi) {
+      for (int e = tid; e < bi * 256; e += kThreads) {
+        const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15;
+        const float* Ar = Af + (bi * 16 + r) * LDA;
+        float acc0 = 0.0f, acc1 = 0.0f;
+        for (int m = bj * 16; m < bi * 16; m += 2) {
+          acc0 = fmaf(Ar[m], Tf[m * LDA + bj * 16 + c], acc0);
+          acc1 = fmaf(Ar[m + 1], Tf[(m + 1) * LDA + bj * 16 + c], acc1);
+        }
+        Pf[e] = acc0 + acc1;
+      }
+      __syncthreads();
+      for (int e = tid; e < bi * 256; e += kThreads) {
+        const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15;
+        const float* Tr = Tf + (bi * 16 + r) * LDA + bi * 16;
+        float acc = 0.0f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) acc = fmaf(Tr[m], Pf[bj * 256 + m * 16 + c], acc);
+        Tf[(bi * 16 + r) * LDA + bj * 16 + c] = -acc;
+      }
+      __syncthreads();
     }
-  }
-  if (tid < kChunk) {
-    // The state pass reuses gcum and the norms (rq includes the scale).
-    plan.ws_gc[ws * (3 * kChunk) + tid] = s_gc[tid];
-    plan.ws_gc[ws * (3 * kChunk) + kChunk + tid] = s_rk[tid];
-    plan.ws_gc[ws * (3 * kChunk) + 2 * kChunk + tid] = s_rq[tid];
+    // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
+    {
+      Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
+      for (int e = tid; e < kChunk * kChunk / 2; e += kThreads) {
+        const int i = e >> 5, c = (e & 31) * 2;
+        const float t0v = (c <= i && i < L) ? Tf[i * LDA + c] * beta[c] : 0.0f;
+        const float t1v = (c + 1 <= i && i < L) ? Tf[i * LDA + c + 1] * beta[c + 1] : 0.0f;
+        *reinterpret_cast<uint32_t*>(out + 2 * e) = pack2<Op>(t0v, t1v);
+      }
+    }
+    if (tid < kChunk) {
+      // The state pass reuses gcum and the norms (rq includes the scale), per value head.
+      plan.ws_gc[ws * (3 * kChunk) + tid] = gc[tid];
+      plan.ws_gc[ws * (3 * kChunk) + kChunk + tid] = s_rk[tid];
+      plan.ws_gc[ws * (3 * kChunk) + 2 * kChunk + tid] = s_rq[tid];
+    }
+    if (warp == 0 && h + 1 < h1) store_gates(p, gates, L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
+    __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it
   }
 }
 
@@ -594,7 +686,7 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
 template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
   if ((stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0) {
-    const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_v_heads));
+    const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));  // a CTA per GVA group
     constexpr size_t smem = prep_smem_bytes<K, Op>();
     static const cudaError_t attr =
         cudaFuncSetAttribute(chunk_prep_kernel<K, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
