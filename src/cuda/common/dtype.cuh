@@ -124,6 +124,35 @@ __device__ __forceinline__ float lane_group_sum(float x) {
 }
 __device__ __forceinline__ float warp_sum(float x) { return lane_group_sum<32>(x); }
 
+// N sums over aligned groups of kLanes lanes at once (N and kLanes powers of two, 2 <= N <= kLanes <= 32),
+// each lane contributing x[0..N-1]: a butterfly that halves the values at every step (each lane keeps
+// one half and adds its partner's other half), then plain butterflies: N - 1 + log2(kLanes / N) shuffles
+// instead of N * log2(kLanes). Afterwards x[0] of lane l is the group sum of value
+// (l % kLanes) / (kLanes / N); returns that index.
+template <int N, int kLanes = 32>
+__device__ __forceinline__ int transpose_group_sum(float (&x)[N], int lane) {
+  constexpr auto log2 = [](int n) { int r = 0; while (n > 1) n /= 2, ++r; return r; };
+  constexpr int kSteps = log2(N), kAll = log2(kLanes);
+  static_assert((1 << kSteps) == N && (1 << kAll) == kLanes && N >= 2 && N <= kLanes && kLanes <= 32,
+                "N and kLanes must be powers of two, 2 <= N <= kLanes <= 32");
+  int index = 0;
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    const int half = N >> (step + 1), off = (kLanes / 2) >> step;
+    const bool upper = (lane & off) != 0;  // this lane keeps the upper half
+#pragma unroll
+    for (int m = 0; m < half; ++m) {
+      const float send = upper ? x[m] : x[m + half];
+      const float keep = upper ? x[m + half] : x[m];
+      x[m] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+    if (upper) index += half;
+  }
+#pragma unroll
+  for (int step = kSteps; step < kAll; ++step) x[0] += __shfl_xor_sync(0xffffffffu, x[0], (kLanes / 2) >> step);
+  return index;
+}
+
 // ---- gating (SPEC.md "The recurrence") --------------------------------------------------------
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }

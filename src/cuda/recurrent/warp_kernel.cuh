@@ -66,12 +66,15 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
                                   warp_kernel_min_warps<kLayout, K, kOp>() / WarpTile<kLayout, TS, K, V>::kCtaWarps)
     warp_recurrent_kernel(const CommitParams p, const bool write_state) {
   using Tile = WarpTile<kLayout, TS, K, V>;
-  constexpr int kRows = Tile::kRows, kVPer = Tile::kVPer, kKPer = Tile::kKPer, kVLanes = Tile::kVLanes;
+  constexpr int kRows = Tile::kRows, kKPer = Tile::kKPer;
+  constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
+  // Dot products per token: d_k of each column, and d_q unless replaying; each lands in kLanesPerSum lanes.
+  constexpr int kSums = kReplay ? kRows : 2 * kRows, kLanesPerSum = 32 / kSums;
+  static_assert(kReplay || kRows * kLanesPerSum == 16, "d_q of column i sits 16 lanes above its d_k");
   constexpr int kColBlocks = V / kRows;  // column blocks per head
   constexpr int kCtaWarps = Tile::kCtaWarps;
   __shared__ typename Tile::Stage stage;
   constexpr int64_t kHeadElems = int64_t(K) * V;
-  constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
 
   const int lane = threadIdx.x % 32;
   // Warp w -> (b, hv, column block), column block fastest: the warps of a CTA take neighbouring columns
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   const auto out_ptr = [&](int64_t tok) {
     return static_cast<TI*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
   };
-  float s[kVPer][kKPer];  // the tile (warp_tile.cuh)
+  float s[kRows][kKPer];  // the tile (warp_tile.cuh)
   const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
   const Gating& gt = p.gating;
 
@@ -115,7 +118,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   struct Token {
     int x;  // local token index (o row)
     float k[kKPer], q[kKPer];
-    float v_lane;  // lane l holds v[v0 + l % kRows], shuffled to the lanes that use it
+    float v_lane;  // v of the column whose sums this lane ends with (see apply)
     float g, beta;
   };
   const auto load_token = [&](int x) {
@@ -127,7 +130,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     d.x = x;
     Tile::load_k_entries(kp, d.k, lane);
     if (!kReplay) Tile::load_k_entries(qp, d.q, lane);
-    d.v_lane = to_float(vp[lane % kRows]);
+    d.v_lane = to_float(vp[(lane / kLanesPerSum) % kRows]);
     if (gt.mode == GateMode::kFused) {
       const float a = load_dyn(gt.a.data, gt.a.dtype, tok * gt.a.token_stride + hv * gt.a.head_stride);
       const float bb = load_dyn(gt.b.data, gt.b.dtype, tok * gt.b.token_stride + hv * gt.b.head_stride);
@@ -149,8 +152,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
       kk = fmaf(k[j], k[j], kk);
       if (!kReplay) qq = fmaf(q[j], q[j], qq), kq = fmaf(k[j], q[j], kq);
     }
-    kk = group_sum<kVLanes>(kk);
-    if (!kReplay) qq = group_sum<kVLanes>(qq), kq = group_sum<kVLanes>(kq);
+    kk = warp_sum(kk);
+    if (!kReplay) qq = warp_sum(qq), kq = warp_sum(kq);
     const float rk = p.heads.use_qk_l2norm ? 1.0f / sqrtf(kk + 1e-6f) : 1.0f;
     const float rq = (p.heads.use_qk_l2norm ? 1.0f / sqrtf(qq + 1e-6f) : 1.0f) * scale;
     const float kq_n = kq * rk * rq;
@@ -159,24 +162,42 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
       k[j] *= rk;
       if (!kReplay) q[j] *= rq;
     }
-    const float decay = expf(d.g), beta = d.beta;
+    const float decay = expf(d.g);
 
-    // Per column: dot products, output (lane i * kVLanes + (lane % kVLanes) writes column i), update.
+    // The kSums dot products of the warp's columns (d_k of column i at i, d_q at kRows + i), reduced
+    // together: lane l ends with sum number l / kLanesPerSum. Scoring folds each column's (d_k, d_q) pair
+    // into one value at once (the reduction's first step, across lanes l and l ^ 16: the lower half keeps
+    // d_k), so only kRows partial sums are live at a time.
+    float x[kRows];
 #pragma unroll
-    for (int i = 0; i < kVPer; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       float dk = 0.0f, dq = 0.0f;
 #pragma unroll
       for (int j = 0; j < kKPer; ++j) {
         dk = fmaf(s[i][j], k[j], dk);
         if (!kReplay) dq = fmaf(s[i][j], q[j], dq);
       }
-      dk = group_sum<kVLanes>(dk);
-      const float u = beta * (__shfl_sync(0xffffffffu, d.v_lane, Tile::v_of(lane, i)) - decay * dk);
-      if (!kReplay) {
-        dq = group_sum<kVLanes>(dq);
-        if (write_o && lane / kVLanes == i)
-          out_ptr(tok0 + d.x)[Tile::v_of(lane, i)] = from_float<TI>(fmaf(kq_n, u, decay * dq));
+      if (kReplay) {
+        x[i] = dk;
+      } else {
+        const bool upper = (lane & 16) != 0;
+        x[i] = (upper ? dq : dk) + __shfl_xor_sync(0xffffffffu, upper ? dk : dq, 16);
       }
+    }
+    const int mine = kReplay ? transpose_group_sum<kRows, 32>(x, lane)
+                             : (lane & 16 ? kRows : 0) + transpose_group_sum<kRows, 16>(x, lane);
+    // Lanes holding a d_k: u of that column (v_lane is that column's v).
+    const float u_mine = d.beta * (d.v_lane - decay * x[0]);
+    if (!kReplay && write_o) {
+      // Lanes holding a d_q take u from the lane holding the same column's d_k (kRows * kLanesPerSum = 16
+      // lanes below) and one lane per column writes o.
+      const float u_col = __shfl_xor_sync(0xffffffffu, u_mine, 16);
+      if (mine >= kRows && lane % kLanesPerSum == 0)
+        out_ptr(tok0 + d.x)[mine - kRows] = from_float<TI>(fmaf(kq_n, u_col, decay * x[0]));
+    }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      const float u = __shfl_sync(0xffffffffu, u_mine, i * kLanesPerSum);
 #pragma unroll
       for (int j = 0; j < kKPer; ++j) s[i][j] = fmaf(k[j], u, decay * s[i][j]);
     }

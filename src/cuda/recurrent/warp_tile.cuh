@@ -1,21 +1,17 @@
 // Where a warp's share of one value head's state sits in its lanes, for both pool layouts.
 //
 // A warp owns kRows consecutive columns v0 .. v0+kRows-1 of S (S in R^{K x V}, column v = the k-vector
-// S[:, v]) and all K rows k. Lane l holds s[i][j] = S[k_of(l, j)][v0 + v_of(l, i)] in fp32 registers,
-// for i < kVPer columns and j < kKPer rows: kRows * K / 32 values (32 at K = 128, 256; 16 at K = 64).
-// Lanes that differ only in their low bits below kVLanes hold different columns and the same rows;
-// the others split k. So every dot product over k is a per-lane sum plus group_sum<kVLanes>, and the
-// q/k norms reduce the same way (each k sits in exactly one lane of a group). Both layouts use
-// kVLanes = 1 today (every lane holds all of the warp's columns); the reductions keep the parameter.
+// S[:, v]) and all K rows k. Lane l holds s[i][j] = S[k_of(l, j)][v0 + i] in fp32 registers, for all
+// i < kRows columns and j < kKPer = K/32 rows: kRows * K / 32 values (32 at K = 128, 256; 16 at K = 64).
+// Each k sits in exactly one lane, so every dot product over k (and the q/k norms) is a per-lane sum
+// plus a warp reduction.
 //
-//   K-last ([V][K], column v contiguous in k): every lane holds all kRows columns (kVLanes = 1) and K/32
-//     k of each, as runs of kVec contiguous k: k = (j / kVec) * 32 * kVec + l * kVec + j % kVec, so one
+//   K-last ([V][K], column v contiguous in k): a lane's K/32 k of each column are runs of kVec contiguous k: k = (j / kVec) * 32 * kVec + l * kVec + j % kVec, so one
 //     run instruction of the warp covers 32 * kVec contiguous elements of a column (whole lines).
-//   V-last ([K][V], row k contiguous in v): every lane holds all kRows columns (kVLanes = 1) of rows
-//     k = l + 32 j. A warp's columns are only kRows * sizeof(state) bytes of each row (32 bytes fp32, 16
+//   V-last ([K][V], row k contiguous in v): lane l holds rows k = l + 32 j. A warp's columns are only kRows * sizeof(state) bytes of each row (32 bytes fp32, 16
 //     bf16): loaded straight into registers, such pieces ran at 56% (fp32) and 48-54% (bf16) of the copy
 //     ceiling on the H100 (decode, B >= 32), where whole-line K-last runs reach 97%. So the CTA's warps
-//     (32 columns: 128-byte fp32 rows) load the state together: cp.async of whole row pieces into shared
+//     (128-byte row pieces: 32 fp32 or 64 bf16 columns) load the state together: cp.async of whole row pieces into shared
 //     memory, one barrier, then each warp reads its values from there (padded rows: no bank conflicts).
 //     Stores take the same way back (registers -> shared memory -> whole row pieces): staging only the
 //     loads changed nothing measurable (57%), so the partial-line stores were what cost.
@@ -74,29 +70,28 @@ struct WarpTile;
 template <class TS, int K, int V>
 struct WarpTile<StateLayout::kKLast, TS, K, V> {
   static constexpr int kRows = K <= 128 ? 8 : 4;  // columns per warp
-  static constexpr int kVPer = kRows, kVLanes = 1, kKPer = K / 32;
+  static constexpr int kKPer = K / 32;
   static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
   static constexpr int kCtaWarps = 2;  // warps per CTA: neighbouring columns of one head
   static_assert(K % 32 == 0 && kKPer % kVec == 0 && V % (kRows * kCtaWarps) == 0, "tile does not divide the head");
   struct Stage {};  // loads go straight to registers
 
   __device__ static int k_of(int lane, int j) { return (j / kVec) * 32 * kVec + lane * kVec + j % kVec; }
-  __device__ static int v_of(int /*lane*/, int i) { return i; }
   // Element offset of the warp's columns inside one head's [V][K] block.
   __device__ static int64_t origin(int v0) { return int64_t(v0) * K; }
 
   // s <- the pool state at `tile` (head block + origin). Every warp of the CTA calls it together.
-  __device__ static void load(const TS* tile, float (&s)[kVPer][kKPer], int lane, Stage&) {
+  __device__ static void load(const TS* tile, float (&s)[kRows][kKPer], int lane, Stage&) {
 #pragma unroll
-    for (int i = 0; i < kVPer; ++i)
+    for (int i = 0; i < kRows; ++i)
 #pragma unroll
       for (int j = 0; j < kKPer; j += kVec) load_run<TS, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
   }
   // Any storage dtype E (pool or intermediate cache).
   template <class E>
-  __device__ static void store(E* tile, const float (&s)[kVPer][kKPer], int lane, Stage&) {
+  __device__ static void store(E* tile, const float (&s)[kRows][kKPer], int lane, Stage&) {
 #pragma unroll
-    for (int i = 0; i < kVPer; ++i)
+    for (int i = 0; i < kRows; ++i)
 #pragma unroll
       for (int j = 0; j < kKPer; j += kVec) store_run<E, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
   }
@@ -111,9 +106,11 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
 template <class TS, int K, int V>
 struct WarpTile<StateLayout::kVLast, TS, K, V> {
   static constexpr int kRows = K <= 128 ? 8 : 4;
-  static constexpr int kVPer = kRows, kVLanes = 1, kKPer = K / 32;
-  static constexpr int kCtaCols = 32;                  // columns per CTA: 128-byte fp32 row pieces
-  static constexpr int kCtaWarps = kCtaCols / kRows;   // 4 (8 at K = 256)
+  static constexpr int kKPer = K / 32;
+  // Columns per CTA: 128-byte row pieces (32 fp32, 64 bf16: 4 or 8 warps); at K = 256 (correct, not the
+  // fast path) 32 columns, so that the stage stays within 48 KB of static shared memory.
+  static constexpr int kCtaCols = K <= 128 ? 128 / int(sizeof(TS)) : 32;
+  static constexpr int kCtaWarps = kCtaCols / kRows;
   static_assert(K % 32 == 0 && V % kCtaCols == 0, "tile does not divide the head");
   // The stage: one fp32 row piece of kCtaCols per k, padded by 16 bytes so that the lanes' reads and
   // writes of 16-byte runs (rows lane + 32 j) fall in distinct bank groups. Loads stage the raw state
@@ -124,11 +121,10 @@ struct WarpTile<StateLayout::kVLast, TS, K, V> {
   };
 
   __device__ static int k_of(int lane, int j) { return lane + 32 * j; }
-  __device__ static int v_of(int /*lane*/, int i) { return i; }
   __device__ static int64_t origin(int v0) { return v0; }
 
   // Every warp of the CTA calls load and store together (barriers inside).
-  __device__ static void load(const TS* tile, float (&s)[kVPer][kKPer], int lane, Stage& st) {
+  __device__ static void load(const TS* tile, float (&s)[kRows][kKPer], int lane, Stage& st) {
     constexpr int kChunk = 16 / int(sizeof(TS)), kChunksPerRow = kCtaCols / kChunk;
     const int warp = int(threadIdx.x) / 32;
     const TS* cta = tile - warp * kRows;  // the CTA's first column: its warps take consecutive column blocks
@@ -150,7 +146,7 @@ struct WarpTile<StateLayout::kVLast, TS, K, V> {
     }
   }
   template <class E>
-  __device__ static void store(E* tile, const float (&s)[kVPer][kKPer], int lane, Stage& st) {
+  __device__ static void store(E* tile, const float (&s)[kRows][kKPer], int lane, Stage& st) {
     constexpr int kChunk = 16 / int(sizeof(E)), kChunksPerRow = kCtaCols / kChunk;
     const int warp = int(threadIdx.x) / 32;
     E* cta = tile - warp * kRows;
@@ -167,7 +163,10 @@ struct WarpTile<StateLayout::kVLast, TS, K, V> {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
       float run[kChunk];
 #pragma unroll
-      for (int i = 0; i < kChunk; i += 4) *reinterpret_cast<float4*>(&run[i]) = *reinterpret_cast<const float4*>(&st.e[r][col + i]);
+      for (int i = 0; i < kChunk; i += 4) {
+        const float4 f4 = *reinterpret_cast<const float4*>(&st.e[r][col + i]);
+        run[i] = f4.x, run[i + 1] = f4.y, run[i + 2] = f4.z, run[i + 3] = f4.w;
+      }
       store_vec<E, kChunk>(cta + int64_t(r) * V + col, run);
     }
   }
