@@ -145,7 +145,9 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   const auto apply = [&](Token& d, bool write_o) {
     float(&k)[kKPer] = d.k;
     float(&q)[kKPer] = d.q;
-    // q, k: L2 norms (eps inside the root), scale; k . q of the normalized vectors.
+    // q, k: L2 norms (eps inside the root), scale; k . q of the normalized vectors. The norms scale the
+    // sums, not the vectors (S^T (rk k) = rk (S^T k); the update k_n u = k (rk u)), so their reduction
+    // chain runs beside the dot products' instead of before them.
     float kk = 0.0f, qq = 0.0f, kq = 0.0f;
 #pragma unroll
     for (int j = 0; j < kKPer; ++j) {
@@ -157,11 +159,6 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const float rk = p.heads.use_qk_l2norm ? 1.0f / sqrtf(kk + 1e-6f) : 1.0f;
     const float rq = (p.heads.use_qk_l2norm ? 1.0f / sqrtf(qq + 1e-6f) : 1.0f) * scale;
     const float kq_n = kq * rk * rq;
-#pragma unroll
-    for (int j = 0; j < kKPer; ++j) {
-      k[j] *= rk;
-      if (!kReplay) q[j] *= rq;
-    }
     const float decay = expf(d.g);
 
     // The kSums dot products of the warp's columns (d_k of column i at i, d_q at kRows + i), reduced
@@ -187,19 +184,20 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const int mine = kReplay ? transpose_group_sum<kRows, 32>(x, lane)
                              : (lane & 16 ? kRows : 0) + transpose_group_sum<kRows, 16>(x, lane);
     // Lanes holding a d_k: u of that column (v_lane is that column's v).
-    const float u_mine = d.beta * (d.v_lane - decay * x[0]);
+    const float u_mine = d.beta * (d.v_lane - decay * (x[0] * rk));
     if (!kReplay && write_o) {
       // Lanes holding a d_q take u from the lane holding the same column's d_k (kRows * kLanesPerSum = 16
       // lanes below) and one lane per column writes o.
       const float u_col = __shfl_xor_sync(0xffffffffu, u_mine, 16);
       if (mine >= kRows && lane % kLanesPerSum == 0)
-        out_ptr(tok0 + d.x)[mine - kRows] = from_float<TI>(fmaf(kq_n, u_col, decay * x[0]));
+        out_ptr(tok0 + d.x)[mine - kRows] = from_float<TI>(fmaf(kq_n, u_col, decay * (x[0] * rq)));
     }
+    const float uk_mine = u_mine * rk;
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      const float u = __shfl_sync(0xffffffffu, u_mine, i * kLanesPerSum);
+      const float uk = __shfl_sync(0xffffffffu, uk_mine, i * kLanesPerSum);
 #pragma unroll
-      for (int j = 0; j < kKPer; ++j) s[i][j] = fmaf(k[j], u, decay * s[i][j]);
+      for (int j = 0; j < kKPer; ++j) s[i][j] = fmaf(k[j], uk, decay * s[i][j]);
     }
   };
   const auto step = [&](int x, bool write_o) {
