@@ -57,6 +57,7 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
 template <StateLayout kLayout, int K, WarpOp kOp>
 constexpr int warp_kernel_min_warps() {
   if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
+  if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
   if (kOp != WarpOp::kDecode) return 20;
   return K <= 128 && kLayout == StateLayout::kKLast ? 32 : 28;
 }
@@ -114,12 +115,32 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
   const Gating& gt = p.gating;
 
+  // The gates of local token x: the raw inputs (a, b of the fused form, or g, beta), then the math.
+  // Multi-token ops compute them once per token, lane t for token t (t < 32, see `lane_gates` below),
+  // rather than once per token in every lane: the gating is ~100 warp instructions, a sixth of a token.
+  const bool fused = gt.mode == GateMode::kFused;
+  const auto gate_inputs = [&](int x, float& a, float& b) {
+    const int64_t tok = tok0 + x;
+    if (fused) {
+      a = load_dyn(gt.a.data, gt.a.dtype, tok * gt.a.token_stride + hv * gt.a.head_stride);
+      b = load_dyn(gt.b.data, gt.b.dtype, tok * gt.b.token_stride + hv * gt.b.head_stride);
+    } else {
+      a = load_dyn(gt.g.data, gt.g.dtype, tok * gt.g.token_stride + hv * gt.g.head_stride);
+      b = load_dyn(gt.beta.data, gt.beta.dtype, tok * gt.beta.token_stride + hv * gt.beta.head_stride);
+    }
+  };
+  const auto gate_math = [&](float a, float b, float& decay, float& beta) {
+    decay = expf(fused ? fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f) : a);
+    beta = fused ? sigmoid(b) : b;
+  };
+  float lane_decay = 1.0f, lane_beta = 0.0f;  // multi-token ops: the gates of token `lane`
+
   // One token x (local index) of this sequence: its loads, then its step (o when asked).
   struct Token {
     int x;  // local token index (o row)
     float k[kKPer], q[kKPer];
     float v_lane;  // v of the column whose sums this lane ends with (see apply)
-    float g, beta;
+    float ga, gb;  // decode: raw gate inputs
   };
   const auto load_token = [&](int x) {
     const int64_t tok = tok0 + x;
@@ -131,15 +152,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     Tile::load_k_entries(kp, d.k, lane);
     if (!kReplay) Tile::load_k_entries(qp, d.q, lane);
     d.v_lane = to_float(vp[(lane / kLanesPerSum) % kRows]);
-    if (gt.mode == GateMode::kFused) {
-      const float a = load_dyn(gt.a.data, gt.a.dtype, tok * gt.a.token_stride + hv * gt.a.head_stride);
-      const float bb = load_dyn(gt.b.data, gt.b.dtype, tok * gt.b.token_stride + hv * gt.b.head_stride);
-      d.g = fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f);
-      d.beta = sigmoid(bb);
-    } else {
-      d.g = load_dyn(gt.g.data, gt.g.dtype, tok * gt.g.token_stride + hv * gt.g.head_stride);
-      d.beta = load_dyn(gt.beta.data, gt.beta.dtype, tok * gt.beta.token_stride + hv * gt.beta.head_stride);
-    }
+    if (kDecode) gate_inputs(x, d.ga, d.gb);
     return d;
   };
   const auto apply = [&](Token& d, bool write_o) {
@@ -159,7 +172,17 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const float rk = p.heads.use_qk_l2norm ? 1.0f / sqrtf(kk + 1e-6f) : 1.0f;
     const float rq = (p.heads.use_qk_l2norm ? 1.0f / sqrtf(qq + 1e-6f) : 1.0f) * scale;
     const float kq_n = kq * rk * rq;
-    const float decay = expf(d.g);
+    float decay, beta;
+    if (kDecode) {
+      gate_math(d.ga, d.gb, decay, beta);
+    } else if (d.x < 32) {
+      decay = __shfl_sync(0xffffffffu, lane_decay, d.x);
+      beta = __shfl_sync(0xffffffffu, lane_beta, d.x);
+    } else {  // tree tokens past 32
+      float a, b;
+      gate_inputs(d.x, a, b);
+      gate_math(a, b, decay, beta);
+    }
 
     // The kSums dot products of the warp's columns (d_k of column i at i, d_q at kRows + i), reduced
     // together: lane l ends with sum number l / kLanesPerSum. Scoring folds each column's (d_k, d_q) pair
@@ -184,7 +207,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const int mine = kReplay ? transpose_group_sum<kRows, 32>(x, lane)
                              : (lane & 16 ? kRows : 0) + transpose_group_sum<kRows, 16>(x, lane);
     // Lanes holding a d_k: u of that column (v_lane is that column's v).
-    const float u_mine = d.beta * (d.v_lane - decay * (x[0] * rk));
+    const float u_mine = beta * (d.v_lane - decay * (x[0] * rk));
     if (!kReplay && write_o) {
       // Lanes holding a d_q take u from the lane holding the same column's d_k (kRows * kLanesPerSum = 16
       // lanes below) and one lane per column writes o.
@@ -250,11 +273,14 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   const auto token_index = [&](int j) {
     return kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j;
   };
+  float lane_a = 0.0f, lane_b = 0.0f;  // raw gate inputs of token `lane`, loaded before the state
+  if (!kDecode && lane < len) gate_inputs(lane, lane_a, lane_b);
   if (!kDecode && chain && n_tokens > 0) cur = load_token(token_index(0));
 
   TS* const tile = static_cast<TS*>(p.state.data) + int64_t(slot) * p.state.slot_stride + int64_t(hv) * kHeadElems +
                    Tile::origin(v0);
   Tile::load(tile, s, lane, stage);  // every state load issued before any use
+  if (!kDecode) gate_math(lane_a, lane_b, lane_decay, lane_beta);
 
   // Verify's intermediate state after token t.
   const auto store_intermediate = [&](int t) {
