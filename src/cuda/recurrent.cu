@@ -1,27 +1,23 @@
 // CUDA decode, verify and commit: host checks the kernels need beyond validate(), the one dispatch
 // from run-time choices (layout, state dtype, input dtype, head dims) to kernel instantiations, and
-// the commit-from-cache copy kernel. Every op runs the warp-independent kernel (warp_kernel.cuh); the
-// block kernel (recurrent_kernel.cuh) stays behind GDNKIT_RECURRENT_KERNEL=block for A/B timing.
-// Nothing here synchronizes or allocates: graph-capturable.
+// the commit-from-cache copy kernel. Decode, verify and commit by recompute run the warp-independent
+// kernel (recurrent/warp_kernel.cuh), one instantiation per op. Nothing here synchronizes or allocates:
+// graph-capturable.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "api/backends.h"
 #include "cuda/check.h"
 #include "cuda/common/dtype.cuh"
-#include "cuda/recurrent/recurrent_kernel.cuh"
 #include "cuda/recurrent/warp_kernel.cuh"
 
 namespace gdnkit::cuda {
 namespace {
 
-using recurrent::Launch;
-using recurrent::Mode;
 using recurrent::WarpOp;
 
 [[noreturn]] void invalid(const std::string& msg) { throw Error(ErrorCode::kInvalidArgument, msg); }
@@ -49,73 +45,50 @@ void check_recurrent(const char* op, const CommitParams& p) {
                                                 std::to_string(p.num_draft_tokens));
 }
 
-// The kernels behind the one dispatch: the warp-independent kernel of one op and layout, or the block
-// kernel (every op and layout; `what` says which op).
+// The kernel of one op and layout behind the one dispatch.
 template <StateLayout L, WarpOp kOp>
 struct WarpKernel {
   template <class TS, class TI, int K, int V>
-  static void launch(const CommitParams& p, Launch what, Stream stream) {
-    recurrent::launch_warp_recurrent<L, TS, TI, K, V, kOp>(p, what.write_state, stream);
-  }
-};
-template <StateLayout L>
-struct BlockKernel {
-  template <class TS, class TI, int K, int V>
-  static void launch(const CommitParams& p, Launch what, Stream stream) {
-    recurrent::launch_recurrent<L, TS, TI, K, V>(p, what, stream);
+  static void launch(const CommitParams& p, bool write_state, Stream stream) {
+    recurrent::launch_warp_recurrent<L, TS, TI, K, V, kOp>(p, write_state, stream);
   }
 };
 
 template <class Kernel, class TS, class TI>
-void by_dims(const CommitParams& p, Launch what, Stream stream) {
+void by_dims(const CommitParams& p, bool write_state, Stream stream) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
-  if (K == 64 && V == 64) return Kernel::template launch<TS, TI, 64, 64>(p, what, stream);
-  if (K == 128 && V == 128) return Kernel::template launch<TS, TI, 128, 128>(p, what, stream);
-  if (K == 256 && V == 256) return Kernel::template launch<TS, TI, 256, 256>(p, what, stream);
+  if (K == 64 && V == 64) return Kernel::template launch<TS, TI, 64, 64>(p, write_state, stream);
+  if (K == 128 && V == 128) return Kernel::template launch<TS, TI, 128, 128>(p, write_state, stream);
+  if (K == 256 && V == 256) return Kernel::template launch<TS, TI, 256, 256>(p, write_state, stream);
   throw Error(ErrorCode::kNotImplemented, "cuda: head dims K=" + std::to_string(K) + ", V=" + std::to_string(V) +
                                               " are not built (built: K = V in {64, 128, 256})");
 }
 
 template <class Kernel, class TS>
-void by_input(const CommitParams& p, Launch what, Stream stream) {
+void by_input(const CommitParams& p, bool write_state, Stream stream) {
   switch (p.k.dtype) {  // q, k, v, o share it (validated)
-    case DType::kFloat32: return by_dims<Kernel, TS, float>(p, what, stream);
-    case DType::kBFloat16: return by_dims<Kernel, TS, __nv_bfloat16>(p, what, stream);
-    case DType::kFloat16: return by_dims<Kernel, TS, __half>(p, what, stream);
+    case DType::kFloat32: return by_dims<Kernel, TS, float>(p, write_state, stream);
+    case DType::kBFloat16: return by_dims<Kernel, TS, __nv_bfloat16>(p, write_state, stream);
+    case DType::kFloat16: return by_dims<Kernel, TS, __half>(p, write_state, stream);
     default: invalid(std::string("k: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.k.dtype));
   }
 }
 
 template <class Kernel>
-void by_state(const CommitParams& p, Launch what, Stream stream) {
+void by_state(const CommitParams& p, bool write_state, Stream stream) {
   switch (p.state.dtype) {
-    case DType::kFloat32: return by_input<Kernel, float>(p, what, stream);
-    case DType::kBFloat16: return by_input<Kernel, __nv_bfloat16>(p, what, stream);
+    case DType::kFloat32: return by_input<Kernel, float>(p, write_state, stream);
+    case DType::kBFloat16: return by_input<Kernel, __nv_bfloat16>(p, write_state, stream);
     default: invalid(std::string("state: expected dtype float32 or bfloat16, got ") + dtype_name(p.state.dtype));
   }
 }
 
-// Benchmarking switch, read once per process: GDNKIT_RECURRENT_KERNEL=block runs decode, verify and
-// commit-by-recompute on the block kernel instead of the warp-independent one, for A/B timing in one run.
-bool uses_block_kernel() {
-  static const bool block = [] {
-    const char* e = std::getenv("GDNKIT_RECURRENT_KERNEL");
-    return e != nullptr && std::string(e) == "block";
-  }();
-  return block;
-}
-
 template <WarpOp kOp>
-void dispatch_recurrent(const char* op, const CommitParams& p, Launch what, Stream stream) {
+void dispatch_recurrent(const char* op, const CommitParams& p, bool write_state, Stream stream) {
   check_recurrent(op, p);
-  const bool block = uses_block_kernel();
   switch (p.state.layout) {
-    case StateLayout::kKLast:
-      return block ? by_state<BlockKernel<StateLayout::kKLast>>(p, what, stream)
-                   : by_state<WarpKernel<StateLayout::kKLast, kOp>>(p, what, stream);
-    case StateLayout::kVLast:
-      return block ? by_state<BlockKernel<StateLayout::kVLast>>(p, what, stream)
-                   : by_state<WarpKernel<StateLayout::kVLast, kOp>>(p, what, stream);
+    case StateLayout::kKLast: return by_state<WarpKernel<StateLayout::kKLast, kOp>>(p, write_state, stream);
+    case StateLayout::kVLast: return by_state<WarpKernel<StateLayout::kVLast, kOp>>(p, write_state, stream);
     default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
   }
 }
@@ -197,13 +170,13 @@ void decode(const DecodeParams& p, Stream stream) {
   CommitParams c;
   static_cast<DecodeParams&>(c) = p;
   c.num_draft_tokens = 1;
-  dispatch_recurrent<WarpOp::kDecode>("decode", c, Launch{Mode::kScore, true}, stream);
+  dispatch_recurrent<WarpOp::kDecode>("decode", c, true, stream);
 }
 
 void verify(const VerifyParams& p, Stream stream) {
   CommitParams c;
   static_cast<VerifyParams&>(c) = p;
-  dispatch_recurrent<WarpOp::kVerify>("verify", c, Launch{Mode::kScore, p.update_state && p.parent == nullptr}, stream);
+  dispatch_recurrent<WarpOp::kVerify>("verify", c, p.update_state && p.parent == nullptr, stream);
 }
 
 void commit(const CommitParams& p, Stream stream) {
@@ -212,7 +185,7 @@ void commit(const CommitParams& p, Stream stream) {
     case CommitSource::kRecompute: {
       CommitParams c = p;
       c.intermediate.data = nullptr;  // replay stores only the final state
-      return dispatch_recurrent<WarpOp::kReplay>("commit", c, Launch{Mode::kReplay, true}, stream);
+      return dispatch_recurrent<WarpOp::kReplay>("commit", c, true, stream);
     }
     default: invalid("commit: unknown source " + std::to_string(int(p.source)));
   }

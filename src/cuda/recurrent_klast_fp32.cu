@@ -1,7 +1,0 @@
-// Recurrent kernels (decode / verify / commit by recompute) for klast pools of fp32 states.
-#define GDNKIT_RECURRENT_DEFINE_KERNELS
-#include "cuda/recurrent/recurrent_kernel.cuh"
-
-namespace gdnkit::cuda::recurrent {
-GDNKIT_RECURRENT_INSTANTIATE(StateLayout::kKLast, float)
-}  // namespace gdnkit::cuda::recurrent
