@@ -50,23 +50,12 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
 
 #ifdef GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
 
-// The tile of one instantiation. K-last bf16 decode takes 16 columns per warp (64 fp32 values per lane): with 8
-// it moved half of fp32's bytes per warp for the same per-token instructions (gates, norms, token loads,
-// reductions) and ncu showed it issue- and latency-bound (B = 128: 0.49 issued instructions per scheduler
-// per cycle, 68% of stalls on global loads, 74% of DRAM bandwidth).
-template <StateLayout kLayout, class TS, int K, WarpOp kOp>
-constexpr int kBf16DecodeRows =
-    kOp == WarpOp::kDecode && sizeof(TS) == 2 && K == 128 && kLayout == StateLayout::kKLast ? 16 : 0;
-template <StateLayout kLayout, class TS, int K, int V, WarpOp kOp>
-using WarpTileOf = WarpTile<kLayout, TS, K, V, kBf16DecodeRows<kLayout, TS, K, kOp>>;
-
 // __launch_bounds__ target in warps per SM (ptxas, CUDA 13.0, sm_90a, K = 128). Decode: 32 -> 64
 // registers, no spills for K-last; V-last holds 8 + 8 q/k values per lane (K-last: 4 + 4) and spills 64
 // bytes at 64, none at 72 (28 warps); so does K = 256. Verify and replay carry the token loop and the
 // row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
-template <StateLayout kLayout, class TS, int K, WarpOp kOp>
+template <StateLayout kLayout, int K, WarpOp kOp>
 constexpr int warp_kernel_min_warps() {
-  if (kBf16DecodeRows<kLayout, TS, K, kOp> != 0) return 16;  // 123 registers; 20 warps (96) spilled 40 bytes
   if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
   if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
   if (kOp != WarpOp::kDecode) return 20;
@@ -74,11 +63,10 @@ constexpr int warp_kernel_min_warps() {
 }
 
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
-__global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps * 32,
-                                  warp_kernel_min_warps<kLayout, TS, K, kOp>() /
-                                      WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps)
+__global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
+                                  warp_kernel_min_warps<kLayout, K, kOp>() / WarpTile<kLayout, TS, K, V>::kCtaWarps)
     warp_recurrent_kernel(const CommitParams p, const bool write_state) {
-  using Tile = WarpTileOf<kLayout, TS, K, V, kOp>;
+  using Tile = WarpTile<kLayout, TS, K, V>;
   constexpr int kRows = Tile::kRows, kKPer = Tile::kKPer;
   constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
   // Dot products per token: d_k of each column, and d_q unless replaying; each lands in kLanesPerSum lanes.
@@ -342,14 +330,14 @@ __global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps 
 
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
 void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream) {
-  constexpr int kRows = WarpTileOf<kLayout, TS, K, V, kOp>::kRows;
+  constexpr int kRows = WarpTile<kLayout, TS, K, V>::kRows;
   if (p.batch <= 0 || p.heads.num_v_heads <= 0) return;
   const int64_t warps = int64_t(p.batch) * p.heads.num_v_heads * (V / kRows);
   if (warps > int64_t(INT32_MAX))
     throw Error(ErrorCode::kNotImplemented, "cuda recurrent: B*HV*V/" + std::to_string(kRows) + " = " +
                                                 std::to_string(warps) + " warps do not fit a 32-bit index");
   cudaLaunchConfig_t cfg = {};
-  constexpr int kCtaWarps = WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps;
+  constexpr int kCtaWarps = WarpTile<kLayout, TS, K, V>::kCtaWarps;
   cfg.gridDim = dim3(unsigned(warps / kCtaWarps));  // exact: kCtaWarps divides V / kRows
   cfg.blockDim = dim3(kCtaWarps * 32);
   cfg.stream = stream;

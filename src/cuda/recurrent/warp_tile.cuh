@@ -64,18 +64,12 @@ __device__ __forceinline__ void store_run(T* __restrict__ p, const float* in) {
   }
 }
 
-// kRowsWanted: columns per warp, 0 for the default (8, or 4 at K = 256: 32 fp32 values per lane).
-template <StateLayout kLayout, class TS, int K, int V, int kRowsWanted = 0>
+template <StateLayout kLayout, class TS, int K, int V>
 struct WarpTile;
 
-template <int K, int kRowsWanted>
-constexpr int warp_tile_rows() {
-  return kRowsWanted != 0 ? kRowsWanted : (K <= 128 ? 8 : 4);
-}
-
-template <class TS, int K, int V, int kRowsWanted>
-struct WarpTile<StateLayout::kKLast, TS, K, V, kRowsWanted> {
-  static constexpr int kRows = warp_tile_rows<K, kRowsWanted>();  // columns per warp
+template <class TS, int K, int V>
+struct WarpTile<StateLayout::kKLast, TS, K, V> {
+  static constexpr int kRows = K <= 128 ? 8 : 4;  // columns per warp
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
   static constexpr int kCtaWarps = 2;  // warps per CTA: neighbouring columns of one head
@@ -109,9 +103,9 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kRowsWanted> {
   }
 };
 
-template <class TS, int K, int V, int kRowsWanted>
-struct WarpTile<StateLayout::kVLast, TS, K, V, kRowsWanted> {
-  static constexpr int kRows = warp_tile_rows<K, kRowsWanted>();
+template <class TS, int K, int V>
+struct WarpTile<StateLayout::kVLast, TS, K, V> {
+  static constexpr int kRows = K <= 128 ? 8 : 4;
   static constexpr int kKPer = K / 32;
   // Columns per CTA: 128-byte row pieces (32 fp32, 64 bf16: 4 or 8 warps); at K = 256 (correct, not the
   // fast path) 32 columns, so that the stage stays within 48 KB of static shared memory.
