@@ -169,8 +169,9 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     }
     kk = warp_sum(kk);
     if (!kReplay) qq = warp_sum(qq), kq = warp_sum(kq);
-    const float rk = p.heads.use_qk_l2norm ? 1.0f / sqrtf(kk + 1e-6f) : 1.0f;
-    const float rq = (p.heads.use_qk_l2norm ? 1.0f / sqrtf(qq + 1e-6f) : 1.0f) * scale;
+    // rsqrtf (MUFU.RSQ, ~1 ulp) instead of an IEEE sqrt and divide: ~30 fewer instructions a token.
+    const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
+    const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
     const float kq_n = kq * rk * rq;
     float decay, beta;
     if (kDecode) {
