@@ -51,15 +51,14 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
 #ifdef GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
 
 // __launch_bounds__ target in warps per SM (ptxas, CUDA 13.0, sm_90a, K = 128). Decode: 32 -> 64
-// registers, no spills for K-last; V-last holds 8 + 8 q/k values per lane (K-last: 4 + 4) and spills 64
-// bytes at 64, none at 72 (28 warps); so does K = 256. Verify and replay carry the token loop and the
+// registers, no spills for either layout (K = 256: 28 warps, 72-76 registers). Verify and replay carry the token loop and the
 // row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
 template <StateLayout kLayout, int K, WarpOp kOp>
 constexpr int warp_kernel_min_warps() {
   if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
   if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
   if (kOp != WarpOp::kDecode) return 20;
-  return K <= 128 && kLayout == StateLayout::kKLast ? 32 : 28;
+  return K <= 128 ? 32 : 28;
 }
 
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
