@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gdnkit/types.h"
 
@@ -36,93 +37,54 @@ __device__ __forceinline__ float load_dyn(const void* p, DType dtype, int64_t i)
   }
 }
 
-// ---- vector loads / stores of N contiguous elements (N * sizeof(T) a multiple of 8 bytes) -----
-// The caller guarantees the alignment (the launchers check slot strides and base pointers).
+// ---- vector loads / stores of N contiguous elements ---------------------------------------------
+// Moved as the widest words that divide the run (16, 8, 4 bytes, or one element): N * sizeof(T) in
+// {2, 4, 8, 16, 32, ...} bytes. The caller guarantees the run is aligned to min(16, its size) (the
+// launchers check pool slots, strides and base pointers; run offsets are multiples of the run size).
 template <class T, int N>
-__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[N]) {
-  constexpr int kBytes = N * int(sizeof(T));
-  static_assert(kBytes % 8 == 0, "vector runs are whole 8-byte words");
-  if constexpr (kBytes % 16 == 0) {
-    constexpr int kPer = 16 / int(sizeof(T));
+struct VecWord {
+  static constexpr int kBytes = N * int(sizeof(T));
+  using type = std::conditional_t<
+      kBytes % 16 == 0, uint4,
+      std::conditional_t<kBytes % 8 == 0, uint2, std::conditional_t<kBytes % 4 == 0, uint32_t, T>>>;
+  static constexpr int kPer = int(sizeof(type) / sizeof(T));  // elements per word
+  static_assert(N % kPer == 0, "the run must be whole words");
+};
+
+template <class T, int N>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float* out) {
+  using W = typename VecWord<T, N>::type;
+  constexpr int kPer = VecWord<T, N>::kPer;
 #pragma unroll
-    for (int w = 0; w < N / kPer; ++w) {
-      const uint4 raw = reinterpret_cast<const uint4*>(p)[w];
-      const T* e = reinterpret_cast<const T*>(&raw);
+  for (int w = 0; w < N / kPer; ++w) {
+    const W raw = reinterpret_cast<const W*>(p)[w];
+    const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int j = 0; j < kPer; ++j) out[w * kPer + j] = to_float(e[j]);
-    }
-  } else {
-    constexpr int kPer = 8 / int(sizeof(T));
-#pragma unroll
-    for (int w = 0; w < N / kPer; ++w) {
-      const uint2 raw = reinterpret_cast<const uint2*>(p)[w];
-      const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) out[w * kPer + j] = to_float(e[j]);
-    }
+    for (int j = 0; j < kPer; ++j) out[w * kPer + j] = to_float(e[j]);
   }
 }
 
 template <class T, int N>
-__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[N]) {
-  constexpr int kBytes = N * int(sizeof(T));
-  static_assert(kBytes % 8 == 0, "vector runs are whole 8-byte words");
-  if constexpr (kBytes % 16 == 0) {
-    constexpr int kPer = 16 / int(sizeof(T));
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const float* in) {
+  using W = typename VecWord<T, N>::type;
+  constexpr int kPer = VecWord<T, N>::kPer;
 #pragma unroll
-    for (int w = 0; w < N / kPer; ++w) {
-      uint4 raw;
-      T* e = reinterpret_cast<T*>(&raw);
+  for (int w = 0; w < N / kPer; ++w) {
+    W raw;
+    T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-      for (int j = 0; j < kPer; ++j) e[j] = from_float<T>(in[w * kPer + j]);
-      reinterpret_cast<uint4*>(p)[w] = raw;
-    }
-  } else {
-    constexpr int kPer = 8 / int(sizeof(T));
-#pragma unroll
-    for (int w = 0; w < N / kPer; ++w) {
-      uint2 raw;
-      T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) e[j] = from_float<T>(in[w * kPer + j]);
-      reinterpret_cast<uint2*>(p)[w] = raw;
-    }
+    for (int j = 0; j < kPer; ++j) e[j] = from_float<T>(in[w * kPer + j]);
+    reinterpret_cast<W*>(p)[w] = raw;
   }
-}
-
-// ---- shared-memory reads the compiler must not merge --------------------------------------------
-// A value read twice from shared memory in one phase (no barrier between) is normally kept live in
-// registers between the two uses; where registers bound occupancy, re-reading is cheaper.
-__device__ __forceinline__ float4 lds4_fresh(const float* p) {
-  float4 x;
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(addr));
-  return x;
-}
-__device__ __forceinline__ float lds_fresh(const float* p) {
-  float x;
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr));
-  return x;
 }
 
 // ---- warp reductions --------------------------------------------------------------------------
-// Sum over the lanes whose ids differ only in the bits of [kFirst, 32): xor butterflies, every lane
-// of the group ends with the group's sum.
-template <int kFirst>
-__device__ __forceinline__ float group_sum(float x) {
+// Sum over the warp: xor butterflies, every lane ends with the sum.
+__device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
-  for (int off = kFirst; off < 32; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
   return x;
 }
-// Sum over aligned groups of kLanes consecutive lanes.
-template <int kLanes>
-__device__ __forceinline__ float lane_group_sum(float x) {
-#pragma unroll
-  for (int off = kLanes / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-__device__ __forceinline__ float warp_sum(float x) { return lane_group_sum<32>(x); }
 
 // N sums over aligned groups of kLanes lanes at once (N and kLanes powers of two, 2 <= N <= kLanes <= 32),
 // each lane contributing x[0..N-1]: a butterfly that halves the values at every step (each lane keeps

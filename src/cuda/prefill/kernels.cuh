@@ -573,20 +573,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
       float vn[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) vn[nt][0] = vn[nt][1] = vn[nt][2] = vn[nt][3] = 0.0f;
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        if (kt <= warp) {
-          uint32_t a[4];
-          ldmatrix_x4(a, a_frag_ptr<LDT>(sm.ts, warp * 16, kt * 16, lane));
-#pragma unroll
-          for (int np = 0; np < NT / 2; ++np) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.vs, kt * 16, np * 16, lane));
-            mma<Op>(vn[2 * np], a, b[0], b[1]);
-            mma<Op>(vn[2 * np + 1], a, b[2], b[3]);
-          }
-        }
-      }
+      causal_rows_mma<Op, LDT, LDV>(vn, sm.ts, sm.vs, warp, lane);
       const float dd0 = i0 < L ? sm.rk[i0] * expf(g_last - sm.gc[i0]) : 0.0f;
       const float dd1 = i1 < L ? sm.rk[i1] * expf(g_last - sm.gc[i1]) : 0.0f;
 #pragma unroll
@@ -601,20 +588,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
     __syncthreads();
 
     // ---- o += M v_new, store the valid rows
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      if (kt <= warp) {
-        uint32_t mf[4];
-        ldmatrix_x4(mf, a_frag_ptr<LDT>(sm.ms, warp * 16, kt * 16, lane));
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, bk_frag_ptr<LDV>(sm.vn, kt * 16, np * 16, lane));
-          mma<Op>(o[2 * np], mf, b[0], b[1]);
-          mma<Op>(o[2 * np + 1], mf, b[2], b[3]);
-        }
-      }
-    }
+    causal_rows_mma<Op, LDT, LDV>(o, sm.ms, sm.vn, warp, lane);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int col = v0 + nt * 8 + q2;

@@ -101,4 +101,24 @@ __device__ __forceinline__ const T* bk_frag_ptr(const T* tile, int k0, int n0, i
   return tile + (k0 + (lane & 15)) * LD + n0 + (lane >> 4) * 8;
 }
 
+// acc (16 token rows of this warp x NT*8 columns) += A[warp rows][0:64] B[0:64][cols] for a chunk-causal
+// A (lower triangular in 16 x 16 tiles: k-tiles 0..warp only): A row-major [64][LDA] (T' or M), B
+// row-major [64][LDB] over the value columns (X or v_new).
+template <class Op, int LDA, int LDB, int NT, class T>
+__device__ __forceinline__ void causal_rows_mma(float (&acc)[NT][4], const T* a, const T* b, int warp, int lane) {
+#pragma unroll
+  for (int kt = 0; kt < 4; ++kt) {
+    if (kt > warp) continue;
+    uint32_t af[4];
+    ldmatrix_x4(af, a_frag_ptr<LDA>(a, warp * 16, kt * 16, lane));
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, bk_frag_ptr<LDB>(b, kt * 16, np * 16, lane));
+      mma<Op>(acc[2 * np], af, bf[0], bf[1]);
+      mma<Op>(acc[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -26,44 +26,6 @@
 
 namespace gdnkit::cuda::recurrent {
 
-// N contiguous elements, N * sizeof(T) in {4, 8, 16, 32} bytes, aligned to min(16, that) bytes: the pool
-// slots, q/k/v/o rows and their strides are 16-byte aligned (validated) and a run's offset is a multiple
-// of its size. dtype.cuh's vectors cover 8-byte multiples; the 4-byte case is bf16/fp16 at K = 64.
-template <class T, int N>
-__device__ __forceinline__ void load_run(const T* __restrict__ p, float* out) {
-  if constexpr (N * sizeof(T) % 8 == 0) {
-    load_vec<T, N>(p, *reinterpret_cast<float(*)[N]>(out));
-  } else {
-    static_assert(N * sizeof(T) == 4 || N == 1, "runs are 4 bytes, one element, or whole 8-byte words");
-    if constexpr (N == 1) {
-      out[0] = to_float(p[0]);
-    } else {
-      const uint32_t raw = *reinterpret_cast<const uint32_t*>(p);
-      const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int j = 0; j < N; ++j) out[j] = to_float(e[j]);
-    }
-  }
-}
-
-template <class T, int N>
-__device__ __forceinline__ void store_run(T* __restrict__ p, const float* in) {
-  if constexpr (N * sizeof(T) % 8 == 0) {
-    store_vec<T, N>(p, *reinterpret_cast<const float(*)[N]>(in));
-  } else {
-    static_assert(N * sizeof(T) == 4 || N == 1, "runs are 4 bytes, one element, or whole 8-byte words");
-    if constexpr (N == 1) {
-      p[0] = from_float<T>(in[0]);
-    } else {
-      uint32_t raw;
-      T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-      for (int j = 0; j < N; ++j) e[j] = from_float<T>(in[j]);
-      *reinterpret_cast<uint32_t*>(p) = raw;
-    }
-  }
-}
-
 template <StateLayout kLayout, class TS, int K, int V>
 struct WarpTile;
 
@@ -85,7 +47,7 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) load_run<TS, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
+      for (int j = 0; j < kKPer; j += kVec) load_vec<TS, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
   }
   // Any storage dtype E (pool or intermediate cache).
   template <class E>
@@ -93,13 +55,13 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) store_run<E, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
+      for (int j = 0; j < kKPer; j += kVec) store_vec<E, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
   }
   // This lane's k entries of a q or k row (runs of kVec contiguous elements).
   template <class TI>
   __device__ static void load_k_entries(const TI* row, float (&x)[kKPer], int lane) {
 #pragma unroll
-    for (int j = 0; j < kKPer; j += kVec) load_run<TI, kVec>(row + k_of(lane, j), &x[j]);
+    for (int j = 0; j < kKPer; j += kVec) load_vec<TI, kVec>(row + k_of(lane, j), &x[j]);
   }
 };
 
@@ -162,11 +124,7 @@ struct WarpTile<StateLayout::kVLast, TS, K, V> {
     for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
       float run[kChunk];
-#pragma unroll
-      for (int i = 0; i < kChunk; i += 4) {
-        const float4 f4 = *reinterpret_cast<const float4*>(&st.e[r][col + i]);
-        run[i] = f4.x, run[i + 1] = f4.y, run[i + 2] = f4.z, run[i + 3] = f4.w;
-      }
+      load_vec<float, kChunk>(&st.e[r][col], run);
       store_vec<E, kChunk>(cta + int64_t(r) * V + col, run);
     }
   }
