@@ -76,7 +76,8 @@ int device_sms() {
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 // 16-byte loads of 8 contiguous elements need the base and both strides in whole 16-byte units.
-bool vec_ok(const InView& v) {
+template <class View>
+bool vec_ok(const View& v) {
   const int64_t per = 16 / dtype_size(v.dtype);
   return aligned(v.data, 16) && v.token_stride % per == 0 && v.head_stride % per == 0;
 }
@@ -95,12 +96,23 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_gc = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
 }
 
-bool vtile_supported(int K, int vtile) { return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128); }
+bool vtile_supported(int K, int vtile) {
+  return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128) || (vtile == kVTileHead && K <= 128);
+}
 
-// The state pass is sequential over chunks: its parallelism is N * HV * (V / VT) CTAs. Take the
-// widest tile (least recomputation of the per-chunk q k^T and fewest q/k reloads) that still gives
-// about two CTAs per SM; otherwise the narrowest.
+bool head_pass_ok(const PrefillParams& p) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  const DType dt = p.q.dtype;
+  return K <= 128 && (V == 64 || V == 128) && (dt == DType::kBFloat16 || dt == DType::kFloat16) &&
+         p.k.dtype == dt && p.v.dtype == dt && p.o.dtype == dt && vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v) &&
+         vec_ok(p.o);
+}
+
+// The head state pass when it can run. Otherwise the tiled state pass, whose parallelism is
+// N * HV * (V / VT) CTAs: the widest tile (least recomputation of the per-chunk q k^T and fewest q/k
+// reloads) that still gives about two CTAs per SM, else the narrowest.
 int choose_vtile(const PrefillParams& p, int num_sms) {
+  if (head_pass_ok(p)) return kVTileHead;
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   const int64_t rows = int64_t(p.num_seqs) * p.heads.num_v_heads;
   for (int vt : {64, 32, 16})
@@ -139,7 +151,7 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
   if (need == 0) plan.num_slots = 0;
 
   if (vtile == 0) vtile = choose_vtile(p, plan.num_sms);
-  if (!vtile_supported(K, vtile) || vtile > p.heads.head_dim_v)
+  if (!vtile_supported(K, vtile) || vtile > p.heads.head_dim_v || (vtile == kVTileHead && !head_pass_ok(p)))
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(p.heads.head_dim_v));

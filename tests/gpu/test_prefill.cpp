@@ -208,13 +208,22 @@ std::vector<Case> shape_cases() {
   // (the second group starts at an odd head).
   add(base({100, 30}, 2, 2), "gva1");
   add(base({100, 30}, 2, 6), "gva3");
-  // Every value tile the state pass is built with.
+  // Every value tile the state pass is built with, and the head state pass (bf16 and fp16 inputs,
+  // V = 64 and 128, both layouts).
   for (int K : {64, 128, 256})
     for (int vt : {16, 32, 64}) {
       if (!cuda::chunked_prefill::vtile_supported(K, vt)) continue;
       ProblemConfig c = base({150, 64, 7}, 1, 2, K, 128);
       add(c, "vt" + std::to_string(vt), vt);
     }
+  for (int K : {64, 128})
+    for (int V : {64, 128})
+      for (DType in : {DType::kBFloat16, DType::kFloat16}) {
+        ProblemConfig c = base({150, 64, 7, 0, 200}, 1, 2, K, V);
+        c.in_dtype = in;
+        c.layout = V == 64 ? StateLayout::kVLast : StateLayout::kKLast;
+        add(c, "head", cuda::chunked_prefill::kVTileHead);
+      }
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
   // sequence needs.
   for (int C : {64, 128})
@@ -256,6 +265,9 @@ std::vector<Case> sanitize_cases() {
   ProblemConfig c = base({70, 3}, 1, 2, 128, 128);
   c.seed = 3000 + i++;
   out.push_back({case_name(c), c, 32});
+  c.seed = 3000 + i++;
+  c.checkpoint_interval = 64;
+  out.push_back({case_name(c, "head"), c, cuda::chunked_prefill::kVTileHead});
   return out;
 }
 
@@ -411,26 +423,35 @@ TEST(PrefillPlan, ChunkSlotsDistinctAndBounded) {
   }
 }
 
-// The value tile: widest tile that still gives ~2 CTAs per SM; 64 is not built for K = 256.
+// The state pass: the head pass where it can run, else the widest tile that still gives ~2 CTAs per
+// SM (64 is not built for K = 256).
 TEST(PrefillPlan, ValueTileHeuristic) {
-  auto tile = [](int N, int HV, int K, int V) {
+  auto tile = [](int N, int HV, int K, int V, DType dt) {
     PrefillParams p;
+    p.q.dtype = p.k.dtype = p.v.dtype = p.o.dtype = dt;
     p.num_seqs = N;
     p.heads.num_qk_heads = 1, p.heads.num_v_heads = HV, p.heads.head_dim_k = K, p.heads.head_dim_v = V;
     return cuda::chunked_prefill::choose_vtile(p, 132);
   };
-  EXPECT_EQ(tile(8, 32, 128, 128), 64);     // 8x8192: 512 CTAs at VT=64 (fastest measured)
-  EXPECT_EQ(tile(1024, 32, 128, 128), 64);  // 1024x8
-  EXPECT_EQ(tile(1, 32, 128, 128), 16);     // 1x32768, 1x8192: 256 CTAs at VT=16 (fastest measured)
-  EXPECT_EQ(tile(4, 32, 128, 128), 32);
-  EXPECT_EQ(tile(64, 8, 256, 256), 32);  // K = 256 has no 64 tile
-  EXPECT_EQ(tile(1, 2, 64, 64), 16);
-  for (int K : {64, 128, 256})
-    for (int V : {64, 128, 256})
-      for (int N : {1, 3, 100, 5000}) {
-        const int vt = tile(N, 8, K, V);
-        EXPECT_TRUE(cuda::chunked_prefill::vtile_supported(K, vt) && vt <= V) << K << " " << V << " " << N;
-      }
+  constexpr int kHead = cuda::chunked_prefill::kVTileHead;
+  // 16-bit inputs (the default view dtype), K <= 128, V in {64, 128}: the head state pass.
+  EXPECT_EQ(tile(8, 32, 128, 128, DType::kBFloat16), kHead);
+  EXPECT_EQ(tile(1, 32, 128, 128, DType::kFloat16), kHead);
+  EXPECT_EQ(tile(1, 2, 64, 64, DType::kBFloat16), kHead);
+  // fp32 inputs (converted on load) and K or V = 256: the tiled state pass.
+  EXPECT_EQ(tile(8, 32, 128, 128, DType::kFloat32), 64);     // 8x8192: 512 CTAs at VT=64 (fastest measured)
+  EXPECT_EQ(tile(1024, 32, 128, 128, DType::kFloat32), 64);  // 1024x8
+  EXPECT_EQ(tile(1, 32, 128, 128, DType::kFloat32), 16);     // 1x32768, 1x8192: 256 CTAs at VT=16
+  EXPECT_EQ(tile(4, 32, 128, 128, DType::kFloat32), 32);
+  EXPECT_EQ(tile(64, 8, 256, 256, DType::kBFloat16), 32);  // K = 256 has no 64 tile
+  EXPECT_EQ(tile(1, 2, 64, 256, DType::kBFloat16), 16);
+  for (DType dt : {DType::kBFloat16, DType::kFloat32})
+    for (int K : {64, 128, 256})
+      for (int V : {64, 128, 256})
+        for (int N : {1, 3, 100, 5000}) {
+          const int vt = tile(N, 8, K, V, dt);
+          EXPECT_TRUE(cuda::chunked_prefill::vtile_supported(K, vt) && vt <= V) << K << " " << V << " " << N;
+        }
 }
 
 }  // namespace

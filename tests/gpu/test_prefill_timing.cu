@@ -142,9 +142,10 @@ TEST(PrefillTiming, TargetSets) {
     };
     const double prep = time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, 16, /*stages=*/1); });
     const double flop = 4.0 * double(T) * HV * K * V;
-    for (int vt : {0, 16, 32, 64}) {
+    for (int vt : {0, cuda::chunked_prefill::kVTileHead, 16, 32, 64}) {
       const double t = time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, vt); });
-      std::printf("%-9s %-7s %10.3f %10.3f %10.1f  %s\n", s.name, vt == 0 ? "auto" : std::to_string(vt).c_str(), t,
+      const std::string name = vt == 0 ? "auto" : vt == cuda::chunked_prefill::kVTileHead ? "head" : std::to_string(vt);
+      std::printf("%-9s %-7s %10.3f %10.3f %10.1f  %s\n", s.name, name.c_str(), t,
                   prep, flop / (t * 1e-3) / 1e12,
                   s.target_ms > 0 ? ("target " + std::to_string(s.target_ms)).c_str() : "");
     }

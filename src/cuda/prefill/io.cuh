@@ -152,6 +152,54 @@ __device__ __forceinline__ void store_pair(void* base, DType dt, int64_t i, floa
   }
 }
 
+// 16-byte asynchronous copy global -> shared (cp.async, L2 only); !valid writes 16 zero bytes and reads
+// nothing (src must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// One sequence of the batch as the state passes see it: its tokens and its pool / checkpoint slots.
+struct SeqSlots {
+  int64_t start = 0, len = 0;
+  int islot = -1, fslot = -1, cslot = -1;
+};
+
+// Reads sequence n's bounds and slots. A bad sequence (cu_seqlens out of order or past total_tokens),
+// or one with an initial, final or checkpoint slot past its buffer, is skipped as the CPU reference
+// does: counted once in error_flag (by the CTA with `counter`), and for a bad slot its o columns
+// [v0, v0 + vt) of head h are zeroed by this CTA's kThreadsPerCta threads. Returns false when skipped.
+template <int kThreadsPerCta>
+__device__ __forceinline__ bool begin_sequence(const PrefillParams& p, const Plan& plan, int n, int h, int v0, int vt,
+                                               bool counter, SeqSlots& s) {
+  const int tid = threadIdx.x;
+  counter = counter && tid == 0 && p.error_flag != nullptr;
+  const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
+  if (start < 0 || end < start || end > p.total_tokens) {
+    if (counter) atomicAdd(p.error_flag, 1);
+    return false;
+  }
+  s.start = start;
+  s.len = end - start;
+  s.islot = p.initial_indices ? p.initial_indices[n] : -1;
+  s.fslot = p.final_indices ? p.final_indices[n] : -1;
+  s.cslot = (p.checkpoint_interval > 0 && p.checkpoint_indices) ? p.checkpoint_indices[n] : -1;
+  const int64_t P = p.state.num_slots;
+  if (s.islot >= P || s.fslot >= P || s.cslot >= p.checkpoints.num_slots) {
+    if (counter) atomicAdd(p.error_flag, 1);
+    for (int64_t it = tid; it < s.len * (vt / 2); it += kThreadsPerCta) {
+      const int64_t t = start + it / (vt / 2);
+      const int col = v0 + int(it % (vt / 2)) * 2;
+      store_pair(p.o.data, p.o.dtype, t * p.o.token_stride + h * p.o.head_stride + col, 0.0f, 0.0f, plan.o_pair);
+    }
+    return false;
+  }
+  return true;
+}
+
 // Element offset of S[k][v] of head h inside a state slot (pool or checkpoint entry).
 __device__ __forceinline__ int64_t state_offset(StateLayout layout, int h, int k, int v, int K, int V) {
   return int64_t(h) * K * V + (layout == StateLayout::kVLast ? int64_t(k) * V + v : int64_t(v) * K + k);

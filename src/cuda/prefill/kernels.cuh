@@ -31,6 +31,7 @@
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
+#include "cuda/prefill/state_pass_head.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::chunked_prefill {
@@ -376,34 +377,18 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
-  const int n = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * VT;
+  // Flat grid, value tile fastest, then head: the CTAs that share a chunk's q/k rows (the value tiles
+  // of one head, the heads of one GVA group) run together and find them in L2.
+  const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v, tiles = V / VT;
+  const int vt = int(blockIdx.x % unsigned(tiles)), h = int(blockIdx.x / unsigned(tiles) % unsigned(HV));
+  const int n = int(blockIdx.x / unsigned(tiles * HV)), v0 = vt * VT;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int r = lane >> 2, q2 = (lane & 3) * 2;
-  const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v;
   const int hk = h / (HV / p.heads.num_qk_heads);
-  const bool counter = blockIdx.y == 0 && blockIdx.z == 0 && tid == 0 && p.error_flag != nullptr;
-
-  const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
-  if (start < 0 || end < start || end > p.total_tokens) {  // bad sequence: skipped, counted
-    if (counter) atomicAdd(p.error_flag, 1);
-    return;
-  }
-  const int64_t len = end - start;
-  const int64_t P = p.state.num_slots;
-  const int islot = p.initial_indices ? p.initial_indices[n] : -1;
-  const int fslot = p.final_indices ? p.final_indices[n] : -1;
-  const int cslot = (p.checkpoint_interval > 0 && p.checkpoint_indices) ? p.checkpoint_indices[n] : -1;
-  // A slot past its buffer (initial, final or checkpoint): the whole sequence is skipped (o = 0, no
-  // state stored) and counted once, as the CPU reference does.
-  if (islot >= P || fslot >= P || cslot >= p.checkpoints.num_slots) {
-    if (counter) atomicAdd(p.error_flag, 1);
-    for (int64_t it = tid; it < len * (VT / 2); it += kThreads) {
-      const int64_t t = start + it / (VT / 2);
-      const int col = v0 + int(it % (VT / 2)) * 2;
-      store_pair(p.o.data, p.o.dtype, t * p.o.token_stride + h * p.o.head_stride + col, 0.0f, 0.0f, plan.o_pair);
-    }
-    return;
-  }
+  SeqSlots sq;
+  if (!begin_sequence<kThreads>(p, plan, n, h, v0, VT, h == 0 && vt == 0, sq)) return;
+  const int64_t start = sq.start, len = sq.len;
+  const int islot = sq.islot, fslot = sq.fslot, cslot = sq.cslot;
 
   // S tile in registers: element (k, v) of fragment [mt][nt][e] is
   //   k = warp*K/4 + mt*16 + r + (e/2)*8,  v = v0 + nt*8 + q2 + (e%2).
@@ -652,7 +637,7 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
   static const cudaError_t attr =
       cudaFuncSetAttribute(state_pass_kernel<K, VT, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
-  const dim3 grid(unsigned(p.num_seqs), unsigned(p.heads.num_v_heads), unsigned(p.heads.head_dim_v / VT));
+  const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * unsigned(p.heads.head_dim_v / VT);
   state_pass_kernel<K, VT, Op><<<grid, kThreads, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
@@ -669,6 +654,15 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
     GDNKIT_CUDA_CHECK_LAUNCH();
   }
   if (!(stages & kStageStatePass)) return;
+  if constexpr (K <= 128) {
+    if (vtile == kVTileHead) {
+      if (p.heads.head_dim_v == 64)
+        launch_state_pass_head<K, 64, Op>(p, plan, stream);
+      else
+        launch_state_pass_head<K, 128, Op>(p, plan, stream);
+      return;
+    }
+  }
   switch (vtile) {
     case 16:
       launch_state_pass<K, 16, Op>(p, plan, stream);

@@ -37,8 +37,15 @@ struct Plan {
 size_t workspace_bytes(const PrefillParams& p);
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
 
-// Value-tile widths the state pass is built for, per head dim K.
+// The value "tile" of the head state pass (state_pass_head_kernel): one CTA per (sequence, value
+// head) over all V columns. The positive tiles (16, 32, 64) run state_pass_kernel.
+constexpr int kVTileHead = -1;
+
+// Value tiles the state pass is built for, per head dim K (kVTileHead also needs head_pass_ok).
 bool vtile_supported(int K, int vtile);
+// Whether the head state pass can run this call: K <= 128, V in {64, 128}, q/k/v/o 16-bit of one
+// dtype with 16-byte aligned rows (they are copied to shared memory as they are).
+bool head_pass_ok(const PrefillParams& p);
 // Kernels of one call: bit 0 the chunk prep, bit 1 the state pass (both: the op; one alone: timing).
 constexpr int kStagePrep = 1, kStageStatePass = 2, kStagesAll = 3;
 // Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).

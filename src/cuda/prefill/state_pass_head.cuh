@@ -1,0 +1,299 @@
+// Kernel 2, head variant: the state pass of one (sequence, value head) per CTA, V/16 warps, each warp
+// owning 16 value columns of S for the whole K dimension. Same math as state_pass_kernel
+// (kernels.cuh), laid out so that every per-chunk product stays in the warp's registers:
+//
+//   the warp keeps S^T (16 value rows x K) as mma accumulators. Each product of the chunk has a
+//   16-row A operand that is an accumulator of the previous one (packed to Op, no shared memory):
+//     P^T, Q^T = S^T k^T, S^T q^T          A = S^T          B = k, q rows   (16 x 64 x K)
+//     X^T      = v^T - P^T D rk            (v^T via ldmatrix.trans)
+//     v_new^T  = X^T T'^T                  A = X^T          B = T' rows     (causal)
+//     o^T      = Q^T D rq + v_new^T M^T    A = v_new^T      B = M rows      (causal)
+//     S^T      = e^{g_last} S^T + vd^T k   A = vd^T         B = k rows, .trans
+//   so the warps never wait for each other inside a chunk: the CTA meets once per chunk, when the
+//   next chunk's inputs (q, k, v rows, T', M, scalars) have landed. They arrive by cp.async into a
+//   double-buffered stage while the current chunk computes.
+//
+// Used when q, k, v, o are 16-bit in the operand dtype (bf16, or fp16) with 16-byte aligned rows, K
+// <= 128 and V in {64, 128} (K = 128: 64 accumulator registers of S per thread). The q/k rows are
+// loaded once per chunk for all V columns (state_pass_kernel loads them once per value tile).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/prefill/io.cuh"
+#include "cuda/prefill/mma.cuh"
+#include "cuda/prefill/plan.h"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::chunked_prefill {
+
+// One chunk's inputs in shared memory (two of them: the current chunk and the next).
+template <int K, int V, class Op>
+struct HeadStage {
+  static constexpr int LDK = K + 8, LDV = V + 8, LDT = kChunk + 8;  // +16 bytes: conflict-free ldmatrix
+  Op ks[kChunk * LDK];   // k rows (raw)
+  Op qs[kChunk * LDK];   // q rows (raw)
+  Op vs[kChunk * LDV];   // v rows; a warp's 16 columns then stage its o rows
+  Op ts[kChunk * LDT];   // T'
+  Op ms[kChunk * LDT];   // M
+  float sc[3 * kChunk];  // gcum, 1/||k||, scale/||q|| (the workspace's per-chunk scalars, same order)
+};
+
+template <int K, int V, class Op>
+constexpr size_t head_smem_bytes() {
+  return 2 * sizeof(HeadStage<K, V, Op>);
+}
+
+template <int K, int V, class Op>
+__global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const PrefillParams p, const Plan plan) {
+  constexpr int kWarps = V / 16, kThr = kWarps * 32;
+  constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
+  using Stage = HeadStage<K, V, Op>;
+  constexpr int LDK = Stage::LDK, LDV = Stage::LDV, LDT = Stage::LDT;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Stage* stage = reinterpret_cast<Stage*>(smem_raw);
+
+  // Flat grid, head fastest: the value heads of a GVA group (same q/k rows) run together.
+  const int HV = p.heads.num_v_heads;
+  const int h = int(blockIdx.x % unsigned(HV)), n = int(blockIdx.x / unsigned(HV));
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int r = lane >> 2, q2 = (lane & 3) * 2;
+  const int hk = h / (HV / p.heads.num_qk_heads);
+  const int vw = warp * 16;  // this warp's value columns vw .. vw + 15
+
+  SeqSlots sq;
+  if (!begin_sequence<kThr>(p, plan, n, h, 0, V, h == 0, sq)) return;
+  const int64_t start = sq.start, len = sq.len;
+
+  // S^T in registers: s[j][e] = S[k][v] with k = 8j + q2 + (e & 1), v = vw + r + 8 (e >> 1).
+  float s[KT][4];
+  auto s_offset = [&](int j, int e) {
+    return state_offset(p.state.layout, h, 8 * j + q2 + (e & 1), vw + r + 8 * (e >> 1), K, V);
+  };
+  {
+    const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
+#pragma unroll
+    for (int j = 0; j < KT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[j][e] = sq.islot >= 0 ? load_state_elem(p.state.data, p.state.dtype, base + s_offset(j, e)) : 0.0f;
+  }
+  auto store_s = [&](void* base, DType dt, int64_t offset) {
+#pragma unroll
+    for (int j = 0; j < KT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) store_state_elem(base, dt, offset + s_offset(j, e), s[j][e]);
+  };
+
+  const int64_t nchunks = (len + kChunk - 1) / kChunk;
+  const int64_t slot0 = start / kChunk + n;
+  const int64_t C = p.checkpoint_interval;
+
+  // Chunk c's inputs into stage b: 16-byte cp.async pieces, rows past the sequence zero-filled.
+  const Op* kg = static_cast<const Op*>(p.k.data);
+  const Op* qg = static_cast<const Op*>(p.q.data);
+  const Op* vg = static_cast<const Op*>(p.v.data);
+  auto issue = [&](int64_t c, Stage& b) {
+    const int64_t t0 = start + c * kChunk;
+    const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    constexpr int KP = K / 8, VP = V / 8;  // 16-byte pieces per row
+#pragma unroll
+    for (int u = 0; u < kChunk * KP / kThr; ++u) {
+      const int it = tid + u * kThr, row = it / KP, cv = it % KP;
+      const int64_t t = row < L ? t0 + row : 0;  // a valid address for the zero fill
+      cp_async16(&b.ks[row * LDK + cv * 8], kg + t * p.k.token_stride + hk * p.k.head_stride + cv * 8, row < L);
+      cp_async16(&b.qs[row * LDK + cv * 8], qg + t * p.q.token_stride + hk * p.q.head_stride + cv * 8, row < L);
+    }
+#pragma unroll
+    for (int u = 0; u < kChunk * VP / kThr; ++u) {
+      const int it = tid + u * kThr, row = it / VP, cv = it % VP;
+      const int64_t t = row < L ? t0 + row : 0;
+      cp_async16(&b.vs[row * LDV + cv * 8], vg + t * p.v.token_stride + h * p.v.head_stride + cv * 8, row < L);
+    }
+    const int64_t ws = (slot0 + c) * HV + h;
+    const Op* tsrc = static_cast<const Op*>(plan.ws_t) + ws * (kChunk * kChunk);
+    const Op* msrc = static_cast<const Op*>(plan.ws_m) + ws * (kChunk * kChunk);
+#pragma unroll
+    for (int u = 0; u < kChunk * kChunk / 8 / kThr; ++u) {
+      const int it = tid + u * kThr, row = it >> 3, cv = it & 7;
+      cp_async16(&b.ts[row * LDT + cv * 8], tsrc + it * 8, true);
+      cp_async16(&b.ms[row * LDT + cv * 8], msrc + it * 8, true);
+    }
+    if (tid < 3 * kChunk / 4) cp_async16(&b.sc[tid * 4], plan.ws_gc + ws * (3 * kChunk) + tid * 4, true);
+    cp_async_commit();
+  };
+
+  if (nchunks > 0) issue(0, stage[0]);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    Stage& b = stage[c & 1];
+    cp_async_wait_all();
+    __syncthreads();  // chunk c's inputs are visible; every warp is done with chunk c - 1's stage
+    if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
+    const int64_t t0 = start + c * kChunk;
+    const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    const float* gc = b.sc;
+    const float* rk = b.sc + kChunk;
+    const float* rq = b.sc + 2 * kChunk;
+    // C fragments below are 16 value rows x 64 token columns: element [nt][e] is value vw + r + 8 (e >> 1),
+    // token 8 nt + q2 + (e & 1). Token tiles past the chunk's length are skipped (zero rows).
+
+    // ---- P^T = S^T k^T and Q^T = S^T q^T
+    float pk[8][4], qo[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      const uint32_t a[4] = {pack2<Op>(s[2 * kk][0], s[2 * kk][1]), pack2<Op>(s[2 * kk][2], s[2 * kk][3]),
+                             pack2<Op>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             pack2<Op>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (np * 16 >= L) continue;
+        uint32_t bk[4], bq[4];
+        ldmatrix_x4(bk, bn_frag_ptr<LDK>(b.ks, np * 16, kk * 16, lane));
+        ldmatrix_x4(bq, bn_frag_ptr<LDK>(b.qs, np * 16, kk * 16, lane));
+        mma<Op>(pk[2 * np], a, bk[0], bk[1]);
+        mma<Op>(pk[2 * np + 1], a, bk[2], bk[3]);
+        mma<Op>(qo[2 * np], a, bq[0], bq[1]);
+        mma<Op>(qo[2 * np + 1], a, bq[2], bq[3]);
+      }
+    }
+
+    // ---- X^T = v^T - P^T diag(e^gcum rk), packed as the A operand of the next product (k-step = 16 tokens)
+    uint32_t xa[4][4];
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t vv[4];  // v^T of token tiles 2np, 2np+1 (value rows r, r + 8)
+      const int m = lane >> 3;
+      ldmatrix_x4_trans(vv, &b.vs[(np * 16 + (m >> 1) * 8 + (lane & 7)) * LDV + vw + (m & 1) * 8]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int nt = 2 * np + half, tk = nt * 8 + q2;
+        const float e0 = __expf(gc[tk]) * rk[tk], e1 = __expf(gc[tk + 1]) * rk[tk + 1];
+        const float2 va = unpack2<Op>(vv[2 * half]), vb = unpack2<Op>(vv[2 * half + 1]);
+        xa[np][2 * half] = pack2<Op>(va.x - e0 * pk[nt][0], va.y - e1 * pk[nt][1]);
+        xa[np][2 * half + 1] = pack2<Op>(vb.x - e0 * pk[nt][2], vb.y - e1 * pk[nt][3]);
+      }
+    }
+
+    // ---- v_new^T = X^T T'^T   (T' lower triangular: token tile pair np needs k-steps 0..np)
+    float vn[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) vn[nt][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int np = ks; np < 4; ++np) {
+        if (np * 16 >= L) continue;
+        uint32_t bt[4];
+        ldmatrix_x4(bt, bn_frag_ptr<LDT>(b.ts, np * 16, ks * 16, lane));
+        mma<Op>(vn[2 * np], xa[ks], bt[0], bt[1]);
+        mma<Op>(vn[2 * np + 1], xa[ks], bt[2], bt[3]);
+      }
+
+    // ---- A operands: v_new (for o) and vd = v_new rk e^{g_last - gcum}, 0 past the chunk (for S)
+    const float g_last = gc[kChunk - 1];
+    uint32_t na[4][4], da[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int nt = 2 * ks + half, tk = nt * 8 + q2;
+        const float d0 = tk < L ? rk[tk] * __expf(g_last - gc[tk]) : 0.0f;
+        const float d1 = tk + 1 < L ? rk[tk + 1] * __expf(g_last - gc[tk + 1]) : 0.0f;
+        na[ks][2 * half] = pack2<Op>(vn[nt][0], vn[nt][1]);
+        na[ks][2 * half + 1] = pack2<Op>(vn[nt][2], vn[nt][3]);
+        da[ks][2 * half] = pack2<Op>(vn[nt][0] * d0, vn[nt][1] * d1);
+        da[ks][2 * half + 1] = pack2<Op>(vn[nt][2] * d0, vn[nt][3] * d1);
+      }
+
+    // ---- o^T = Q^T diag(e^gcum rq) + v_new^T M^T   (M lower triangular)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int tk = nt * 8 + q2;
+      const float f0 = __expf(gc[tk]) * rq[tk], f1 = __expf(gc[tk + 1]) * rq[tk + 1];
+      qo[nt][0] *= f0;
+      qo[nt][1] *= f1;
+      qo[nt][2] *= f0;
+      qo[nt][3] *= f1;
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int np = ks; np < 4; ++np) {
+        if (np * 16 >= L) continue;
+        uint32_t bm[4];
+        ldmatrix_x4(bm, bn_frag_ptr<LDT>(b.ms, np * 16, ks * 16, lane));
+        mma<Op>(qo[2 * np], na[ks], bm[0], bm[1]);
+        mma<Op>(qo[2 * np + 1], na[ks], bm[2], bm[3]);
+      }
+
+    // ---- o: staged in this warp's v columns (read above), then stored as 32-byte row pieces
+    __syncwarp();
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        b.vs[(nt * 8 + q2 + (e & 1)) * LDV + vw + r + 8 * (e >> 1)] = to_op<Op>(qo[nt][e]);
+    __syncwarp();
+    {
+      Op* og = static_cast<Op*>(p.o.data);
+#pragma unroll
+      for (int u = 0; u < 2 * kChunk / 32; ++u) {
+        const int it = lane + 32 * u, row = it >> 1, half = it & 1;
+        if (row < L)
+          *reinterpret_cast<uint4*>(og + (t0 + row) * p.o.token_stride + h * p.o.head_stride + vw + half * 8) =
+              *reinterpret_cast<const uint4*>(&b.vs[row * LDV + vw + half * 8]);
+      }
+    }
+
+    // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)
+    const float eg = __expf(g_last);
+#pragma unroll
+    for (int j = 0; j < KT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= eg;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (ks * 16 >= L) continue;
+#pragma unroll
+      for (int np = 0; np < K / 16; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, bk_frag_ptr<LDK>(b.ks, ks * 16, np * 16, lane));
+        mma<Op>(s[2 * np], da[ks], bk[0], bk[1]);
+        mma<Op>(s[2 * np + 1], da[ks], bk[2], bk[3]);
+      }
+    }
+
+    // ---- checkpoint: entry j holds the state after token (j+1)*C, for j < min(steps, len / C)
+    if (sq.cslot >= 0) {
+      const int64_t done = (c + 1) * kChunk;
+      if (done % C == 0 && done <= len && done / C - 1 < p.checkpoints.num_steps) {
+        const int64_t j = done / C - 1;
+        store_s(p.checkpoints.data, p.checkpoints.dtype,
+                int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * K * V));
+      }
+    }
+  }
+
+  if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride);
+}
+
+template <int K, int V, class Op>
+void launch_state_pass_head(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
+  constexpr size_t smem = head_smem_bytes<K, V, Op>();
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(state_pass_head_kernel<K, V, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  GDNKIT_CUDA_CHECK(attr);
+  const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads);
+  state_pass_head_kernel<K, V, Op><<<grid, V / 16 * 32, smem, stream>>>(p, plan);
+  GDNKIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace gdnkit::cuda::chunked_prefill
