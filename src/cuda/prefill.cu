@@ -22,8 +22,8 @@ size_t round_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 size_t t_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * kChunk * 2);
 }
-size_t gc_bytes(const PrefillParams& p) {
-  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * 3 * kChunk * 4);  // gcum, norms
+size_t f_bytes(const PrefillParams& p) {
+  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRows * kChunk * 4);
 }
 
 // The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
@@ -86,14 +86,14 @@ bool vec_ok(const View& v) {
 
 size_t workspace_bytes(const PrefillParams& p) {
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return 2 * t_bytes(p) + gc_bytes(p);  // T', M, gcum + norms
+  return 2 * t_bytes(p) + f_bytes(p);  // T', M, token factors
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.num_slots = num_chunk_slots(p);
   plan.ws_t = base;
   plan.ws_m = static_cast<char*>(base) + t_bytes(p);
-  plan.ws_gc = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
+  plan.ws_f = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
 }
 
 bool vtile_supported(int K, int vtile) {

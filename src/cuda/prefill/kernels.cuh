@@ -327,9 +327,12 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
     }
     if (tid < kChunk) {
       // The state pass reuses gcum and the norms (rq includes the scale), per value head.
-      plan.ws_gc[ws * (3 * kChunk) + tid] = gc[tid];
-      plan.ws_gc[ws * (3 * kChunk) + kChunk + tid] = s_rk[tid];
-      plan.ws_gc[ws * (3 * kChunk) + 2 * kChunk + tid] = s_rq[tid];
+      float* f = plan.ws_f + ws * (kFactorRows * kChunk);
+      const float d = expf(gc[tid]), g_last = gc[kChunk - 1];
+      f[kEk * kChunk + tid] = d * s_rk[tid];
+      f[kEq * kChunk + tid] = d * s_rq[tid];
+      f[kDd * kChunk + tid] = tid < L ? s_rk[tid] * expf(g_last - gc[tid]) : 0.0f;
+      f[kEg * kChunk + tid] = expf(g_last);
     }
     if (warp == 0 && h + 1 < h1) store_gates(p, gates, L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
     __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it
@@ -350,7 +353,7 @@ struct StateSmem {
   Op vs[kChunk * LDV];  // v, then X in place
   Op vn[kChunk * LDV];  // v_new
   Op vd[kChunk * LDV];  // v_new_j rk_j exp(g_last - gcum_j): the state-update operand
-  float gc[kChunk], rk[kChunk], rq[kChunk];
+  float ek[kChunk], eq[kChunk], dd[kChunk], eg;  // token factors (FactorRow)
 };
 
 // One thread's share of a chunk's inputs (uint4 = 8 operands): q and k rows, the v tile, T', M,
@@ -361,7 +364,7 @@ struct ChunkRegs {
   static constexpr int kV = kChunk * VT / 8 / kThreads;      // v tile
   static constexpr int kT = kChunk * kChunk / 8 / kThreads;  // T' (and M)
   uint4 k[kRow], q[kRow], v[kV], t[kT], m[kT];
-  float gc = 0.0f, rk = 0.0f, rq = 0.0f;
+  float ek = 0.0f, eq = 0.0f, dd = 0.0f, eg = 0.0f;  // token factors (FactorRow)
 };
 
 // kPrefetch: the loads of chunk c+1 are issued right after chunk c reached shared memory, so their
@@ -455,9 +458,11 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
       f.m[u] = __ldg(msrc + tid + u * kThreads);
     }
     if (tid < kChunk) {
-      f.gc = plan.ws_gc[ws * (3 * kChunk) + tid];
-      f.rk = plan.ws_gc[ws * (3 * kChunk) + kChunk + tid];
-      f.rq = plan.ws_gc[ws * (3 * kChunk) + 2 * kChunk + tid];
+      const float* src = plan.ws_f + ws * (kFactorRows * kChunk);
+      f.ek = src[kEk * kChunk + tid];
+      f.eq = src[kEq * kChunk + tid];
+      f.dd = src[kDd * kChunk + tid];
+      f.eg = src[kEg * kChunk + tid];
     }
 #pragma unroll
     for (int u = 0; u < Regs::kRow; ++u) {
@@ -481,9 +486,10 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
       *reinterpret_cast<uint4*>(&sm.ms[(it >> 3) * LDT + (it & 7) * 8]) = f.m[u];
     }
     if (tid < kChunk) {
-      sm.gc[tid] = f.gc;
-      sm.rk[tid] = f.rk;
-      sm.rq[tid] = f.rq;
+      sm.ek[tid] = f.ek;
+      sm.eq[tid] = f.eq;
+      sm.dd[tid] = f.dd;
+      if (tid == 0) sm.eg = f.eg;
     }
 #pragma unroll
     for (int u = 0; u < Regs::kRow; ++u) {
@@ -533,9 +539,8 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
           mma<Op>(o[2 * np + 1], aq, b[2], b[3]);
         }
       }
-      const float d0 = expf(sm.gc[i0]), d1 = expf(sm.gc[i1]);
-      const float ek0 = d0 * sm.rk[i0], ek1 = d1 * sm.rk[i1];
-      const float eq0 = d0 * sm.rq[i0], eq1 = d1 * sm.rq[i1];
+      const float ek0 = sm.ek[i0], ek1 = sm.ek[i1];
+      const float eq0 = sm.eq[i0], eq1 = sm.eq[i1];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int col = nt * 8 + q2;
@@ -553,14 +558,12 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
     __syncthreads();
 
     // ---- v_new = T' X (T' lower triangular: k-tiles 0..warp); also the decayed copy for the update
-    const float g_last = sm.gc[kChunk - 1];
     {
       float vn[NT][4];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) vn[nt][0] = vn[nt][1] = vn[nt][2] = vn[nt][3] = 0.0f;
       causal_rows_mma<Op, LDT, LDV>(vn, sm.ts, sm.vs, warp, lane);
-      const float dd0 = i0 < L ? sm.rk[i0] * expf(g_last - sm.gc[i0]) : 0.0f;
-      const float dd1 = i1 < L ? sm.rk[i1] * expf(g_last - sm.gc[i1]) : 0.0f;
+      const float dd0 = sm.dd[i0], dd1 = sm.dd[i1];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int col = nt * 8 + q2;
@@ -586,7 +589,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
     }
 
     // ---- S = exp(g_last) S + k^T vd   (A = k^T via transposed ldmatrix of the raw k rows)
-    const float eg = expf(g_last);
+    const float eg = sm.eg;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

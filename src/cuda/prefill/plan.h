@@ -20,12 +20,17 @@ constexpr int kThreads = 128;  // 4 warps per CTA in both kernels
 // host sizes it without reading cu_seqlens, and kernel 1 maps slot -> (n, c) by a binary search.
 inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens / kChunk + p.num_seqs + 1; }
 
+// Per chunk and value head, the state passes scale rows of their products by these per-token factors,
+// precomputed by the chunk prep (with gcum the within-chunk cumulative log decay, flat past the chunk's
+// end, g_last = gcum[63], rk = 1/||k||, rq = scale/||q||; without the L2 norm rk = 1, rq = scale):
+//   kEk: e^gcum rk     kEq: e^gcum rq     kDd: rk e^(g_last - gcum), 0 past the chunk     kEg: e^g_last
+enum FactorRow { kEk = 0, kEq = 1, kDd = 2, kEg = 3, kFactorRows = 4 };
+
 struct Plan {
   int64_t num_slots = 0;
   void* ws_t = nullptr;        // [num_slots, HV, 64, 64] operand dtype: T' = (I + A)^{-1} diag(beta) per chunk and head
   void* ws_m = nullptr;        // [num_slots, HV, 64, 64] operand dtype: M, the masked decayed q k^T
-  float* ws_gc = nullptr;      // [num_slots, HV, 3, 64] fp32: within-chunk cumulative log decay (flat past
-                               // the end), 1/||k|| and scale/||q|| (1 and scale without the L2 norm)
+  float* ws_f = nullptr;       // [num_slots, HV, kFactorRows, 64] fp32: the per-token factors of the chunk
   float scale = 0.0f;          // q scale (resolved default)
   bool qkv_vec = false;        // q, k, v allow 16-byte loads of 8 contiguous elements
   bool o_pair = false;         // o allows 2-element stores

@@ -38,7 +38,7 @@ struct HeadStage {
   Op vs[kChunk * LDV];   // v rows; a warp's 16 columns then stage its o rows
   Op ts[kChunk * LDT];   // T'
   Op ms[kChunk * LDT];   // M
-  float sc[3 * kChunk];  // gcum, 1/||k||, scale/||q|| (the workspace's per-chunk scalars, same order)
+  float sc[kFactorRows * kChunk];  // the chunk's token factors (FactorRow)
 };
 
 template <int K, int V, class Op>
@@ -121,9 +121,19 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
       cp_async16(&b.ts[row * LDT + cv * 8], tsrc + it * 8, true);
       cp_async16(&b.ms[row * LDT + cv * 8], msrc + it * 8, true);
     }
-    if (tid < 3 * kChunk / 4) cp_async16(&b.sc[tid * 4], plan.ws_gc + ws * (3 * kChunk) + tid * 4, true);
+    if (tid < kFactorRows * kChunk / 4)
+      cp_async16(&b.sc[tid * 4], plan.ws_f + ws * (kFactorRows * kChunk) + tid * 4, true);
     cp_async_commit();
   };
+
+  // Per-lane byte offsets inside a stage of the fragment rows each ldmatrix / stmatrix reads or writes
+  // (per chunk only constants are added: they fold into the instructions' immediates).
+  const int frag_row = ((lane >> 4) << 3) + (lane & 7), frag_col = ((lane >> 3) & 1) * 8;
+  const uint32_t off_k = uint32_t(frag_row * LDK + frag_col) * 2;  // B = rows [n][k] (k, q, T', M): bn_frag_ptr
+  const uint32_t off_t = uint32_t(frag_row * LDT + frag_col) * 2;
+  const uint32_t off_kt = uint32_t((lane & 15) * LDK + (lane >> 4) * 8) * 2;  // B = k rows as [k][n]: bk_frag_ptr
+  // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
+  const uint32_t off_v = uint32_t((((lane >> 4) << 3) + (lane & 7)) * LDV + vw + ((lane >> 3) & 1) * 8) * 2;
 
   if (nchunks > 0) issue(0, stage[0]);
   for (int64_t c = 0; c < nchunks; ++c) {
@@ -133,9 +143,10 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
     if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
     const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
-    const float* gc = b.sc;
-    const float* rk = b.sc + kChunk;
-    const float* rq = b.sc + 2 * kChunk;
+    const uint32_t ks_b = smem_addr(b.ks) + off_k, qs_b = smem_addr(b.qs) + off_k, kt_b = smem_addr(b.ks) + off_kt;
+    const uint32_t ts_b = smem_addr(b.ts) + off_t, ms_b = smem_addr(b.ms) + off_t, vs_b = smem_addr(b.vs) + off_v;
+    // Token factors of this thread's token columns 8 nt + q2 + {0, 1} (FactorRow).
+    auto factor = [&](int row, int nt) { return *reinterpret_cast<const float2*>(&b.sc[row * kChunk + nt * 8 + q2]); };
     // C fragments below are 16 value rows x 64 token columns: element [nt][e] is value vw + r + 8 (e >> 1),
     // token 8 nt + q2 + (e & 1). Token tiles past the chunk's length are skipped (zero rows).
 
@@ -154,8 +165,8 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
       for (int np = 0; np < 4; ++np) {
         if (np * 16 >= L) continue;
         uint32_t bk[4], bq[4];
-        ldmatrix_x4(bk, bn_frag_ptr<LDK>(b.ks, np * 16, kk * 16, lane));
-        ldmatrix_x4(bq, bn_frag_ptr<LDK>(b.qs, np * 16, kk * 16, lane));
+        ldmatrix_x4(bk, ks_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
+        ldmatrix_x4(bq, qs_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
         mma<Op>(pk[2 * np], a, bk[0], bk[1]);
         mma<Op>(pk[2 * np + 1], a, bk[2], bk[3]);
         mma<Op>(qo[2 * np], a, bq[0], bq[1]);
@@ -163,20 +174,19 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
       }
     }
 
-    // ---- X^T = v^T - P^T diag(e^gcum rk), packed as the A operand of the next product (k-step = 16 tokens)
+    // ---- X^T = v^T - P^T diag(ek), packed as the A operand of the next product (k-step = 16 tokens)
     uint32_t xa[4][4];
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t vv[4];  // v^T of token tiles 2np, 2np+1 (value rows r, r + 8)
-      const int m = lane >> 3;
-      ldmatrix_x4_trans(vv, &b.vs[(np * 16 + (m >> 1) * 8 + (lane & 7)) * LDV + vw + (m & 1) * 8]);
+      ldmatrix_x4_trans(vv, vs_b + uint32_t(np * 16 * LDV) * 2);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int nt = 2 * np + half, tk = nt * 8 + q2;
-        const float e0 = __expf(gc[tk]) * rk[tk], e1 = __expf(gc[tk + 1]) * rk[tk + 1];
+        const int nt = 2 * np + half;
+        const float2 ek = factor(kEk, nt);
         const float2 va = unpack2<Op>(vv[2 * half]), vb = unpack2<Op>(vv[2 * half + 1]);
-        xa[np][2 * half] = pack2<Op>(va.x - e0 * pk[nt][0], va.y - e1 * pk[nt][1]);
-        xa[np][2 * half + 1] = pack2<Op>(vb.x - e0 * pk[nt][2], vb.y - e1 * pk[nt][3]);
+        xa[np][2 * half] = pack2<Op>(va.x - ek.x * pk[nt][0], va.y - ek.y * pk[nt][1]);
+        xa[np][2 * half + 1] = pack2<Op>(vb.x - ek.x * pk[nt][2], vb.y - ek.y * pk[nt][3]);
       }
     }
 
@@ -192,36 +202,33 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
       for (int np = ks; np < 4; ++np) {
         if (np * 16 >= L) continue;
         uint32_t bt[4];
-        ldmatrix_x4(bt, bn_frag_ptr<LDT>(b.ts, np * 16, ks * 16, lane));
+        ldmatrix_x4(bt, ts_b + uint32_t(np * 16 * LDT + ks * 16) * 2);
         mma<Op>(vn[2 * np], xa[ks], bt[0], bt[1]);
         mma<Op>(vn[2 * np + 1], xa[ks], bt[2], bt[3]);
       }
 
-    // ---- A operands: v_new (for o) and vd = v_new rk e^{g_last - gcum}, 0 past the chunk (for S)
-    const float g_last = gc[kChunk - 1];
+    // ---- A operands: v_new (for o) and vd = v_new diag(dd) (for S; dd is 0 past the chunk)
     uint32_t na[4][4], da[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int nt = 2 * ks + half, tk = nt * 8 + q2;
-        const float d0 = tk < L ? rk[tk] * __expf(g_last - gc[tk]) : 0.0f;
-        const float d1 = tk + 1 < L ? rk[tk + 1] * __expf(g_last - gc[tk + 1]) : 0.0f;
+        const int nt = 2 * ks + half;
+        const float2 dd = factor(kDd, nt);
         na[ks][2 * half] = pack2<Op>(vn[nt][0], vn[nt][1]);
         na[ks][2 * half + 1] = pack2<Op>(vn[nt][2], vn[nt][3]);
-        da[ks][2 * half] = pack2<Op>(vn[nt][0] * d0, vn[nt][1] * d1);
-        da[ks][2 * half + 1] = pack2<Op>(vn[nt][2] * d0, vn[nt][3] * d1);
+        da[ks][2 * half] = pack2<Op>(vn[nt][0] * dd.x, vn[nt][1] * dd.y);
+        da[ks][2 * half + 1] = pack2<Op>(vn[nt][2] * dd.x, vn[nt][3] * dd.y);
       }
 
-    // ---- o^T = Q^T diag(e^gcum rq) + v_new^T M^T   (M lower triangular)
+    // ---- o^T = Q^T diag(eq) + v_new^T M^T   (M lower triangular)
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const int tk = nt * 8 + q2;
-      const float f0 = __expf(gc[tk]) * rq[tk], f1 = __expf(gc[tk + 1]) * rq[tk + 1];
-      qo[nt][0] *= f0;
-      qo[nt][1] *= f1;
-      qo[nt][2] *= f0;
-      qo[nt][3] *= f1;
+      const float2 eq = factor(kEq, nt);
+      qo[nt][0] *= eq.x;
+      qo[nt][1] *= eq.y;
+      qo[nt][2] *= eq.x;
+      qo[nt][3] *= eq.y;
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
@@ -229,18 +236,21 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
       for (int np = ks; np < 4; ++np) {
         if (np * 16 >= L) continue;
         uint32_t bm[4];
-        ldmatrix_x4(bm, bn_frag_ptr<LDT>(b.ms, np * 16, ks * 16, lane));
+        ldmatrix_x4(bm, ms_b + uint32_t(np * 16 * LDT + ks * 16) * 2);
         mma<Op>(qo[2 * np], na[ks], bm[0], bm[1]);
         mma<Op>(qo[2 * np + 1], na[ks], bm[2], bm[3]);
       }
 
-    // ---- o: staged in this warp's v columns (read above), then stored as 32-byte row pieces
+    // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored as 32-byte
+    // row pieces
     __syncwarp();
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        b.vs[(nt * 8 + q2 + (e & 1)) * LDV + vw + r + 8 * (e >> 1)] = to_op<Op>(qo[nt][e]);
+    for (int np = 0; np < 4; ++np) {
+      const uint32_t frag[4] = {pack2<Op>(qo[2 * np][0], qo[2 * np][1]), pack2<Op>(qo[2 * np][2], qo[2 * np][3]),
+                                pack2<Op>(qo[2 * np + 1][0], qo[2 * np + 1][1]),
+                                pack2<Op>(qo[2 * np + 1][2], qo[2 * np + 1][3])};
+      stmatrix_x4_trans(vs_b + uint32_t(np * 16 * LDV) * 2, frag);
+    }
     __syncwarp();
     {
       Op* og = static_cast<Op*>(p.o.data);
@@ -254,7 +264,7 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
     }
 
     // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)
-    const float eg = __expf(g_last);
+    const float eg = b.sc[kEg * kChunk];
 #pragma unroll
     for (int j = 0; j < KT; ++j)
 #pragma unroll
@@ -265,7 +275,7 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
 #pragma unroll
       for (int np = 0; np < K / 16; ++np) {
         uint32_t bk[4];
-        ldmatrix_x4_trans(bk, bk_frag_ptr<LDK>(b.ks, ks * 16, np * 16, lane));
+        ldmatrix_x4_trans(bk, kt_b + uint32_t(ks * 16 * LDK + np * 16) * 2);
         mma<Op>(s[2 * np], da[ks], bk[0], bk[1]);
         mma<Op>(s[2 * np + 1], da[ks], bk[2], bk[3]);
       }
