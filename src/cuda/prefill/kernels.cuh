@@ -45,11 +45,11 @@ constexpr int kPrepTiles = 20;
 __device__ __forceinline__ int prep_tile(int warp, int nt, int lane) { return (warp * (warp + 1) + nt) * 32 + lane; }
 
 // Dynamic shared memory of kernel 1: raw k and q rows; once they are consumed, their bytes hold the
-// fp32 solve (A, then T in place, and the block-row sums) and the accumulators of both products.
+// fp32 solve (A, then T in place) and the accumulators of both products.
 template <int K, class Op>
 constexpr size_t prep_smem_bytes() {
   constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);      // k, q rows
-  constexpr size_t solve = (size_t(kChunk) * 68 + 3 * 256) * 4;           // A / T, block-row sums
+  constexpr size_t solve = size_t(kChunk) * 68 * 4;                       // A / T
   constexpr size_t stash = size_t(2) * kPrepTiles * 32 * sizeof(float4);  // k k^T, q k^T
   return rows > solve + stash ? rows : solve + stash;
 }
@@ -142,8 +142,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   // After Ks, Qs are consumed:
   float* Af = reinterpret_cast<float*>(smem);              // [64][LDA] A, lower blocks
   float* Tf = Af;                                          // T = (I + A)^{-1}, in place of A
-  float* Pf = Af + kChunk * LDA;                           // [3][16][16] the sums of one block row
-  float4* Gacc = reinterpret_cast<float4*>(Pf + 3 * 256);  // k k^T accumulators (prep_tile)
+  float4* Gacc = reinterpret_cast<float4*>(Af + kChunk * LDA);  // k k^T accumulators (prep_tile)
   float4* Macc = Gacc + kPrepTiles * 32;                   // q k^T accumulators
 
   const int slot = blockIdx.x, hk = blockIdx.y;
@@ -264,12 +263,14 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
 
     // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory), written over A:
     //   diagonal blocks  T_ii = (I + A_ii)^{-1}: forward substitution in warp i, one column per lane;
-    //   block rows i = 1..3: T_ij = -T_ii sum_{k=j}^{i-1} A_ik T_kj for all j < i at once.
-    // Each block of A is read for the last time before T's block replaces it: A_ii by its own warp
-    // (then __syncwarp), A_ik of block row i when its sums P are formed (then a barrier); the rows
-    // above are T already, as the products need.
+    //   then warp i forms W_ik = T_ii A_ik (k < i) in registers, and at level i (block rows < i final)
+    //   T_ij = -sum_{k=j}^{i-1} W_ik T_kj for j < i.
+    // The block products run on tensor cores in split fp16 (split_mma: ~22 significant bits).
+    // Each block of A is read for the last time before T's block replaces it, by its own warp: A_ii in
+    // the substitution (then __syncwarp), A_ik (k < i) when W_ik is formed, before level i writes T_ik.
     // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0
     // (and the blocks skipped keep stale values, which nothing reads).
+    uint32_t w_hi[3][4], w_lo[3][4];  // W_ik, k < warp, as split A operands
     if (warp * 16 < L) {
       const int col = lane & 15, b0 = warp * 16;
       float x[16];
@@ -291,30 +292,32 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
 #pragma unroll
         for (int i = 0; i < 16; ++i) Tf[(b0 + i) * LDA + b0 + col] = x[i];
       }
+      __syncwarp();  // T_ii is in shared memory
+      uint32_t t_hi[4], t_lo[4];
+      load_a_split(Af + b0 * LDA + b0, LDA, lane, t_hi, t_lo);
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        if (k >= warp) continue;
+        float w[2][4] = {};
+        block_mma_split(w, t_hi, t_lo, Af + b0 * LDA + k * 16, LDA, lane);
+        c_to_a_split(w, w_hi[k], w_lo[k]);
+      }
+    }
+#pragma unroll
+    for (int lvl = 1; lvl < 4; ++lvl) {
+      if (lvl * 16 >= L) break;
+      __syncthreads();  // block rows < lvl of T are final
+      if (warp == lvl) {
+#pragma unroll
+        for (int j = 0; j < lvl; ++j) {
+          float t[2][4] = {};
+#pragma unroll
+          for (int k = j; k < lvl; ++k) block_mma_split(t, w_hi[k], w_lo[k], Tf + k * 16 * LDA + j * 16, LDA, lane);
+          store_c_neg(t, Tf + lvl * 16 * LDA + j * 16, LDA, lane);
+        }
+      }
     }
     __syncthreads();
-    for (int bi = 1; bi * 16 < L; ++bi) {
-      for (int e = tid; e < bi * 256; e += kThreads) {
-        const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15;
-        const float* Ar = Af + (bi * 16 + r) * LDA;
-        float acc0 = 0.0f, acc1 = 0.0f;
-        for (int m = bj * 16; m < bi * 16; m += 2) {
-          acc0 = fmaf(Ar[m], Tf[m * LDA + bj * 16 + c], acc0);
-          acc1 = fmaf(Ar[m + 1], Tf[(m + 1) * LDA + bj * 16 + c], acc1);
-        }
-        Pf[e] = acc0 + acc1;
-      }
-      __syncthreads();
-      for (int e = tid; e < bi * 256; e += kThreads) {
-        const int bj = e >> 8, r = (e >> 4) & 15, c = e & 15;
-        const float* Tr = Tf + (bi * 16 + r) * LDA + bi * 16;
-        float acc = 0.0f;
-#pragma unroll
-        for (int m = 0; m < 16; ++m) acc = fmaf(Tr[m], Pf[bj * 256 + m * 16 + c], acc);
-        Tf[(bi * 16 + r) * LDA + bj * 16 + c] = -acc;
-      }
-      __syncthreads();
-    }
     // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
     {
       Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
