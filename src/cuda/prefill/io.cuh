@@ -106,19 +106,29 @@ template <int K, class Op, bool kNorm = true>
 __device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const InView& view, int head, int64_t t0,
                                                     int L, bool use_l2norm, float mult, bool vec) {
   constexpr int kVecPerRow = K / 8;  // 8, 16 or 32 lanes per row: a shuffle reduction stays in a warp
+  constexpr int kIters = kChunk * kVecPerRow / kThreads;
+  constexpr int kBatch = kIters < 8 ? kIters : 8;  // loads in flight per thread before the first use
   const int tid = threadIdx.x;
 #pragma unroll
-  for (int it = tid; it < kChunk * kVecPerRow; it += kThreads) {
-    const int row = it / kVecPerRow, cv = it % kVecPerRow;
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (row < L)
-      x = load8<Op>(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8, vec);
-    *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x;
-    if constexpr (kNorm) {
-      float ss = sumsq8<Op>(x);
+  for (int u0 = 0; u0 < kIters; u0 += kBatch) {
+    uint4 x[kBatch];
 #pragma unroll
-      for (int off = kVecPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;
+    for (int u = 0; u < kBatch; ++u) {
+      const int it = tid + (u0 + u) * kThreads, row = it / kVecPerRow, cv = it % kVecPerRow;
+      x[u] = row < L ? load8<Op>(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8,
+                                 vec)
+                     : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int it = tid + (u0 + u) * kThreads, row = it / kVecPerRow, cv = it % kVecPerRow;
+      *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x[u];
+      if constexpr (kNorm) {
+        float ss = sumsq8<Op>(x[u]);
+#pragma unroll
+        for (int off = kVecPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;
+      }
     }
   }
 }

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   extern __shared__ __align__(16) unsigned char smem[];
   // gcum and beta per value head, double-buffered by head parity: warp 0 writes the next head's
   // while the other warps still store this head's T' and gcum.
-  __shared__ float s_gc[2][kChunk], s_beta[2][kChunk], s_rk[kChunk], s_rq[kChunk];
+  __shared__ __align__(16) float s_gc[2][kChunk], s_beta[2][kChunk], s_rk[kChunk], s_rq[kChunk];
   Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
   Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows
   // After Ks, Qs are consumed:
@@ -217,46 +217,47 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
     if (warp == 0 && h + 1 < h1) gates = load_gates(p, h + 1, t0, L, lane);  // stored after this head's solve
 
     // M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), the intra-chunk attention of
-    // the output (rq includes the scale). Upper blocks are written as 0.
+    // the output (rq includes the scale); upper blocks are written as 0.
+    // A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0.
+    // Both share rk_j exp(gcum_i - gcum_j) per element (its argument is <= 0 wherever it is used).
     const int64_t ws = int64_t(slot) * HV + h;
     {
+      constexpr float kLog2e = 1.4426950408889634f;
       const int r = lane >> 2, q2 = (lane & 3) * 2;
       Op* mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
+      float gi[2], fq[2], fa[2];  // per row i = 16 warp + r + 8 half
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        const bool lower = nt < 2 * (warp + 1);
-        const float4 m4 = lower ? Macc[prep_tile(warp, nt, lane)] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        const float accm[4] = {m4.x, m4.y, m4.z, m4.w};
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = warp * 16 + r + half * 8, j = nt * 8 + q2;
-          float m0 = 0.0f, m1 = 0.0f;
-          if (lower) {
-            const float fi = s_rq[i], gi = gc[i];
-            if (j <= i) m0 = accm[2 * half] * fi * s_rk[j] * __expf(gi - gc[j]);
-            if (j + 1 <= i) m1 = accm[2 * half + 1] * fi * s_rk[j + 1] * __expf(gi - gc[j + 1]);
-          }
-          *reinterpret_cast<uint32_t*>(mout + i * kChunk + j) = pack2<Op>(m0, m1);
-        }
+      for (int half = 0; half < 2; ++half) {
+        const int i = warp * 16 + r + half * 8;
+        gi[half] = gc[i] * kLog2e;
+        fq[half] = s_rq[i];
+        fa[half] = beta[i] * s_rk[i];
       }
-    }
-
-    // A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0.
-    {
-      const int r = lane >> 2, q2 = (lane & 3) * 2;
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
+        const int j = nt * 8 + q2;
+        float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (nt < 2 * (warp + 1)) {
-          const float4 g4 = Gacc[prep_tile(warp, nt, lane)];
-          const float acc[4] = {g4.x, g4.y, g4.z, g4.w};
+          const float4 m4 = Macc[prep_tile(warp, nt, lane)], g4 = Gacc[prep_tile(warp, nt, lane)];
+          const float macc[4] = {m4.x, m4.y, m4.z, m4.w}, gacc[4] = {g4.x, g4.y, g4.z, g4.w};
+          const float2 gj = *reinterpret_cast<const float2*>(&gc[j]);
+          const float2 kj = *reinterpret_cast<const float2*>(&s_rk[j]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int i = warp * 16 + r + (e >> 1) * 8, j = nt * 8 + q2 + (e & 1);
-            float val = 0.0f;
-            if (j < i) val = beta[i] * s_rk[i] * s_rk[j] * __expf(gc[i] - gc[j]) * acc[e];
-            Af[i * LDA + j] = val;
+            const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
+            float a = 0.0f;
+            if (jj <= i) {
+              const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
+              m[e] = macc[e] * fq[e >> 1] * d;
+              if (jj < i) a = gacc[e] * fa[e >> 1] * d;
+            }
+            Af[i * LDA + jj] = a;
           }
         }
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          *reinterpret_cast<uint32_t*>(mout + (warp * 16 + r + half * 8) * kChunk + j) =
+              pack2<Op>(m[2 * half], m[2 * half + 1]);
       }
     }
     __syncthreads();

@@ -88,6 +88,13 @@ __device__ __forceinline__ Op to_op(float x) {
     return __float2bfloat16_rn(x);
 }
 
+// 2^x, one MUFU instruction (relative error ~2^-22; results below 2^-126 flush to 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- fp32 block products on tensor cores in split fp16: x = hi + lo with hi = fp16(x) and lo =
 // fp16(x - hi); a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi (about 22 significant bits; |x| < 65504).
 __device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
