@@ -57,7 +57,8 @@ std::string case_name(const ProblemConfig& c, const std::string& tag = "") {
 struct Case {
   std::string name;
   ProblemConfig cfg;
-  int vtile = 0;  // 0: the library's heuristic through the public API; else the internal entry
+  int vtile = 0;       // 0: the library's heuristic through the public API; else the internal entry
+  int head_split = 0;  // with vtile = kVTileHead: CTAs per (sequence, head); 0: the heuristic
 };
 
 ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
@@ -121,25 +122,25 @@ std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
   return ::testing::AssertionSuccess();
 }
 
-void run_gpu(Problem& got, DeviceProblem& dev, int vtile) {
+void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   if (vtile == 0) {
     prefill(p, {Backend::kCUDA, dev.stream()});
   } else {
     validate(p, Backend::kCUDA);
-    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile);
+    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split);
   }
   dev.download(got);
 }
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
-void check_prefill(const Problem& before, int vtile = 0) {
+void check_prefill(const Problem& before, int vtile = 0, int head_split = 0) {
   const ProblemConfig& cfg = before.config();
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile);
+    run_gpu(got, dev, vtile, head_split);
   }
   const std::vector<int64_t> written = written_finals(before);
   EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kPrefill, cfg.in_dtype)));
@@ -178,9 +179,9 @@ std::vector<Case> axes_cases() {
 std::vector<Case> shape_cases() {
   std::vector<Case> out;
   int i = 0;
-  auto add = [&](ProblemConfig c, const std::string& tag, int vtile = 0) {
+  auto add = [&](ProblemConfig c, const std::string& tag, int vtile = 0, int head_split = 0) {
     c.seed = 2000 + i++;
-    out.push_back({case_name(c, tag), c, vtile});
+    out.push_back({case_name(c, tag), c, vtile, head_split});
   };
   for (int len : {0, 1, 63, 64, 65, 1000}) add(base({len}), "len" + std::to_string(len));
   // Mixed varlen batch: short and long sequences, an empty one, few heads so the reference stays fast.
@@ -218,11 +219,12 @@ std::vector<Case> shape_cases() {
     }
   for (int K : {64, 128})
     for (int V : {64, 128})
-      for (DType in : {DType::kBFloat16, DType::kFloat16}) {
+      for (int split : {1, 2}) {
+        if (!cuda::chunked_prefill::head_split_supported(V, split)) continue;
         ProblemConfig c = base({150, 64, 7, 0, 200}, 1, 2, K, V);
-        c.in_dtype = in;
+        c.in_dtype = split == 2 ? DType::kFloat16 : DType::kBFloat16;
         c.layout = V == 64 ? StateLayout::kVLast : StateLayout::kKLast;
-        add(c, "head", cuda::chunked_prefill::kVTileHead);
+        add(c, "head" + std::to_string(split), cuda::chunked_prefill::kVTileHead, split);
       }
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
   // sequence needs.
@@ -267,7 +269,9 @@ std::vector<Case> sanitize_cases() {
   out.push_back({case_name(c), c, 32});
   c.seed = 3000 + i++;
   c.checkpoint_interval = 64;
-  out.push_back({case_name(c, "head"), c, cuda::chunked_prefill::kVTileHead});
+  out.push_back({case_name(c, "head"), c, cuda::chunked_prefill::kVTileHead, 1});
+  c.seed = 3000 + i++;
+  out.push_back({case_name(c, "head2"), c, cuda::chunked_prefill::kVTileHead, 2});
   return out;
 }
 
@@ -290,7 +294,9 @@ Problem make_problem(const ProblemConfig& c) {
 
 class PrefillTest : public ::testing::TestWithParam<Case> {};
 
-TEST_P(PrefillTest, MatchesCpuReference) { check_prefill(make_problem(GetParam().cfg), GetParam().vtile); }
+TEST_P(PrefillTest, MatchesCpuReference) {
+  check_prefill(make_problem(GetParam().cfg), GetParam().vtile, GetParam().head_split);
+}
 
 INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
                          [](const auto& info) { return info.param.name; });
@@ -445,6 +451,17 @@ TEST(PrefillPlan, ValueTileHeuristic) {
   EXPECT_EQ(tile(4, 32, 128, 128, DType::kFloat32), 32);
   EXPECT_EQ(tile(64, 8, 256, 256, DType::kBFloat16), 32);  // K = 256 has no 64 tile
   EXPECT_EQ(tile(1, 2, 64, 256, DType::kBFloat16), 16);
+  // The head pass splits a head's columns over 2 CTAs while that keeps one CTA per SM.
+  auto split = [](int N, int HV, int V) {
+    PrefillParams p;
+    p.num_seqs = N;
+    p.heads.num_qk_heads = 1, p.heads.num_v_heads = HV, p.heads.head_dim_k = 128, p.heads.head_dim_v = V;
+    return cuda::chunked_prefill::choose_head_split(p, 132);
+  };
+  EXPECT_EQ(split(1, 32, 128), 2);  // 1x32768, 1x8192
+  EXPECT_EQ(split(2, 32, 64), 2);
+  EXPECT_EQ(split(8, 32, 128), 1);  // 8x8192
+  EXPECT_EQ(split(3, 32, 128), 1);
   for (DType dt : {DType::kBFloat16, DType::kFloat32})
     for (int K : {64, 128, 256})
       for (int V : {64, 128, 256})

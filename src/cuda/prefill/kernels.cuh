@@ -664,9 +664,9 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
   if constexpr (K <= 128) {
     if (vtile == kVTileHead) {
       if (p.heads.head_dim_v == 64)
-        launch_state_pass_head<K, 64, Op>(p, plan, stream);
+        launch_state_pass_head<K, 64, Op>(p, plan, plan.head_split, stream);
       else
-        launch_state_pass_head<K, 128, Op>(p, plan, stream);
+        launch_state_pass_head<K, 128, Op>(p, plan, plan.head_split, stream);
       return;
     }
   }

@@ -35,6 +35,7 @@ struct Plan {
   bool qkv_vec = false;        // q, k, v allow 16-byte loads of 8 contiguous elements
   bool o_pair = false;         // o allows 2-element stores
   bool fp16_operands = false;  // tensor-core operands fp16 (fp16 / fp32 inputs) instead of bf16
+  int32_t head_split = 1;      // head state pass: CTAs per (sequence, value head)
   int32_t num_sms = 132;
 };
 
@@ -57,9 +58,15 @@ constexpr int kStagePrep = 1, kStageStatePass = 2, kStagesAll = 3;
 template <int K>
 void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages);
 
-// Test/tuning entry: prefill with an explicit value tile (0: the heuristic), same semantics as
-// cuda::prefill when stages == kStagesAll. Used by the GPU tests and timing to compare tilings.
-void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile, int stages = kStagesAll);
+// Test/tuning entry: prefill with an explicit value tile (0: the heuristic) and, for the head state
+// pass, an explicit column split (1, or 2 with V / 2 >= 32; 0: the heuristic); same semantics
+// as cuda::prefill when stages == kStagesAll. Used by the GPU tests and timing to compare tilings.
+void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile, int stages = kStagesAll,
+                        int head_split = 0);
 int choose_vtile(const PrefillParams& p, int num_sms);
+// The head pass's CTAs per (sequence, value head): 2 when that still gives at most one CTA per SM (a
+// sequential chain per CTA gains nothing from sharing an SM), else 1.
+int choose_head_split(const PrefillParams& p, int num_sms);
+bool head_split_supported(int V, int split);
 
 }  // namespace gdnkit::cuda::chunked_prefill

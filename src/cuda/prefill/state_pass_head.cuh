@@ -30,41 +30,41 @@
 namespace gdnkit::cuda::chunked_prefill {
 
 // One chunk's inputs in shared memory (two of them: the current chunk and the next).
-template <int K, int V, class Op>
+template <int K, int kCols, class Op>
 struct HeadStage {
-  static constexpr int LDK = K + 8, LDV = V + 8, LDT = kChunk + 8;  // +16 bytes: conflict-free ldmatrix
+  static constexpr int LDK = K + 8, LDV = kCols + 8, LDT = kChunk + 8;  // +16 bytes: conflict-free ldmatrix
   Op ks[kChunk * LDK];   // k rows (raw)
   Op qs[kChunk * LDK];   // q rows (raw)
-  Op vs[kChunk * LDV];   // v rows; a warp's 16 columns then stage its o rows
+  Op vs[kChunk * LDV];   // v rows (the CTA's columns); a warp's 16 columns then stage its o rows
   Op ts[kChunk * LDT];   // T'
   Op ms[kChunk * LDT];   // M
   float sc[kFactorRows * kChunk];  // the chunk's token factors (FactorRow)
 };
 
-template <int K, int V, class Op>
-constexpr size_t head_smem_bytes() {
-  return 2 * sizeof(HeadStage<K, V, Op>);
-}
-
-template <int K, int V, class Op>
-__global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const PrefillParams p, const Plan plan) {
-  constexpr int kWarps = V / 16, kThr = kWarps * 32;
+// kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
+template <int K, int V, int kSplit, class Op>
+__global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
+    state_pass_head_kernel(const PrefillParams p, const Plan plan) {
+  constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
-  using Stage = HeadStage<K, V, Op>;
+  using Stage = HeadStage<K, kCols, Op>;
   constexpr int LDK = Stage::LDK, LDV = Stage::LDV, LDT = Stage::LDT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stage = reinterpret_cast<Stage*>(smem_raw);
 
-  // Flat grid, head fastest: the value heads of a GVA group (same q/k rows) run together.
+  // Flat grid, column split fastest, then head: the CTAs that share q/k rows run together.
   const int HV = p.heads.num_v_heads;
-  const int h = int(blockIdx.x % unsigned(HV)), n = int(blockIdx.x / unsigned(HV));
+  const int split = int(blockIdx.x % unsigned(kSplit)), h = int(blockIdx.x / unsigned(kSplit) % unsigned(HV));
+  const int n = int(blockIdx.x / unsigned(kSplit * HV));
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int r = lane >> 2, q2 = (lane & 3) * 2;
   const int hk = h / (HV / p.heads.num_qk_heads);
-  const int vw = warp * 16;  // this warp's value columns vw .. vw + 15
+  const int v0 = split * kCols;    // the CTA's value columns v0 .. v0 + kCols - 1
+  const int vw = v0 + warp * 16;   // this warp's value columns vw .. vw + 15 (head columns)
+  const int lw = warp * 16;        // ... and in the CTA's v / o tile
 
   SeqSlots sq;
-  if (!begin_sequence<kThr>(p, plan, n, h, 0, V, h == 0, sq)) return;
+  if (!begin_sequence<kThr>(p, plan, n, h, v0, kCols, h == 0 && split == 0, sq)) return;
   const int64_t start = sq.start, len = sq.len;
 
   // S^T in registers: s[j][e] = S[k][v] with k = 8j + q2 + (e & 1), v = vw + r + 8 (e >> 1).
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
   auto issue = [&](int64_t c, Stage& b) {
     const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
-    constexpr int KP = K / 8, VP = V / 8;  // 16-byte pieces per row
+    constexpr int KP = K / 8, VP = kCols / 8;  // 16-byte pieces per row
 #pragma unroll
     for (int u = 0; u < kChunk * KP / kThr; ++u) {
       const int it = tid + u * kThr, row = it / KP, cv = it % KP;
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
     for (int u = 0; u < kChunk * VP / kThr; ++u) {
       const int it = tid + u * kThr, row = it / VP, cv = it % VP;
       const int64_t t = row < L ? t0 + row : 0;
-      cp_async16(&b.vs[row * LDV + cv * 8], vg + t * p.v.token_stride + h * p.v.head_stride + cv * 8, row < L);
+      cp_async16(&b.vs[row * LDV + cv * 8], vg + t * p.v.token_stride + h * p.v.head_stride + v0 + cv * 8, row < L);
     }
     const int64_t ws = (slot0 + c) * HV + h;
     const Op* tsrc = static_cast<const Op*>(plan.ws_t) + ws * (kChunk * kChunk);
@@ -121,8 +121,8 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
       cp_async16(&b.ts[row * LDT + cv * 8], tsrc + it * 8, true);
       cp_async16(&b.ms[row * LDT + cv * 8], msrc + it * 8, true);
     }
-    if (tid < kFactorRows * kChunk / 4)
-      cp_async16(&b.sc[tid * 4], plan.ws_f + ws * (kFactorRows * kChunk) + tid * 4, true);
+    for (int it = tid; it < kFactorRows * kChunk / 4; it += kThr)
+      cp_async16(&b.sc[it * 4], plan.ws_f + ws * (kFactorRows * kChunk) + it * 4, true);
     cp_async_commit();
   };
 
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
   const uint32_t off_t = uint32_t(frag_row * LDT + frag_col) * 2;
   const uint32_t off_kt = uint32_t((lane & 15) * LDK + (lane >> 4) * 8) * 2;  // B = k rows as [k][n]: bk_frag_ptr
   // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
-  const uint32_t off_v = uint32_t((((lane >> 4) << 3) + (lane & 7)) * LDV + vw + ((lane >> 3) & 1) * 8) * 2;
+  const uint32_t off_v = uint32_t((((lane >> 4) << 3) + (lane & 7)) * LDV + lw + ((lane >> 3) & 1) * 8) * 2;
 
   if (nchunks > 0) issue(0, stage[0]);
   for (int64_t c = 0; c < nchunks; ++c) {
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
         const int it = lane + 32 * u, row = it >> 1, half = it & 1;
         if (row < L)
           *reinterpret_cast<uint4*>(og + (t0 + row) * p.o.token_stride + h * p.o.head_stride + vw + half * 8) =
-              *reinterpret_cast<const uint4*>(&b.vs[row * LDV + vw + half * 8]);
+              *reinterpret_cast<const uint4*>(&b.vs[row * LDV + lw + half * 8]);
       }
     }
 
@@ -295,15 +295,23 @@ __global__ void __launch_bounds__(V / 16 * 32, 1) state_pass_head_kernel(const P
   if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride);
 }
 
-template <int K, int V, class Op>
+template <int K, int V, int kSplit, class Op>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  constexpr size_t smem = head_smem_bytes<K, V, Op>();
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(state_pass_head_kernel<K, V, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  constexpr size_t smem = 2 * sizeof(HeadStage<K, V / kSplit, Op>);
+  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_head_kernel<K, V, kSplit, Op>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
-  const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads);
-  state_pass_head_kernel<K, V, Op><<<grid, V / 16 * 32, smem, stream>>>(p, plan);
+  const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit;
+  state_pass_head_kernel<K, V, kSplit, Op><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
+}
+
+template <int K, int V, class Op>
+void launch_state_pass_head(const PrefillParams& p, const Plan& plan, int split, cudaStream_t stream) {
+  if (split == 2)
+    launch_state_pass_head<K, V, 2, Op>(p, plan, stream);
+  else
+    launch_state_pass_head<K, V, 1, Op>(p, plan, stream);
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill
