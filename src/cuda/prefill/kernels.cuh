@@ -136,7 +136,10 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   extern __shared__ __align__(16) unsigned char smem[];
   // gcum and beta per value head, double-buffered by head parity: warp 0 writes the next head's
   // while the other warps still store this head's T' and gcum.
-  __shared__ __align__(16) float s_gc[2][kChunk], s_beta[2][kChunk], s_rk[kChunk], s_rq[kChunk];
+  __shared__ __align__(16) float s_gc[2][kChunk];
+  __shared__ __align__(16) float s_beta[2][kChunk];
+  __shared__ __align__(16) float s_rk[kChunk];
+  __shared__ __align__(16) float s_rq[kChunk];
   Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
   Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows
   // After Ks, Qs are consumed:

@@ -21,6 +21,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
@@ -140,146 +141,160 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     Stage& b = stage[c & 1];
     cp_async_wait_all();
     __syncthreads();  // chunk c's inputs are visible; every warp is done with chunk c - 1's stage
-    if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
     const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
-    const uint32_t ks_b = smem_addr(b.ks) + off_k, qs_b = smem_addr(b.qs) + off_k, kt_b = smem_addr(b.ks) + off_kt;
-    const uint32_t ts_b = smem_addr(b.ts) + off_t, ms_b = smem_addr(b.ms) + off_t, vs_b = smem_addr(b.vs) + off_v;
-    // Token factors of this thread's token columns 8 nt + q2 + {0, 1} (FactorRow).
-    auto factor = [&](int row, int nt) { return *reinterpret_cast<const float2*>(&b.sc[row * kChunk + nt * 8 + q2]); };
-    // C fragments below are 16 value rows x 64 token columns: element [nt][e] is value vw + r + 8 (e >> 1),
-    // token 8 nt + q2 + (e & 1). Token tiles past the chunk's length are skipped (zero rows).
+    // The chunk's products, built twice: for a full chunk without any length test (one branch-free
+    // block that ptxas schedules across the products), and for the last, partial one.
+    auto chunk = [&](auto full) {
+      constexpr bool kFull = decltype(full)::value;
+      const uint32_t ks_b = smem_addr(b.ks) + off_k, qs_b = smem_addr(b.qs) + off_k, kt_b = smem_addr(b.ks) + off_kt;
+      const uint32_t ts_b = smem_addr(b.ts) + off_t, ms_b = smem_addr(b.ms) + off_t, vs_b = smem_addr(b.vs) + off_v;
+      // Token factors of this thread's token columns 8 nt + q2 + {0, 1} (FactorRow).
+      auto factor = [&](int row, int nt) {
+        return *reinterpret_cast<const float2*>(&b.sc[row * kChunk + nt * 8 + q2]);
+      };
+      // C fragments below are 16 value rows x 64 token columns: element [nt][e] is value vw + r + 8 (e >> 1),
+      // token 8 nt + q2 + (e & 1). Token tiles past the chunk's length are skipped (zero rows).
 
-    // ---- P^T = S^T k^T and Q^T = S^T q^T
-    float pk[8][4], qo[8][4];
+      // ---- P^T = S^T k^T and Q^T = S^T q^T
+      float pk[8][4], qo[8][4];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-      const uint32_t a[4] = {pack2<Op>(s[2 * kk][0], s[2 * kk][1]), pack2<Op>(s[2 * kk][2], s[2 * kk][3]),
-                             pack2<Op>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack2<Op>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      for (int kk = 0; kk < K / 16; ++kk) {
+        const uint32_t a[4] = {pack2<Op>(s[2 * kk][0], s[2 * kk][1]), pack2<Op>(s[2 * kk][2], s[2 * kk][3]),
+                               pack2<Op>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               pack2<Op>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          if (!kFull && np * 16 >= L) continue;
+          uint32_t bk[4], bq[4];
+          ldmatrix_x4(bk, ks_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
+          ldmatrix_x4(bq, qs_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
+          mma<Op>(pk[2 * np], a, bk[0], bk[1]);
+          mma<Op>(pk[2 * np + 1], a, bk[2], bk[3]);
+          mma<Op>(qo[2 * np], a, bq[0], bq[1]);
+          mma<Op>(qo[2 * np + 1], a, bq[2], bq[3]);
+        }
+      }
+
+      // The next chunk's inputs: issued here, the P/Q products above start right after the barrier.
+      if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
+
+      // ---- X^T = v^T - P^T diag(ek), packed as the A operand of the next product (k-step = 16 tokens)
+      uint32_t xa[4][4];
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
-        if (np * 16 >= L) continue;
-        uint32_t bk[4], bq[4];
-        ldmatrix_x4(bk, ks_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
-        ldmatrix_x4(bq, qs_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
-        mma<Op>(pk[2 * np], a, bk[0], bk[1]);
-        mma<Op>(pk[2 * np + 1], a, bk[2], bk[3]);
-        mma<Op>(qo[2 * np], a, bq[0], bq[1]);
-        mma<Op>(qo[2 * np + 1], a, bq[2], bq[3]);
-      }
-    }
-
-    // ---- X^T = v^T - P^T diag(ek), packed as the A operand of the next product (k-step = 16 tokens)
-    uint32_t xa[4][4];
+        uint32_t vv[4];  // v^T of token tiles 2np, 2np+1 (value rows r, r + 8)
+        ldmatrix_x4_trans(vv, vs_b + uint32_t(np * 16 * LDV) * 2);
 #pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t vv[4];  // v^T of token tiles 2np, 2np+1 (value rows r, r + 8)
-      ldmatrix_x4_trans(vv, vs_b + uint32_t(np * 16 * LDV) * 2);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int nt = 2 * np + half;
-        const float2 ek = factor(kEk, nt);
-        const float2 va = unpack2<Op>(vv[2 * half]), vb = unpack2<Op>(vv[2 * half + 1]);
-        xa[np][2 * half] = pack2<Op>(va.x - ek.x * pk[nt][0], va.y - ek.y * pk[nt][1]);
-        xa[np][2 * half + 1] = pack2<Op>(vb.x - ek.x * pk[nt][2], vb.y - ek.y * pk[nt][3]);
-      }
-    }
-
-    // ---- v_new^T = X^T T'^T   (T' lower triangular: token tile pair np needs k-steps 0..np)
-    float vn[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) vn[nt][e] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-      for (int np = ks; np < 4; ++np) {
-        if (np * 16 >= L) continue;
-        uint32_t bt[4];
-        ldmatrix_x4(bt, ts_b + uint32_t(np * 16 * LDT + ks * 16) * 2);
-        mma<Op>(vn[2 * np], xa[ks], bt[0], bt[1]);
-        mma<Op>(vn[2 * np + 1], xa[ks], bt[2], bt[3]);
+        for (int half = 0; half < 2; ++half) {
+          const int nt = 2 * np + half;
+          const float2 ek = factor(kEk, nt);
+          const float2 va = unpack2<Op>(vv[2 * half]), vb = unpack2<Op>(vv[2 * half + 1]);
+          xa[np][2 * half] = pack2<Op>(va.x - ek.x * pk[nt][0], va.y - ek.y * pk[nt][1]);
+          xa[np][2 * half + 1] = pack2<Op>(vb.x - ek.x * pk[nt][2], vb.y - ek.y * pk[nt][3]);
+        }
       }
 
-    // ---- A operands: v_new (for o) and vd = v_new diag(dd) (for S; dd is 0 past the chunk)
-    uint32_t na[4][4], da[4][4];
+      // ---- v_new^T = X^T T'^T   (T' lower triangular: token tile pair np needs k-steps 0..np)
+      float vn[8][4];
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int nt = 2 * ks + half;
-        const float2 dd = factor(kDd, nt);
-        na[ks][2 * half] = pack2<Op>(vn[nt][0], vn[nt][1]);
-        na[ks][2 * half + 1] = pack2<Op>(vn[nt][2], vn[nt][3]);
-        da[ks][2 * half] = pack2<Op>(vn[nt][0] * dd.x, vn[nt][1] * dd.y);
-        da[ks][2 * half + 1] = pack2<Op>(vn[nt][2] * dd.x, vn[nt][3] * dd.y);
+        for (int e = 0; e < 4; ++e) vn[nt][e] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int np = ks; np < 4; ++np) {
+          if (!kFull && np * 16 >= L) continue;
+          uint32_t bt[4];
+          ldmatrix_x4(bt, ts_b + uint32_t(np * 16 * LDT + ks * 16) * 2);
+          mma<Op>(vn[2 * np], xa[ks], bt[0], bt[1]);
+          mma<Op>(vn[2 * np + 1], xa[ks], bt[2], bt[3]);
+        }
+
+      // ---- A operands: v_new (for o) and vd = v_new diag(dd) (for S; dd is 0 past the chunk)
+      uint32_t na[4][4], da[4][4];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int nt = 2 * ks + half;
+          const float2 dd = factor(kDd, nt);
+          na[ks][2 * half] = pack2<Op>(vn[nt][0], vn[nt][1]);
+          na[ks][2 * half + 1] = pack2<Op>(vn[nt][2], vn[nt][3]);
+          da[ks][2 * half] = pack2<Op>(vn[nt][0] * dd.x, vn[nt][1] * dd.y);
+          da[ks][2 * half + 1] = pack2<Op>(vn[nt][2] * dd.x, vn[nt][3] * dd.y);
+        }
+
+      // ---- o^T = Q^T diag(eq) + v_new^T M^T   (M lower triangular)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float2 eq = factor(kEq, nt);
+        qo[nt][0] *= eq.x;
+        qo[nt][1] *= eq.y;
+        qo[nt][2] *= eq.x;
+        qo[nt][3] *= eq.y;
+      }
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int np = ks; np < 4; ++np) {
+          if (!kFull && np * 16 >= L) continue;
+          uint32_t bm[4];
+          ldmatrix_x4(bm, ms_b + uint32_t(np * 16 * LDT + ks * 16) * 2);
+          mma<Op>(qo[2 * np], na[ks], bm[0], bm[1]);
+          mma<Op>(qo[2 * np + 1], na[ks], bm[2], bm[3]);
+        }
+
+      // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored as 32-byte
+      // row pieces
+      __syncwarp();
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        const uint32_t frag[4] = {pack2<Op>(qo[2 * np][0], qo[2 * np][1]), pack2<Op>(qo[2 * np][2], qo[2 * np][3]),
+                                  pack2<Op>(qo[2 * np + 1][0], qo[2 * np + 1][1]),
+                                  pack2<Op>(qo[2 * np + 1][2], qo[2 * np + 1][3])};
+        stmatrix_x4_trans(vs_b + uint32_t(np * 16 * LDV) * 2, frag);
+      }
+      __syncwarp();
+      {
+        Op* og = static_cast<Op*>(p.o.data);
+#pragma unroll
+        for (int u = 0; u < 2 * kChunk / 32; ++u) {
+          const int it = lane + 32 * u, row = it >> 1, half = it & 1;
+          if (kFull || row < L)
+            *reinterpret_cast<uint4*>(og + (t0 + row) * p.o.token_stride + h * p.o.head_stride + vw + half * 8) =
+                *reinterpret_cast<const uint4*>(&b.vs[row * LDV + lw + half * 8]);
+        }
       }
 
-    // ---- o^T = Q^T diag(eq) + v_new^T M^T   (M lower triangular)
+      // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)
+      const float eg = b.sc[kEg * kChunk];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float2 eq = factor(kEq, nt);
-      qo[nt][0] *= eq.x;
-      qo[nt][1] *= eq.y;
-      qo[nt][2] *= eq.x;
-      qo[nt][3] *= eq.y;
-    }
+      for (int j = 0; j < KT; ++j)
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
+        for (int e = 0; e < 4; ++e) s[j][e] *= eg;
 #pragma unroll
-      for (int np = ks; np < 4; ++np) {
-        if (np * 16 >= L) continue;
-        uint32_t bm[4];
-        ldmatrix_x4(bm, ms_b + uint32_t(np * 16 * LDT + ks * 16) * 2);
-        mma<Op>(qo[2 * np], na[ks], bm[0], bm[1]);
-        mma<Op>(qo[2 * np + 1], na[ks], bm[2], bm[3]);
+      for (int ks = 0; ks < 4; ++ks) {
+        if (!kFull && ks * 16 >= L) continue;
+#pragma unroll
+        for (int np = 0; np < K / 16; ++np) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, kt_b + uint32_t(ks * 16 * LDK + np * 16) * 2);
+          mma<Op>(s[2 * np], da[ks], bk[0], bk[1]);
+          mma<Op>(s[2 * np + 1], da[ks], bk[2], bk[3]);
+        }
       }
 
-    // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored as 32-byte
-    // row pieces
-    __syncwarp();
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      const uint32_t frag[4] = {pack2<Op>(qo[2 * np][0], qo[2 * np][1]), pack2<Op>(qo[2 * np][2], qo[2 * np][3]),
-                                pack2<Op>(qo[2 * np + 1][0], qo[2 * np + 1][1]),
-                                pack2<Op>(qo[2 * np + 1][2], qo[2 * np + 1][3])};
-      stmatrix_x4_trans(vs_b + uint32_t(np * 16 * LDV) * 2, frag);
-    }
-    __syncwarp();
-    {
-      Op* og = static_cast<Op*>(p.o.data);
-#pragma unroll
-      for (int u = 0; u < 2 * kChunk / 32; ++u) {
-        const int it = lane + 32 * u, row = it >> 1, half = it & 1;
-        if (row < L)
-          *reinterpret_cast<uint4*>(og + (t0 + row) * p.o.token_stride + h * p.o.head_stride + vw + half * 8) =
-              *reinterpret_cast<const uint4*>(&b.vs[row * LDV + lw + half * 8]);
-      }
-    }
-
-    // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)
-    const float eg = b.sc[kEg * kChunk];
-#pragma unroll
-    for (int j = 0; j < KT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= eg;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if (ks * 16 >= L) continue;
-#pragma unroll
-      for (int np = 0; np < K / 16; ++np) {
-        uint32_t bk[4];
-        ldmatrix_x4_trans(bk, kt_b + uint32_t(ks * 16 * LDK + np * 16) * 2);
-        mma<Op>(s[2 * np], da[ks], bk[0], bk[1]);
-        mma<Op>(s[2 * np + 1], da[ks], bk[2], bk[3]);
-      }
-    }
+    };
+    if (L == kChunk)
+      chunk(std::true_type{});
+    else
+      chunk(std::false_type{});
 
     // ---- checkpoint: entry j holds the state after token (j+1)*C, for j < min(steps, len / C)
     if (sq.cslot >= 0) {
