@@ -108,20 +108,33 @@ __device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const
   constexpr int kVecPerRow = K / 8;  // 8, 16 or 32 lanes per row: a shuffle reduction stays in a warp
   constexpr int kIters = kChunk * kVecPerRow / kThreads;
   constexpr int kBatch = kIters < 8 ? kIters : 8;  // loads in flight per thread before the first use
-  const int tid = threadIdx.x;
+  constexpr int kRowStep = kThreads / kVecPerRow;  // rows between a thread's pieces
+  constexpr DType kOpType = std::is_same_v<Op, __half> ? DType::kFloat16 : DType::kBFloat16;
+  const int tid = threadIdx.x, row0 = tid / kVecPerRow, cv = tid % kVecPerRow;
+  // Rows in the operand dtype with 16-byte aligned pieces (the common case): one vector load per piece
+  // from a pointer stepped by rows; anything else goes through load8's conversions.
+  const bool raw = vec && view.dtype == kOpType;
+  const int64_t first = (t0 + row0) * view.token_stride + head * view.head_stride + cv * 8;
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Op*>(view.data) + first);
+  const int64_t step = kRowStep * view.token_stride / 8;  // in 16-byte pieces (vec: token_stride % 8 == 0)
 #pragma unroll
   for (int u0 = 0; u0 < kIters; u0 += kBatch) {
     uint4 x[kBatch];
+    if (raw) {
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int it = tid + (u0 + u) * kThreads, row = it / kVecPerRow, cv = it % kVecPerRow;
-      x[u] = row < L ? load8<Op>(view.data, view.dtype, (t0 + row) * view.token_stride + head * view.head_stride + cv * 8,
-                                 vec)
-                     : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kBatch; ++u)
+        x[u] = row0 + (u0 + u) * kRowStep < L ? __ldg(src + (u0 + u) * step) : make_uint4(0, 0, 0, 0);
+    } else {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int row = row0 + (u0 + u) * kRowStep;
+        x[u] = row < L ? load8<Op>(view.data, view.dtype, first + int64_t((u0 + u) * kRowStep) * view.token_stride, vec)
+                       : make_uint4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const int it = tid + (u0 + u) * kThreads, row = it / kVecPerRow, cv = it % kVecPerRow;
+      const int row = row0 + (u0 + u) * kRowStep;
       *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x[u];
       if constexpr (kNorm) {
         float ss = sumsq8<Op>(x[u]);

@@ -92,38 +92,51 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int64_t slot0 = start / kChunk + n;
   const int64_t C = p.checkpoint_interval;
 
-  // Chunk c's inputs into stage b: 16-byte cp.async pieces, rows past the sequence zero-filled.
-  const Op* kg = static_cast<const Op*>(p.k.data);
-  const Op* qg = static_cast<const Op*>(p.q.data);
-  const Op* vg = static_cast<const Op*>(p.v.data);
+  // Chunk c's inputs into stage b: 16-byte cp.async pieces, rows past the sequence zero-filled. A
+  // thread's pieces are rows row0 + u * step of fixed columns: its source pointers are formed once here
+  // and advance by whole chunks (64 tokens; HV workspace entries).
+  constexpr int KP = K / 8, VP = kCols / 8;                    // 16-byte pieces per row
+  constexpr int kStepK = kThr / KP, kStepV = kThr / VP;        // rows between a thread's pieces
+  const int rk0 = tid / KP, ck = tid % KP, rv0 = tid / VP, cvv = tid % VP;
+  const Op* k_zero = static_cast<const Op*>(p.k.data) + hk * p.k.head_stride;  // token 0: valid for zero fills
+  const Op* q_zero = static_cast<const Op*>(p.q.data) + hk * p.q.head_stride;
+  const Op* v_zero = static_cast<const Op*>(p.v.data) + h * p.v.head_stride;
+  const Op* k_src = k_zero + (start + rk0) * p.k.token_stride + ck * 8;
+  const Op* q_src = q_zero + (start + rk0) * p.q.token_stride + ck * 8;
+  const Op* v_src = v_zero + (start + rv0) * p.v.token_stride + v0 + cvv * 8;
+  const int64_t ws0 = slot0 * HV + h;
+  const Op* t_src = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk) + tid * 8;
+  const Op* m_src = static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk) + tid * 8;
+  const float* f_src = plan.ws_f + ws0 * (kFactorRows * kChunk);
   auto issue = [&](int64_t c, Stage& b) {
-    const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
-    constexpr int KP = K / 8, VP = kCols / 8;  // 16-byte pieces per row
+    const Op* kc = k_src + c * kChunk * p.k.token_stride;
+    const Op* qc = q_src + c * kChunk * p.q.token_stride;
+    const Op* vc = v_src + c * kChunk * p.v.token_stride;
 #pragma unroll
-    for (int u = 0; u < kChunk * KP / kThr; ++u) {
-      const int it = tid + u * kThr, row = it / KP, cv = it % KP;
-      const int64_t t = row < L ? t0 + row : 0;  // a valid address for the zero fill
-      cp_async16(&b.ks[row * LDK + cv * 8], kg + t * p.k.token_stride + hk * p.k.head_stride + cv * 8, row < L);
-      cp_async16(&b.qs[row * LDK + cv * 8], qg + t * p.q.token_stride + hk * p.q.head_stride + cv * 8, row < L);
+    for (int u = 0; u < kChunk / kStepK; ++u) {
+      const int row = rk0 + u * kStepK;
+      const bool ok = row < L;
+      cp_async16(&b.ks[row * LDK + ck * 8], ok ? kc + int64_t(u * kStepK) * p.k.token_stride : k_zero, ok);
+      cp_async16(&b.qs[row * LDK + ck * 8], ok ? qc + int64_t(u * kStepK) * p.q.token_stride : q_zero, ok);
     }
 #pragma unroll
-    for (int u = 0; u < kChunk * VP / kThr; ++u) {
-      const int it = tid + u * kThr, row = it / VP, cv = it % VP;
-      const int64_t t = row < L ? t0 + row : 0;
-      cp_async16(&b.vs[row * LDV + cv * 8], vg + t * p.v.token_stride + h * p.v.head_stride + v0 + cv * 8, row < L);
+    for (int u = 0; u < kChunk / kStepV; ++u) {
+      const int row = rv0 + u * kStepV;
+      const bool ok = row < L;
+      cp_async16(&b.vs[row * LDV + cvv * 8], ok ? vc + int64_t(u * kStepV) * p.v.token_stride : v_zero, ok);
     }
-    const int64_t ws = (slot0 + c) * HV + h;
-    const Op* tsrc = static_cast<const Op*>(plan.ws_t) + ws * (kChunk * kChunk);
-    const Op* msrc = static_cast<const Op*>(plan.ws_m) + ws * (kChunk * kChunk);
+    const int64_t wc = c * HV;  // workspace entries per chunk
+    const Op* tc = t_src + wc * (kChunk * kChunk);
+    const Op* mc = m_src + wc * (kChunk * kChunk);
 #pragma unroll
     for (int u = 0; u < kChunk * kChunk / 8 / kThr; ++u) {
       const int it = tid + u * kThr, row = it >> 3, cv = it & 7;
-      cp_async16(&b.ts[row * LDT + cv * 8], tsrc + it * 8, true);
-      cp_async16(&b.ms[row * LDT + cv * 8], msrc + it * 8, true);
+      cp_async16(&b.ts[row * LDT + cv * 8], tc + u * kThr * 8, true);
+      cp_async16(&b.ms[row * LDT + cv * 8], mc + u * kThr * 8, true);
     }
-    for (int it = tid; it < kFactorRows * kChunk / 4; it += kThr)
-      cp_async16(&b.sc[it * 4], plan.ws_f + ws * (kFactorRows * kChunk) + it * 4, true);
+    const float* fc = f_src + wc * (kFactorRows * kChunk);
+    for (int it = tid; it < kFactorRows * kChunk / 4; it += kThr) cp_async16(&b.sc[it * 4], fc + it * 4, true);
     cp_async_commit();
   };
 
