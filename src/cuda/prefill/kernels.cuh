@@ -1,22 +1,22 @@
 // CUDA chunked prefill (SPEC.md "prefill"), two kernels per call:
 //
-//  1. chunk_prep_kernel  grid (chunk slots, H): everything that depends on one chunk only. q, k rows,
-//     their norms, k k^T and q k^T once per q/k head, then per value head of its GVA group:
+//  1. chunk_prep_kernel  one CTA per (chunk slot, q/k head): everything that depends on one chunk only.
+//     q, k rows, their norms, k k^T and q k^T once per q/k head, then per value head of its GVA group:
 //       gates g, beta (fused or given), gcum = within-chunk cumulative sum of g,
 //       A[i][j] = beta_i exp(gcum_i - gcum_j) (k^_i . k^_j) for j < i     (k^ = L2-normalized k)
-//       T' = (I + A)^{-1} diag(beta)                                (blocked triangular inverse, fp32)
+//       T' = (I + A)^{-1} diag(beta)          (blocked: 16 x 16 substitutions, block rows on tensor cores)
 //       M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j                (intra-chunk attention)
-//     writes T', M (operand dtype), gcum and the q/k norm factors (fp32) to the workspace.
-//  2. state_pass_kernel  grid (N, HV, V / VT): sequential over the chunks of one sequence, one value
-//     tile S[:, v0:v0+VT] of one head (the state pass is independent per column block of S).
+//     writes T', M (operand dtype) and the per-token factors (FactorRow, fp32) to the workspace.
+//  2. a state pass, sequential over the chunks of one sequence: state_pass_head_kernel
+//     (state_pass_head.cuh: one CTA per sequence and value head, the fast path) or state_pass_kernel
+//     below (one value tile S[:, v0:v0+VT] of one head per CTA: fp32 inputs, K or V = 256, unaligned views).
 //     Per chunk, with D = diag(exp(gcum)):
 //       X     = v - D k^ S                           (64 x VT)
 //       v_new = T' X                                 (= u - w S of the WY form: u = T beta v,
 //                                                      w = T beta D k^, folded so w is never stored)
 //       o     = D q^ S + M v_new
 //       S     = exp(g_last) S + k^T diag(exp(g_last - gcum)) v_new
-//     S lives in registers (fp32 mma accumulators), with an Op copy in shared memory as the
-//     operand of k S and q S.
+//     S lives in registers (fp32 mma accumulators).
 // All products run on tensor cores: mma.sync m16n8k16, Op operands (bf16 for bf16 inputs, fp16 for
 // fp16/fp32 inputs), fp32 accumulation. The L2 norms and the scale are per-token factors applied to
 // mma results (rows of q/k stay raw in shared memory). Design and measurements: docs/prefill-design.md.
