@@ -142,6 +142,13 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
   plan.o_pair = aligned(p.o.data, size_t(2 * oes)) && p.o.token_stride % 2 == 0 && p.o.head_stride % 2 == 0;
   // Without checkpoint indices no checkpoint is stored: interval 0 tells the kernel so.
   if (p.checkpoint_indices == nullptr || p.checkpoints.data == nullptr) p.checkpoint_interval = 0;
+  // Pairs (k, k+1) of a K-last state are adjacent; every offset the kernels form is even when the
+  // slot stride is (heads and value rows are K elements apart, K even).
+  const bool klast = p.state.layout == StateLayout::kKLast;
+  plan.state_pairs = klast && aligned(p.state.data, 2 * dtype_size(p.state.dtype)) && p.state.slot_stride % 2 == 0;
+  plan.checkpoint_pairs = klast && p.checkpoints.data != nullptr &&
+                          aligned(p.checkpoints.data, 2 * dtype_size(p.checkpoints.dtype)) &&
+                          p.checkpoints.slot_stride % 2 == 0;
 
   const size_t need = workspace_bytes(p);
   void* ws = nullptr;

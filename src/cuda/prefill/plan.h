@@ -36,6 +36,8 @@ struct Plan {
   bool o_pair = false;         // o allows 2-element stores
   bool fp16_operands = false;  // tensor-core operands fp16 (fp16 / fp32 inputs) instead of bf16
   int32_t head_split = 1;      // head state pass: CTAs per (sequence, value head)
+  bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
+  bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   int32_t num_sms = 132;
 };
 

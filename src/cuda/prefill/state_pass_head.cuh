@@ -73,19 +73,37 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   auto s_offset = [&](int j, int e) {
     return state_offset(p.state.layout, h, 8 * j + q2 + (e & 1), vw + r + 8 * (e >> 1), K, V);
   };
+  // K-last keeps a lane's elements (k, k+1) of one value row adjacent: one 2-element access each where
+  // the buffer allows it (Plan::state_pairs / checkpoint_pairs), else one element at a time.
   {
     const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
 #pragma unroll
     for (int j = 0; j < KT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s[j][e] = sq.islot >= 0 ? load_state_elem(p.state.data, p.state.dtype, base + s_offset(j, e)) : 0.0f;
+      for (int e = 0; e < 4; e += 2) {
+        float2 x = make_float2(0.0f, 0.0f);
+        if (sq.islot >= 0 && plan.state_pairs) {
+          x = load_state_pair(p.state.data, p.state.dtype, base + s_offset(j, e));
+        } else if (sq.islot >= 0) {
+          x.x = load_state_elem(p.state.data, p.state.dtype, base + s_offset(j, e));
+          x.y = load_state_elem(p.state.data, p.state.dtype, base + s_offset(j, e + 1));
+        }
+        s[j][e] = x.x;
+        s[j][e + 1] = x.y;
+      }
   }
-  auto store_s = [&](void* base, DType dt, int64_t offset) {
+  auto store_s = [&](void* base, DType dt, int64_t offset, bool pairs) {
 #pragma unroll
     for (int j = 0; j < KT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) store_state_elem(base, dt, offset + s_offset(j, e), s[j][e]);
+      for (int e = 0; e < 4; e += 2) {
+        if (pairs) {
+          store_state_pair(base, dt, offset + s_offset(j, e), s[j][e], s[j][e + 1]);
+        } else {
+          store_state_elem(base, dt, offset + s_offset(j, e), s[j][e]);
+          store_state_elem(base, dt, offset + s_offset(j, e + 1), s[j][e + 1]);
+        }
+      }
   };
 
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
@@ -315,12 +333,12 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       if (done % C == 0 && done <= len && done / C - 1 < p.checkpoints.num_steps) {
         const int64_t j = done / C - 1;
         store_s(p.checkpoints.data, p.checkpoints.dtype,
-                int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * K * V));
+                int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * K * V), plan.checkpoint_pairs);
       }
     }
   }
 
-  if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride);
+  if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs);
 }
 
 template <int K, int V, int kSplit, class Op>
