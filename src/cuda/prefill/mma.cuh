@@ -187,4 +187,31 @@ __device__ __forceinline__ void causal_rows_mma(float (&acc)[NT][4], const T* a,
   }
 }
 
+// The A fragment of a 16x16 block from the C fragments of its two n8 tiles (the layouts agree), in Op.
+template <class Op>
+__device__ __forceinline__ void c_to_a(const float (&c0)[4], const float (&c1)[4], uint32_t (&a)[4]) {
+  a[0] = pack2<Op>(c0[0], c0[1]);
+  a[1] = pack2<Op>(c0[2], c0[3]);
+  a[2] = pack2<Op>(c1[0], c1[1]);
+  a[3] = pack2<Op>(c1[2], c1[3]);
+}
+
+// acc (16 rows x 64 token columns: 8 n8 tiles) += A B^T for A = 16 x 64 given as four k-step fragments
+// and B a chunk-causal 64 x 64 matrix (B[n][k] = 0 for k > n) stored as rows [n][k] with LD elements per
+// row, read by ldmatrix from `base` (this lane's bn_frag_ptr offset in shared memory): token-tile pair np
+// needs k-steps 0..np. Unless kFull, tile pairs at or past the chunk's length L are skipped.
+template <class Op, int LD, bool kFull>
+__device__ __forceinline__ void causal_cols_mma(float (&acc)[8][4], const uint32_t (&a)[4][4], uint32_t base, int L) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+    for (int np = ks; np < 4; ++np) {
+      if (!kFull && np * 16 >= L) continue;
+      uint32_t b[4];
+      ldmatrix_x4(b, base + uint32_t(np * 16 * LD + ks * 16) * 2);
+      mma<Op>(acc[2 * np], a[ks], b[0], b[1]);
+      mma<Op>(acc[2 * np + 1], a[ks], b[2], b[3]);
+    }
+}
+
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -195,9 +195,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) {
-        const uint32_t a[4] = {pack2<Op>(s[2 * kk][0], s[2 * kk][1]), pack2<Op>(s[2 * kk][2], s[2 * kk][3]),
-                               pack2<Op>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               pack2<Op>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        uint32_t a[4];
+        c_to_a<Op>(s[2 * kk], s[2 * kk + 1], a);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           if (!kFull && np * 16 >= L) continue;
@@ -236,30 +235,21 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) vn[nt][e] = 0.0f;
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int np = ks; np < 4; ++np) {
-          if (!kFull && np * 16 >= L) continue;
-          uint32_t bt[4];
-          ldmatrix_x4(bt, ts_b + uint32_t(np * 16 * LDT + ks * 16) * 2);
-          mma<Op>(vn[2 * np], xa[ks], bt[0], bt[1]);
-          mma<Op>(vn[2 * np + 1], xa[ks], bt[2], bt[3]);
-        }
+      causal_cols_mma<Op, LDT, kFull>(vn, xa, ts_b, L);
 
       // ---- A operands: v_new (for o) and vd = v_new diag(dd) (for S; dd is 0 past the chunk)
       uint32_t na[4][4], da[4][4];
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
+      for (int ks = 0; ks < 4; ++ks) {
+        c_to_a<Op>(vn[2 * ks], vn[2 * ks + 1], na[ks]);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int nt = 2 * ks + half;
           const float2 dd = factor(kDd, nt);
-          na[ks][2 * half] = pack2<Op>(vn[nt][0], vn[nt][1]);
-          na[ks][2 * half + 1] = pack2<Op>(vn[nt][2], vn[nt][3]);
           da[ks][2 * half] = pack2<Op>(vn[nt][0] * dd.x, vn[nt][1] * dd.y);
           da[ks][2 * half + 1] = pack2<Op>(vn[nt][2] * dd.x, vn[nt][3] * dd.y);
         }
+      }
 
       // ---- o^T = Q^T diag(eq) + v_new^T M^T   (M lower triangular)
 #pragma unroll
@@ -270,25 +260,15 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         qo[nt][2] *= eq.x;
         qo[nt][3] *= eq.y;
       }
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-        for (int np = ks; np < 4; ++np) {
-          if (!kFull && np * 16 >= L) continue;
-          uint32_t bm[4];
-          ldmatrix_x4(bm, ms_b + uint32_t(np * 16 * LDT + ks * 16) * 2);
-          mma<Op>(qo[2 * np], na[ks], bm[0], bm[1]);
-          mma<Op>(qo[2 * np + 1], na[ks], bm[2], bm[3]);
-        }
+      causal_cols_mma<Op, LDT, kFull>(qo, na, ms_b, L);
 
       // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored as 32-byte
       // row pieces
       __syncwarp();
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
-        const uint32_t frag[4] = {pack2<Op>(qo[2 * np][0], qo[2 * np][1]), pack2<Op>(qo[2 * np][2], qo[2 * np][3]),
-                                  pack2<Op>(qo[2 * np + 1][0], qo[2 * np + 1][1]),
-                                  pack2<Op>(qo[2 * np + 1][2], qo[2 * np + 1][3])};
+        uint32_t frag[4];  // the C -> A packing is also stmatrix's fragment order
+        c_to_a<Op>(qo[2 * np], qo[2 * np + 1], frag);
         stmatrix_x4_trans(vs_b + uint32_t(np * 16 * LDV) * 2, frag);
       }
       __syncwarp();
