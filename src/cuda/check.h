@@ -18,6 +18,11 @@ namespace gdnkit::cuda {
 // Whether kernels that support it are launched with programmatic dependent launch (PDL): on unless the
 // environment sets GDNKIT_PDL=0 (read once per process; for A/B timing). Defined in runtime.cpp.
 bool programmatic_launch_enabled();
+// Whether the recurrent kernels prefetch the state into L2 before griddepcontrol.wait: on unless
+// GDNKIT_PREFETCH=0 (read once per process; for A/B timing). Defined in runtime.cpp.
+bool state_prefetch_enabled();
+// SMs of the first device asked (sizing heuristics only; 132 if the query fails). Defined in runtime.cpp.
+int device_sms();
 
 }  // namespace gdnkit::cuda
 

@@ -62,17 +62,6 @@ void* owned_workspace(size_t bytes, cudaStream_t stream) {
   return ptr;
 }
 
-int device_sms() {
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
-      return 132;
-    return n;
-  }();
-  return sms;
-}
-
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 // 16-byte loads of 8 contiguous elements need the base and both strides in whole 16-byte units.

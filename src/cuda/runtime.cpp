@@ -32,6 +32,25 @@ bool programmatic_launch_enabled() {
   return enabled;
 }
 
+int device_sms() {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
+      return 132;
+    return n;
+  }();
+  return sms;
+}
+
+bool state_prefetch_enabled() {
+  static const bool enabled = [] {
+    const char* e = std::getenv("GDNKIT_PREFETCH");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return enabled;
+}
+
 std::string device_info() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {

@@ -14,6 +14,16 @@
 
 namespace gdnkit::cuda {
 
+// ---- L2 prefetch ------------------------------------------------------------------------------
+// Brings `bytes` (a multiple of 16, from a 16-byte aligned global address) into L2 with one bulk
+// (TMA) request. A hint: nothing is read into registers, so it may run before griddepcontrol.wait on
+// data the previous kernel still writes (L2 is the point of coherence; the later loads see its writes).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+// One cache line around p, any alignment.
+__device__ __forceinline__ void prefetch_l2_line(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // ---- scalar conversions ---------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }

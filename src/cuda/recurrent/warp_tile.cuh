@@ -42,6 +42,10 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
   // Element offset of the warp's columns inside one head's [V][K] block.
   __device__ static int64_t origin(int v0) { return int64_t(v0) * K; }
 
+  // L2 prefetch of what load() will read: the warp's columns are one contiguous run.
+  __device__ static void prefetch(const TS* tile, int lane) {
+    if (lane == 0) prefetch_l2(tile, unsigned(kRows * K * sizeof(TS)));
+  }
   // s <- the pool state at `tile` (head block + origin). Every warp of the CTA calls it together.
   __device__ static void load(const TS* tile, float (&s)[kRows][kKPer], int lane, Stage&) {
 #pragma unroll
@@ -85,6 +89,12 @@ struct WarpTile<StateLayout::kVLast, TS, K, V> {
   __device__ static int k_of(int lane, int j) { return lane + 32 * j; }
   __device__ static int64_t origin(int v0) { return v0; }
 
+  // L2 prefetch of what load() will read: the CTA's row pieces, one row per thread.
+  __device__ static void prefetch(const TS* tile, int) {
+    const TS* cta = tile - int(threadIdx.x) / 32 * kRows;
+    for (int r = int(threadIdx.x); r < K; r += kCtaWarps * 32)
+      prefetch_l2(cta + int64_t(r) * V, unsigned(kCtaCols * sizeof(TS)));
+  }
   // Every warp of the CTA calls load and store together (barriers inside).
   __device__ static void load(const TS* tile, float (&s)[kRows][kKPer], int lane, Stage& st) {
     constexpr int kChunk = 16 / int(sizeof(TS)), kChunksPerRow = kCtaCols / kChunk;
