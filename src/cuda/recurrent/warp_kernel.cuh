@@ -33,6 +33,9 @@
 
 #include "cuda/check.h"
 #include "cuda/common/dtype.cuh"
+#include "cuda/recurrent/launch.cuh"
+#include "cuda/recurrent/token.cuh"
+#include "cuda/recurrent/vlast_decode.cuh"
 #include "cuda/recurrent/warp_tile.cuh"
 #include "gdnkit/params.h"
 
@@ -59,31 +62,6 @@ constexpr int warp_kernel_min_warps() {
   if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
   if (kOp != WarpOp::kDecode) return 20;
   return K <= 128 ? 32 : 28;
-}
-
-// Decode's token inputs into L2 (before griddepcontrol.wait): the q and k rows of head hq, the warp's
-// v_elems values of v and the two gate inputs of token b. Lanes take one cache line each.
-template <class TI>
-__device__ __forceinline__ void prefetch_token_inputs(const CommitParams& p, int64_t tok, int hq, int hv, int v0, int K,
-                                                      int v_elems, int lane) {
-  constexpr int kE = int(sizeof(TI));
-  int first = 0;  // the first lane of the next span
-  const auto span = [&](const void* base, int64_t elem_off, int elem_size, int bytes) {
-    const int i = lane - first;  // lines start, start + 128, ..., and the one holding the last byte
-    if (i >= 0 && i <= bytes / 128)
-      prefetch_l2_line(static_cast<const char*>(base) + elem_off * elem_size + (i * 128 < bytes ? i * 128 : bytes - 1));
-    first += bytes / 128 + 1;
-  };
-  const auto gate = [&](const InView& x) {
-    const int size = x.dtype == DType::kFloat32 ? 4 : 2;
-    span(x.data, tok * x.token_stride + hv * x.head_stride, size, size);
-  };
-  span(p.k.data, tok * p.k.token_stride + int64_t(hq) * p.k.head_stride, kE, K * kE);
-  span(p.q.data, tok * p.q.token_stride + int64_t(hq) * p.q.head_stride, kE, K * kE);
-  span(p.v.data, tok * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0, kE, v_elems * kE);
-  const bool fused = p.gating.mode == GateMode::kFused;
-  gate(fused ? p.gating.a : p.gating.g);
-  gate(fused ? p.gating.b : p.gating.beta);
 }
 
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
@@ -160,21 +138,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // The gates of local token x: the raw inputs (a, b of the fused form, or g, beta), then the math.
   // Multi-token ops compute them once per token, lane t for token t (t < 32, see `lane_gates` below),
   // rather than once per token in every lane: the gating is ~100 warp instructions, a sixth of a token.
-  const bool fused = gt.mode == GateMode::kFused;
-  const auto gate_inputs = [&](int x, float& a, float& b) {
-    const int64_t tok = tok0 + x;
-    if (fused) {
-      a = load_dyn(gt.a.data, gt.a.dtype, tok * gt.a.token_stride + hv * gt.a.head_stride);
-      b = load_dyn(gt.b.data, gt.b.dtype, tok * gt.b.token_stride + hv * gt.b.head_stride);
-    } else {
-      a = load_dyn(gt.g.data, gt.g.dtype, tok * gt.g.token_stride + hv * gt.g.head_stride);
-      b = load_dyn(gt.beta.data, gt.beta.dtype, tok * gt.beta.token_stride + hv * gt.beta.head_stride);
-    }
-  };
-  const auto gate_math = [&](float a, float b, float& decay, float& beta) {
-    decay = expf(fused ? fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f) : a);
-    beta = fused ? sigmoid(b) : b;
-  };
+  const auto gate_inputs = [&](int x, float& a, float& b) { token_gate_inputs(gt, tok0 + x, hv, a, b); };
+  const auto gate_math = [&](float a, float b, float& decay, float& beta) { gate_values(gt, hv, a, b, decay, beta); };
   float lane_decay = 1.0f, lane_beta = 0.0f;  // multi-token ops: the gates of token `lane`
 
   // One token x (local index) of this sequence: its loads, then its step (o when asked).
@@ -380,27 +345,14 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
     throw Error(ErrorCode::kNotImplemented, "cuda recurrent: B = " + std::to_string(p.batch) + ", HV = " +
                                                 std::to_string(p.heads.num_v_heads) + " exceed the grid (B <= 65535, HV * " +
                                                 std::to_string(kColCtas) + " < 2^31)");
+  if constexpr (kLayout == StateLayout::kVLast && kOp == WarpOp::kDecode && K <= 128) {
+    launch_vlast_decode<TS, TI, K, V>(p, stream);  // vlast_decode.cuh: no shared-memory stage
+    return;
+  }
   const auto kernel = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp>;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch));
-  cfg.blockDim = dim3(kCtaWarps * 32);
-  cfg.stream = stream;
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl;
-  cfg.numAttrs = programmatic_launch_enabled() ? 1 : 0;
-  // Prefetch mode when this kernel and the next of its size fit the GPU together, so that the next one's
-  // CTAs are resident (and prefetching) while this one runs. Larger grids start their later waves after
-  // the previous kernel finished: there the load of the index before the wait only adds latency.
-  static const int max_ctas = [&] {
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, int(cfg.blockDim.x), 0) != cudaSuccess)
-      per_sm = 0;
-    return per_sm * device_sms();
-  }();
-  const bool prefetch = state_prefetch_enabled() && 2 * int64_t(cfg.gridDim.x) * cfg.gridDim.y <= max_ctas;
-  GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, write_state, prefetch));
+  static const int max_ctas = resident_ctas(reinterpret_cast<const void*>(kernel), kCtaWarps * 32);
+  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kCtaWarps * 32, max_ctas,
+                   stream, p, write_state);
 }
 
 // Explicit instantiations: one translation unit per (layout, state dtype); all ops, input dtypes, dims.

@@ -1,0 +1,55 @@
+// Per-token inputs shared by the recurrent kernels (warp_kernel.cuh, vlast_decode.cuh): the gate inputs
+// of a token and their math (SPEC.md "The recurrence"), and decode's L2 prefetch of a token's inputs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/dtype.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::recurrent {
+
+// The raw gate inputs of token `tok` and value head hv: (a, b) of the fused form, or (g, beta).
+__device__ __forceinline__ void token_gate_inputs(const Gating& gt, int64_t tok, int hv, float& a, float& b) {
+  const bool fused = gt.mode == GateMode::kFused;
+  const InView& x = fused ? gt.a : gt.g;
+  const InView& y = fused ? gt.b : gt.beta;
+  a = load_dyn(x.data, x.dtype, tok * x.token_stride + hv * x.head_stride);
+  b = load_dyn(y.data, y.dtype, tok * y.token_stride + hv * y.head_stride);
+}
+
+// decay = exp(g) and beta from the raw inputs.
+__device__ __forceinline__ void gate_values(const Gating& gt, int hv, float a, float b, float& decay, float& beta) {
+  const bool fused = gt.mode == GateMode::kFused;
+  decay = expf(fused ? fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f) : a);
+  beta = fused ? sigmoid(b) : b;
+}
+
+// Decode's token inputs into L2 (before griddepcontrol.wait): the q and k rows of head hq, the warp's
+// v_elems values of v and the two gate inputs of token b. Lanes take one cache line each.
+template <class TI>
+__device__ __forceinline__ void prefetch_token_inputs(const CommitParams& p, int64_t tok, int hq, int hv, int v0, int K,
+                                                      int v_elems, int lane) {
+  constexpr int kE = int(sizeof(TI));
+  int first = 0;  // the first lane of the next span
+  const auto span = [&](const void* base, int64_t elem_off, int elem_size, int bytes) {
+    const int i = lane - first;  // lines start, start + 128, ..., and the one holding the last byte
+    if (i >= 0 && i <= bytes / 128)
+      prefetch_l2_line(static_cast<const char*>(base) + elem_off * elem_size + (i * 128 < bytes ? i * 128 : bytes - 1));
+    first += bytes / 128 + 1;
+  };
+  const auto gate = [&](const InView& x) {
+    const int size = x.dtype == DType::kFloat32 ? 4 : 2;
+    span(x.data, tok * x.token_stride + hv * x.head_stride, size, size);
+  };
+  span(p.k.data, tok * p.k.token_stride + int64_t(hq) * p.k.head_stride, kE, K * kE);
+  span(p.q.data, tok * p.q.token_stride + int64_t(hq) * p.q.head_stride, kE, K * kE);
+  span(p.v.data, tok * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0, kE, v_elems * kE);
+  const bool fused = p.gating.mode == GateMode::kFused;
+  gate(fused ? p.gating.a : p.gating.g);
+  gate(fused ? p.gating.b : p.gating.beta);
+}
+
+}  // namespace gdnkit::cuda::recurrent

@@ -1,0 +1,198 @@
+// Decode for V-last pools ([K][V] per head, rows k contiguous in v) without a shared-memory stage.
+//
+// The warp kernel (warp_kernel.cuh) gives each warp 8 columns and every row, which in V-last are 32-byte
+// pieces of each row: it stages them through shared memory to move whole 128-byte lines, and measured
+// 9-12% (fp32) and 23-31% (bf16) slower than K-last. Here a CTA owns one 128-byte piece of every row
+// (kCols = 32 fp32 or 64 bf16 columns) and its warps split the rows:
+//   lane l: column group cg = l / 4 (kVec = 16 bytes of columns: 4 fp32 or 8 bf16), row phase ro = l % 4;
+//   warp w: rows w * kRowsPerWarp + 4 i + ro, i < kRowsPerWarp / 4 (32 rows per warp fp32, 16 bf16);
+// so each load or store instruction of a warp covers 4 whole lines, straight from and to registers, and
+// a lane holds 32 state values like the warp kernel. The sums over k (S^T k and S^T q of the CTA's
+// columns) are reduced over the 4 lanes of a column group (a halving butterfly) and then over the warps
+// through shared memory: one barrier. Every lane then has u of its columns; warp 0 writes o.
+// The math and rounding per value are the warp kernel's (norms scale the sums, rsqrtf, fp32 state).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/dtype.cuh"
+#include "cuda/recurrent/launch.cuh"
+#include "cuda/recurrent/token.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::recurrent {
+
+template <class TS, int K>
+struct VLastRows {
+  static constexpr int kVec = 16 / int(sizeof(TS));        // columns per lane and row: 16 bytes
+  static constexpr int kCols = 8 * kVec;                     // columns per CTA: one 128-byte line per row
+  static constexpr int kRowsPerWarp = 4 * 32 / kVec;         // 32 values per lane
+  static constexpr int kRowsPerLane = kRowsPerWarp / 4;
+  static constexpr int kWarps = K / kRowsPerWarp;            // fp32: K / 32, bf16: K / 16
+  static_assert(K % kRowsPerWarp == 0 && kWarps >= 1 && kWarps <= 8, "V-last decode: K = 64 or 128");
+};
+
+// N values over aligned groups of kLanes consecutive lanes (N >= kLanes, powers of two): halving
+// butterflies, log2(kLanes) steps of N/2, N/4, ... shuffles. Afterwards x[0 .. N/kLanes - 1] of lane l
+// are the group sums of values index .. index + N/kLanes - 1; returns index.
+template <int N, int kLanes>
+__device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
+  static_assert(N >= kLanes && kLanes >= 2 && (N & (N - 1)) == 0 && (kLanes & (kLanes - 1)) == 0, "powers of two");
+  int index = 0, n = N;
+#pragma unroll
+  for (int off = kLanes / 2; off >= 1; off /= 2) {
+    n /= 2;
+    const bool upper = (lane & off) != 0;  // this lane keeps the upper half
+#pragma unroll
+    for (int m = 0; m < N / 2; ++m) {
+      if (m >= n) break;
+      const float send = upper ? x[m] : x[m + n];
+      const float keep = upper ? x[m + n] : x[m];
+      x[m] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+    if (upper) index += n;
+  }
+  return index;
+}
+
+// 24 warps per SM (80 registers, no spills at K = 128 but for bf16 state with fp32 inputs): at 32 warps
+// (64 registers) ptxas spilled 44-84 bytes and fp32 decode measured 7-8% slower from B = 16 up.
+template <class TS, class TI, int K, int V>
+__global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<TS, K>::kWarps)
+    vlast_decode_kernel(const CommitParams p, const bool prefetch) {
+  using R = VLastRows<TS, K>;
+  constexpr int kVec = R::kVec, kCols = R::kCols, kRowsPerLane = R::kRowsPerLane, kWarps = R::kWarps;
+  constexpr int kColCtas = V / kCols;
+  constexpr int64_t kHeadElems = int64_t(K) * V;
+  __shared__ __align__(16) float partial[2][kWarps][kCols];  // per warp: S^T k, S^T q of the CTA's columns
+
+  const int lane = int(threadIdx.x) % 32, w = int(threadIdx.x) / 32;
+  const int cg = lane / 4, ro = lane % 4;
+  const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
+  const int c0 = int(blockIdx.x % unsigned(kColCtas)) * kCols;  // the CTA's first column
+  const int col = c0 + cg * kVec;                                // this lane's first column
+  const int row0 = w * R::kRowsPerWarp + ro;                     // this lane's rows: row0 + 4 i
+  const int hq = hv / (p.heads.num_v_heads / p.heads.num_qk_heads);
+  const bool counter = hv == 0 && c0 == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
+  TS* const head = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems;  // + slot * slot_stride
+
+  // Before the wait: prefetch mode as in warp_kernel.cuh (one row's line per thread).
+  int spec = -1;
+  if (prefetch) {
+    spec = __ldcg(p.state_indices + b);
+    if (spec >= 0 && spec < p.state.num_slots) {
+      for (int r = int(threadIdx.x); r < K; r += kWarps * 32)
+        prefetch_l2(head + int64_t(spec) * p.state.slot_stride + int64_t(r) * V + c0, unsigned(kCols * sizeof(TS)));
+    } else {
+      spec = -1;
+    }
+    if (w == 0) prefetch_token_inputs<TI>(p, b, hq, hv, c0, K, kCols, lane);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+
+  const int slot = p.state_indices[b];
+  float s[kRowsPerLane][kVec];
+  const auto load = [&](int sl) {
+    const TS* t = head + int64_t(sl) * p.state.slot_stride + int64_t(row0) * V + col;
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) load_vec<TS, kVec>(t + int64_t(4 * i) * V, s[i]);
+  };
+  if (spec >= 0) load(spec);  // beside the index; replaced below if the index differs
+
+  // Token b: the q/k norms and k . q (each warp over all K entries), the gates, then the k and q entries
+  // of this lane's rows and v of its columns. Reduced as they arrive, so that only what the step needs
+  // stays live beside the state.
+  const TI* kp = static_cast<const TI*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
+  const TI* qp = static_cast<const TI*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
+  const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride;
+  float kk = 0.0f, qq = 0.0f, kq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < K / 32; ++j) {
+    const float kn = to_float(kp[lane + 32 * j]), qn = to_float(qp[lane + 32 * j]);
+    kk = fmaf(kn, kn, kk), qq = fmaf(qn, qn, qq), kq = fmaf(kn, qn, kq);
+  }
+  kk = warp_sum(kk), qq = warp_sum(qq), kq = warp_sum(kq);
+  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
+  const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
+  const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
+  const float kq_n = kq * rk * rq;
+  float decay, beta;
+  {
+    float ga, gb;
+    token_gate_inputs(p.gating, b, hv, ga, gb);
+    gate_values(p.gating, hv, ga, gb, decay, beta);
+  }
+  float kr[kRowsPerLane], qr[kRowsPerLane], v[kVec];
+#pragma unroll
+  for (int i = 0; i < kRowsPerLane; ++i) kr[i] = to_float(kp[row0 + 4 * i]), qr[i] = to_float(qp[row0 + 4 * i]);
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) v[c] = to_float(vp[col + c]);
+
+  TI* const o = static_cast<TI*>(p.o.data) + int64_t(b) * p.o.token_stride + int64_t(hv) * p.o.head_stride;
+  const bool bad = slot >= p.state.num_slots;
+  if (bad || slot < 0) {  // padding row, or a slot past the pool: o = 0, no state traffic
+    if (bad && counter) atomicAdd(p.error_flag, 1);
+    if (int(threadIdx.x) < kCols) o[c0 + int(threadIdx.x)] = from_float<TI>(0.0f);
+    return;
+  }
+  if (spec != slot) load(slot);
+
+  // This lane's share of S^T k (x[c]) and S^T q (x[kVec + c]) over its rows, then over its column group.
+  float x[2 * kVec];
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) {
+    float dk = 0.0f, dq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) dk = fmaf(s[i][c], kr[i], dk), dq = fmaf(s[i][c], qr[i], dq);
+    x[c] = dk, x[kVec + c] = dq;
+  }
+  constexpr int kMine = 2 * kVec / 4;  // sums this lane holds after the butterfly
+  const int first = transpose_group_sums<2 * kVec, 4>(x, lane);
+#pragma unroll
+  for (int m = 0; m < kMine; ++m) {
+    const int e = first + m;  // value e: S^T k (e < kVec) or S^T q of column cg * kVec + e % kVec
+    partial[e / kVec][w][cg * kVec + e % kVec] = x[m];
+  }
+  __syncthreads();
+
+  float u[kVec];
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) {
+    float dk = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < kWarps; ++ww) dk += partial[0][ww][cg * kVec + c];
+    u[c] = beta * (v[c] - decay * (dk * rk));
+  }
+  if (w == 0 && ro == 0) {
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) {
+      float dq = 0.0f;
+#pragma unroll
+      for (int ww = 0; ww < kWarps; ++ww) dq += partial[1][ww][cg * kVec + c];
+      o[col + c] = from_float<TI>(fmaf(kq_n, u[c], decay * (dq * rq)));
+    }
+  }
+  TS* const t = head + int64_t(slot) * p.state.slot_stride + int64_t(row0) * V + col;
+#pragma unroll
+  for (int i = 0; i < kRowsPerLane; ++i) {
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) s[i][c] = fmaf(kr[i], u[c] * rk, decay * s[i][c]);
+    store_vec<TS, kVec>(t + int64_t(4 * i) * V, s[i]);
+  }
+}
+
+template <class TS, class TI, int K, int V>
+void launch_vlast_decode(const CommitParams& p, Stream stream) {
+  using R = VLastRows<TS, K>;
+  constexpr int kColCtas = V / R::kCols;
+  static_assert(V % R::kCols == 0, "V-last decode: V must be a multiple of the CTA's columns");
+  const auto kernel = vlast_decode_kernel<TS, TI, K, V>;
+  static const int max_ctas = resident_ctas(reinterpret_cast<const void*>(kernel), R::kWarps * 32);
+  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), R::kWarps * 32, max_ctas,
+                   stream, p);
+}
+
+}  // namespace gdnkit::cuda::recurrent
