@@ -24,11 +24,16 @@ bool device_usable() {
   return usable;
 }
 
+namespace {
+// An on/off switch from the environment: on unless the variable is "0".
+bool env_switch(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr || std::string(e) != "0";
+}
+}  // namespace
+
 bool programmatic_launch_enabled() {
-  static const bool enabled = [] {
-    const char* e = std::getenv("GDNKIT_PDL");
-    return e == nullptr || std::string(e) != "0";
-  }();
+  static const bool enabled = env_switch("GDNKIT_PDL");
   return enabled;
 }
 
@@ -44,10 +49,7 @@ int device_sms() {
 }
 
 bool state_prefetch_enabled() {
-  static const bool enabled = [] {
-    const char* e = std::getenv("GDNKIT_PREFETCH");
-    return e == nullptr || std::string(e) != "0";
-  }();
+  static const bool enabled = env_switch("GDNKIT_PREFETCH");
   return enabled;
 }
 

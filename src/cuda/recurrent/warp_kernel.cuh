@@ -48,6 +48,7 @@ enum class WarpOp : int32_t {
 };
 
 // write_state: verify of chains with update_state stores the final state (decode and replay always do).
+// V-last decode with K <= 128 is routed to vlast_decode_kernel (vlast_decode.cuh) from here.
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
 void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream);
 
@@ -347,12 +348,12 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
                                                 std::to_string(kColCtas) + " < 2^31)");
   if constexpr (kLayout == StateLayout::kVLast && kOp == WarpOp::kDecode && K <= 128) {
     launch_vlast_decode<TS, TI, K, V>(p, stream);  // vlast_decode.cuh: no shared-memory stage
-    return;
+  } else {
+    const auto kernel = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp>;
+    static const int max_ctas = resident_ctas(reinterpret_cast<const void*>(kernel), kCtaWarps * 32);
+    launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kCtaWarps * 32,
+                     max_ctas, stream, p, write_state);
   }
-  const auto kernel = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp>;
-  static const int max_ctas = resident_ctas(reinterpret_cast<const void*>(kernel), kCtaWarps * 32);
-  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kCtaWarps * 32, max_ctas,
-                   stream, p, write_state);
 }
 
 // Explicit instantiations: one translation unit per (layout, state dtype); all ops, input dtypes, dims.
