@@ -96,18 +96,17 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// N sums over aligned groups of kLanes lanes at once (N and kLanes powers of two, 2 <= N, 2 <= kLanes <= 32),
+// N sums over aligned groups of kLanes lanes at once (N and kLanes powers of two, 2 <= N <= kLanes <= 32),
 // each lane contributing x[0..N-1]: a butterfly that halves the values at every step (each lane keeps
-// one half and adds its partner's other half), min(log2 N, log2 kLanes) steps, then plain butterflies
-// while lanes remain: N - 1 + log2(kLanes / N) shuffles when N <= kLanes, instead of N * log2(kLanes).
-// Afterwards lane l holds in x[0 .. M-1] (M = max(1, N / kLanes)) the group sums of values index ..
-// index + M - 1, where index = M * ((l % kLanes) / max(1, kLanes / N)); returns that index.
+// one half and adds its partner's other half), then plain butterflies: N - 1 + log2(kLanes / N) shuffles
+// instead of N * log2(kLanes). Afterwards x[0] of lane l is the group sum of value
+// (l % kLanes) / (kLanes / N); returns that index.
 template <int N, int kLanes = 32>
 __device__ __forceinline__ int transpose_group_sum(float (&x)[N], int lane) {
   constexpr auto log2 = [](int n) { int r = 0; while (n > 1) n /= 2, ++r; return r; };
-  constexpr int kAll = log2(kLanes), kSteps = log2(N) < kAll ? log2(N) : kAll;
-  static_assert((1 << log2(N)) == N && (1 << kAll) == kLanes && N >= 2 && kLanes >= 2 && kLanes <= 32,
-                "N and kLanes must be powers of two, N >= 2, 2 <= kLanes <= 32");
+  constexpr int kSteps = log2(N), kAll = log2(kLanes);
+  static_assert((1 << kSteps) == N && (1 << kAll) == kLanes && N >= 2 && N <= kLanes && kLanes <= 32,
+                "N and kLanes must be powers of two, 2 <= N <= kLanes <= 32");
   int index = 0;
 #pragma unroll
   for (int step = 0; step < kSteps; ++step) {

@@ -34,6 +34,30 @@ struct VLastRows {
   static_assert(K % kRowsPerWarp == 0 && kWarps >= 1 && kWarps <= 8, "V-last decode: K = 64 or 128");
 };
 
+// N values over aligned groups of kLanes consecutive lanes (N >= kLanes, powers of two; dtype.cuh's
+// transpose_group_sum covers N <= kLanes; folding both into it made ptxas branch here, bf16 8% slower): halving
+// butterflies, log2(kLanes) steps of N/2, N/4, ... shuffles. Afterwards x[0 .. N/kLanes - 1] of lane l
+// are the group sums of values index .. index + N/kLanes - 1; returns index.
+template <int N, int kLanes>
+__device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
+  static_assert(N >= kLanes && kLanes >= 2 && (N & (N - 1)) == 0 && (kLanes & (kLanes - 1)) == 0, "powers of two");
+  int index = 0, n = N;
+#pragma unroll
+  for (int off = kLanes / 2; off >= 1; off /= 2) {
+    n /= 2;
+    const bool upper = (lane & off) != 0;  // this lane keeps the upper half
+#pragma unroll
+    for (int m = 0; m < N / 2; ++m) {
+      if (m >= n) break;
+      const float send = upper ? x[m] : x[m + n];
+      const float keep = upper ? x[m + n] : x[m];
+      x[m] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+    if (upper) index += n;
+  }
+  return index;
+}
+
 // 24 warps per SM (80 registers, no spills at K = 128 but for bf16 state with fp32 inputs): at 32 warps
 // (64 registers) ptxas spilled 44-84 bytes and fp32 decode measured 7-8% slower from B = 16 up.
 template <class TS, class TI, int K, int V>
@@ -127,7 +151,7 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<
     x[c] = dk, x[kVec + c] = dq;
   }
   constexpr int kMine = 2 * kVec / 4;  // sums this lane holds after the butterfly
-  const int first = transpose_group_sum<2 * kVec, 4>(x, lane);
+  const int first = transpose_group_sums<2 * kVec, 4>(x, lane);
 #pragma unroll
   for (int m = 0; m < kMine; ++m) {
     const int e = first + m;  // value e: S^T k (e < kVec) or S^T q of column cg * kVec + e % kVec
