@@ -86,7 +86,7 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
 }
 
 bool vtile_supported(int K, int vtile) {
-  return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128) || (vtile == kVTileHead && K <= 128);
+  return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128) || (is_head_tile(vtile) && K <= 128);
 }
 
 bool head_pass_ok(const PrefillParams& p) {
@@ -157,10 +157,10 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
 
   if (vtile == 0) vtile = choose_vtile(p, plan.num_sms);
   plan.head_split = head_split != 0 ? head_split : choose_head_split(p, plan.num_sms);
-  if (vtile == kVTileHead && !head_split_supported(p.heads.head_dim_v, plan.head_split))
+  if (is_head_tile(vtile) && !head_split_supported(p.heads.head_dim_v, plan.head_split))
     throw Error(ErrorCode::kInvalidArgument, "prefill: head split " + std::to_string(plan.head_split) +
                                                  " is not supported for V=" + std::to_string(p.heads.head_dim_v));
-  if (!vtile_supported(K, vtile) || vtile > p.heads.head_dim_v || (vtile == kVTileHead && !head_pass_ok(p)))
+  if (!vtile_supported(K, vtile) || vtile > p.heads.head_dim_v || (is_head_tile(vtile) && !head_pass_ok(p)))
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(p.heads.head_dim_v));

@@ -217,15 +217,19 @@ std::vector<Case> shape_cases() {
       ProblemConfig c = base({150, 64, 7}, 1, 2, K, 128);
       add(c, "vt" + std::to_string(vt), vt);
     }
-  for (int K : {64, 128})
-    for (int V : {64, 128})
-      for (int split : {1, 2}) {
-        if (!cuda::chunked_prefill::head_split_supported(V, split)) continue;
-        ProblemConfig c = base({150, 64, 7, 0, 200}, 1, 2, K, V);
-        c.in_dtype = split == 2 ? DType::kFloat16 : DType::kBFloat16;
-        c.layout = V == 64 ? StateLayout::kVLast : StateLayout::kKLast;
-        add(c, "head" + std::to_string(split), cuda::chunked_prefill::kVTileHead, split);
-      }
+  // The head pass in both builds of its products: wgmma (kVTileHead; mma.sync where a CTA has fewer
+  // than 64 value columns) and mma.sync (kVTileHeadWarp).
+  for (int vt : {cuda::chunked_prefill::kVTileHead, cuda::chunked_prefill::kVTileHeadWarp})
+    for (int K : {64, 128})
+      for (int V : {64, 128})
+        for (int split : {1, 2}) {
+          if (!cuda::chunked_prefill::head_split_supported(V, split)) continue;
+          ProblemConfig c = base({150, 64, 7, 0, 200}, 1, 2, K, V);
+          c.in_dtype = split == 2 ? DType::kFloat16 : DType::kBFloat16;
+          c.layout = V == 64 ? StateLayout::kVLast : StateLayout::kKLast;
+          const std::string kind = vt == cuda::chunked_prefill::kVTileHead ? "head" : "headwarp";
+          add(c, kind + std::to_string(split), vt, split);
+        }
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
   // sequence needs.
   for (int C : {64, 128})
@@ -272,6 +276,8 @@ std::vector<Case> sanitize_cases() {
   out.push_back({case_name(c, "head"), c, cuda::chunked_prefill::kVTileHead, 1});
   c.seed = 3000 + i++;
   out.push_back({case_name(c, "head2"), c, cuda::chunked_prefill::kVTileHead, 2});
+  c.seed = 3000 + i++;
+  out.push_back({case_name(c, "headwarp"), c, cuda::chunked_prefill::kVTileHeadWarp, 1});
   return out;
 }
 

@@ -142,15 +142,19 @@ TEST(PrefillTiming, TargetSets) {
     };
     const double prep = time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, 16, /*stages=*/1); });
     const double flop = 4.0 * double(T) * HV * K * V;
-    // auto, the head pass with each column split, the tiled pass with each value tile
-    const std::pair<int, int> configs[] = {{0, 0}, {-1, 1}, {-1, 2}, {16, 0}, {32, 0}, {64, 0}};
+    // auto, the head pass (wgmma and mma.sync builds) with each column split, the tiled pass with each
+    // value tile
+    constexpr int kWg = cuda::chunked_prefill::kVTileHead, kWarp = cuda::chunked_prefill::kVTileHeadWarp;
+    const std::pair<int, int> configs[] = {{0, 0},     {kWg, 1}, {kWg, 2}, {kWarp, 1},
+                                           {kWarp, 2}, {16, 0},  {32, 0},  {64, 0}};
     for (auto [vt, split] : configs) {
-      if (vt == cuda::chunked_prefill::kVTileHead && !cuda::chunked_prefill::head_split_supported(V, split)) continue;
+      if (cuda::chunked_prefill::is_head_tile(vt) && !cuda::chunked_prefill::head_split_supported(V, split)) continue;
       const double t = time_it([&, vt = vt, split = split] {
         cuda::chunked_prefill::prefill_with_vtile(p, stream, vt, cuda::chunked_prefill::kStagesAll, split);
       });
       const std::string name = vt == 0   ? "auto"
-                               : vt < 0 ? "head/" + std::to_string(split)
+                               : vt == kWg ? "head/" + std::to_string(split)
+                               : vt == kWarp ? "warp/" + std::to_string(split)
                                         : std::to_string(vt);
       std::printf("%-9s %-7s %10.3f %10.3f %10.1f  %s\n", s.name, name.c_str(), t,
                   prep, flop / (t * 1e-3) / 1e12,

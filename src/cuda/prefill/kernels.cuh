@@ -665,11 +665,12 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
   }
   if (!(stages & kStageStatePass)) return;
   if constexpr (K <= 128) {
-    if (vtile == kVTileHead) {
+    if (is_head_tile(vtile)) {
+      const bool wg = vtile == kVTileHead;
       if (p.heads.head_dim_v == 64)
-        launch_state_pass_head<K, 64, Op>(p, plan, plan.head_split, stream);
+        launch_state_pass_head<K, 64, Op>(p, plan, plan.head_split, wg, stream);
       else
-        launch_state_pass_head<K, 128, Op>(p, plan, plan.head_split, stream);
+        launch_state_pass_head<K, 128, Op>(p, plan, plan.head_split, wg, stream);
       return;
     }
   }

@@ -45,11 +45,14 @@ struct Plan {
 size_t workspace_bytes(const PrefillParams& p);
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
 
-// The value "tile" of the head state pass (state_pass_head_kernel): one CTA per (sequence, value
-// head) over all V columns. The positive tiles (16, 32, 64) run state_pass_kernel.
-constexpr int kVTileHead = -1;
+// The value "tiles" of the head state pass (state_pass_head_kernel): one CTA per (sequence, value
+// head) over all V columns. kVTileHead builds its products on warpgroup wgmma where the CTA owns a
+// multiple of 64 value columns (else as kVTileHeadWarp), kVTileHeadWarp on warp mma.sync. The positive
+// tiles (16, 32, 64) run state_pass_kernel.
+constexpr int kVTileHead = -1, kVTileHeadWarp = -2;
+inline bool is_head_tile(int vtile) { return vtile == kVTileHead || vtile == kVTileHeadWarp; }
 
-// Value tiles the state pass is built for, per head dim K (kVTileHead also needs head_pass_ok).
+// Value tiles the state pass is built for, per head dim K (the head tiles also need head_pass_ok).
 bool vtile_supported(int K, int vtile);
 // Whether the head state pass can run this call: K <= 128, V in {64, 128}, q/k/v/o 16-bit of one
 // dtype with 16-byte aligned rows (they are copied to shared memory as they are).

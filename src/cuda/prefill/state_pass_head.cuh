@@ -16,6 +16,14 @@
 // Used when q, k, v, o are 16-bit in the operand dtype (bf16, or fp16) with 16-byte aligned rows, K
 // <= 128 and V in {64, 128} (K = 128: 64 accumulator registers of S per thread). The q/k rows are
 // loaded once per chunk for all V columns (state_pass_kernel loads them once per value tile).
+//
+// Two builds of the products (template parameter kWg):
+//   kWg = false: each warp issues mma.sync m16n8k16 with B fragments by ldmatrix from padded rows;
+//   kWg = true:  each group of 4 warps (64 value columns) issues wgmma m64nNk16 (wgmma.cuh): the same
+//     A fragments from registers, B read by the tensor cores from 128B-swizzled k, q, T', M rows,
+//     asynchronously (the P and Q products overlap the X step, o's product overlaps the S update's).
+//     Needs a multiple of 64 value columns per CTA. Past a partial chunk's end the k, q, v rows are
+//     zero-filled, so the full products run there too.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,6 +34,7 @@
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
+#include "cuda/prefill/wgmma.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::chunked_prefill {
@@ -42,16 +51,48 @@ struct HeadStage {
   float sc[kFactorRows * kChunk];  // the chunk's token factors (FactorRow)
 };
 
+// The wgmma build's stage: k, q, T', M as wgmma B operands (128B-swizzled blocks of 64 columns,
+// sw128_offset; 1024-byte aligned), v padded as above.
+template <int K, int kCols, class Op>
+struct alignas(1024) HeadStageWg {
+  static constexpr int LDV = kCols + 8;
+  Op ks[kChunk * K];
+  Op qs[kChunk * K];
+  Op ts[kChunk * kChunk];
+  Op ms[kChunk * kChunk];
+  Op vs[kChunk * LDV];
+  float sc[kFactorRows * kChunk];
+};
+
+template <int K, int kCols, class Op, bool kWg>
+using HeadStageOf = std::conditional_t<kWg, HeadStageWg<K, kCols, Op>, HeadStage<K, kCols, Op>>;
+template <int K, int kCols, class Op, bool kWg>
+constexpr size_t head_smem_bytes() {
+  return 2 * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kWg ? 1024 : 0);  // + alignment slack
+}
+
+// v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M, 128B-swizzled rows
+// at shared address `base`), in token halves: tokens 0..31 need k-steps 0, 1, tokens 32..63 all four
+// (6 of 8 n32 products; an n48/n64 k-step over tokens 16 KS .. 63 made ptxas serialize the wgmmas, as
+// the accumulator tiles 2 KS .. 7 are not an aligned register block).
+template <class Op, int KS = 0>
+__device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint32_t (&a)[4][4], uint32_t base) {
+  if constexpr (KS < 2) wgmma_rs<Op, 32, 0, false>(acc, a[KS], sw128_desc(base + KS * 32, 16, 1024));
+  wgmma_rs<Op, 32, 4, false>(acc, a[KS], sw128_desc(base + 32 * 128 + KS * 32, 16, 1024));
+  if constexpr (KS < 3) causal_cols_wgmma<Op, KS + 1>(acc, a, base);
+}
+
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
-template <int K, int V, int kSplit, class Op>
+template <int K, int V, int kSplit, class Op, bool kWg>
 __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan) {
   constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
-  using Stage = HeadStage<K, kCols, Op>;
-  constexpr int LDK = Stage::LDK, LDV = Stage::LDV, LDT = Stage::LDT;
+  static_assert(!kWg || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
+  using Stage = HeadStageOf<K, kCols, Op, kWg>;
+  constexpr int LDV = Stage::LDV;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Stage* stage = reinterpret_cast<Stage*>(smem_raw);
+  Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWg ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
 
   // Flat grid, column split fastest, then head: the CTAs that share q/k rows run together.
   const int HV = p.heads.num_v_heads;
@@ -126,6 +167,15 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const Op* t_src = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk) + tid * 8;
   const Op* m_src = static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk) + tid * 8;
   const float* f_src = plan.ws_f + ws0 * (kFactorRows * kChunk);
+  // Element offsets of (row, col) in the k / q and T' / M buffers of a stage.
+  auto kq_offset = [](int row, int col) {
+    if constexpr (kWg) return sw128_offset<kChunk>(row, col);
+    else return row * Stage::LDK + col;
+  };
+  auto tm_offset = [](int row, int col) {
+    if constexpr (kWg) return sw128_offset<kChunk>(row, col);
+    else return row * Stage::LDT + col;
+  };
   auto issue = [&](int64_t c, Stage& b) {
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     const Op* kc = k_src + c * kChunk * p.k.token_stride;
@@ -135,8 +185,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     for (int u = 0; u < kChunk / kStepK; ++u) {
       const int row = rk0 + u * kStepK;
       const bool ok = row < L;
-      cp_async16(&b.ks[row * LDK + ck * 8], ok ? kc + int64_t(u * kStepK) * p.k.token_stride : k_zero, ok);
-      cp_async16(&b.qs[row * LDK + ck * 8], ok ? qc + int64_t(u * kStepK) * p.q.token_stride : q_zero, ok);
+      const int dst = kq_offset(row, ck * 8);
+      cp_async16(&b.ks[dst], ok ? kc + int64_t(u * kStepK) * p.k.token_stride : k_zero, ok);
+      cp_async16(&b.qs[dst], ok ? qc + int64_t(u * kStepK) * p.q.token_stride : q_zero, ok);
     }
 #pragma unroll
     for (int u = 0; u < kChunk / kStepV; ++u) {
@@ -150,8 +201,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
 #pragma unroll
     for (int u = 0; u < kChunk * kChunk / 8 / kThr; ++u) {
       const int it = tid + u * kThr, row = it >> 3, cv = it & 7;
-      cp_async16(&b.ts[row * LDT + cv * 8], tc + u * kThr * 8, true);
-      cp_async16(&b.ms[row * LDT + cv * 8], mc + u * kThr * 8, true);
+      const int dst = tm_offset(row, cv * 8);
+      cp_async16(&b.ts[dst], tc + u * kThr * 8, true);
+      cp_async16(&b.ms[dst], mc + u * kThr * 8, true);
     }
     const float* fc = f_src + wc * (kFactorRows * kChunk);
     for (int it = tid; it < kFactorRows * kChunk / 4; it += kThr) cp_async16(&b.sc[it * 4], fc + it * 4, true);
@@ -159,7 +211,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   };
 
   // Per-lane byte offsets inside a stage of the fragment rows each ldmatrix / stmatrix reads or writes
-  // (per chunk only constants are added: they fold into the instructions' immediates).
+  // (per chunk only constants are added: they fold into the instructions' immediates). LDK, LDT: the
+  // warp build's padded rows.
+  constexpr int LDK = HeadStage<K, kCols, Op>::LDK, LDT = HeadStage<K, kCols, Op>::LDT;
   const int frag_row = ((lane >> 4) << 3) + (lane & 7), frag_col = ((lane >> 3) & 1) * 8;
   const uint32_t off_k = uint32_t(frag_row * LDK + frag_col) * 2;  // B = rows [n][k] (k, q, T', M): bn_frag_ptr
   const uint32_t off_t = uint32_t(frag_row * LDT + frag_col) * 2;
@@ -171,6 +225,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c & 1];
     cp_async_wait_all();
+    if constexpr (kWg) fence_proxy_async();  // the copies are read by the tensor cores (async proxy)
     __syncthreads();  // chunk c's inputs are visible; every warp is done with chunk c - 1's stage
     const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
@@ -180,12 +235,15 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       constexpr bool kFull = decltype(full)::value;
       const uint32_t ks_b = smem_addr(b.ks) + off_k, qs_b = smem_addr(b.qs) + off_k, kt_b = smem_addr(b.ks) + off_kt;
       const uint32_t ts_b = smem_addr(b.ts) + off_t, ms_b = smem_addr(b.ms) + off_t, vs_b = smem_addr(b.vs) + off_v;
+      // wgmma: a 64-column block of the k / q rows is 64 rows of 128 bytes
+      [[maybe_unused]] constexpr uint32_t kBlock = kChunk * 128;
+      const uint32_t ks_a = smem_addr(b.ks), qs_a = smem_addr(b.qs);
       // Token factors of this thread's token columns 8 nt + q2 + {0, 1} (FactorRow).
       auto factor = [&](int row, int nt) {
         return *reinterpret_cast<const float2*>(&b.sc[row * kChunk + nt * 8 + q2]);
       };
       // C fragments below are 16 value rows x 64 token columns: element [nt][e] is value vw + r + 8 (e >> 1),
-      // token 8 nt + q2 + (e & 1). Token tiles past the chunk's length are skipped (zero rows).
+      // token 8 nt + q2 + (e & 1). The warp build skips token tiles past the chunk's length (zero rows).
 
       // ---- P^T = S^T k^T and Q^T = S^T q^T
       float pk[8][4], qo[8][4];
@@ -193,25 +251,46 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
+      if constexpr (kWg) {
+        uint32_t sa[K / 16][4];  // S^T as A fragments, held until both products complete
 #pragma unroll
-      for (int kk = 0; kk < K / 16; ++kk) {
-        uint32_t a[4];
-        c_to_a<Op>(s[2 * kk], s[2 * kk + 1], a);
+        for (int kk = 0; kk < K / 16; ++kk) c_to_a<Op>(s[2 * kk], s[2 * kk + 1], sa[kk]);
+        wgmma_pin(pk);  // the zeros are written before the fence
+        wgmma_pin(qo);
+        wgmma_fence();
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          if (!kFull && np * 16 >= L) continue;
-          uint32_t bk[4], bq[4];
-          ldmatrix_x4(bk, ks_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
-          ldmatrix_x4(bq, qs_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
-          mma<Op>(pk[2 * np], a, bk[0], bk[1]);
-          mma<Op>(pk[2 * np + 1], a, bk[2], bk[3]);
-          mma<Op>(qo[2 * np], a, bq[0], bq[1]);
-          mma<Op>(qo[2 * np + 1], a, bq[2], bq[3]);
+        for (int kk = 0; kk < K / 16; ++kk)
+          wgmma_rs<Op, kChunk, 0, false>(pk, sa[kk], sw128_desc(ks_a + (kk / 4) * kBlock + (kk % 4) * 32, 16, 1024));
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk)
+          wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], sw128_desc(qs_a + (kk / 4) * kBlock + (kk % 4) * 32, 16, 1024));
+        wgmma_commit();
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+          uint32_t a[4];
+          c_to_a<Op>(s[2 * kk], s[2 * kk + 1], a);
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            if (!kFull && np * 16 >= L) continue;
+            uint32_t bk[4], bq[4];
+            ldmatrix_x4(bk, ks_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
+            ldmatrix_x4(bq, qs_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
+            mma<Op>(pk[2 * np], a, bk[0], bk[1]);
+            mma<Op>(pk[2 * np + 1], a, bk[2], bk[3]);
+            mma<Op>(qo[2 * np], a, bq[0], bq[1]);
+            mma<Op>(qo[2 * np + 1], a, bq[2], bq[3]);
+          }
         }
       }
 
       // The next chunk's inputs: issued here, the P/Q products above start right after the barrier.
       if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
+      if constexpr (kWg) {
+        wgmma_wait<1>();  // P^T (Q^T may still run)
+        wgmma_pin(pk);
+      }
 
       // ---- X^T = v^T - P^T diag(ek), packed as the A operand of the next product (k-step = 16 tokens)
       uint32_t xa[4][4];
@@ -235,7 +314,17 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) vn[nt][e] = 0.0f;
-      causal_cols_mma<Op, LDT, kFull>(vn, xa, ts_b, L);
+      if constexpr (kWg) {
+        wgmma_pin(vn);
+        wgmma_fence();
+        causal_cols_wgmma<Op>(vn, xa, smem_addr(b.ts));
+        wgmma_commit();
+        wgmma_wait<0>();  // v_new^T and Q^T
+        wgmma_pin(vn);
+        wgmma_pin(qo);
+      } else {
+        causal_cols_mma<Op, LDT, kFull>(vn, xa, ts_b, L);
+      }
 
       // ---- A operands: v_new (for o) and vd = v_new diag(dd) (for S; dd is 0 past the chunk)
       uint32_t na[4][4], da[4][4];
@@ -260,7 +349,27 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         qo[nt][2] *= eq.x;
         qo[nt][3] *= eq.y;
       }
-      causal_cols_mma<Op, LDT, kFull>(qo, na, ms_b, L);
+      const float eg = b.sc[kEg * kChunk];
+      if constexpr (kWg) {
+        wgmma_pin(qo);
+        wgmma_fence();
+        causal_cols_wgmma<Op>(qo, na, smem_addr(b.ms));
+        wgmma_commit();
+        // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: MN-major), overlapping o's store
+#pragma unroll
+        for (int j = 0; j < KT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] *= eg;
+        wgmma_pin(s);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) wgmma_rs<Op, K, 0, true>(s, da[ks], sw128_desc(ks_a + ks * 2048, kBlock, 1024));
+        wgmma_commit();
+        wgmma_wait<1>();  // o^T
+        wgmma_pin(qo);
+      } else {
+        causal_cols_mma<Op, LDT, kFull>(qo, na, ms_b, L);
+      }
 
       // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored as 32-byte
       // row pieces
@@ -283,24 +392,27 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         }
       }
 
-      // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)
-      const float eg = b.sc[kEg * kChunk];
+      if constexpr (kWg) {
+        wgmma_wait<0>();  // S^T
+        wgmma_pin(s);
+      } else {
+        // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)
 #pragma unroll
-      for (int j = 0; j < KT; ++j)
+        for (int j = 0; j < KT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] *= eg;
+          for (int e = 0; e < 4; ++e) s[j][e] *= eg;
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        if (!kFull && ks * 16 >= L) continue;
+        for (int ks = 0; ks < 4; ++ks) {
+          if (!kFull && ks * 16 >= L) continue;
 #pragma unroll
-        for (int np = 0; np < K / 16; ++np) {
-          uint32_t bk[4];
-          ldmatrix_x4_trans(bk, kt_b + uint32_t(ks * 16 * LDK + np * 16) * 2);
-          mma<Op>(s[2 * np], da[ks], bk[0], bk[1]);
-          mma<Op>(s[2 * np + 1], da[ks], bk[2], bk[3]);
+          for (int np = 0; np < K / 16; ++np) {
+            uint32_t bk[4];
+            ldmatrix_x4_trans(bk, kt_b + uint32_t(ks * 16 * LDK + np * 16) * 2);
+            mma<Op>(s[2 * np], da[ks], bk[0], bk[1]);
+            mma<Op>(s[2 * np + 1], da[ks], bk[2], bk[3]);
+          }
         }
       }
-
     };
     if (L == kChunk)
       chunk(std::true_type{});
@@ -321,23 +433,29 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs);
 }
 
-template <int K, int V, int kSplit, class Op>
+template <int K, int V, int kSplit, class Op, bool kWg>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  constexpr size_t smem = 2 * sizeof(HeadStage<K, V / kSplit, Op>);
-  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_head_kernel<K, V, kSplit, Op>,
+  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWg>();
+  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_head_kernel<K, V, kSplit, Op, kWg>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
   const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit;
-  state_pass_head_kernel<K, V, kSplit, Op><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan);
+  state_pass_head_kernel<K, V, kSplit, Op, kWg><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
+// The wgmma build where the CTA owns whole warpgroups (kWarpgroup and V / split a multiple of 64), else
+// the mma.sync build.
 template <int K, int V, class Op>
-void launch_state_pass_head(const PrefillParams& p, const Plan& plan, int split, cudaStream_t stream) {
-  if (split == 2)
-    launch_state_pass_head<K, V, 2, Op>(p, plan, stream);
-  else
-    launch_state_pass_head<K, V, 1, Op>(p, plan, stream);
+void launch_state_pass_head(const PrefillParams& p, const Plan& plan, int split, bool warpgroup, cudaStream_t stream) {
+  if (split == 2) {
+    if constexpr (V / 2 % 64 == 0)
+      if (warpgroup) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, stream);
+    launch_state_pass_head<K, V, 2, Op, false>(p, plan, stream);
+  } else {
+    if (warpgroup) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, stream);
+    launch_state_pass_head<K, V, 1, Op, false>(p, plan, stream);
+  }
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill
