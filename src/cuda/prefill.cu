@@ -25,6 +25,11 @@ size_t t_bytes(const PrefillParams& p) {
 size_t f_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRows * kChunk * 4);
 }
+size_t carry_bytes(const PrefillParams& p) {
+  if (!segment_capable(p)) return 0;
+  return round_up(size_t(p.num_seqs) * size_t(p.heads.num_v_heads) * size_t(p.heads.head_dim_k) *
+                  size_t(p.heads.head_dim_v) * 4);
+}
 
 // The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
 // growing frees the old buffer (cudaFree waits for the device, so kernels still using it finish
@@ -62,6 +67,75 @@ void* owned_workspace(size_t bytes, cudaStream_t stream) {
   return ptr;
 }
 
+// The side stream of segmented mode and its events, per device: created once, used under the mutex (the
+// enqueue order of one call's records and waits must not interleave with another thread's).
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  std::vector<cudaEvent_t> events;
+};
+struct SideStreams {
+  std::mutex mutex;
+  std::vector<SideStream> per_device;
+};
+SideStreams& side_streams() {
+  static SideStreams s;  // never destroyed before exit
+  return s;
+}
+
+void launch_any(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
+  switch (p.heads.head_dim_k) {
+    case 64:
+      return launch<64>(p, plan, vtile, stream, stages);
+    case 128:
+      return launch<128>(p, plan, vtile, stream, stages);
+    case 256:
+      return launch<256>(p, plan, vtile, stream, stages);
+    default:
+      throw Error(ErrorCode::kInvalidArgument, "q: head dim K=" + std::to_string(p.heads.head_dim_k) +
+                                                   " is not supported (expected 64, 128 or 256)");
+  }
+}
+
+// Segments of seg chunks: prep(0) on the caller's stream, then the preps of segments 1.. on the side
+// stream (after the caller's earlier work), each head pass segment on the caller's stream after its
+// prep. No kernel waits for another inside the GPU: running the side stream's preps beside the head pass
+// is an overlap the hardware may or may not give, never a condition for progress. Graph capture sees a
+// fork (event on the capturing stream, waited on by the side stream) and a join (the last wait).
+void run_segmented(const PrefillParams& p, const Plan& plan, int vtile, int seg, cudaStream_t stream) {
+  const int64_t chunks = (p.total_tokens + kChunk - 1) / kChunk;
+  const int nseg = int((chunks + seg - 1) / seg);
+  auto segment = [&](int i) {
+    Plan s = plan;
+    s.segmented = true;
+    s.seg_lo = i * seg;
+    s.seg_hi = int(std::min<int64_t>(chunks, int64_t(i + 1) * seg));
+    return s;
+  };
+  int dev = 0;
+  GDNKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  SideStreams& all = side_streams();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  if (all.per_device.size() <= size_t(dev)) all.per_device.resize(size_t(dev) + 1);
+  SideStream& side = all.per_device[size_t(dev)];
+  if (side.stream == nullptr) GDNKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking));
+  while (side.events.size() < size_t(nseg)) {
+    cudaEvent_t e = nullptr;
+    GDNKIT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    side.events.push_back(e);
+  }
+  launch_any(p, segment(0), vtile, stream, kStagePrep);
+  GDNKIT_CUDA_CHECK(cudaEventRecord(side.events[0], stream));
+  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.events[0], 0));
+  for (int i = 1; i < nseg; ++i) {
+    launch_any(p, segment(i), vtile, side.stream, kStagePrep);
+    GDNKIT_CUDA_CHECK(cudaEventRecord(side.events[i], side.stream));
+  }
+  for (int i = 0; i < nseg; ++i) {
+    if (i > 0) GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, side.events[i], 0));
+    launch_any(p, segment(i), vtile, stream, kStageStatePass);
+  }
+}
+
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 // 16-byte loads of 8 contiguous elements need the base and both strides in whole 16-byte units.
@@ -75,14 +149,16 @@ bool vec_ok(const View& v) {
 
 size_t workspace_bytes(const PrefillParams& p) {
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return 2 * t_bytes(p) + f_bytes(p);  // T', M, token factors
+  return 2 * t_bytes(p) + f_bytes(p) + carry_bytes(p);  // T', M, token factors, segment carry states
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.num_slots = num_chunk_slots(p);
-  plan.ws_t = base;
-  plan.ws_m = static_cast<char*>(base) + t_bytes(p);
-  plan.ws_f = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
+  char* b = static_cast<char*>(base);
+  plan.ws_t = b;
+  plan.ws_m = b + t_bytes(p);
+  plan.ws_f = reinterpret_cast<float*>(b + 2 * t_bytes(p));
+  plan.ws_s = carry_bytes(p) > 0 ? reinterpret_cast<float*>(b + 2 * t_bytes(p) + f_bytes(p)) : nullptr;
 }
 
 bool vtile_supported(int K, int vtile) {
@@ -106,6 +182,22 @@ int choose_head_split(const PrefillParams& p, int num_sms) {
   return head_split_supported(p.heads.head_dim_v, 2) && heads * 2 <= num_sms ? 2 : 1;
 }
 
+bool segment_capable(const PrefillParams& p) {
+  return head_pass_ok(p) && int64_t(p.num_seqs) * p.heads.num_v_heads <= kMaxSegmentedHeads;
+}
+
+// Few sequences leave SMs idle in the head pass (one CTA per (sequence, head, column split)), while the
+// chunk prep before it uses all of them. Segmented, the prep of segment i + 1 runs on the idle SMs during
+// the head pass of segment i: what is left of the prep is the first segment's. Segments of at least 32
+// chunks (each adds a launch and a refill of the head pass's pipeline), about 8 of them.
+int choose_segment_chunks(const PrefillParams& p, int num_sms, int head_split) {
+  const int64_t ctas = int64_t(p.num_seqs) * p.heads.num_v_heads * head_split;
+  if (!segment_capable(p) || 2 * ctas > num_sms) return -1;
+  const int64_t chunks = (p.total_tokens + kChunk - 1) / kChunk;  // of the longest sequence, at most
+  const int64_t seg = std::max<int64_t>(32, (chunks + 7) / 8);
+  return chunks >= 2 * seg ? int(seg) : -1;
+}
+
 // The head state pass when it can run. Otherwise the tiled state pass, whose parallelism is
 // N * HV * (V / VT) CTAs: the widest tile (least recomputation of the per-chunk q k^T and fewest q/k
 // reloads) that still gives about two CTAs per SM, else the narrowest.
@@ -118,7 +210,8 @@ int choose_vtile(const PrefillParams& p, int num_sms) {
   return 16;
 }
 
-void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split) {
+void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split,
+                        int segment_chunks) {
   if (p_in.num_seqs <= 0) return;
   PrefillParams p = p_in;
   const int K = p.heads.head_dim_k;
@@ -164,19 +257,16 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(p.heads.head_dim_v));
-  switch (K) {
-    case 64:
-      launch<64>(p, plan, vtile, stream, stages);
-      break;
-    case 128:
-      launch<128>(p, plan, vtile, stream, stages);
-      break;
-    case 256:
-      launch<256>(p, plan, vtile, stream, stages);
-      break;
-    default:
-      throw Error(ErrorCode::kInvalidArgument,
-                  "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
+  if (segment_chunks == 0)
+    segment_chunks = stages == kStagesAll && is_head_tile(vtile) ? choose_segment_chunks(p, plan.num_sms, plan.head_split) : -1;
+  if (segment_chunks > 0 && need > 0) {
+    if (stages != kStagesAll || !is_head_tile(vtile) || !segment_capable(p))
+      throw Error(ErrorCode::kInvalidArgument, "prefill: segmented mode needs both stages of the head state pass "
+                                               "and at most " + std::to_string(kMaxSegmentedHeads) +
+                                               " (sequence, value head) pairs");
+    run_segmented(p, plan, vtile, segment_chunks, stream);
+  } else {
+    launch_any(p, plan, vtile, stream, stages);
   }
 }
 
