@@ -89,7 +89,8 @@ struct PrefillParams {
   int32_t* error_flag = nullptr;             // may be nullptr; += 1 per out-of-range slot / bad sequence
   PrefillAlgorithm cpu_algorithm = PrefillAlgorithm::kAuto;  // CPU backend only
   // CUDA backend scratch memory; size from prefill_workspace_bytes(). nullptr: the library uses a buffer
-  // it owns per device (allocated on first use, so make one eager call before CUDA-graph capture).
+  // it owns per device (allocated on first use, so make one eager call before CUDA-graph capture), shared
+  // by every call on that device: calls on different streams that may overlap need their own workspace.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

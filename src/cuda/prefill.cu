@@ -67,18 +67,20 @@ void* owned_workspace(size_t bytes, cudaStream_t stream) {
   return ptr;
 }
 
-// The side stream of segmented mode and its events, per device: created once, used under the mutex (the
-// enqueue order of one call's records and waits must not interleave with another thread's).
-struct SideStream {
-  cudaStream_t stream = nullptr;
-  std::vector<cudaEvent_t> events;
+// Segmented mode's two streams per device: the head passes at the device's highest priority (the CTA
+// scheduler starts a pending head pass before the next prep's CTAs), the preps at the lowest; events
+// order them. Created once, used under the mutex (one call's records and waits must not interleave with
+// another thread's).
+struct SegmentStreams {
+  cudaStream_t head = nullptr, prep = nullptr;
+  std::vector<cudaEvent_t> events;  // [0]: fork, [1]: join, [2 + i]: prep i done
 };
-struct SideStreams {
+struct AllSegmentStreams {
   std::mutex mutex;
-  std::vector<SideStream> per_device;
+  std::vector<SegmentStreams> per_device;
 };
-SideStreams& side_streams() {
-  static SideStreams s;  // never destroyed before exit
+AllSegmentStreams& segment_streams() {
+  static AllSegmentStreams s;  // never destroyed before exit
   return s;
 }
 
@@ -96,11 +98,11 @@ void launch_any(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_
   }
 }
 
-// Segments of seg chunks: prep(0) on the caller's stream, then the preps of segments 1.. on the side
-// stream (after the caller's earlier work), each head pass segment on the caller's stream after its
-// prep. No kernel waits for another inside the GPU: running the side stream's preps beside the head pass
-// is an overlap the hardware may or may not give, never a condition for progress. Graph capture sees a
-// fork (event on the capturing stream, waited on by the side stream) and a join (the last wait).
+// Segments of seg chunks. Forked from the caller's stream: the preps of all segments in order on the
+// prep stream, the head pass of segment i on the head stream after prep i; the caller's stream joins
+// after the last head pass. No kernel waits for another inside the GPU: prep i + 1 running beside head
+// pass i is an overlap the hardware may give, never a condition for progress. Graph capture records the
+// fork and the join as edges.
 void run_segmented(const PrefillParams& p, const Plan& plan, int vtile, int seg, cudaStream_t stream) {
   const int64_t chunks = (p.total_tokens + kChunk - 1) / kChunk;
   const int nseg = int((chunks + seg - 1) / seg);
@@ -113,27 +115,34 @@ void run_segmented(const PrefillParams& p, const Plan& plan, int vtile, int seg,
   };
   int dev = 0;
   GDNKIT_CUDA_CHECK(cudaGetDevice(&dev));
-  SideStreams& all = side_streams();
+  AllSegmentStreams& all = segment_streams();
   std::lock_guard<std::mutex> lock(all.mutex);
   if (all.per_device.size() <= size_t(dev)) all.per_device.resize(size_t(dev) + 1);
-  SideStream& side = all.per_device[size_t(dev)];
-  if (side.stream == nullptr) GDNKIT_CUDA_CHECK(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking));
-  while (side.events.size() < size_t(nseg)) {
+  SegmentStreams& ss = all.per_device[size_t(dev)];
+  if (ss.head == nullptr) {
+    int least = 0, greatest = 0;
+    GDNKIT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    GDNKIT_CUDA_CHECK(cudaStreamCreateWithPriority(&ss.head, cudaStreamNonBlocking, greatest));
+    GDNKIT_CUDA_CHECK(cudaStreamCreateWithPriority(&ss.prep, cudaStreamNonBlocking, least));
+  }
+  while (ss.events.size() < size_t(nseg) + 2) {
     cudaEvent_t e = nullptr;
     GDNKIT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    side.events.push_back(e);
+    ss.events.push_back(e);
   }
-  launch_any(p, segment(0), vtile, stream, kStagePrep);
-  GDNKIT_CUDA_CHECK(cudaEventRecord(side.events[0], stream));
-  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(side.stream, side.events[0], 0));
-  for (int i = 1; i < nseg; ++i) {
-    launch_any(p, segment(i), vtile, side.stream, kStagePrep);
-    GDNKIT_CUDA_CHECK(cudaEventRecord(side.events[i], side.stream));
+  GDNKIT_CUDA_CHECK(cudaEventRecord(ss.events[0], stream));
+  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.prep, ss.events[0], 0));
+  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, ss.events[0], 0));
+  for (int i = 0; i < nseg; ++i) {
+    launch_any(p, segment(i), vtile, ss.prep, kStagePrep);
+    GDNKIT_CUDA_CHECK(cudaEventRecord(ss.events[2 + i], ss.prep));
   }
   for (int i = 0; i < nseg; ++i) {
-    if (i > 0) GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, side.events[i], 0));
-    launch_any(p, segment(i), vtile, stream, kStageStatePass);
+    GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, ss.events[2 + i], 0));
+    launch_any(p, segment(i), vtile, ss.head, kStageStatePass);
   }
+  GDNKIT_CUDA_CHECK(cudaEventRecord(ss.events[1], ss.head));
+  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, ss.events[1], 0));
 }
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }

@@ -376,8 +376,11 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     const Problem before(c);
     Problem eager = before, again = before, graphed = before, own_ws = before;
     DeviceProblem d_eager(eager), d_again(again), d_graph(graphed), d_ws(own_ws);
+    // The library's workspace is shared by calls on every stream: each call completes before the next.
     prefill(eager.prefill_params(PrefillAlgorithm::kAuto, d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});
+    GDNKIT_TEST_CUDA(cudaStreamSynchronize(d_eager.stream()));
     prefill(again.prefill_params(PrefillAlgorithm::kAuto, d_again.resolver()), {Backend::kCUDA, d_again.stream()});
+    GDNKIT_TEST_CUDA(cudaStreamSynchronize(d_again.stream()));
 
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
@@ -386,6 +389,7 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     GDNKIT_TEST_CUDA(cudaStreamEndCapture(d_graph.stream(), &graph));
     GDNKIT_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
     GDNKIT_TEST_CUDA(cudaGraphLaunch(exec, d_graph.stream()));
+    GDNKIT_TEST_CUDA(cudaStreamSynchronize(d_graph.stream()));
 
     PrefillParams pw = own_ws.prefill_params(PrefillAlgorithm::kAuto, d_ws.resolver());
     pw.workspace_bytes = prefill_workspace_bytes(pw);
