@@ -73,7 +73,7 @@ void* owned_workspace(size_t bytes, cudaStream_t stream) {
 // another thread's).
 struct SegmentStreams {
   cudaStream_t head = nullptr, prep = nullptr;
-  std::vector<cudaEvent_t> events;  // [0]: fork, [1]: join, [2 + i]: prep i done
+  std::vector<cudaEvent_t> events;  // [0]: fork, [1]: join, [2 + 2i]: prep i done, [3 + 2i]: head pass i done
 };
 struct AllSegmentStreams {
   std::mutex mutex;
@@ -98,11 +98,13 @@ void launch_any(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_
   }
 }
 
-// Segments of seg chunks. Forked from the caller's stream: the preps of all segments in order on the
-// prep stream, the head pass of segment i on the head stream after prep i; the caller's stream joins
-// after the last head pass. No kernel waits for another inside the GPU: prep i + 1 running beside head
-// pass i is an overlap the hardware may give, never a condition for progress. Graph capture records the
-// fork and the join as edges.
+// Segments of seg chunks. Forked from the caller's stream: the preps in order on the prep stream, the
+// head pass of segment i on the head stream after prep i; the caller's stream joins after the last head
+// pass. Prep i + 1 (i >= 1) also waits for head pass i - 1: it becomes ready when head pass i does, on the
+// SMs that head pass i - 1 frees, and the head pass (higher priority) is dispatched first; were prep i + 1
+// ready earlier, its CTAs would hold every SM and head pass i (a whole SM per CTA) would wait for them.
+// No kernel waits for another inside the GPU: prep i + 1 running beside head pass i is an overlap the
+// hardware may give, never a condition for progress. Graph capture records the fork and join as edges.
 void run_segmented(const PrefillParams& p, const Plan& plan, int vtile, int seg, cudaStream_t stream) {
   const int64_t chunks = (p.total_tokens + kChunk - 1) / kChunk;
   const int nseg = int((chunks + seg - 1) / seg);
@@ -125,7 +127,7 @@ void run_segmented(const PrefillParams& p, const Plan& plan, int vtile, int seg,
     GDNKIT_CUDA_CHECK(cudaStreamCreateWithPriority(&ss.head, cudaStreamNonBlocking, greatest));
     GDNKIT_CUDA_CHECK(cudaStreamCreateWithPriority(&ss.prep, cudaStreamNonBlocking, least));
   }
-  while (ss.events.size() < size_t(nseg) + 2) {
+  while (ss.events.size() < 2 * size_t(nseg) + 2) {
     cudaEvent_t e = nullptr;
     GDNKIT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     ss.events.push_back(e);
@@ -133,14 +135,19 @@ void run_segmented(const PrefillParams& p, const Plan& plan, int vtile, int seg,
   GDNKIT_CUDA_CHECK(cudaEventRecord(ss.events[0], stream));
   GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.prep, ss.events[0], 0));
   GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, ss.events[0], 0));
+  cudaEvent_t* done = ss.events.data() + 2;  // prep i: [2i], head pass i: [2i + 1]
   for (int i = 0; i < nseg; ++i) {
+    if (i >= 2) GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.prep, done[2 * (i - 2) + 1], 0));
     launch_any(p, segment(i), vtile, ss.prep, kStagePrep);
-    GDNKIT_CUDA_CHECK(cudaEventRecord(ss.events[2 + i], ss.prep));
+    GDNKIT_CUDA_CHECK(cudaEventRecord(done[2 * i], ss.prep));
+    if (i >= 1) {  // head pass i - 1: its event is recorded before prep i + 1 waits on it
+      GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, done[2 * (i - 1)], 0));
+      launch_any(p, segment(i - 1), vtile, ss.head, kStageStatePass);
+      GDNKIT_CUDA_CHECK(cudaEventRecord(done[2 * (i - 1) + 1], ss.head));
+    }
   }
-  for (int i = 0; i < nseg; ++i) {
-    GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, ss.events[2 + i], 0));
-    launch_any(p, segment(i), vtile, ss.head, kStageStatePass);
-  }
+  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, done[2 * (nseg - 1)], 0));
+  launch_any(p, segment(nseg - 1), vtile, ss.head, kStageStatePass);
   GDNKIT_CUDA_CHECK(cudaEventRecord(ss.events[1], ss.head));
   GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, ss.events[1], 0));
 }
