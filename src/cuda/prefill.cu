@@ -25,11 +25,6 @@ size_t t_bytes(const PrefillParams& p) {
 size_t f_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRows * kChunk * 4);
 }
-size_t carry_bytes(const PrefillParams& p) {
-  if (!segment_capable(p)) return 0;
-  return round_up(size_t(p.num_seqs) * size_t(p.heads.num_v_heads) * size_t(p.heads.head_dim_k) *
-                  size_t(p.heads.head_dim_v) * 4);
-}
 
 // The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
 // growing frees the old buffer (cudaFree waits for the device, so kernels still using it finish
@@ -67,91 +62,6 @@ void* owned_workspace(size_t bytes, cudaStream_t stream) {
   return ptr;
 }
 
-// Segmented mode's two streams per device: the head passes at the device's highest priority (the CTA
-// scheduler starts a pending head pass before the next prep's CTAs), the preps at the lowest; events
-// order them. Created once, used under the mutex (one call's records and waits must not interleave with
-// another thread's).
-struct SegmentStreams {
-  cudaStream_t head = nullptr, prep = nullptr;
-  std::vector<cudaEvent_t> events;  // [0]: fork, [1]: join, [2 + 2i]: prep i done, [3 + 2i]: head pass i done
-};
-struct AllSegmentStreams {
-  std::mutex mutex;
-  std::vector<SegmentStreams> per_device;
-};
-AllSegmentStreams& segment_streams() {
-  static AllSegmentStreams s;  // never destroyed before exit
-  return s;
-}
-
-void launch_any(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
-  switch (p.heads.head_dim_k) {
-    case 64:
-      return launch<64>(p, plan, vtile, stream, stages);
-    case 128:
-      return launch<128>(p, plan, vtile, stream, stages);
-    case 256:
-      return launch<256>(p, plan, vtile, stream, stages);
-    default:
-      throw Error(ErrorCode::kInvalidArgument, "q: head dim K=" + std::to_string(p.heads.head_dim_k) +
-                                                   " is not supported (expected 64, 128 or 256)");
-  }
-}
-
-// Segments of seg chunks. Forked from the caller's stream: the preps in order on the prep stream, the
-// head pass of segment i on the head stream after prep i; the caller's stream joins after the last head
-// pass. Prep i + 1 (i >= 1) also waits for head pass i - 1: it becomes ready when head pass i does, on the
-// SMs that head pass i - 1 frees, and the head pass (higher priority) is dispatched first; were prep i + 1
-// ready earlier, its CTAs would hold every SM and head pass i (a whole SM per CTA) would wait for them.
-// No kernel waits for another inside the GPU: prep i + 1 running beside head pass i is an overlap the
-// hardware may give, never a condition for progress. Graph capture records the fork and join as edges.
-void run_segmented(const PrefillParams& p, const Plan& plan, int vtile, int seg, cudaStream_t stream) {
-  const int64_t chunks = (p.total_tokens + kChunk - 1) / kChunk;
-  const int nseg = int((chunks + seg - 1) / seg);
-  auto segment = [&](int i) {
-    Plan s = plan;
-    s.segmented = true;
-    s.seg_lo = i * seg;
-    s.seg_hi = int(std::min<int64_t>(chunks, int64_t(i + 1) * seg));
-    return s;
-  };
-  int dev = 0;
-  GDNKIT_CUDA_CHECK(cudaGetDevice(&dev));
-  AllSegmentStreams& all = segment_streams();
-  std::lock_guard<std::mutex> lock(all.mutex);
-  if (all.per_device.size() <= size_t(dev)) all.per_device.resize(size_t(dev) + 1);
-  SegmentStreams& ss = all.per_device[size_t(dev)];
-  if (ss.head == nullptr) {
-    int least = 0, greatest = 0;
-    GDNKIT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    GDNKIT_CUDA_CHECK(cudaStreamCreateWithPriority(&ss.head, cudaStreamNonBlocking, greatest));
-    GDNKIT_CUDA_CHECK(cudaStreamCreateWithPriority(&ss.prep, cudaStreamNonBlocking, least));
-  }
-  while (ss.events.size() < 2 * size_t(nseg) + 2) {
-    cudaEvent_t e = nullptr;
-    GDNKIT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    ss.events.push_back(e);
-  }
-  GDNKIT_CUDA_CHECK(cudaEventRecord(ss.events[0], stream));
-  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.prep, ss.events[0], 0));
-  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, ss.events[0], 0));
-  cudaEvent_t* done = ss.events.data() + 2;  // prep i: [2i], head pass i: [2i + 1]
-  for (int i = 0; i < nseg; ++i) {
-    if (i >= 2) GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.prep, done[2 * (i - 2) + 1], 0));
-    launch_any(p, segment(i), vtile, ss.prep, kStagePrep);
-    GDNKIT_CUDA_CHECK(cudaEventRecord(done[2 * i], ss.prep));
-    if (i >= 1) {  // head pass i - 1: its event is recorded before prep i + 1 waits on it
-      GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, done[2 * (i - 1)], 0));
-      launch_any(p, segment(i - 1), vtile, ss.head, kStageStatePass);
-      GDNKIT_CUDA_CHECK(cudaEventRecord(done[2 * (i - 1) + 1], ss.head));
-    }
-  }
-  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(ss.head, done[2 * (nseg - 1)], 0));
-  launch_any(p, segment(nseg - 1), vtile, ss.head, kStageStatePass);
-  GDNKIT_CUDA_CHECK(cudaEventRecord(ss.events[1], ss.head));
-  GDNKIT_CUDA_CHECK(cudaStreamWaitEvent(stream, ss.events[1], 0));
-}
-
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 // 16-byte loads of 8 contiguous elements need the base and both strides in whole 16-byte units.
@@ -165,16 +75,14 @@ bool vec_ok(const View& v) {
 
 size_t workspace_bytes(const PrefillParams& p) {
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return 2 * t_bytes(p) + f_bytes(p) + carry_bytes(p);  // T', M, token factors, segment carry states
+  return 2 * t_bytes(p) + f_bytes(p);  // T', M, token factors
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.num_slots = num_chunk_slots(p);
-  char* b = static_cast<char*>(base);
-  plan.ws_t = b;
-  plan.ws_m = b + t_bytes(p);
-  plan.ws_f = reinterpret_cast<float*>(b + 2 * t_bytes(p));
-  plan.ws_s = carry_bytes(p) > 0 ? reinterpret_cast<float*>(b + 2 * t_bytes(p) + f_bytes(p)) : nullptr;
+  plan.ws_t = base;
+  plan.ws_m = static_cast<char*>(base) + t_bytes(p);
+  plan.ws_f = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
 }
 
 bool vtile_supported(int K, int vtile) {
@@ -198,22 +106,6 @@ int choose_head_split(const PrefillParams& p, int num_sms) {
   return head_split_supported(p.heads.head_dim_v, 2) && heads * 2 <= num_sms ? 2 : 1;
 }
 
-bool segment_capable(const PrefillParams& p) {
-  return head_pass_ok(p) && int64_t(p.num_seqs) * p.heads.num_v_heads <= kMaxSegmentedHeads;
-}
-
-// Few sequences leave SMs idle in the head pass (one CTA per (sequence, head, column split)), while the
-// chunk prep before it uses all of them. Segmented, the prep of segment i + 1 runs on the idle SMs during
-// the head pass of segment i: what is left of the prep is the first segment's. Segments of at least 32
-// chunks (each adds a launch and a refill of the head pass's pipeline), about 8 of them.
-int choose_segment_chunks(const PrefillParams& p, int num_sms, int head_split) {
-  const int64_t ctas = int64_t(p.num_seqs) * p.heads.num_v_heads * head_split;
-  if (!segment_capable(p) || 2 * ctas > num_sms) return -1;
-  const int64_t chunks = (p.total_tokens + kChunk - 1) / kChunk;  // of the longest sequence, at most
-  const int64_t seg = std::max<int64_t>(32, (chunks + 7) / 8);
-  return chunks >= 2 * seg ? int(seg) : -1;
-}
-
 // The head state pass when it can run. Otherwise the tiled state pass, whose parallelism is
 // N * HV * (V / VT) CTAs: the widest tile (least recomputation of the per-chunk q k^T and fewest q/k
 // reloads) that still gives about two CTAs per SM, else the narrowest.
@@ -226,8 +118,7 @@ int choose_vtile(const PrefillParams& p, int num_sms) {
   return 16;
 }
 
-void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split,
-                        int segment_chunks) {
+void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split) {
   if (p_in.num_seqs <= 0) return;
   PrefillParams p = p_in;
   const int K = p.heads.head_dim_k;
@@ -273,16 +164,19 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(p.heads.head_dim_v));
-  if (segment_chunks == 0)
-    segment_chunks = stages == kStagesAll && is_head_tile(vtile) ? choose_segment_chunks(p, plan.num_sms, plan.head_split) : -1;
-  if (segment_chunks > 0 && need > 0) {
-    if (stages != kStagesAll || !is_head_tile(vtile) || !segment_capable(p))
-      throw Error(ErrorCode::kInvalidArgument, "prefill: segmented mode needs both stages of the head state pass "
-                                               "and at most " + std::to_string(kMaxSegmentedHeads) +
-                                               " (sequence, value head) pairs");
-    run_segmented(p, plan, vtile, segment_chunks, stream);
-  } else {
-    launch_any(p, plan, vtile, stream, stages);
+  switch (K) {
+    case 64:
+      launch<64>(p, plan, vtile, stream, stages);
+      break;
+    case 128:
+      launch<128>(p, plan, vtile, stream, stages);
+      break;
+    case 256:
+      launch<256>(p, plan, vtile, stream, stages);
+      break;
+    default:
+      throw Error(ErrorCode::kInvalidArgument,
+                  "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
   }
 }
 

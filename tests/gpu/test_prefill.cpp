@@ -59,7 +59,6 @@ struct Case {
   ProblemConfig cfg;
   int vtile = 0;       // 0: the library's heuristic through the public API; else the internal entry
   int head_split = 0;  // with vtile = kVTileHead: CTAs per (sequence, head); 0: the heuristic
-  int segment_chunks = 0;  // > 0: segmented mode with this many chunks per segment; 0: the heuristic
 };
 
 ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
@@ -123,26 +122,25 @@ std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
   return ::testing::AssertionSuccess();
 }
 
-void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int segment_chunks = 0) {
+void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-  if (vtile == 0 && segment_chunks == 0) {
+  if (vtile == 0) {
     prefill(p, {Backend::kCUDA, dev.stream()});
   } else {
     validate(p, Backend::kCUDA);
-    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split,
-                                              segment_chunks);
+    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split);
   }
   dev.download(got);
 }
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
-void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int segment_chunks = 0) {
+void check_prefill(const Problem& before, int vtile = 0, int head_split = 0) {
   const ProblemConfig& cfg = before.config();
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split, segment_chunks);
+    run_gpu(got, dev, vtile, head_split);
   }
   const std::vector<int64_t> written = written_finals(before);
   EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kPrefill, cfg.in_dtype)));
@@ -232,31 +230,6 @@ std::vector<Case> shape_cases() {
           const std::string kind = vt == cuda::chunked_prefill::kVTileHead ? "head" : "headwarp";
           add(c, kind + std::to_string(split), vt, split);
         }
-  // Segmented mode (prefill.cu run_segmented) with short segments: sequences ending in every segment,
-  // checkpoints across segment ends, initial == final slot, zero initial and no final states, the
-  // long-memory regime, both head pass builds and layouts.
-  {
-    constexpr int kHead = cuda::chunked_prefill::kVTileHead, kWarp = cuda::chunked_prefill::kVTileHeadWarp;
-    auto seg = [&](ProblemConfig c, const std::string& tag, int vt, int split, int chunks) {
-      c.seed = 2000 + i++;
-      out.push_back({case_name(c, tag + "seg" + std::to_string(chunks)), c, vt, split, chunks});
-    };
-    ProblemConfig c = base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2);
-    seg(c, "mixed", kHead, 2, 1);
-    seg(c, "mixed", kWarp, 1, 3);
-    c = base({300, 64, 127, 0, 256}, 1, 2);
-    c.checkpoint_interval = 128, c.slot_pad = 16;
-    seg(c, "ckpt", kHead, 1, 1);
-    c = base({100, 64, 0, 33}, 1, 2);
-    c.same_slot = true;
-    seg(c, "same", kHead, 2, 1);
-    c.same_slot = false, c.zero_initial_rows = 4, c.no_final_rows = 2;
-    c.layout = StateLayout::kVLast, c.state_dtype = DType::kBFloat16;
-    seg(c, "zero_init_no_final", kHead, 2, 2);
-    c = base({2000, 3}, 1, 2);
-    c.long_memory = true;
-    seg(c, "long", kHead, 2, 5);
-  }
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
   // sequence needs.
   for (int C : {64, 128})
@@ -328,7 +301,7 @@ Problem make_problem(const ProblemConfig& c) {
 class PrefillTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PrefillTest, MatchesCpuReference) {
-  check_prefill(make_problem(GetParam().cfg), GetParam().vtile, GetParam().head_split, GetParam().segment_chunks);
+  check_prefill(make_problem(GetParam().cfg), GetParam().vtile, GetParam().head_split);
 }
 
 INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
@@ -347,36 +320,30 @@ TEST(PrefillGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
   p.as<int32_t>("initial_indices")[1] = int32_t(p.num_slots());
   p.as<int32_t>("final_indices")[2] = int32_t(p.num_slots()) + 7;
   p.as<int32_t>("checkpoint_indices")[3] = 1000;
-  // The heuristic's path, and segmented mode (segments of one chunk: counted once, by the first)
-  for (int segment_chunks : {0, 1}) {
-    const int vt = segment_chunks > 0 ? cuda::chunked_prefill::kVTileHead : 0;
-    check_prefill(p, vt, 0, segment_chunks);
-    Problem got = p;
-    {
-      DeviceProblem dev(got);
-      run_gpu(got, dev, vt, 0, segment_chunks);
-    }
-    EXPECT_EQ(got.as<int32_t>("error_flag")[0], 3);
-    const std::vector<double> o = got.read_tokens("o");
-    for (int32_t r = 1; r < 4; ++r)
-      EXPECT_TRUE(AllZero("o of sequence " + std::to_string(r),
-                          token_rows(o, int64_t(c.HV) * c.V, p.row_start(r), p.row_start(r) + p.row_len(r))));
+  check_prefill(p);
+  Problem got = p;
+  {
+    DeviceProblem dev(got);
+    run_gpu(got, dev, 0);
   }
+  EXPECT_EQ(got.as<int32_t>("error_flag")[0], 3);
+  const std::vector<double> o = got.read_tokens("o");
+  for (int32_t r = 1; r < 4; ++r)
+    EXPECT_TRUE(AllZero("o of sequence " + std::to_string(r),
+                        token_rows(o, int64_t(c.HV) * c.V, p.row_start(r), p.row_start(r) + p.row_len(r))));
 }
 
 // Same inputs twice, a graph capture (library workspace, sized by an eager call first) and a run
 // with a caller workspace: all bit-identical to one eager run, which matches the reference.
 TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
-  // The third configuration has enough chunks for the heuristic's segmented mode (fork and join of the
-  // side stream inside the capture).
-  for (int cfg = 0; cfg < 3; ++cfg) {
-    ProblemConfig c = cfg < 2 ? base({300, 1, 64, 129}, 2, 4) : base({4100, 130}, 1, 2);
-    c.layout = cfg == 1 ? StateLayout::kVLast : StateLayout::kKLast;
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    ProblemConfig c = base({300, 1, 64, 129}, 2, 4);
+    c.layout = layout;
     c.checkpoint_interval = 64;
     const Problem before(c);
     Problem eager = before, again = before, graphed = before, own_ws = before;
     DeviceProblem d_eager(eager), d_again(again), d_graph(graphed), d_ws(own_ws);
-    // The library's workspace is shared by calls on every stream: each call completes before the next.
+    // The library's workspace is shared by the calls on every stream: each call completes before the next.
     prefill(eager.prefill_params(PrefillAlgorithm::kAuto, d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});
     GDNKIT_TEST_CUDA(cudaStreamSynchronize(d_eager.stream()));
     prefill(again.prefill_params(PrefillAlgorithm::kAuto, d_again.resolver()), {Backend::kCUDA, d_again.stream()});
@@ -505,19 +472,6 @@ TEST(PrefillPlan, ValueTileHeuristic) {
   EXPECT_EQ(split(2, 32, 64), 2);
   EXPECT_EQ(split(8, 32, 128), 1);  // 8x8192
   EXPECT_EQ(split(3, 32, 128), 1);
-  // Segmented mode when the head pass leaves at least half of the SMs idle and there are >= 2 segments.
-  auto segment = [](int N, int HV, int64_t T) {
-    PrefillParams p;
-    p.q.dtype = p.k.dtype = p.v.dtype = p.o.dtype = DType::kBFloat16;
-    p.num_seqs = N, p.total_tokens = T;
-    p.heads.num_qk_heads = 1, p.heads.num_v_heads = HV, p.heads.head_dim_k = 128, p.heads.head_dim_v = 128;
-    return cuda::chunked_prefill::choose_segment_chunks(p, 132, cuda::chunked_prefill::choose_head_split(p, 132));
-  };
-  EXPECT_EQ(segment(1, 32, 32768), 64);  // 512 chunks in 8 segments
-  EXPECT_EQ(segment(1, 32, 8192), 32);
-  EXPECT_EQ(segment(1, 32, 2048), -1);   // 32 chunks: one segment
-  EXPECT_EQ(segment(8, 32, 65536), -1);  // 256 CTAs: no idle SMs
-  EXPECT_EQ(segment(2, 32, 65536), -1);  // 128 CTAs at split 2: fewer than half of the SMs idle
   for (DType dt : {DType::kBFloat16, DType::kFloat32})
     for (int K : {64, 128, 256})
       for (int V : {64, 128, 256})

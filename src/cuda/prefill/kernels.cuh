@@ -128,9 +128,7 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
 // One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T are computed
 // once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
 // h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
-// kSegmented (Plan::segmented): the grid is (chunks of the segment, q/k heads, sequences) instead of
-// (chunk slots, q/k heads).
-template <int K, class Op, bool kSegmented>
+template <int K, class Op>
 __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
     chunk_prep_kernel(const PrefillParams p, const Plan plan) {
   constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
@@ -150,30 +148,25 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   float4* Gacc = reinterpret_cast<float4*>(Af + kChunk * LDA);  // k k^T accumulators (prep_tile)
   float4* Macc = Gacc + kPrepTiles * 32;                   // q k^T accumulators
 
-  const int hk = blockIdx.y;
+  const int slot = blockIdx.x, hk = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int HV = p.heads.num_v_heads, group = HV / p.heads.num_qk_heads;
   const int h0 = hk * group, h1 = h0 + group;  // the value heads of the group
 
-  int n = int(blockIdx.z);
-  if constexpr (!kSegmented) {
-    // slot blockIdx.x -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot.
-    int lo = 0, hi = p.num_seqs - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (load_cu(p, mid) / kChunk + mid <= int64_t(blockIdx.x))
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    n = lo;
+  // slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot.
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (load_cu(p, mid) / kChunk + mid <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
+  const int n = lo;
   const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
   if (start < 0 || end < start || end > p.total_tokens) return;  // bad sequence: kernel 2 counts it
-  // Segmented: chunk seg_lo + blockIdx.x of sequence blockIdx.z.
-  const int64_t c = kSegmented ? plan.seg_lo + int64_t(blockIdx.x) : int64_t(blockIdx.x) - (start / kChunk + n);
+  const int64_t c = slot - (start / kChunk + n);
   if (c < 0 || c * kChunk >= end - start) return;  // a slot no chunk maps to
-  const int64_t slot = kSegmented ? start / kChunk + n + c : int64_t(blockIdx.x);
   const int64_t t0 = start + c * kChunk;
   const int L = int(min(int64_t(kChunk), end - t0));
 
@@ -662,19 +655,12 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
 template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
   if ((stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0) {
-    // a CTA per chunk slot and GVA group; segmented: per chunk of the segment, GVA group and sequence
-    const dim3 grid = plan.segmented ? dim3(unsigned(plan.seg_hi - plan.seg_lo), unsigned(p.heads.num_qk_heads),
-                                            unsigned(p.num_seqs))
-                                     : dim3(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));
+    const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));  // a CTA per GVA group
     constexpr size_t smem = prep_smem_bytes<K, Op>();
-    static const cudaError_t attr[2] = {
-        cudaFuncSetAttribute(chunk_prep_kernel<K, Op, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
-        cudaFuncSetAttribute(chunk_prep_kernel<K, Op, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))};
-    GDNKIT_CUDA_CHECK(attr[plan.segmented]);
-    if (plan.segmented)
-      chunk_prep_kernel<K, Op, true><<<grid, kThreads, smem, stream>>>(p, plan);
-    else
-      chunk_prep_kernel<K, Op, false><<<grid, kThreads, smem, stream>>>(p, plan);
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(chunk_prep_kernel<K, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    GDNKIT_CUDA_CHECK(attr);
+    chunk_prep_kernel<K, Op><<<grid, kThreads, smem, stream>>>(p, plan);
     GDNKIT_CUDA_CHECK_LAUNCH();
   }
   if (!(stages & kStageStatePass)) return;

@@ -39,25 +39,9 @@ struct Plan {
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   int32_t num_sms = 132;
-  // Segmented mode (few sequences, prefill.cu run_segmented): this launch covers chunks [seg_lo, seg_hi)
-  // of every sequence; the chunk prep's grid is (chunks of the segment, q/k heads, sequences), and the
-  // head pass carries S from one segment to the next in ws_s ([N, HV, V, K] fp32), loading the pool's
-  // initial state in the first segment and storing the final state in the segment of the last chunk.
-  bool segmented = false;
-  int32_t seg_lo = 0, seg_hi = INT32_MAX;
-  float* ws_s = nullptr;
 };
 
-// Segmented mode needs the head pass and at most this many (sequence, value head) pairs (it bounds the
-// carry states in the workspace, N * HV * K * V * 4 bytes: 4 MiB at K = V = 128).
-constexpr int64_t kMaxSegmentedHeads = 64;
-bool segment_capable(const PrefillParams& p);
-// Chunks per segment: > 0 runs segmented when the head pass leaves at least half of the SMs idle (the
-// chunk prep of segment i + 1 runs beside the head pass of segment i), -1 not.
-int choose_segment_chunks(const PrefillParams& p, int num_sms, int head_split);
-
-// Workspace bytes for the T' and gcum / norm arrays (each 256-byte aligned), and the carry states
-// where segment_capable.
+// Workspace bytes for the T' and gcum / norm arrays (each 256-byte aligned).
 size_t workspace_bytes(const PrefillParams& p);
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
 
@@ -80,11 +64,10 @@ template <int K>
 void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages);
 
 // Test/tuning entry: prefill with an explicit value tile (0: the heuristic) and, for the head state
-// pass, an explicit column split (1, or 2 with V / 2 >= 32; 0: the heuristic) and segment length in
-// chunks (0: the heuristic, < 0: not segmented; needs segment_capable and stages == kStagesAll); same
-// semantics as cuda::prefill when stages == kStagesAll. Used by the GPU tests and timing to compare tilings.
+// pass, an explicit column split (1, or 2 with V / 2 >= 32; 0: the heuristic); same semantics
+// as cuda::prefill when stages == kStagesAll. Used by the GPU tests and timing to compare tilings.
 void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile, int stages = kStagesAll,
-                        int head_split = 0, int segment_chunks = 0);
+                        int head_split = 0);
 int choose_vtile(const PrefillParams& p, int num_sms);
 // The head pass's CTAs per (sequence, value head): 2 when that still gives at most one CTA per SM (a
 // sequential chain per CTA gains nothing from sharing an SM), else 1.

@@ -105,62 +105,49 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int vw = v0 + warp * 16;   // this warp's value columns vw .. vw + 15 (head columns)
   const int lw = warp * 16;        // ... and in the CTA's v / o tile
 
-  // Segmented mode: this launch runs chunks [seg_lo, seg_hi) (Plan); a sequence whose chunks ended in an
-  // earlier segment has nothing left (a bad one was counted by the first segment).
-  const bool first_segment = plan.seg_lo == 0;
   SeqSlots sq;
-  if (!begin_sequence<kThr>(p, plan, n, h, v0, kCols, first_segment && h == 0 && split == 0, sq)) return;
+  if (!begin_sequence<kThr>(p, plan, n, h, v0, kCols, h == 0 && split == 0, sq)) return;
   const int64_t start = sq.start, len = sq.len;
-  const int64_t nchunks = (len + kChunk - 1) / kChunk;
-  if (!first_segment && nchunks <= plan.seg_lo) return;
-  const int64_t c_end = min(nchunks, int64_t(plan.seg_hi));
 
   // S^T in registers: s[j][e] = S[k][v] with k = 8j + q2 + (e & 1), v = vw + r + 8 (e >> 1).
   float s[KT][4];
-  auto s_offset = [&](StateLayout layout, int j, int e) {
-    return state_offset(layout, h, 8 * j + q2 + (e & 1), vw + r + 8 * (e >> 1), K, V);
+  auto s_offset = [&](int j, int e) {
+    return state_offset(p.state.layout, h, 8 * j + q2 + (e & 1), vw + r + 8 * (e >> 1), K, V);
   };
   // K-last keeps a lane's elements (k, k+1) of one value row adjacent: one 2-element access each where
-  // the buffer allows it (Plan::state_pairs / checkpoint_pairs), else one element at a time. The
-  // segments' carry is fp32 K-last.
-  auto carry = [&] { return int64_t(n) * p.heads.num_v_heads * K * V; };  // recomputed: no live register
+  // the buffer allows it (Plan::state_pairs / checkpoint_pairs), else one element at a time.
   {
-    const bool pool = first_segment;  // else the carry of the previous segment
-    const bool any = !pool || sq.islot >= 0;
-    const bool pairs = !pool || plan.state_pairs;
-    const StateLayout layout = pool ? p.state.layout : StateLayout::kKLast;
-    const void* src = pool ? p.state.data : plan.ws_s;
-    const DType dt = pool ? p.state.dtype : DType::kFloat32;
-    const int64_t base = pool ? int64_t(sq.islot) * p.state.slot_stride : carry();
+    const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
 #pragma unroll
     for (int j = 0; j < KT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         float2 x = make_float2(0.0f, 0.0f);
-        if (any && pairs) {
-          x = load_state_pair(src, dt, base + s_offset(layout, j, e));
-        } else if (any) {
-          x.x = load_state_elem(src, dt, base + s_offset(layout, j, e));
-          x.y = load_state_elem(src, dt, base + s_offset(layout, j, e + 1));
+        if (sq.islot >= 0 && plan.state_pairs) {
+          x = load_state_pair(p.state.data, p.state.dtype, base + s_offset(j, e));
+        } else if (sq.islot >= 0) {
+          x.x = load_state_elem(p.state.data, p.state.dtype, base + s_offset(j, e));
+          x.y = load_state_elem(p.state.data, p.state.dtype, base + s_offset(j, e + 1));
         }
         s[j][e] = x.x;
         s[j][e + 1] = x.y;
       }
   }
-  auto store_s = [&](void* base, DType dt, StateLayout layout, int64_t offset, bool pairs) {
+  auto store_s = [&](void* base, DType dt, int64_t offset, bool pairs) {
 #pragma unroll
     for (int j = 0; j < KT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         if (pairs) {
-          store_state_pair(base, dt, offset + s_offset(layout, j, e), s[j][e], s[j][e + 1]);
+          store_state_pair(base, dt, offset + s_offset(j, e), s[j][e], s[j][e + 1]);
         } else {
-          store_state_elem(base, dt, offset + s_offset(layout, j, e), s[j][e]);
-          store_state_elem(base, dt, offset + s_offset(layout, j, e + 1), s[j][e + 1]);
+          store_state_elem(base, dt, offset + s_offset(j, e), s[j][e]);
+          store_state_elem(base, dt, offset + s_offset(j, e + 1), s[j][e + 1]);
         }
       }
   };
 
+  const int64_t nchunks = (len + kChunk - 1) / kChunk;
   const int64_t slot0 = start / kChunk + n;
   const int64_t C = p.checkpoint_interval;
 
@@ -234,9 +221,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
   const uint32_t off_v = uint32_t((((lane >> 4) << 3) + (lane & 7)) * LDV + lw + ((lane >> 3) & 1) * 8) * 2;
 
-  const int64_t c_begin = plan.seg_lo;
-  if (c_begin < c_end) issue(c_begin, stage[c_begin & 1]);
-  for (int64_t c = c_begin; c < c_end; ++c) {
+  if (nchunks > 0) issue(0, stage[0]);
+  for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c & 1];
     cp_async_wait_all();
     if constexpr (kWg) fence_proxy_async();  // the copies are read by the tensor cores (async proxy)
@@ -300,7 +286,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       }
 
       // The next chunk's inputs: issued here, the P/Q products above start right after the barrier.
-      if (c + 1 < c_end) issue(c + 1, stage[(c + 1) & 1]);
+      if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
       if constexpr (kWg) {
         wgmma_wait<1>();  // P^T (Q^T may still run)
         wgmma_pin(pk);
@@ -438,31 +424,21 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       const int64_t done = (c + 1) * kChunk;
       if (done % C == 0 && done <= len && done / C - 1 < p.checkpoints.num_steps) {
         const int64_t j = done / C - 1;
-        store_s(p.checkpoints.data, p.checkpoints.dtype, p.state.layout,
+        store_s(p.checkpoints.data, p.checkpoints.dtype,
                 int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * K * V), plan.checkpoint_pairs);
       }
     }
   }
 
-  if (c_end < nchunks)
-    store_s(plan.ws_s, DType::kFloat32, StateLayout::kKLast, carry(), true);  // the next segment goes on
-  else if (sq.fslot >= 0)
-    store_s(p.state.data, p.state.dtype, p.state.layout, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs);
+  if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs);
 }
-
-// Segmented, the head pass asks for all of an SM's shared memory, so that the chunk prep running beside
-// it (the next segment's) takes only the SMs it leaves idle and never slows its sequential chain.
-constexpr size_t kHeadSmemSegmented = 227 * 1024;
 
 template <int K, int V, int kSplit, class Op, bool kWg>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  constexpr size_t need = head_smem_bytes<K, V / kSplit, Op, kWg>();
-  static_assert(need <= kHeadSmemSegmented, "head pass stage too large");
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(state_pass_head_kernel<K, V, kSplit, Op, kWg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           int(kHeadSmemSegmented));
+  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWg>();
+  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_head_kernel<K, V, kSplit, Op, kWg>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
-  const size_t smem = plan.segmented ? kHeadSmemSegmented : need;
   const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit;
   state_pass_head_kernel<K, V, kSplit, Op, kWg><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
