@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <cudaTypedefs.h>
+
 #include "api/backends.h"
 #include "cuda/check.h"
 #include "cuda/prefill/plan.h"
@@ -83,6 +85,65 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_t = base;
   plan.ws_m = static_cast<char*>(base) + t_bytes(p);
   plan.ws_f = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
+}
+
+bool head_tensor_maps_ok(const PrefillParams& p, const Plan& plan) {
+  constexpr int64_t kMax = int64_t(1) << 31;  // TMA coordinates are signed 32-bit
+  return p.total_tokens + kChunk < kMax && plan.num_slots * p.heads.num_v_heads * kChunk < kMax;
+}
+
+namespace {
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    GDNKIT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw Error(ErrorCode::kCudaError, "cuTensorMapEncodeTiled: not found in the CUDA driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A 128B-swizzled tiled map over `rank` dims (dims[0] innermost, 16-bit elements), byte strides of the
+// outer dims, boxes of 64 x (1 x) 64.
+CUtensorMap encode_map(const char* name, const void* data, bool fp16, int rank, const cuuint64_t* dims,
+                       const cuuint64_t* strides, const cuuint32_t* box) {
+  CUtensorMap map;
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank),
+      const_cast<void*>(data), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorCode::kCudaError, std::string("cuTensorMapEncodeTiled(") + name + ") failed: error " +
+                                           std::to_string(int(r)));
+  return map;
+}
+}  // namespace
+
+HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
+  const cuuint64_t T = cuuint64_t(p.total_tokens);
+  const cuuint32_t box3[3] = {64, 1, kChunk}, box2[2] = {64, kChunk};
+  auto rows3 = [&](const char* name, const auto& view, int heads, int dim) {
+    const cuuint64_t dims[3] = {cuuint64_t(dim), cuuint64_t(heads), T};
+    // one head: its stride is never stepped (any multiple of 16 bytes will do)
+    const cuuint64_t head_bytes = heads > 1 ? cuuint64_t(view.head_stride) * 2 : cuuint64_t(dim) * 2;
+    const cuuint64_t strides[2] = {head_bytes, cuuint64_t(view.token_stride) * 2};
+    return encode_map(name, view.data, plan.fp16_operands, 3, dims, strides, box3);
+  };
+  auto ws2 = [&](const char* name, const void* data) {
+    const cuuint64_t dims[2] = {kChunk, cuuint64_t(plan.num_slots) * cuuint64_t(p.heads.num_v_heads) * kChunk};
+    const cuuint64_t strides[1] = {kChunk * 2};
+    return encode_map(name, data, plan.fp16_operands, 2, dims, strides, box2);
+  };
+  HeadTensorMaps m;
+  m.k = rows3("k", p.k, p.heads.num_qk_heads, p.heads.head_dim_k);
+  m.q = rows3("q", p.q, p.heads.num_qk_heads, p.heads.head_dim_k);
+  m.v = rows3("v", p.v, p.heads.num_v_heads, p.heads.head_dim_v);
+  m.t = ws2("workspace T'", plan.ws_t);
+  m.m = ws2("workspace M", plan.ws_m);
+  return m;
 }
 
 bool vtile_supported(int K, int vtile) {

@@ -2,6 +2,7 @@
 // kernels read besides PrefillParams, and the per-head-dim launchers (one translation unit each).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -40,6 +41,16 @@ struct Plan {
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   int32_t num_sms = 132;
 };
+
+// The TMA descriptors of a head pass launch of the wgmma build (a __grid_constant__ kernel parameter): k
+// and q as [tokens, q/k heads, K], v as [tokens, value heads, V] (boxes of 64 tokens x 64 columns), T'
+// and M of the workspace as [chunk rows, 64] (boxes of 64 x 64); 128-byte swizzled.
+struct HeadTensorMaps {
+  CUtensorMap k, q, v, t, m;
+};
+// Whether the TMA coordinates of this call fit (tokens and workspace rows below 2^31), and the maps.
+bool head_tensor_maps_ok(const PrefillParams& p, const Plan& plan);
+HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
 // Workspace bytes for the T' and gcum / norm arrays (each 256-byte aligned).
 size_t workspace_bytes(const PrefillParams& p);

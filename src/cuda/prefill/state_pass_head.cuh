@@ -22,8 +22,9 @@
 //   kWg = true:  each group of 4 warps (64 value columns) issues wgmma m64nNk16 (wgmma.cuh): the same
 //     A fragments from registers, B read by the tensor cores from 128B-swizzled k, q, T', M rows,
 //     asynchronously (the P and Q products overlap the X step, o's product overlaps the S update's).
-//     Needs a multiple of 64 value columns per CTA. Past a partial chunk's end the k, q, v rows are
-//     zero-filled, so the full products run there too.
+//     The chunk's inputs arrive by TMA (tma.cuh: one thread issues the tiles, an mbarrier per stage
+//     counts their bytes). Needs a multiple of 64 value columns per CTA. Past a partial chunk's end the
+//     k, q, v rows are zeroed in shared memory, so the full products run there too.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,6 +35,7 @@
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
+#include "cuda/prefill/tma.cuh"
 #include "cuda/prefill/wgmma.cuh"
 #include "gdnkit/params.h"
 
@@ -51,16 +53,15 @@ struct HeadStage {
   float sc[kFactorRows * kChunk];  // the chunk's token factors (FactorRow)
 };
 
-// The wgmma build's stage: k, q, T', M as wgmma B operands (128B-swizzled blocks of 64 columns,
-// sw128_offset; 1024-byte aligned), v padded as above.
+// The wgmma build's stage, as the TMA tiles land: k, q, T', M (the wgmma B operands) and v in 128B-swizzled
+// blocks of 64 columns (sw128_offset; 1024-byte aligned).
 template <int K, int kCols, class Op>
 struct alignas(1024) HeadStageWg {
-  static constexpr int LDV = kCols + 8;
   Op ks[kChunk * K];
   Op qs[kChunk * K];
   Op ts[kChunk * kChunk];
   Op ms[kChunk * kChunk];
-  Op vs[kChunk * LDV];
+  Op vs[kChunk * kCols];
   float sc[kFactorRows * kChunk];
 };
 
@@ -85,12 +86,12 @@ __device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
 template <int K, int V, int kSplit, class Op, bool kWg>
 __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
-    state_pass_head_kernel(const PrefillParams p, const Plan plan) {
+    state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
   constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
   static_assert(!kWg || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
   using Stage = HeadStageOf<K, kCols, Op, kWg>;
-  constexpr int LDV = Stage::LDV;
+  constexpr int LDV = HeadStage<K, kCols, Op>::LDV;  // the warp build's padded v rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWg ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
 
@@ -176,7 +177,36 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     if constexpr (kWg) return sw128_offset<kChunk>(row, col);
     else return row * Stage::LDT + col;
   };
+  // Element offset of (row, col) in the v (then o) buffer of a stage; rows 16 apart are kVRow16 bytes apart.
+  auto v_offset = [](int row, int col) {
+    if constexpr (kWg) return sw128_offset<kChunk>(row, col);
+    else return row * LDV + col;
+  };
+  constexpr uint32_t kVRow16 = kWg ? 16 * 128 : 16 * LDV * 2;
+  __shared__ uint64_t bars[2];  // wgmma build: the TMA completion of each stage
   auto issue = [&](int64_t c, Stage& b) {
+    if constexpr (kWg) {
+      if (tid == 0) {
+        uint64_t* bar = &bars[c & 1];
+        constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + 2 * kChunk * kChunk * 2 +
+                                             kFactorRows * kChunk * 4);
+        fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
+        mbarrier_arrive_expect_tx(bar, kBytes);
+        const int tk = int(start + c * kChunk);
+#pragma unroll
+        for (int i = 0; i < K / 64; ++i) {
+          tma_load_3d(&b.ks[i * 64 * kChunk], &maps.k, 64 * i, hk, tk, bar);
+          tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
+        }
+#pragma unroll
+        for (int i = 0; i < kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
+        const int wrow = int((ws0 + c * HV) * kChunk);
+        tma_load_2d(b.ts, &maps.t, 0, wrow, bar);
+        tma_load_2d(b.ms, &maps.m, 0, wrow, bar);
+        bulk_load(b.sc, f_src + c * HV * (kFactorRows * kChunk), kFactorRows * kChunk * 4, bar);
+      }
+      return;
+    }
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     const Op* kc = k_src + c * kChunk * p.k.token_stride;
     const Op* qc = q_src + c * kChunk * p.q.token_stride;
@@ -219,16 +249,37 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const uint32_t off_t = uint32_t(frag_row * LDT + frag_col) * 2;
   const uint32_t off_kt = uint32_t((lane & 15) * LDK + (lane >> 4) * 8) * 2;  // B = k rows as [k][n]: bk_frag_ptr
   // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
-  const uint32_t off_v = uint32_t((((lane >> 4) << 3) + (lane & 7)) * LDV + lw + ((lane >> 3) & 1) * 8) * 2;
+  const uint32_t off_v = uint32_t(v_offset(((lane >> 4) << 3) + (lane & 7), lw + ((lane >> 3) & 1) * 8)) * 2;
 
+  if constexpr (kWg) {
+    if (tid == 0) {
+      mbarrier_init(&bars[0], 1);
+      mbarrier_init(&bars[1], 1);
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
   if (nchunks > 0) issue(0, stage[0]);
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c & 1];
-    cp_async_wait_all();
-    if constexpr (kWg) fence_proxy_async();  // the copies are read by the tensor cores (async proxy)
-    __syncthreads();  // chunk c's inputs are visible; every warp is done with chunk c - 1's stage
     const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    if constexpr (kWg) {
+      mbarrier_wait(&bars[c & 1], uint32_t(c >> 1) & 1);
+      if (L < kChunk) {  // the tiles hold the next tokens' rows there (or zeros past the tensor): zero them
+        constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
+        for (int it = tid; it < (kChunk - L) * kRowPieces; it += kThr) {
+          const int row = L + it / kRowPieces, piece = it % kRowPieces, col = piece % (K / 8) * 8;
+          Op* buf = piece < K / 8 ? b.ks : piece < K / 4 ? b.qs : b.vs;
+          const int c8 = piece < K / 4 ? col : (piece - K / 4) * 8;
+          *reinterpret_cast<uint4*>(&buf[sw128_offset<kChunk>(row, c8)]) = make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();  // the zeros are read by the tensor cores
+      }
+    } else {
+      cp_async_wait_all();
+    }
+    __syncthreads();  // chunk c's inputs are visible; every warp is done with chunk c - 1's stage
     // The chunk's products, built twice: for a full chunk without any length test (one branch-free
     // block that ptxas schedules across the products), and for the last, partial one.
     auto chunk = [&](auto full) {
@@ -297,7 +348,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t vv[4];  // v^T of token tiles 2np, 2np+1 (value rows r, r + 8)
-        ldmatrix_x4_trans(vv, vs_b + uint32_t(np * 16 * LDV) * 2);
+        ldmatrix_x4_trans(vv, vs_b + np * kVRow16);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int nt = 2 * np + half;
@@ -378,7 +429,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       for (int np = 0; np < 4; ++np) {
         uint32_t frag[4];  // the C -> A packing is also stmatrix's fragment order
         c_to_a<Op>(qo[2 * np], qo[2 * np + 1], frag);
-        stmatrix_x4_trans(vs_b + uint32_t(np * 16 * LDV) * 2, frag);
+        stmatrix_x4_trans(vs_b + np * kVRow16, frag);
       }
       __syncwarp();
       {
@@ -388,7 +439,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
           const int it = lane + 32 * u, row = it >> 1, half = it & 1;
           if (kFull || row < L)
             *reinterpret_cast<uint4*>(og + (t0 + row) * p.o.token_stride + h * p.o.head_stride + vw + half * 8) =
-                *reinterpret_cast<const uint4*>(&b.vs[row * LDV + lw + half * 8]);
+                *reinterpret_cast<const uint4*>(&b.vs[v_offset(row, lw + half * 8)]);
         }
       }
 
@@ -440,14 +491,16 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, cudaStream
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
   const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit;
-  state_pass_head_kernel<K, V, kSplit, Op, kWg><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan);
+  const HeadTensorMaps maps = kWg ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
+  state_pass_head_kernel<K, V, kSplit, Op, kWg><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan, maps);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
-// The wgmma build where the CTA owns whole warpgroups (kWarpgroup and V / split a multiple of 64), else
-// the mma.sync build.
+// The wgmma build where the CTA owns whole warpgroups (warpgroup and V / split a multiple of 64) and the
+// TMA coordinates fit, else the mma.sync build.
 template <int K, int V, class Op>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, int split, bool warpgroup, cudaStream_t stream) {
+  warpgroup = warpgroup && head_tensor_maps_ok(p, plan);
   if (split == 2) {
     if constexpr (V / 2 % 64 == 0)
       if (warpgroup) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, stream);
