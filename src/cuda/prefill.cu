@@ -87,9 +87,11 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_f = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
 }
 
+// Without tokens there is nothing to load (and no tensor to map): the mma.sync build stores the states.
 bool head_tensor_maps_ok(const PrefillParams& p, const Plan& plan) {
   constexpr int64_t kMax = int64_t(1) << 31;  // TMA coordinates are signed 32-bit
-  return p.total_tokens + kChunk < kMax && plan.num_slots * p.heads.num_v_heads * kChunk < kMax;
+  return p.total_tokens > 0 && plan.num_slots > 0 && p.total_tokens + kChunk < kMax &&
+         plan.num_slots * p.heads.num_v_heads * kChunk < kMax;
 }
 
 namespace {

@@ -48,7 +48,7 @@ struct Plan {
 struct HeadTensorMaps {
   CUtensorMap k, q, v, t, m;
 };
-// Whether the TMA coordinates of this call fit (tokens and workspace rows below 2^31), and the maps.
+// Whether the TMA maps can be made (tokens, and tokens and workspace rows below 2^31), and the maps.
 bool head_tensor_maps_ok(const PrefillParams& p, const Plan& plan);
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
