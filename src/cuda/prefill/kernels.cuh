@@ -17,8 +17,8 @@
 //       o     = D q^ S + M v_new
 //       S     = exp(g_last) S + k^T diag(exp(g_last - gcum)) v_new
 //     S lives in registers (fp32 mma accumulators).
-// All products run on tensor cores: mma.sync m16n8k16, Op operands (bf16 for bf16 inputs, fp16 for
-// fp16/fp32 inputs), fp32 accumulation. The L2 norms and the scale are per-token factors applied to
+// All products run on tensor cores: mma.sync m16n8k16 (the head pass: wgmma m64nNk16 wherever a CTA owns
+// whole warpgroups), Op operands (bf16 for bf16 inputs, fp16 for fp16/fp32 inputs), fp32 accumulation. The L2 norms and the scale are per-token factors applied to
 // mma results (rows of q/k stay raw in shared memory). Design and measurements: docs/prefill-design.md.
 #pragma once
 
