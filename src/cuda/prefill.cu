@@ -127,7 +127,7 @@ CUtensorMap encode_map(const char* name, const void* data, bool fp16, int rank, 
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
   const cuuint64_t T = cuuint64_t(p.total_tokens);
   const cuuint32_t box3[3] = {64, 1, kChunk}, box2[2] = {64, kChunk};
-  auto rows3 = [&](const char* name, const auto& view, int heads, int dim) {  // q, k, v (const) and o
+  auto rows3 = [&](const char* name, const auto& view, int heads, int dim) {
     const cuuint64_t dims[3] = {cuuint64_t(dim), cuuint64_t(heads), T};
     // one head: its stride is never stepped (any multiple of 16 bytes will do)
     const cuuint64_t head_bytes = heads > 1 ? cuuint64_t(view.head_stride) * 2 : cuuint64_t(dim) * 2;
@@ -143,7 +143,6 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
   m.k = rows3("k", p.k, p.heads.num_qk_heads, p.heads.head_dim_k);
   m.q = rows3("q", p.q, p.heads.num_qk_heads, p.heads.head_dim_k);
   m.v = rows3("v", p.v, p.heads.num_v_heads, p.heads.head_dim_v);
-  m.o = rows3("o", p.o, p.heads.num_v_heads, p.heads.head_dim_v);
   m.t = ws2("workspace T'", plan.ws_t);
   m.m = ws2("workspace M", plan.ws_m);
   return m;

@@ -43,10 +43,10 @@ struct Plan {
 };
 
 // The TMA descriptors of a head pass launch of the wgmma build (a __grid_constant__ kernel parameter): k
-// and q as [tokens, q/k heads, K], v and o as [tokens, value heads, V] (boxes of 64 tokens x 64 columns),
-// T' and M of the workspace as [chunk rows, 64] (boxes of 64 x 64); 128-byte swizzled.
+// and q as [tokens, q/k heads, K], v as [tokens, value heads, V] (boxes of 64 tokens x 64 columns), T'
+// and M of the workspace as [chunk rows, 64] (boxes of 64 x 64); 128-byte swizzled.
 struct HeadTensorMaps {
-  CUtensorMap k, q, v, o, t, m;
+  CUtensorMap k, q, v, t, m;
 };
 // Whether the TMA maps can be made (tokens, and tokens and workspace rows below 2^31), and the maps.
 bool head_tensor_maps_ok(const PrefillParams& p, const Plan& plan);

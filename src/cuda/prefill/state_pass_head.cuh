@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
   constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
-  static_assert(!kWg || (kCols % 64 == 0 && kCols <= 128), "the wgmma build: one or two warpgroups of 64 value columns");
+  static_assert(!kWg || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
   using Stage = HeadStageOf<K, kCols, Op, kWg>;
   constexpr int LDV = HeadStage<K, kCols, Op>::LDV;  // the warp build's padded v rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -265,9 +265,6 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     if constexpr (kWg) {
-      // The o box stored from this stage two chunks ago has been read before the barrier below lets the
-      // next TMA load into it.
-      if ((tid & 127) == 0) tma_store_wait<true>();
       mbarrier_wait(&bars[c & 1], uint32_t(c >> 1) & 1);
       if (L < kChunk) {  // the tiles hold the next tokens' rows there (or zeros past the tensor): zero them
         constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
@@ -426,7 +423,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       }
 
       // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored as 32-byte
-      // row pieces; in the wgmma build a full chunk's warpgroup stores its 64 x 64 box by TMA
+      // row pieces
       __syncwarp();
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
@@ -435,11 +432,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         stmatrix_x4_trans(vs_b + np * kVRow16, frag);
       }
       __syncwarp();
-      if constexpr (kWg && kFull) {
-        fence_proxy_async();  // this thread's staging, read by the TMA store (async proxy)
-        warpgroup_sync(warp >> 2);
-        if ((tid & 127) == 0) tma_store_3d(&maps.o, v0 + (warp >> 2) * 64, h, int(t0), &b.vs[(warp >> 2) * 64 * kChunk]);
-      } else {
+      {
         Op* og = static_cast<Op*>(p.o.data);
 #pragma unroll
         for (int u = 0; u < 2 * kChunk / 32; ++u) {
@@ -488,8 +481,6 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     }
   }
 
-  if constexpr (kWg)
-    if ((tid & 127) == 0) tma_store_wait<false>();  // o's stores complete before the CTA exits
   if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs);
 }
 

@@ -58,29 +58,4 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
-// Shared memory box to coordinates (c0, c1, c2) of a 3-D tensor map (a bulk async-group of this thread).
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, int c0, int c1, int c2, const void* src) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
-      "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(src))
-      : "memory");
-}
-// Until this thread's bulk stores have read their shared memory (kRead) or completed.
-template <bool kRead>
-__device__ __forceinline__ void tma_store_wait() {
-  if constexpr (kRead)
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-  else
-    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
-// Barrier of the 128 threads of warpgroup `wg` < 2 (named barrier 1 + wg; 0 is __syncthreads'); immediate
-// barrier ids, so ptxas reserves only those.
-__device__ __forceinline__ void warpgroup_sync(int wg) {
-  if (wg == 0)
-    asm volatile("bar.sync 1, 128;\n" ::: "memory");
-  else
-    asm volatile("bar.sync 2, 128;\n" ::: "memory");
-}
-
 }  // namespace gdnkit::cuda::chunked_prefill
