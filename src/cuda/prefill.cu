@@ -166,13 +166,7 @@ bool head_split_supported(int V, int split) { return split == 1 || (split == 2 &
 // a split of 4 (two warps per CTA) was slower than 2 and is not built.
 int choose_head_split(const PrefillParams& p, int num_sms) {
   const int64_t heads = int64_t(p.num_seqs) * p.heads.num_v_heads;
-  return head_split_supported(p.heads.head_dim_v, 2) && (heads * 2 <= num_sms || choose_short_head(p)) ? 2 : 1;
-}
-
-// Sequences of one chunk load their state, run one chunk and store it: with two CTAs per SM (split 2,
-// one input stage, the wgmma build's V = 128) one CTA's state traffic overlaps the other's chunk.
-bool choose_short_head(const PrefillParams& p) {
-  return p.heads.head_dim_v == 128 && p.total_tokens <= int64_t(kChunk) * p.num_seqs;
+  return head_split_supported(p.heads.head_dim_v, 2) && heads * 2 <= num_sms ? 2 : 1;
 }
 
 // The head state pass when it can run. Otherwise the tiled state pass, whose parallelism is
@@ -187,8 +181,7 @@ int choose_vtile(const PrefillParams& p, int num_sms) {
   return 16;
 }
 
-void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split,
-                        int head_stages) {
+void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split) {
   if (p_in.num_seqs <= 0) return;
   PrefillParams p = p_in;
   const int K = p.heads.head_dim_k;
@@ -227,10 +220,6 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
 
   if (vtile == 0) vtile = choose_vtile(p, plan.num_sms);
   plan.head_split = head_split != 0 ? head_split : choose_head_split(p, plan.num_sms);
-  plan.head_stages = head_stages != 0 ? head_stages : plan.head_split == 2 && choose_short_head(p) ? 1 : 2;
-  if (plan.head_stages != 1 && plan.head_stages != 2)
-    throw Error(ErrorCode::kInvalidArgument, "prefill: head stages " + std::to_string(plan.head_stages) +
-                                                 " (expected 1 or 2)");
   if (is_head_tile(vtile) && !head_split_supported(p.heads.head_dim_v, plan.head_split))
     throw Error(ErrorCode::kInvalidArgument, "prefill: head split " + std::to_string(plan.head_split) +
                                                  " is not supported for V=" + std::to_string(p.heads.head_dim_v));

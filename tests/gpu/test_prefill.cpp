@@ -59,7 +59,6 @@ struct Case {
   ProblemConfig cfg;
   int vtile = 0;       // 0: the library's heuristic through the public API; else the internal entry
   int head_split = 0;  // with vtile = kVTileHead: CTAs per (sequence, head); 0: the heuristic
-  int head_stages = 0;  // with vtile = kVTileHead and split 2: input stages; 0: the heuristic
 };
 
 ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
@@ -123,26 +122,25 @@ std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
   return ::testing::AssertionSuccess();
 }
 
-void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int head_stages = 0) {
+void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   if (vtile == 0) {
     prefill(p, {Backend::kCUDA, dev.stream()});
   } else {
     validate(p, Backend::kCUDA);
-    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split,
-                                              head_stages);
+    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split);
   }
   dev.download(got);
 }
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
-void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int head_stages = 0) {
+void check_prefill(const Problem& before, int vtile = 0, int head_split = 0) {
   const ProblemConfig& cfg = before.config();
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split, head_stages);
+    run_gpu(got, dev, vtile, head_split);
   }
   const std::vector<int64_t> written = written_finals(before);
   EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kPrefill, cfg.in_dtype)));
@@ -232,18 +230,6 @@ std::vector<Case> shape_cases() {
           const std::string kind = vt == cuda::chunked_prefill::kVTileHead ? "head" : "headwarp";
           add(c, kind + std::to_string(split), vt, split);
         }
-  // The wgmma head pass with one input stage (split 2): one-chunk sequences, and longer ones (each next
-  // chunk loads after the last read of the stage), checkpoints, fp16 inputs.
-  {
-    ProblemConfig c = base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2);
-    c.checkpoint_interval = 64;
-    c.seed = 2000 + i++;
-    out.push_back({case_name(c, "head2stage1"), c, cuda::chunked_prefill::kVTileHead, 2, 1});
-    c = base({8, 8, 1, 64, 30, 8, 0, 8}, 2, 4);
-    c.in_dtype = DType::kFloat16;
-    c.seed = 2000 + i++;
-    out.push_back({case_name(c, "short"), c});  // the heuristic: split 2, one stage
-  }
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
   // sequence needs.
   for (int C : {64, 128})
@@ -291,8 +277,6 @@ std::vector<Case> sanitize_cases() {
   c.seed = 3000 + i++;
   out.push_back({case_name(c, "head2"), c, cuda::chunked_prefill::kVTileHead, 2});
   c.seed = 3000 + i++;
-  out.push_back({case_name(c, "head2stage1"), c, cuda::chunked_prefill::kVTileHead, 2, 1});
-  c.seed = 3000 + i++;
   out.push_back({case_name(c, "headwarp"), c, cuda::chunked_prefill::kVTileHeadWarp, 1});
   return out;
 }
@@ -317,7 +301,7 @@ Problem make_problem(const ProblemConfig& c) {
 class PrefillTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PrefillTest, MatchesCpuReference) {
-  check_prefill(make_problem(GetParam().cfg), GetParam().vtile, GetParam().head_split, GetParam().head_stages);
+  check_prefill(make_problem(GetParam().cfg), GetParam().vtile, GetParam().head_split);
 }
 
 INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
@@ -478,10 +462,9 @@ TEST(PrefillPlan, ValueTileHeuristic) {
   EXPECT_EQ(tile(64, 8, 256, 256, DType::kBFloat16), 32);  // K = 256 has no 64 tile
   EXPECT_EQ(tile(1, 2, 64, 256, DType::kBFloat16), 16);
   // The head pass splits a head's columns over 2 CTAs while that keeps one CTA per SM.
-  auto split = [](int N, int HV, int V, int64_t T = 0) {
+  auto split = [](int N, int HV, int V) {
     PrefillParams p;
     p.num_seqs = N;
-    p.total_tokens = T > 0 ? T : int64_t(N) * 8192;
     p.heads.num_qk_heads = 1, p.heads.num_v_heads = HV, p.heads.head_dim_k = 128, p.heads.head_dim_v = V;
     return cuda::chunked_prefill::choose_head_split(p, 132);
   };
@@ -489,8 +472,6 @@ TEST(PrefillPlan, ValueTileHeuristic) {
   EXPECT_EQ(split(2, 32, 64), 2);
   EXPECT_EQ(split(8, 32, 128), 1);  // 8x8192
   EXPECT_EQ(split(3, 32, 128), 1);
-  EXPECT_EQ(split(1024, 32, 128, 8192), 2);  // 1024x8: one chunk each, two CTAs per SM (one stage)
-  EXPECT_EQ(split(1024, 32, 64, 8192), 1);
   for (DType dt : {DType::kBFloat16, DType::kFloat32})
     for (int K : {64, 128, 256})
       for (int V : {64, 128, 256})

@@ -144,22 +144,18 @@ TEST(PrefillTiming, TargetSets) {
     const double flop = 4.0 * double(T) * HV * K * V;
     // auto, the head pass (wgmma and mma.sync builds) with each column split, the tiled pass with each
     // value tile
-    // (head/2/1: the wgmma build at split 2 with one input stage)
     constexpr int kWg = cuda::chunked_prefill::kVTileHead, kWarp = cuda::chunked_prefill::kVTileHeadWarp;
-    struct Config {
-      int vt, split, stages;
-    };
-    const Config configs[] = {{0, 0, 0},     {kWg, 1, 0}, {kWg, 2, 2},  {kWg, 2, 1}, {kWarp, 1, 0},
-                              {kWarp, 2, 0}, {16, 0, 0},  {32, 0, 0},   {64, 0, 0}};
-    for (auto [vt, split, stages] : configs) {
+    const std::pair<int, int> configs[] = {{0, 0},     {kWg, 1}, {kWg, 2}, {kWarp, 1},
+                                           {kWarp, 2}, {16, 0},  {32, 0},  {64, 0}};
+    for (auto [vt, split] : configs) {
       if (cuda::chunked_prefill::is_head_tile(vt) && !cuda::chunked_prefill::head_split_supported(V, split)) continue;
-      const double t = time_it([&, vt = vt, split = split, stages = stages] {
-        cuda::chunked_prefill::prefill_with_vtile(p, stream, vt, cuda::chunked_prefill::kStagesAll, split, stages);
+      const double t = time_it([&, vt = vt, split = split] {
+        cuda::chunked_prefill::prefill_with_vtile(p, stream, vt, cuda::chunked_prefill::kStagesAll, split);
       });
-      const std::string name = vt == 0       ? "auto"
-                               : vt == kWg   ? "head/" + std::to_string(split) + (stages == 1 ? "/1" : "")
+      const std::string name = vt == 0   ? "auto"
+                               : vt == kWg ? "head/" + std::to_string(split)
                                : vt == kWarp ? "warp/" + std::to_string(split)
-                                             : std::to_string(vt);
+                                        : std::to_string(vt);
       std::printf("%-9s %-7s %10.3f %10.3f %10.1f  %s\n", s.name, name.c_str(), t,
                   prep, flop / (t * 1e-3) / 1e12,
                   s.target_ms > 0 ? ("target " + std::to_string(s.target_ms)).c_str() : "");

@@ -37,7 +37,6 @@ struct Plan {
   bool o_pair = false;         // o allows 2-element stores
   bool fp16_operands = false;  // tensor-core operands fp16 (fp16 / fp32 inputs) instead of bf16
   int32_t head_split = 1;      // head state pass: CTAs per (sequence, value head)
-  int32_t head_stages = 2;     // head state pass, wgmma build at split 2: input stages (1: two CTAs per SM)
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   int32_t num_sms = 132;
@@ -76,17 +75,14 @@ template <int K>
 void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages);
 
 // Test/tuning entry: prefill with an explicit value tile (0: the heuristic) and, for the head state
-// pass, an explicit column split (1, or 2 with V / 2 >= 32; 0: the heuristic) and input stages (1 or 2
-// for the wgmma build at split 2; 0: the heuristic); same semantics as cuda::prefill when stages ==
-// kStagesAll. Used by the GPU tests and timing to compare tilings.
+// pass, an explicit column split (1, or 2 with V / 2 >= 32; 0: the heuristic); same semantics
+// as cuda::prefill when stages == kStagesAll. Used by the GPU tests and timing to compare tilings.
 void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile, int stages = kStagesAll,
-                        int head_split = 0, int head_stages = 0);
+                        int head_split = 0);
 int choose_vtile(const PrefillParams& p, int num_sms);
 // The head pass's CTAs per (sequence, value head): 2 when that still gives at most one CTA per SM (a
 // sequential chain per CTA gains nothing from sharing an SM), else 1.
 int choose_head_split(const PrefillParams& p, int num_sms);
-// Short sequences (at most one chunk on average): split 2 with one input stage (two CTAs per SM); 0: no.
-bool choose_short_head(const PrefillParams& p);
 bool head_split_supported(int V, int split);
 
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -67,9 +67,9 @@ struct alignas(1024) HeadStageWg {
 
 template <int K, int kCols, class Op, bool kWg>
 using HeadStageOf = std::conditional_t<kWg, HeadStageWg<K, kCols, Op>, HeadStage<K, kCols, Op>>;
-template <int K, int kCols, class Op, bool kWg, int kStages>
+template <int K, int kCols, class Op, bool kWg>
 constexpr size_t head_smem_bytes() {
-  return kStages * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kWg ? 1024 : 0);  // + alignment slack
+  return 2 * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kWg ? 1024 : 0);  // + alignment slack
 }
 
 // v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M, 128B-swizzled rows
@@ -84,16 +84,12 @@ __device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint
 }
 
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
-// kStages = 2: chunk c + 1's inputs load during chunk c; kStages = 1 (wgmma build, split 2): half the shared
-// memory, so two CTAs share an SM, for sequences of about one chunk (each CTA's state load and store
-// then overlap the other's chunk), at the price of no load-ahead.
-template <int K, int V, int kSplit, class Op, bool kWg, int kStages = 2>
-__global__ void __launch_bounds__(V / kSplit / 16 * 32, 3 - kStages)
+template <int K, int V, int kSplit, class Op, bool kWg>
+__global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
   constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
   static_assert(!kWg || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
-  static_assert(kStages == 2 || (kWg && kStages == 1), "one stage: wgmma build only");
   using Stage = HeadStageOf<K, kCols, Op, kWg>;
   constexpr int LDV = HeadStage<K, kCols, Op>::LDV;  // the warp build's padded v rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -191,7 +187,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 3 - kStages)
   auto issue = [&](int64_t c, Stage& b) {
     if constexpr (kWg) {
       if (tid == 0) {
-        uint64_t* bar = &bars[c % kStages];
+        uint64_t* bar = &bars[c & 1];
         constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + 2 * kChunk * kChunk * 2 +
                                              kFactorRows * kChunk * 4);
         fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
@@ -265,11 +261,11 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 3 - kStages)
   }
   if (nchunks > 0) issue(0, stage[0]);
   for (int64_t c = 0; c < nchunks; ++c) {
-    Stage& b = stage[c % kStages];
+    Stage& b = stage[c & 1];
     const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     if constexpr (kWg) {
-      mbarrier_wait(&bars[c % kStages], uint32_t(c / kStages) & 1);
+      mbarrier_wait(&bars[c & 1], uint32_t(c >> 1) & 1);
       if (L < kChunk) {  // the tiles hold the next tokens' rows there (or zeros past the tensor): zero them
         constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
         for (int it = tid; it < (kChunk - L) * kRowPieces; it += kThr) {
@@ -341,8 +337,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 3 - kStages)
       }
 
       // The next chunk's inputs: issued here, the P/Q products above start right after the barrier.
-      if constexpr (kStages == 2)
-        if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
+      if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
       if constexpr (kWg) {
         wgmma_wait<1>();  // P^T (Q^T may still run)
         wgmma_pin(pk);
@@ -474,10 +469,6 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 3 - kStages)
       chunk(std::true_type{});
     else
       chunk(std::false_type{});
-    if constexpr (kStages == 1) {  // every read of the one stage is done: the next chunk may land in it
-      __syncthreads();
-      if (c + 1 < nchunks) issue(c + 1, stage[0]);
-    }
 
     // ---- checkpoint: entry j holds the state after token (j+1)*C, for j < min(steps, len / C)
     if (sq.cslot >= 0) {
@@ -493,28 +484,26 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 3 - kStages)
   if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs);
 }
 
-template <int K, int V, int kSplit, class Op, bool kWg, int kStages = 2>
+template <int K, int V, int kSplit, class Op, bool kWg>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWg, kStages>();
-  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_head_kernel<K, V, kSplit, Op, kWg, kStages>,
+  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWg>();
+  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_head_kernel<K, V, kSplit, Op, kWg>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
   const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit;
   const HeadTensorMaps maps = kWg ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
-  state_pass_head_kernel<K, V, kSplit, Op, kWg, kStages><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan, maps);
+  state_pass_head_kernel<K, V, kSplit, Op, kWg><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan, maps);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
 // The wgmma build where the CTA owns whole warpgroups (warpgroup and V / split a multiple of 64) and the
-// TMA coordinates fit (with Plan::head_stages), else the mma.sync build.
+// TMA coordinates fit, else the mma.sync build.
 template <int K, int V, class Op>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, int split, bool warpgroup, cudaStream_t stream) {
   warpgroup = warpgroup && head_tensor_maps_ok(p, plan);
   if (split == 2) {
     if constexpr (V / 2 % 64 == 0)
-      if (warpgroup)
-        return plan.head_stages == 1 ? launch_state_pass_head<K, V, 2, Op, true, 1>(p, plan, stream)
-                                     : launch_state_pass_head<K, V, 2, Op, true>(p, plan, stream);
+      if (warpgroup) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, stream);
     launch_state_pass_head<K, V, 2, Op, false>(p, plan, stream);
   } else {
     if (warpgroup) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, stream);
