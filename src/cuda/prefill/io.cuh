@@ -97,68 +97,52 @@ __device__ __forceinline__ float sumsq8(const uint4& x) {
   return s;
 }
 
-// 16-byte asynchronous copy global -> shared (cp.async, L2 only); !valid writes 16 zero bytes and reads
-// nothing (src must still be a valid address).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// The 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (Op; rows >= L are zero), in two steps so
-// that the q and k copies are in flight together:
-//   copy_rows: rows in the operand dtype with 16-byte aligned pieces (the common case) by cp.async (the
-//     caller commits and waits), anything else loaded and converted by load8 and stored at once;
-//   row_norms (after the wait): mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as the spec) or
-//     mult per row, from the pieces this thread copied (no barrier needed in between).
-// Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma results,
-// so the operand is the input exactly (16-bit inputs) and the L2 norm costs no extra pass.
-template <int K>
-struct RowPieces {
-  static constexpr int kPerRow = K / 8;                      // 8, 16 or 32 lanes per row: one warp's shuffle
-  static constexpr int kIters = kChunk * kPerRow / kThreads;  // pieces per thread
-  static constexpr int kRowStep = kThreads / kPerRow;         // rows between a thread's pieces
-};
-
-template <int K, class Op>
-__device__ __forceinline__ void copy_rows(Op* dst, const InView& view, int head, int64_t t0, int L, bool vec) {
-  using R = RowPieces<K>;
+// Loads the 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (Op; rows >= L are zero) and
+// writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as the spec) or mult per row
+// (kNorm; else rnorm is not touched).
+// Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma
+// results, so the operand is the input exactly (16-bit inputs) and the L2 norm costs no extra pass.
+template <int K, class Op, bool kNorm = true>
+__device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const InView& view, int head, int64_t t0,
+                                                    int L, bool use_l2norm, float mult, bool vec) {
+  constexpr int kVecPerRow = K / 8;  // 8, 16 or 32 lanes per row: a shuffle reduction stays in a warp
+  constexpr int kIters = kChunk * kVecPerRow / kThreads;
+  constexpr int kBatch = kIters < 8 ? kIters : 8;  // loads in flight per thread before the first use
+  constexpr int kRowStep = kThreads / kVecPerRow;  // rows between a thread's pieces
   constexpr DType kOpType = std::is_same_v<Op, __half> ? DType::kFloat16 : DType::kBFloat16;
-  const int tid = threadIdx.x, row0 = tid / R::kPerRow, cv = tid % R::kPerRow;
+  const int tid = threadIdx.x, row0 = tid / kVecPerRow, cv = tid % kVecPerRow;
+  // Rows in the operand dtype with 16-byte aligned pieces (the common case): one vector load per piece
+  // from a pointer stepped by rows; anything else goes through load8's conversions.
+  const bool raw = vec && view.dtype == kOpType;
   const int64_t first = (t0 + row0) * view.token_stride + head * view.head_stride + cv * 8;
-  if (vec && view.dtype == kOpType) {
-    const Op* src = static_cast<const Op*>(view.data) + first;
-    const Op* zero = static_cast<const Op*>(view.data);  // a valid address for the zero fills
+  const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Op*>(view.data) + first);
+  const int64_t step = kRowStep * view.token_stride / 8;  // in 16-byte pieces (vec: token_stride % 8 == 0)
 #pragma unroll
-    for (int u = 0; u < R::kIters; ++u) {
-      const int row = row0 + u * R::kRowStep;
-      cp_async16(dst + row * (K + 8) + cv * 8, row < L ? src + int64_t(u * R::kRowStep) * view.token_stride : zero,
-                 row < L);
+  for (int u0 = 0; u0 < kIters; u0 += kBatch) {
+    uint4 x[kBatch];
+    if (raw) {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        x[u] = row0 + (u0 + u) * kRowStep < L ? __ldg(src + (u0 + u) * step) : make_uint4(0, 0, 0, 0);
+    } else {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int row = row0 + (u0 + u) * kRowStep;
+        x[u] = row < L ? load8<Op>(view.data, view.dtype, first + int64_t((u0 + u) * kRowStep) * view.token_stride, vec)
+                       : make_uint4(0, 0, 0, 0);
+      }
     }
-    return;
-  }
 #pragma unroll
-  for (int u = 0; u < R::kIters; ++u) {
-    const int row = row0 + u * R::kRowStep;
-    *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) =
-        row < L ? load8<Op>(view.data, view.dtype, first + int64_t(u * R::kRowStep) * view.token_stride, vec)
-                : make_uint4(0, 0, 0, 0);
-  }
-}
-
-template <int K, class Op>
-__device__ __forceinline__ void row_norms(const Op* rows, float* rnorm, bool use_l2norm, float mult) {
-  using R = RowPieces<K>;
-  const int tid = threadIdx.x, row0 = tid / R::kPerRow, cv = tid % R::kPerRow;
+    for (int u = 0; u < kBatch; ++u) {
+      const int row = row0 + (u0 + u) * kRowStep;
+      *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x[u];
+      if constexpr (kNorm) {
+        float ss = sumsq8<Op>(x[u]);
 #pragma unroll
-  for (int u = 0; u < R::kIters; ++u) {
-    const int row = row0 + u * R::kRowStep;
-    float ss = sumsq8<Op>(*reinterpret_cast<const uint4*>(rows + row * (K + 8) + cv * 8));
-#pragma unroll
-    for (int off = R::kPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;
+        for (int off = kVecPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;
+      }
+    }
   }
 }
 
@@ -191,6 +175,15 @@ __device__ __forceinline__ void store_pair(void* base, DType dt, int64_t i, floa
   }
 }
 
+// 16-byte asynchronous copy global -> shared (cp.async, L2 only); !valid writes 16 zero bytes and reads
+// nothing (src must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // One sequence of the batch as the state passes see it: its tokens and its pool / checkpoint slots.
 struct SeqSlots {

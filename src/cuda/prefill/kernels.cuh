@@ -172,12 +172,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
 
   GateLoads gates;  // warp 0: the next value head's gate inputs
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
-  copy_rows<K, Op>(Ks, p.k, hk, t0, L, plan.qkv_vec);  // k and q in flight together
-  copy_rows<K, Op>(Qs, p.q, hk, t0, L, plan.qkv_vec);
-  cp_async_commit();
-  cp_async_wait_all();
-  row_norms<K, Op>(Ks, s_rk, p.heads.use_qk_l2norm, 1.0f);
-  row_norms<K, Op>(Qs, s_rq, p.heads.use_qk_l2norm, plan.scale);
+  load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
+  load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
   if (warp == 0) store_gates(p, gates, L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
   __syncthreads();
 
