@@ -152,9 +152,10 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int64_t slot0 = start / kChunk + n;
   const int64_t C = p.checkpoint_interval;
 
-  // Chunk c's inputs into stage b: 16-byte cp.async pieces, rows past the sequence zero-filled. A
-  // thread's pieces are rows row0 + u * step of fixed columns: its source pointers are formed once here
-  // and advance by whole chunks (64 tokens; HV workspace entries).
+  // Chunk c's inputs into stage b. The wgmma build: TMA tiles issued by thread 0 (see the header). The
+  // warp build: 16-byte cp.async pieces, rows past the sequence zero-filled; a thread's pieces are rows
+  // row0 + u * step of fixed columns, its source pointers formed once here and advanced by whole chunks
+  // (64 tokens; HV workspace entries).
   constexpr int KP = K / 8, VP = kCols / 8;                    // 16-byte pieces per row
   constexpr int kStepK = kThr / KP, kStepV = kThr / VP;        // rows between a thread's pieces
   const int rk0 = tid / KP, ck = tid % KP, rv0 = tid / VP, cvv = tid % VP;
@@ -168,15 +169,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const Op* t_src = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk) + tid * 8;
   const Op* m_src = static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk) + tid * 8;
   const float* f_src = plan.ws_f + ws0 * (kFactorRows * kChunk);
-  // Element offsets of (row, col) in the k / q and T' / M buffers of a stage.
-  auto kq_offset = [](int row, int col) {
-    if constexpr (kWg) return sw128_offset<kChunk>(row, col);
-    else return row * Stage::LDK + col;
-  };
-  auto tm_offset = [](int row, int col) {
-    if constexpr (kWg) return sw128_offset<kChunk>(row, col);
-    else return row * Stage::LDT + col;
-  };
+  // The warp build's padded k / q and T' / M rows.
+  constexpr int LDK = HeadStage<K, kCols, Op>::LDK, LDT = HeadStage<K, kCols, Op>::LDT;
   // Element offset of (row, col) in the v (then o) buffer of a stage; rows 16 apart are kVRow16 bytes apart.
   auto v_offset = [](int row, int col) {
     if constexpr (kWg) return sw128_offset<kChunk>(row, col);
@@ -205,45 +199,43 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         tma_load_2d(b.ms, &maps.m, 0, wrow, bar);
         bulk_load(b.sc, f_src + c * HV * (kFactorRows * kChunk), kFactorRows * kChunk * 4, bar);
       }
-      return;
-    }
-    const int L = int(min(int64_t(kChunk), len - c * kChunk));
-    const Op* kc = k_src + c * kChunk * p.k.token_stride;
-    const Op* qc = q_src + c * kChunk * p.q.token_stride;
-    const Op* vc = v_src + c * kChunk * p.v.token_stride;
+    } else {
+      const int L = int(min(int64_t(kChunk), len - c * kChunk));
+      const Op* kc = k_src + c * kChunk * p.k.token_stride;
+      const Op* qc = q_src + c * kChunk * p.q.token_stride;
+      const Op* vc = v_src + c * kChunk * p.v.token_stride;
 #pragma unroll
-    for (int u = 0; u < kChunk / kStepK; ++u) {
-      const int row = rk0 + u * kStepK;
-      const bool ok = row < L;
-      const int dst = kq_offset(row, ck * 8);
-      cp_async16(&b.ks[dst], ok ? kc + int64_t(u * kStepK) * p.k.token_stride : k_zero, ok);
-      cp_async16(&b.qs[dst], ok ? qc + int64_t(u * kStepK) * p.q.token_stride : q_zero, ok);
-    }
+      for (int u = 0; u < kChunk / kStepK; ++u) {
+        const int row = rk0 + u * kStepK;
+        const bool ok = row < L;
+        const int dst = row * LDK + ck * 8;
+        cp_async16(&b.ks[dst], ok ? kc + int64_t(u * kStepK) * p.k.token_stride : k_zero, ok);
+        cp_async16(&b.qs[dst], ok ? qc + int64_t(u * kStepK) * p.q.token_stride : q_zero, ok);
+      }
 #pragma unroll
-    for (int u = 0; u < kChunk / kStepV; ++u) {
-      const int row = rv0 + u * kStepV;
-      const bool ok = row < L;
-      cp_async16(&b.vs[row * LDV + cvv * 8], ok ? vc + int64_t(u * kStepV) * p.v.token_stride : v_zero, ok);
-    }
-    const int64_t wc = c * HV;  // workspace entries per chunk
-    const Op* tc = t_src + wc * (kChunk * kChunk);
-    const Op* mc = m_src + wc * (kChunk * kChunk);
+      for (int u = 0; u < kChunk / kStepV; ++u) {
+        const int row = rv0 + u * kStepV;
+        const bool ok = row < L;
+        cp_async16(&b.vs[row * LDV + cvv * 8], ok ? vc + int64_t(u * kStepV) * p.v.token_stride : v_zero, ok);
+      }
+      const int64_t wc = c * HV;  // workspace entries per chunk
+      const Op* tc = t_src + wc * (kChunk * kChunk);
+      const Op* mc = m_src + wc * (kChunk * kChunk);
 #pragma unroll
-    for (int u = 0; u < kChunk * kChunk / 8 / kThr; ++u) {
-      const int it = tid + u * kThr, row = it >> 3, cv = it & 7;
-      const int dst = tm_offset(row, cv * 8);
-      cp_async16(&b.ts[dst], tc + u * kThr * 8, true);
-      cp_async16(&b.ms[dst], mc + u * kThr * 8, true);
+      for (int u = 0; u < kChunk * kChunk / 8 / kThr; ++u) {
+        const int it = tid + u * kThr, row = it >> 3, cv = it & 7;
+        const int dst = row * LDT + cv * 8;
+        cp_async16(&b.ts[dst], tc + u * kThr * 8, true);
+        cp_async16(&b.ms[dst], mc + u * kThr * 8, true);
+      }
+      const float* fc = f_src + wc * (kFactorRows * kChunk);
+      for (int it = tid; it < kFactorRows * kChunk / 4; it += kThr) cp_async16(&b.sc[it * 4], fc + it * 4, true);
+      cp_async_commit();
     }
-    const float* fc = f_src + wc * (kFactorRows * kChunk);
-    for (int it = tid; it < kFactorRows * kChunk / 4; it += kThr) cp_async16(&b.sc[it * 4], fc + it * 4, true);
-    cp_async_commit();
   };
 
   // Per-lane byte offsets inside a stage of the fragment rows each ldmatrix / stmatrix reads or writes
-  // (per chunk only constants are added: they fold into the instructions' immediates). LDK, LDT: the
-  // warp build's padded rows.
-  constexpr int LDK = HeadStage<K, kCols, Op>::LDK, LDT = HeadStage<K, kCols, Op>::LDT;
+  // (per chunk only constants are added: they fold into the instructions' immediates).
   const int frag_row = ((lane >> 4) << 3) + (lane & 7), frag_col = ((lane >> 3) & 1) * 8;
   const uint32_t off_k = uint32_t(frag_row * LDK + frag_col) * 2;  // B = rows [n][k] (k, q, T', M): bn_frag_ptr
   const uint32_t off_t = uint32_t(frag_row * LDT + frag_col) * 2;
