@@ -134,6 +134,12 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         s[j][e + 1] = x.y;
       }
   }
+  auto decay_state = [&](float eg) {  // S *= e^{g_last}, before a chunk's update
+#pragma unroll
+    for (int j = 0; j < KT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= eg;
+  };
   auto store_s = [&](void* base, DType dt, int64_t offset, bool pairs) {
 #pragma unroll
     for (int j = 0; j < KT; ++j)
@@ -399,10 +405,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         causal_cols_wgmma<Op>(qo, na, smem_addr(b.ms));
         wgmma_commit();
         // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: MN-major), overlapping o's store
-#pragma unroll
-        for (int j = 0; j < KT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[j][e] *= eg;
+        decay_state(eg);
         wgmma_pin(s);
         wgmma_fence();
 #pragma unroll
@@ -440,10 +443,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         wgmma_pin(s);
       } else {
         // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)
-#pragma unroll
-        for (int j = 0; j < KT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[j][e] *= eg;
+        decay_state(eg);
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
           if (!kFull && ks * 16 >= L) continue;
