@@ -53,6 +53,11 @@ bool state_prefetch_enabled() {
   return enabled;
 }
 
+bool chain_mma_enabled() {
+  static const bool enabled = env_switch("GDNKIT_CHAIN_MMA");
+  return enabled;
+}
+
 std::string device_info() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {

@@ -56,7 +56,8 @@ std::string name_of(Shape s, const ProblemConfig& c) {
          dt(c.state_dtype) + "_c" + dt(c.cache_dtype) + "_in" + dt(c.in_dtype) + "_T" + std::to_string(c.draft_tokens) +
          "_d" + std::to_string(c.K) + "_h" + std::to_string(c.H) + "x" + std::to_string(c.HV) +
          (c.gate_mode == GateMode::kGiven ? "_given" : "") + (c.use_qk_l2norm ? "" : "_nol2") +
-         (c.token_pad ? "_strided" : "") + (c.slot_pad ? "_slotpad" : "");
+         (c.token_pad ? "_strided" : "") + (c.slot_pad ? "_slotpad" : "") + (c.intermediate ? "" : "_nocache") +
+         (c.long_memory ? "_longmem" : "") + (c.scale > 0.0f ? "_scaled" : "");
 }
 
 const Shape kShapes[] = {Shape::kChain, Shape::kChainUpdate, Shape::kTree, Shape::kVarlenChain, Shape::kVarlenTree};
@@ -87,6 +88,29 @@ std::vector<Named> verify_cases() {
         out.push_back({name_of(s, c), c});
       }
     }
+  // Chains without the cache. K-last with bf16 inputs and K <= 128 runs the tensor-core chain kernel
+  // (chunks of 8 tokens: T = 13 crosses a chunk), the rest the warp kernel.
+  for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain})
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+      for (DType state : {DType::kFloat32, DType::kBFloat16})
+        for (int T : {3, 8, 13}) {
+          ProblemConfig c = make(s, layout, state, DType::kFloat32, T, seed++);
+          c.intermediate = false;
+          c.long_memory = T == 13 && state == DType::kFloat32;
+          if (seed % 3 == 0) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 24;
+          out.push_back({name_of(s, c), c});
+        }
+  for (Shape s : {Shape::kChain, Shape::kChainUpdate}) {
+    ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, 16, seed++);
+    c.intermediate = false, c.K = c.V = 64, c.H = 16, c.HV = 32;
+    out.push_back({name_of(s, c), c});
+    c = make(s, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, 6, seed++);
+    c.intermediate = false, c.gate_mode = GateMode::kGiven, c.use_qk_l2norm = false, c.scale = 0.3f;
+    out.push_back({name_of(s, c), c});
+    c = make(s, StateLayout::kKLast, DType::kBFloat16, DType::kFloat32, 5, seed++);
+    c.intermediate = false, c.in_dtype = DType::kFloat16;  // the warp kernel
+    out.push_back({name_of(s, c), c});
+  }
   return out;
 }
 
@@ -100,6 +124,9 @@ std::vector<Named> sanitize_cases() {
       c.H = 1, c.HV = 2, c.K = c.V = 64;
       out.push_back({name_of(s, c), c});
     }
+  ProblemConfig c = make(Shape::kVarlenChain, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, 11, seed++);
+  c.H = 1, c.HV = 2, c.K = c.V = 64, c.intermediate = false;  // the chain kernel, two chunks
+  out.push_back({name_of(Shape::kVarlenChain, c), c});
   return out;
 }
 
@@ -197,6 +224,13 @@ std::vector<CommitCase> commit_cases() {
             if (seed % 2) c.token_pad = 8, c.slot_pad = 24;
             out.push_back({std::string(src == CommitSource::kCache ? "cache_" : "recompute_") + name_of(s, c), c, src});
           }
+  // Replay past one chunk of the chain kernel (8 tokens), along a chain and along a tree's path.
+  for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree})
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat32, 12, seed++);
+      c.update_state = false, c.long_memory = state == DType::kFloat32;
+      out.push_back({"recompute_" + name_of(s, c), c, CommitSource::kRecompute});
+    }
   for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute})
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
       ProblemConfig c = make(Shape::kChain, layout, DType::kBFloat16, DType::kBFloat16, 2, seed++);
@@ -242,10 +276,12 @@ TEST(CommitGpu, BadRowsSkippedAndCountedSanitize) {
   }
 }
 
-// Verify in a CUDA graph, replayed, equals eager verify bit for bit (trees and the cache included).
+// Verify in a CUDA graph, replayed, equals eager verify bit for bit (trees, the cache, and the chain kernel).
 TEST(VerifyGpu, GraphReplayBitwiseEqualEager) {
-  for (Shape s : {Shape::kChainUpdate, Shape::kVarlenTree}) {
-    const Problem before(make(s, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, 4, 5000));
+  for (Shape s : {Shape::kChainUpdate, Shape::kVarlenTree, Shape::kVarlenChain}) {
+    ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, s == Shape::kVarlenChain ? 10 : 4, 5000);
+    c.intermediate = s != Shape::kVarlenChain;  // no cache: the chain kernel
+    const Problem before(c);
     Problem eager = before, graphed = before;
     DeviceProblem d_eager(eager), d_graph(graphed);
     verify(eager.verify_params(d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});
@@ -261,7 +297,7 @@ TEST(VerifyGpu, GraphReplayBitwiseEqualEager) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     for (const char* name : {"o", "state", "intermediate", "error_flag"})
-      EXPECT_TRUE(BitwiseEqual(name, graphed.buffer(name), eager.buffer(name)));
+      if (before.has(name)) EXPECT_TRUE(BitwiseEqual(name, graphed.buffer(name), eager.buffer(name)));
   }
 }
 

@@ -20,11 +20,17 @@ __device__ __forceinline__ void token_gate_inputs(const Gating& gt, int64_t tok,
   b = load_dyn(y.data, y.dtype, tok * y.token_stride + hv * y.head_stride);
 }
 
+// The log-space decay g and beta from the raw inputs.
+__device__ __forceinline__ void gate_log_values(const Gating& gt, int hv, float a, float b, float& g, float& beta) {
+  const bool fused = gt.mode == GateMode::kFused;
+  g = fused ? fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f) : a;
+  beta = fused ? sigmoid(b) : b;
+}
 // decay = exp(g) and beta from the raw inputs.
 __device__ __forceinline__ void gate_values(const Gating& gt, int hv, float a, float b, float& decay, float& beta) {
-  const bool fused = gt.mode == GateMode::kFused;
-  decay = expf(fused ? fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f) : a);
-  beta = fused ? sigmoid(b) : b;
+  float g;
+  gate_log_values(gt, hv, a, b, g, beta);
+  decay = expf(g);
 }
 
 // Decode's token inputs into L2 (before griddepcontrol.wait): the q and k rows of head hq, the warp's

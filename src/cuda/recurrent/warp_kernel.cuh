@@ -33,7 +33,9 @@
 
 #include "cuda/check.h"
 #include "cuda/common/dtype.cuh"
+#include "cuda/recurrent/chain_mma.cuh"
 #include "cuda/recurrent/launch.cuh"
+#include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
 #include "cuda/recurrent/vlast_decode.cuh"
 #include "cuda/recurrent/warp_tile.cuh"
@@ -41,14 +43,9 @@
 
 namespace gdnkit::cuda::recurrent {
 
-enum class WarpOp : int32_t {
-  kDecode = 0,  // one token per sequence (token b), o, state written back
-  kVerify = 1,  // T tokens (fixed or varlen, chain or tree): o per token, intermediate states when asked
-  kReplay = 2,  // commit by recompute: replay the kept tokens (no q, no o) and store the state
-};
-
 // write_state: verify of chains with update_state stores the final state (decode and replay always do).
-// V-last decode with K <= 128 is routed to vlast_decode_kernel (vlast_decode.cuh) from here.
+// Routed from here: V-last decode with K <= 128 to vlast_decode_kernel (vlast_decode.cuh); K-last verify
+// of chains without a cache and replay, bf16 inputs, K <= 128, to chain_mma_kernel (chain_mma.cuh).
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
 void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream);
 
@@ -245,25 +242,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     return;
   }
   if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
-  bool bad = slot >= p.state.num_slots;
-  int n_replay = 0, islot = -1;
-  if constexpr (kReplay) {
-    n_replay = p.accepted[b];
-    bad = bad || n_replay < 0 || n_replay > len;
-    for (int j = 0; j < n_replay && !bad && p.accepted_path != nullptr; ++j) {
-      const int x = p.accepted_path[int64_t(b) * T + j];
-      bad = x < 0 || x >= len;
-    }
-  } else if constexpr (!kDecode) {
-    if (p.intermediate.data != nullptr && p.intermediate_indices != nullptr) {
-      islot = p.intermediate_indices[b];
-      bad = bad || islot >= p.intermediate.num_slots;
-    }
-    for (int t = 0; t < len && !bad && p.parent != nullptr; ++t) {
-      const int x = p.parent[int64_t(b) * T + t];
-      bad = x < -1 || x >= t;
-    }
-  }
+  int n_replay, islot;
+  const bool bad = row_is_bad<kOp>(p, b, T, len, slot, n_replay, islot);
 
   if (bad || slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
     if (bad && counter) atomicAdd(p.error_flag, 1);
@@ -346,6 +326,11 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
     throw Error(ErrorCode::kNotImplemented, "cuda recurrent: B = " + std::to_string(p.batch) + ", HV = " +
                                                 std::to_string(p.heads.num_v_heads) + " exceed the grid (B <= 65535, HV * " +
                                                 std::to_string(kColCtas) + " < 2^31)");
+  if constexpr (kLayout == StateLayout::kKLast && std::is_same_v<TI, __nv_bfloat16> && K <= 128 &&
+                kOp != WarpOp::kDecode) {
+    if (chain_mma_fits(p, kOp == WarpOp::kReplay))
+      return launch_chain_mma<TS, K, V, kOp>(p, write_state, stream);  // chain_mma.cuh: tensor cores
+  }
   if constexpr (kLayout == StateLayout::kVLast && kOp == WarpOp::kDecode && K <= 128) {
     launch_vlast_decode<TS, TI, K, V>(p, stream);  // vlast_decode.cuh: no shared-memory stage
   } else {

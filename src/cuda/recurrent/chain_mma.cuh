@@ -1,0 +1,291 @@
+// Verify of chains without an intermediate cache, and commit by recompute, on tensor cores: the chunked
+// (WY) form of SPEC.md's recurrence with chunks of 8 tokens, for K-last pools and bf16 q/k/v. The
+// scalar warp kernel (warp_kernel.cuh) spends 3-4 fp32 instructions per state value and token (two dot
+// products, the decay, the update) plus a butterfly per token: at T >= 4 it is compute-bound. Here a
+// call reads each state once, and the per-token work on the state is mma.sync (cuda/common/mma_sync.cuh).
+//
+// A warp owns (sequence, value head, 8 columns of S) like the warp kernel; a CTA is 2 warps of one head.
+// Lane l holds column v0 + l/4 of S at k = 16 j + 2 (l%4) + {0, 1, 8, 9} (j < K/16): exactly the B
+// fragment of S (K x 8 columns) for m16n8k16, and also the C fragment of S^T (columns x K, n-tiles of 8)
+// -- so the products read the state from registers and the update lands in them.
+//
+// Per chunk of n <= 8 tokens (rows of k and q staged in shared memory; Γ_t = exp(sum of g up to t) from
+// the chunk's start; k, q raw bf16 rows, their norms rk, rq applied to the sums):
+//   [k; q] (16 x K) times S (K x 8), with S in fp32 split into 3 (fp32 state) or 2 (bf16) bf16 terms:
+//       P[t][c] = k_t . S[:, c], Qs[t][c] = q_t . S[:, c]
+//   [k; q] times [k; q]^T: k_t . k_i, q_t . k_i, and q_t . q_t (the norms) -- bf16 products, exact
+//   u_t = beta_t (v_t - Γ_t rk_t P[t]) - sum_{i<t} beta_t (Γ_t/Γ_i) rk_t rk_i (k_t . k_i) u_i
+//       (forward substitution, one column per lane, through a small per-warp scratch)
+//   o_t = Γ_t rq_t Qs[t] + sum_{i<=t} (Γ_t/Γ_i) rq_t rk_i (q_t . k_i) u_i
+//   S^T <- Γ_n S^T + U'^T k with U'[i] = (Γ_n/Γ_i) rk_i u_i split into 2 bf16 terms (one m16n8k16 per
+//       n-tile: the terms sit in the k-dimension, the k rows twice)
+// The split terms keep the dot products within ~2^-24 of fp32 (the state's 1e-5 tolerance).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/check.h"
+#include "cuda/common/dtype.cuh"
+#include "cuda/common/mma_sync.cuh"
+#include "cuda/recurrent/launch.cuh"
+#include "cuda/recurrent/row.cuh"
+#include "cuda/recurrent/token.cuh"
+#include "cuda/recurrent/warp_tile.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::recurrent {
+
+constexpr int kChainCols = 8;   // columns of S per warp
+constexpr int kChainWarps = 2;  // warps per CTA: neighbouring column blocks of one head
+constexpr int kChainChunk = 8;  // tokens per chunk
+
+// Whether call p can run the chain kernel beyond the compile-time choices (K-last, bf16 q/k/v, K <= 128):
+// any replay, and verify of a chain without a cache to store. (validate.cpp already asks the CUDA backend
+// for 16-byte aligned q/k/v/o rows, which the kernel's row and pair accesses need.)
+inline bool chain_mma_fits(const CommitParams& p, bool replay) {
+  if (!chain_mma_enabled()) return false;
+  return replay || (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
+}
+
+// x, y as kTerms packed bf16 pairs: x = sum of the terms' low halves to ~8 kTerms bits.
+template <int kTerms>
+__device__ __forceinline__ void split_bf16(float x, float y, uint32_t (&out)[kTerms]) {
+#pragma unroll
+  for (int t = 0; t < kTerms; ++t) {
+    out[t] = pack_bf16(x, y);
+    if (t + 1 < kTerms) {
+      const float2 h = unpack2<__nv_bfloat16>(out[t]);
+      x -= h.x, y -= h.y;
+    }
+  }
+}
+
+template <class TS, int K, int V, WarpOp kOp>
+// 12 CTAs (24 warps) per SM: 80 registers, with ~100 bytes of the state spilled around the chunk loop
+// (unbounded, ptxas takes 124-160 registers).
+__global__ void __launch_bounds__(kChainWarps * 32, 12)
+    chain_mma_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
+  static_assert(kOp != WarpOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
+  constexpr bool kReplay = kOp == WarpOp::kReplay;
+  constexpr int kSteps = K / 16, kPitch = K + 8;  // 16-byte row shift: ldmatrix rows hit distinct banks
+  constexpr int kColCtas = V / (kChainCols * kChainWarps);
+  constexpr int kTerms = std::is_same_v<TS, float> ? 3 : 2;
+  constexpr int kN = kChainChunk;
+  constexpr int64_t kHeadElems = int64_t(K) * V;
+  using bf16 = __nv_bfloat16;
+  struct Scratch {  // per warp: the chunk's coefficients and columns
+    float a[kN][kN];   // substitution coefficients (row t, token i < t)
+    float bq[kN][kN];  // output coefficients (row t, token i <= t)
+    float u[kN][kN];   // u (token, column); before the substitution its right-hand side
+  };
+  __shared__ __align__(16) bf16 rows[2][kN][kPitch];  // the chunk's k (0) and q (1) rows
+  __shared__ Scratch scratch[kChainWarps];
+
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int r = lane / 4, c2 = (lane % 4) * 2;  // fragment row (token; column of S) and column pair
+  const int HV = p.heads.num_v_heads;
+  const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
+  const int v0 = (int(blockIdx.x % unsigned(kColCtas)) * kChainWarps + warp) * kChainCols;
+  const int hq = hv / (HV / p.heads.num_qk_heads);
+  const int T = p.num_draft_tokens;
+  const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
+  TS* const head_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
+
+  // Programmatic dependent launch and prefetch mode: as the warp kernel (warp_kernel.cuh).
+  if (prefetch) {
+    const int spec = __ldcg(p.state_indices + b);
+    if (spec >= 0 && spec < p.state.num_slots)
+      WarpTile<StateLayout::kKLast, TS, K, V>::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+
+  const int slot = p.state_indices[b];
+  int64_t tok0 = int64_t(b) * T;
+  int len = T;
+  if (p.cu_seqlens != nullptr) {
+    tok0 = p.cu_seqlens[b];
+    len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
+  }
+  if (len < 0 || len > T) {  // a row the kernel cannot place: counted, nothing written
+    if (counter) atomicAdd(p.error_flag, 1);
+    return;
+  }
+  if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
+  int n_replay, islot;
+  const bool bad = row_is_bad<kOp>(p, b, T, len, slot, n_replay, islot);
+  const auto out_pair = [&](int64_t tok) {
+    return reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.o.data) + tok * p.o.token_stride +
+                                             int64_t(hv) * p.o.head_stride + v0 + c2);
+  };
+  if (bad || slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
+    if (bad && counter) atomicAdd(p.error_flag, 1);
+    if (!kReplay && lane < kChainCols / 2)
+      for (int t = 0; t < len; ++t) *out_pair(tok0 + t) = __floats2bfloat162_rn(0.0f, 0.0f);
+    return;
+  }
+  const int n = kReplay ? n_replay : len;
+  if (n == 0) return;  // nothing to apply: the pool state stays
+
+  // The state: lane's column v0 + r at k = 16 j + c2 + {0, 1} and + 8 (s[j][0..1], s[j][2..3]).
+  TS* const column = head_block + int64_t(slot) * p.state.slot_stride + r * K + c2;
+  float s[kSteps][4];
+#pragma unroll
+  for (int j = 0; j < kSteps; ++j) {
+    load_vec<TS, 2>(column + 16 * j, &s[j][0]);
+    load_vec<TS, 2>(column + 16 * j + 8, &s[j][2]);
+  }
+
+  const auto token_of = [&](int j) -> int64_t {
+    return tok0 + (kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j);
+  };
+  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
+  const bool norm = p.heads.use_qk_l2norm;
+  const bf16* const vcol = static_cast<const bf16*>(p.v.data) + int64_t(hv) * p.v.head_stride + v0 + c2;
+  Scratch& sc = scratch[warp];
+  constexpr unsigned kAll = 0xffffffffu;
+
+#pragma unroll 1
+  for (int c0 = 0; c0 < n; c0 += kN) {
+    const int nc = min(kN, n - c0);
+    // Token inputs: gates (lane t: token c0 + t) and v of this lane's row and column pair.
+    float glog = 0.0f, beta = 0.0f;
+    if (lane < nc) {
+      float ga, gb;
+      token_gate_inputs(p.gating, token_of(c0 + lane), hv, ga, gb);
+      gate_log_values(p.gating, hv, ga, gb, glog, beta);
+    }
+    float2 vv = make_float2(0.0f, 0.0f);
+    if (r < nc) vv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vcol + token_of(c0 + r) * p.v.token_stride));
+    // The chunk's k (and q) rows, zero past the chunk's tokens.
+    __syncthreads();  // both warps are done with the previous chunk's rows
+    constexpr int kPieces = K / 8, kStaged = (kReplay ? 1 : 2) * kN * kPieces;
+#pragma unroll 1
+    for (int i = int(threadIdx.x); i < kStaged; i += kChainWarps * 32) {
+      const int row = i / kPieces, piece = i % kPieces, j = row % kN;
+      const InView& x = row < kN ? p.k : p.q;
+      uint4 val = make_uint4(0u, 0u, 0u, 0u);
+      if (j < nc)
+        val = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(x.data) + token_of(c0 + j) * x.token_stride +
+                                              int64_t(hq) * x.head_stride + piece * 8);
+      *reinterpret_cast<uint4*>(&rows[row / kN][j][piece * 8]) = val;
+    }
+    __syncthreads();
+
+    // ---- products: pq = [k; q] S, kk = [k; q] k^T, qq = [k; q] q^T -----------------------------------
+    float pq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, kk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, qq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const bf16* arow = &rows[kReplay ? 0 : (lane >> 3) & 1][lane & 7][(lane >> 4) * 8];  // replay: k twice
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      uint32_t a[4], b0[kTerms], b1[kTerms];
+      ldmatrix_x4(a, arow + 16 * j);
+      split_bf16<kTerms>(s[j][0], s[j][1], b0);
+      split_bf16<kTerms>(s[j][2], s[j][3], b1);
+#pragma unroll
+      for (int t = kTerms - 1; t >= 0; --t) mma<bf16>(pq, a, b0[t], b1[t]);
+      mma<bf16>(kk, a, a[0], a[2]);                // B = k^T: column i is token i's k row
+      if (!kReplay) mma<bf16>(qq, a, a[1], a[3]);  // B = q^T
+    }
+    // pq: P[r][c2..] (0, 1), Qs[r][c2..] (2, 3); kk: k_r . k_i (0, 1), q_r . k_i (2, 3); qq: q_r . q_i (2, 3)
+    // for tokens i = c2, c2 + 1.
+
+    // ---- per-token scalars: lane t < 8 holds token t's norms and the log-decay sum lg through t -----
+    const int diag = (lane & 7) * 4 + (lane & 7) / 2;  // the lane holding entry (t, t), t = lane % 8
+    const float kkd = __shfl_sync(kAll, r & 1 ? kk[1] : kk[0], diag);
+    const float qqd = __shfl_sync(kAll, r & 1 ? qq[3] : qq[2], diag);
+    const float rk = norm ? rsqrtf(kkd + 1e-6f) : 1.0f;
+    const float rq = (norm ? rsqrtf(qqd + 1e-6f) : 1.0f) * scale;
+    float lg = glog;
+#pragma unroll
+    for (int d = 1; d < kN; d *= 2) {
+      const float y = __shfl_up_sync(kAll, lg, d, kN);
+      if ((lane & 7) >= d) lg += y;
+    }
+    const float lg_r = __shfl_sync(kAll, lg, r), beta_r = __shfl_sync(kAll, beta, r);
+    const float rk_r = __shfl_sync(kAll, rk, r), rq_r = __shfl_sync(kAll, rq, r);
+    const float lg_i0 = __shfl_sync(kAll, lg, c2), lg_i1 = __shfl_sync(kAll, lg, c2 + 1);
+    const float rk_i0 = __shfl_sync(kAll, rk, c2), rk_i1 = __shfl_sync(kAll, rk, c2 + 1);
+    const float lg_end = __shfl_sync(kAll, lg, kN - 1);  // tokens past nc have g = 0
+
+    // ---- coefficients, and u before the substitution ----------------------------------------------
+    {
+      const float e0 = __expf(lg_r - lg_i0), e1 = __expf(lg_r - lg_i1), er = __expf(lg_r);
+      const float ka = beta_r * rk_r, kb = rq_r;
+      sc.a[r][c2] = c2 < r ? ka * e0 * rk_i0 * kk[0] : 0.0f;
+      sc.a[r][c2 + 1] = c2 + 1 < r ? ka * e1 * rk_i1 * kk[1] : 0.0f;
+      sc.bq[r][c2] = c2 <= r ? kb * e0 * rk_i0 * kk[2] : 0.0f;
+      sc.bq[r][c2 + 1] = c2 + 1 <= r ? kb * e1 * rk_i1 * kk[3] : 0.0f;
+      sc.u[r][c2] = beta_r * vv.x - ka * er * pq[0];
+      sc.u[r][c2 + 1] = beta_r * vv.y - ka * er * pq[1];
+      pq[2] *= er * rq_r, pq[3] *= er * rq_r;  // the state's share of o
+    }
+    __syncwarp();
+    // Forward substitution, column lane (lanes 0-7), in place in the scratch.
+    if (lane < kN) {
+#pragma unroll 1
+      for (int t = 0; t < kN; ++t) {
+        float acc = sc.u[t][lane];
+        for (int i = 0; i < t; ++i) acc = fmaf(-sc.a[t][i], sc.u[i][lane], acc);
+        sc.u[t][lane] = acc;
+      }
+    }
+    __syncwarp();
+
+    // ---- o of token r, columns c2, c2 + 1 ---------------------------------------------------------
+    if constexpr (!kReplay) {
+      float y0 = pq[2], y1 = pq[3];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const float2 ui = *reinterpret_cast<const float2*>(&sc.u[i][c2]);
+        y0 = fmaf(sc.bq[r][i], ui.x, y0);
+        y1 = fmaf(sc.bq[r][i], ui.y, y1);
+      }
+      if (r < nc) *out_pair(token_of(c0 + r)) = __floats2bfloat162_rn(y0, y1);
+    }
+
+    // ---- S^T <- Γ_n S^T + U'^T k ------------------------------------------------------------------
+    if (kReplay || write_state || c0 + kN < n) {
+      const float x0 = __expf(lg_end - lg_i0) * rk_i0 * sc.u[c2][r];
+      const float x1 = __expf(lg_end - lg_i1) * rk_i1 * sc.u[c2 + 1][r];
+      uint32_t ua[4], terms[2];
+      split_bf16<2>(x0, x1, terms);
+      ua[0] = terms[0], ua[2] = terms[1], ua[1] = ua[3] = 0u;  // rows 8-15: no columns
+      const float decay = __expf(lg_end);
+#pragma unroll
+      for (int jj = 0; jj < K / 32; ++jj) {
+        uint32_t kt[4];  // n-tiles 4 jj .. 4 jj + 3 of the k rows, transposed
+        ldmatrix_x4_trans(kt, &rows[0][lane & 7][8 * (4 * jj + (lane >> 3))]);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          float* e = &s[(4 * jj + m) / 2][((4 * jj + m) % 2) * 2];
+          float c[4] = {decay * e[0], decay * e[1], 0.0f, 0.0f};
+          mma<bf16>(c, ua, kt[m], kt[m]);
+          e[0] = c[0], e[1] = c[1];
+        }
+      }
+    }
+  }
+
+  if (kReplay || write_state) {
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      store_vec<TS, 2>(column + 16 * j, &s[j][0]);
+      store_vec<TS, 2>(column + 16 * j + 8, &s[j][2]);
+    }
+  }
+}
+
+template <class TS, int K, int V, WarpOp kOp>
+void launch_chain_mma(const CommitParams& p, bool write_state, Stream stream) {
+  const auto kernel = chain_mma_kernel<TS, K, V, kOp>;
+  constexpr int kColCtas = V / (kChainCols * kChainWarps);
+  static const int max_ctas = resident_ctas(reinterpret_cast<const void*>(kernel), kChainWarps * 32);
+  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kChainWarps * 32,
+                   max_ctas, stream, p, write_state);
+}
+
+}  // namespace gdnkit::cuda::recurrent
