@@ -1,6 +1,6 @@
-// Device element helpers shared by every CUDA kernel: fp32 / bf16 / fp16 loads and stores with
-// conversion to fp32, 16-byte vector loads of contiguous runs, warp reductions, and the spec's gating
-// math. Accumulation is always fp32; rounding to a storage dtype happens only in store().
+// Device element helpers shared by every CUDA kernel: L2 prefetch and cp.async, fp32 / bf16 / fp16 loads
+// and stores with conversion to fp32, 16-byte vector loads of contiguous runs, warp reductions, and the
+// spec's gating math. Accumulation is always fp32; rounding to a storage dtype happens only in store().
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,6 +23,17 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
 }
 // One cache line around p, any alignment.
 __device__ __forceinline__ void prefetch_l2_line(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// ---- asynchronous copies into shared memory ----------------------------------------------------
+// 16-byte copy global -> shared (cp.async, L2 only); !valid writes 16 zero bytes and reads nothing (src
+// must still be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // ---- scalar conversions ---------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }

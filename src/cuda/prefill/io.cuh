@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/common/dtype.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
 #include "gdnkit/params.h"
@@ -174,16 +175,6 @@ __device__ __forceinline__ void store_pair(void* base, DType dt, int64_t i, floa
     }
   }
 }
-
-// 16-byte asynchronous copy global -> shared (cp.async, L2 only); !valid writes 16 zero bytes and reads
-// nothing (src must still be a valid address).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // One sequence of the batch as the state passes see it: its tokens and its pool / checkpoint slots.
 struct SeqSlots {

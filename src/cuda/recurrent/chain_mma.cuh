@@ -152,28 +152,31 @@ __global__ void __launch_bounds__(kChainWarps * 32, 12)
 #pragma unroll 1
   for (int c0 = 0; c0 < n; c0 += kN) {
     const int nc = min(kN, n - c0);
-    // Token inputs: gates (lane t: token c0 + t) and v of this lane's row and column pair.
+    // Token inputs: lane t < nc holds token c0 + t's index and gates; v of this lane's row and pair.
+    const int64_t tok_lane = token_of(c0 + min(lane, nc - 1));
     float glog = 0.0f, beta = 0.0f;
     if (lane < nc) {
       float ga, gb;
-      token_gate_inputs(p.gating, token_of(c0 + lane), hv, ga, gb);
+      token_gate_inputs(p.gating, tok_lane, hv, ga, gb);
       gate_log_values(p.gating, hv, ga, gb, glog, beta);
     }
     float2 vv = make_float2(0.0f, 0.0f);
-    if (r < nc) vv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vcol + token_of(c0 + r) * p.v.token_stride));
-    // The chunk's k (and q) rows, zero past the chunk's tokens.
+    const int64_t tok_r = __shfl_sync(kAll, tok_lane, r);
+    if (r < nc) vv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vcol + tok_r * p.v.token_stride));
+    // The chunk's k (and q) rows by cp.async, zero past the chunk's tokens: one load latency.
     __syncthreads();  // both warps are done with the previous chunk's rows
     constexpr int kPieces = K / 8, kStaged = (kReplay ? 1 : 2) * kN * kPieces;
-#pragma unroll 1
+    static_assert(kStaged % (kChainWarps * 32) == 0, "whole staging rounds");
+#pragma unroll
     for (int i = int(threadIdx.x); i < kStaged; i += kChainWarps * 32) {
       const int row = i / kPieces, piece = i % kPieces, j = row % kN;
       const InView& x = row < kN ? p.k : p.q;
-      uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (j < nc)
-        val = *reinterpret_cast<const uint4*>(static_cast<const bf16*>(x.data) + token_of(c0 + j) * x.token_stride +
-                                              int64_t(hq) * x.head_stride + piece * 8);
-      *reinterpret_cast<uint4*>(&rows[row / kN][j][piece * 8]) = val;
+      const int64_t tok = __shfl_sync(kAll, tok_lane, j);
+      cp_async16(&rows[row / kN][j][piece * 8],
+                 static_cast<const bf16*>(x.data) + tok * x.token_stride + int64_t(hq) * x.head_stride + piece * 8,
+                 j < nc);
     }
+    cp_async_wait_all();
     __syncthreads();
 
     // ---- products: pq = [k; q] S, kk = [k; q] k^T, qq = [k; q] q^T -----------------------------------
