@@ -59,6 +59,17 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
   }
 }
 
+// c += a * b  (m16n8k8, tf32 x tf32 -> fp32): a[0]=A[r][q] a[1]=A[r+8][q] a[2]=A[r][q+4] a[3]=A[r+8][q+4],
+// b0=B[q][n] b1=B[q+4][n] (q = lane%4). Operands are fp32 bit patterns; the tensor cores read their top 19
+// bits (sign, exponent, 10 mantissa bits).
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Two floats rounded to a packed Op pair (lo in the low half).
 template <class Op>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {

@@ -40,7 +40,7 @@
 namespace gdnkit::cuda::recurrent {
 
 constexpr int kChainCols = 8;   // columns of S per warp
-constexpr int kChainWarps = 2;  // warps per CTA: neighbouring column blocks of one head
+constexpr int kChainWarps = 4;  // warps per CTA: neighbouring column blocks of one head
 constexpr int kChainChunk = 8;  // tokens per chunk
 
 // Whether call p can run the chain kernel beyond the compile-time choices (K-last, bf16 q/k/v, K <= 128):
@@ -65,15 +65,13 @@ __device__ __forceinline__ void split_bf16(float x, float y, uint32_t (&out)[kTe
 }
 
 template <class TS, int K, int V, WarpOp kOp>
-// 12 CTAs (24 warps) per SM: 80 registers, with ~100 bytes of the state spilled around the chunk loop
-// (unbounded, ptxas takes 124-160 registers).
-__global__ void __launch_bounds__(kChainWarps * 32, 12)
+// 24 warps per SM: 80 registers.
+__global__ void __launch_bounds__(kChainWarps * 32, 24 / kChainWarps)
     chain_mma_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
   static_assert(kOp != WarpOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
   constexpr bool kReplay = kOp == WarpOp::kReplay;
   constexpr int kSteps = K / 16, kPitch = K + 8;  // 16-byte row shift: ldmatrix rows hit distinct banks
   constexpr int kColCtas = V / (kChainCols * kChainWarps);
-  constexpr int kTerms = std::is_same_v<TS, float> ? 3 : 2;
   constexpr int kN = kChainChunk;
   constexpr int64_t kHeadElems = int64_t(K) * V;
   using bf16 = __nv_bfloat16;
@@ -84,6 +82,9 @@ __global__ void __launch_bounds__(kChainWarps * 32, 12)
   };
   __shared__ __align__(16) bf16 rows[2][kN][kPitch];  // the chunk's k (0) and q (1) rows
   __shared__ Scratch scratch[kChainWarps];
+  // Each warp's state columns in fp32, rows of K padded by 8 floats: the fragment reads (column r, k pair
+  // 2 (l%4)) of a half-warp hit distinct banks.
+  __shared__ __align__(16) float state[kChainWarps][kChainCols][K + 8];
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int r = lane / 4, c2 = (lane % 4) * 2;  // fragment row (token; column of S) and column pair
@@ -131,15 +132,6 @@ __global__ void __launch_bounds__(kChainWarps * 32, 12)
   const int n = kReplay ? n_replay : len;
   if (n == 0) return;  // nothing to apply: the pool state stays
 
-  // The state: lane's column v0 + r at k = 16 j + c2 + {0, 1} and + 8 (s[j][0..1], s[j][2..3]).
-  TS* const column = head_block + int64_t(slot) * p.state.slot_stride + r * K + c2;
-  float s[kSteps][4];
-#pragma unroll
-  for (int j = 0; j < kSteps; ++j) {
-    load_vec<TS, 2>(column + 16 * j, &s[j][0]);
-    load_vec<TS, 2>(column + 16 * j + 8, &s[j][2]);
-  }
-
   const auto token_of = [&](int j) -> int64_t {
     return tok0 + (kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j);
   };
@@ -149,47 +141,91 @@ __global__ void __launch_bounds__(kChainWarps * 32, 12)
   Scratch& sc = scratch[warp];
   constexpr unsigned kAll = 0xffffffffu;
 
-#pragma unroll 1
-  for (int c0 = 0; c0 < n; c0 += kN) {
-    const int nc = min(kN, n - c0);
-    // Token inputs: lane t < nc holds token c0 + t's index and gates; v of this lane's row and pair.
-    const int64_t tok_lane = token_of(c0 + min(lane, nc - 1));
-    float glog = 0.0f, beta = 0.0f;
-    if (lane < nc) {
-      float ga, gb;
-      token_gate_inputs(p.gating, tok_lane, hv, ga, gb);
-      gate_log_values(p.gating, hv, ga, gb, glog, beta);
-    }
-    float2 vv = make_float2(0.0f, 0.0f);
-    const int64_t tok_r = __shfl_sync(kAll, tok_lane, r);
-    if (r < nc) vv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vcol + tok_r * p.v.token_stride));
-    // The chunk's k (and q) rows by cp.async, zero past the chunk's tokens: one load latency.
-    __syncthreads();  // both warps are done with the previous chunk's rows
+  // A chunk's inputs, issued before they are needed (the first chunk's before the state loads): its k
+  // (and q) rows by cp.async into `rows`, zero past the chunk's tokens; lane t < nc: token c0 + t's index
+  // and raw gate inputs; v of this lane's row and column pair.
+  struct ChunkInputs {
+    int nc;
+    int64_t tok_lane;
+    float ga, gb;
+    float2 vv;
+  };
+  const auto issue_inputs = [&](int c0) {
+    ChunkInputs in;
+    in.nc = min(kN, n - c0);
+    in.tok_lane = token_of(c0 + min(lane, in.nc - 1));
     constexpr int kPieces = K / 8, kStaged = (kReplay ? 1 : 2) * kN * kPieces;
-    static_assert(kStaged % (kChainWarps * 32) == 0, "whole staging rounds");
 #pragma unroll
     for (int i = int(threadIdx.x); i < kStaged; i += kChainWarps * 32) {
       const int row = i / kPieces, piece = i % kPieces, j = row % kN;
       const InView& x = row < kN ? p.k : p.q;
-      const int64_t tok = __shfl_sync(kAll, tok_lane, j);
+      const int64_t tok = __shfl_sync(kAll, in.tok_lane, j);
       cp_async16(&rows[row / kN][j][piece * 8],
                  static_cast<const bf16*>(x.data) + tok * x.token_stride + int64_t(hq) * x.head_stride + piece * 8,
-                 j < nc);
+                 j < in.nc);
     }
+    in.ga = in.gb = 0.0f;
+    if (lane < in.nc) token_gate_inputs(p.gating, in.tok_lane, hv, in.ga, in.gb);
+    const int64_t tok_r = __shfl_sync(kAll, in.tok_lane, r);
+    in.vv = make_float2(0.0f, 0.0f);
+    if (r < in.nc) in.vv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(vcol + tok_r * p.v.token_stride));
+    return in;
+  };
+  ChunkInputs in = issue_inputs(0);
+
+  // The warp's state columns (contiguous in a K-last pool) into `state`: by cp.async for fp32 pools
+  // (no registers held while they travel), through registers (converted) for bf16.
+  TS* const tile = head_block + int64_t(slot) * p.state.slot_stride;
+  float(&st)[kChainCols][K + 8] = state[warp];
+  {
+    constexpr int kE = 16 / int(sizeof(TS)), kPieces = kChainCols * K / kE;  // 16-byte pieces
+    static_assert(kPieces % 32 == 0, "whole pieces per lane");
+    if constexpr (std::is_same_v<TS, float>) {
+#pragma unroll
+      for (int i = lane; i < kPieces; i += 32) cp_async16(&st[i * kE / K][i * kE % K], tile + i * kE, true);
+    } else {
+      float x[kPieces / 32][kE];
+#pragma unroll
+      for (int i = 0; i < kPieces / 32; ++i) load_vec<TS, kE>(tile + (lane + 32 * i) * kE, x[i]);
+#pragma unroll
+      for (int i = 0; i < kPieces / 32; ++i) {
+        const int e = (lane + 32 * i) * kE;
+#pragma unroll
+        for (int h = 0; h < kE; h += 4)
+          *reinterpret_cast<float4*>(&st[e / K][e % K + h]) = make_float4(x[i][h], x[i][h + 1], x[i][h + 2], x[i][h + 3]);
+      }
+    }
+  }
+  // S[k .. k+1][v0 + r] (this lane's column).
+  const auto pair = [&](int k) -> float2& { return *reinterpret_cast<float2*>(&st[r][k]); };
+
+#pragma unroll 1
+  for (int c0 = 0; c0 < n; c0 += kN) {
+    const int nc = in.nc;
+    float glog = 0.0f, beta = 0.0f;
+    if (lane < nc) gate_log_values(p.gating, hv, in.ga, in.gb, glog, beta);
+    const float2 vv = in.vv;
     cp_async_wait_all();
     __syncthreads();
 
-    // ---- products: pq = [k; q] S, kk = [k; q] k^T, qq = [k; q] q^T -----------------------------------
+    // ---- products: pq = [k; q] S on tf32 (S = hi + lo), kk = [k; q] k^T, qq = [k; q] q^T on bf16 ------
+    // The bf16 A fragment of k-step j (ldmatrix) feeds two tf32 k-steps: tf32 index q of the first is k
+    // = 16 j + c2 (low halves), q + 4 is 16 j + c2 + 1 (high halves); the second takes k + 8. Their B
+    // operands are then this lane's state pairs at k = 16 j + c2 and 16 j + 8 + c2.
     float pq[4] = {0.0f, 0.0f, 0.0f, 0.0f}, kk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, qq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const bf16* arow = &rows[kReplay ? 0 : (lane >> 3) & 1][lane & 7][(lane >> 4) * 8];  // replay: k twice
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
-      uint32_t a[4], b0[kTerms], b1[kTerms];
+      uint32_t a[4];
       ldmatrix_x4(a, arow + 16 * j);
-      split_bf16<kTerms>(s[j][0], s[j][1], b0);
-      split_bf16<kTerms>(s[j][2], s[j][3], b1);
 #pragma unroll
-      for (int t = kTerms - 1; t >= 0; --t) mma<bf16>(pq, a, b0[t], b1[t]);
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t at[4] = {a[2 * h] << 16, a[2 * h + 1] << 16, a[2 * h] & 0xffff0000u, a[2 * h + 1] & 0xffff0000u};
+        const float2 x = pair(16 * j + 8 * h + c2);
+        const uint32_t hi0 = __float_as_uint(x.x) & 0xffffe000u, hi1 = __float_as_uint(x.y) & 0xffffe000u;
+        mma_tf32(pq, at, __float_as_uint(x.x - __uint_as_float(hi0)), __float_as_uint(x.y - __uint_as_float(hi1)));
+        mma_tf32(pq, at, hi0, hi1);
+      }
       mma<bf16>(kk, a, a[0], a[2]);                // B = k^T: column i is token i's k row
       if (!kReplay) mma<bf16>(qq, a, a[1], a[3]);  // B = q^T
     }
@@ -227,14 +263,22 @@ __global__ void __launch_bounds__(kChainWarps * 32, 12)
       pq[2] *= er * rq_r, pq[3] *= er * rq_r;  // the state's share of o
     }
     __syncwarp();
-    // Forward substitution, column lane (lanes 0-7), in place in the scratch.
-    if (lane < kN) {
-#pragma unroll 1
+    // Forward substitution, column lane % 8 in registers (the four lane groups do the same), then in
+    // place into the scratch.
+    {
+      const int col = lane & 7;
+      float u[kN];
+#pragma unroll
       for (int t = 0; t < kN; ++t) {
-        float acc = sc.u[t][lane];
-        for (int i = 0; i < t; ++i) acc = fmaf(-sc.a[t][i], sc.u[i][lane], acc);
-        sc.u[t][lane] = acc;
+        float acc = sc.u[t][col];
+#pragma unroll
+        for (int i = 0; i < t; ++i) acc = fmaf(-sc.a[t][i], u[i], acc);
+        u[t] = acc;
       }
+      __syncwarp();
+      if (lane < kN)
+#pragma unroll
+        for (int t = 0; t < kN; ++t) sc.u[t][col] = u[t];
     }
     __syncwarp();
 
@@ -251,7 +295,8 @@ __global__ void __launch_bounds__(kChainWarps * 32, 12)
     }
 
     // ---- S^T <- Γ_n S^T + U'^T k ------------------------------------------------------------------
-    if (kReplay || write_state || c0 + kN < n) {
+    const bool last = c0 + kN >= n;
+    if (kReplay || write_state || !last) {
       const float x0 = __expf(lg_end - lg_i0) * rk_i0 * sc.u[c2][r];
       const float x1 = __expf(lg_end - lg_i1) * rk_i1 * sc.u[c2 + 1][r];
       uint32_t ua[4], terms[2];
@@ -263,21 +308,21 @@ __global__ void __launch_bounds__(kChainWarps * 32, 12)
         uint32_t kt[4];  // n-tiles 4 jj .. 4 jj + 3 of the k rows, transposed
         ldmatrix_x4_trans(kt, &rows[0][lane & 7][8 * (4 * jj + (lane >> 3))]);
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          float* e = &s[(4 * jj + m) / 2][((4 * jj + m) % 2) * 2];
-          float c[4] = {decay * e[0], decay * e[1], 0.0f, 0.0f};
+        for (int m = 0; m < 4; ++m) {  // n-tile 4 jj + m: this lane's pair at k = 8 (4 jj + m) + c2
+          const int k = 8 * (4 * jj + m) + c2;
+          float2& e = pair(k);
+          float c[4] = {decay * e.x, decay * e.y, 0.0f, 0.0f};
           mma<bf16>(c, ua, kt[m], kt[m]);
-          e[0] = c[0], e[1] = c[1];
+          if (last)  // the final state: straight to the pool
+            store_vec<TS, 2>(tile + r * K + k, c);
+          else
+            e = make_float2(c[0], c[1]);
         }
       }
     }
-  }
-
-  if (kReplay || write_state) {
-#pragma unroll
-    for (int j = 0; j < kSteps; ++j) {
-      store_vec<TS, 2>(column + 16 * j, &s[j][0]);
-      store_vec<TS, 2>(column + 16 * j + 8, &s[j][2]);
+    if (c0 + kN < n) {
+      __syncthreads();  // every warp is done with this chunk's rows
+      in = issue_inputs(c0 + kN);
     }
   }
 }
@@ -286,7 +331,11 @@ template <class TS, int K, int V, WarpOp kOp>
 void launch_chain_mma(const CommitParams& p, bool write_state, Stream stream) {
   const auto kernel = chain_mma_kernel<TS, K, V, kOp>;
   constexpr int kColCtas = V / (kChainCols * kChainWarps);
-  static const int max_ctas = resident_ctas(reinterpret_cast<const void*>(kernel), kChainWarps * 32);
+  static const int max_ctas = [&] {  // 24 KB of shared memory per CTA: ask for the largest carveout
+    GDNKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           int(cudaSharedmemCarveoutMaxShared)));
+    return resident_ctas(reinterpret_cast<const void*>(kernel), kChainWarps * 32);
+  }();
   launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kChainWarps * 32,
                    max_ctas, stream, p, write_state);
 }
