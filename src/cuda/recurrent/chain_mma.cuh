@@ -4,22 +4,24 @@
 // products, the decay, the update) plus a butterfly per token: at T >= 4 it is compute-bound. Here a
 // call reads each state once, and the per-token work on the state is mma.sync (cuda/common/mma_sync.cuh).
 //
-// A warp owns (sequence, value head, 8 columns of S) like the warp kernel; a CTA is 2 warps of one head.
-// Lane l holds column v0 + l/4 of S at k = 16 j + 2 (l%4) + {0, 1, 8, 9} (j < K/16): exactly the B
-// fragment of S (K x 8 columns) for m16n8k16, and also the C fragment of S^T (columns x K, n-tiles of 8)
-// -- so the products read the state from registers and the update lands in them.
+// A warp owns (sequence, value head, 8 columns of S) like the warp kernel; a CTA is 4 warps of one head.
+// The warp's columns (contiguous in the pool) sit in shared memory in fp32, arriving by cp.async beside
+// the chunk's k/q rows, so no registers wait on them. Lane l reads column v0 + l/4 at k = 16 j + 2 (l%4)
+// + {0, 1} and + 8: the B operand of two m16n8k8 tf32 steps per k-step j (see the products), and the C
+// fragment of S^T (columns x K, n-tiles of 8) for the update.
 //
-// Per chunk of n <= 8 tokens (rows of k and q staged in shared memory; Γ_t = exp(sum of g up to t) from
-// the chunk's start; k, q raw bf16 rows, their norms rk, rq applied to the sums):
-//   [k; q] (16 x K) times S (K x 8), with S in fp32 split into 3 (fp32 state) or 2 (bf16) bf16 terms:
+// Per chunk of n <= 8 tokens (Γ_t = exp(sum of g up to t) from the chunk's start; k, q raw bf16 rows,
+// their norms rk, rq applied to the sums):
+//   [k; q] (16 x K) times S (K x 8) in tf32, S = hi + lo (hi: S's top 19 bits, exact; lo = S - hi, read
+//       to 11 bits): ~2^-20 relative, within the state's 1e-5 tolerance; k, q are exact in tf32
 //       P[t][c] = k_t . S[:, c], Qs[t][c] = q_t . S[:, c]
-//   [k; q] times [k; q]^T: k_t . k_i, q_t . k_i, and q_t . q_t (the norms) -- bf16 products, exact
+//   [k; q] times [k; q]^T on bf16 (exact products): k_t . k_i, q_t . k_i, and q_t . q_t (the norms)
 //   u_t = beta_t (v_t - Γ_t rk_t P[t]) - sum_{i<t} beta_t (Γ_t/Γ_i) rk_t rk_i (k_t . k_i) u_i
 //       (forward substitution, one column per lane, through a small per-warp scratch)
 //   o_t = Γ_t rq_t Qs[t] + sum_{i<=t} (Γ_t/Γ_i) rq_t rk_i (q_t . k_i) u_i
 //   S^T <- Γ_n S^T + U'^T k with U'[i] = (Γ_n/Γ_i) rk_i u_i split into 2 bf16 terms (one m16n8k16 per
-//       n-tile: the terms sit in the k-dimension, the k rows twice)
-// The split terms keep the dot products within ~2^-24 of fp32 (the state's 1e-5 tolerance).
+//       n-tile: the terms sit in the k-dimension, the k rows twice); the last chunk's result goes
+//       straight from the accumulators to the pool.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -51,21 +53,15 @@ inline bool chain_mma_fits(const CommitParams& p, bool replay) {
   return replay || (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
 }
 
-// x, y as kTerms packed bf16 pairs: x = sum of the terms' low halves to ~8 kTerms bits.
-template <int kTerms>
-__device__ __forceinline__ void split_bf16(float x, float y, uint32_t (&out)[kTerms]) {
-#pragma unroll
-  for (int t = 0; t < kTerms; ++t) {
-    out[t] = pack_bf16(x, y);
-    if (t + 1 < kTerms) {
-      const float2 h = unpack2<__nv_bfloat16>(out[t]);
-      x -= h.x, y -= h.y;
-    }
-  }
+// x, y as two packed bf16 pairs, hi + lo: x = hi.x + lo.x to ~16 bits.
+__device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16(x, y);
+  const float2 h = unpack2<__nv_bfloat16>(hi);
+  lo = pack_bf16(x - h.x, y - h.y);
 }
 
 template <class TS, int K, int V, WarpOp kOp>
-// 24 warps per SM: 80 registers.
+// 24 warps per SM: 80 registers (ptxas spills 36-80 bytes; unbounded it takes ~150).
 __global__ void __launch_bounds__(kChainWarps * 32, 24 / kChainWarps)
     chain_mma_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
   static_assert(kOp != WarpOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
@@ -299,9 +295,9 @@ __global__ void __launch_bounds__(kChainWarps * 32, 24 / kChainWarps)
     if (kReplay || write_state || !last) {
       const float x0 = __expf(lg_end - lg_i0) * rk_i0 * sc.u[c2][r];
       const float x1 = __expf(lg_end - lg_i1) * rk_i1 * sc.u[c2 + 1][r];
-      uint32_t ua[4], terms[2];
-      split_bf16<2>(x0, x1, terms);
-      ua[0] = terms[0], ua[2] = terms[1], ua[1] = ua[3] = 0u;  // rows 8-15: no columns
+      uint32_t ua[4];
+      split_bf16(x0, x1, ua[0], ua[2]);
+      ua[1] = ua[3] = 0u;  // rows 8-15: no columns
       const float decay = __expf(lg_end);
 #pragma unroll
       for (int jj = 0; jj < K / 32; ++jj) {
