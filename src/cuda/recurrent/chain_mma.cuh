@@ -63,8 +63,8 @@ __device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint3
   lo = pack_bf16(x - h.x, y - h.y);
 }
 
-template <class TS, int K, int V, WarpOp kOp>
 // 24 warps per SM: 80 registers (ptxas spills 36-80 bytes; unbounded it takes ~150).
+template <class TS, int K, int V, WarpOp kOp>
 __global__ void __launch_bounds__(kChainWarps * 32, 24 / kChainWarps)
     chain_mma_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
   static_assert(kOp != WarpOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
