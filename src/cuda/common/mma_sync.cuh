@@ -92,6 +92,14 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
   }
 }
 
+// x, y as two packed Op pairs, hi = Op(x) and lo = Op(x - hi): x = hi.x + lo.x to about twice Op's bits.
+template <class Op>
+__device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<Op>(x, y);
+  const float2 h = unpack2<Op>(hi);
+  lo = pack2<Op>(x - h.x, y - h.y);
+}
+
 template <class Op>
 __device__ __forceinline__ Op to_op(float x) {
   if constexpr (std::is_same_v<Op, __half>)

@@ -6,28 +6,21 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 
-// ---- fp32 block products on tensor cores in split fp16: x = hi + lo with hi = fp16(x) and lo =
-// fp16(x - hi); a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi (about 22 significant bits; |x| < 65504).
-__device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
-  const __half2 h = __floats2half2_rn(x, y);
-  const float2 hf = __half22float2(h);
-  const __half2 l = __floats2half2_rn(x - hf.x, y - hf.y);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-}
+// ---- fp32 block products on tensor cores in split fp16 (split2<__half>, mma_sync.cuh): x = hi + lo;
+// a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi (about 22 significant bits; |x| < 65504).
 // A fragment of the 16x16 fp32 block at p (row-major, ld floats per row), split.
 __device__ __forceinline__ void load_a_split(const float* p, int ld, int lane, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
   const int r = lane >> 2, c = (lane & 3) * 2;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 v = *reinterpret_cast<const float2*>(p + (r + (i & 1) * 8) * ld + c + (i >> 1) * 8);
-    split2(v.x, v.y, hi[i], lo[i]);
+    split2<__half>(v.x, v.y, hi[i], lo[i]);
   }
 }
 // C fragments of a 16x16 block (two n8 tiles) as the A fragment of the same block, split.
 __device__ __forceinline__ void c_to_a_split(const float (&c)[2][4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) split2(c[i >> 1][(i & 1) * 2], c[i >> 1][(i & 1) * 2 + 1], hi[i], lo[i]);
+  for (int i = 0; i < 4; ++i) split2<__half>(c[i >> 1][(i & 1) * 2], c[i >> 1][(i & 1) * 2 + 1], hi[i], lo[i]);
 }
 // acc (16x16, two n8 tiles) += A B for A given as split fragments and B the 16x16 fp32 block at p
 // (row-major [k][n], ld floats per row).
@@ -39,7 +32,7 @@ __device__ __forceinline__ void block_mma_split(float (&acc)[2][4], const uint32
     uint32_t b_hi[2], b_lo[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      split2(p[(c + h * 8) * ld + t * 8 + n], p[(c + h * 8 + 1) * ld + t * 8 + n], b_hi[h], b_lo[h]);
+      split2<__half>(p[(c + h * 8) * ld + t * 8 + n], p[(c + h * 8 + 1) * ld + t * 8 + n], b_hi[h], b_lo[h]);
     mma<__half>(acc[t], a_lo, b_hi[0], b_hi[1]);
     mma<__half>(acc[t], a_hi, b_lo[0], b_lo[1]);
     mma<__half>(acc[t], a_hi, b_hi[0], b_hi[1]);

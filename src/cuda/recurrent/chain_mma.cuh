@@ -56,13 +56,6 @@ inline bool chain_mma_fits(const CommitParams& p, bool replay) {
   return replay || (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
 }
 
-// x, y as two packed bf16 pairs, hi + lo: x = hi.x + lo.x to ~16 bits.
-__device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint32_t& lo) {
-  hi = pack_bf16(x, y);
-  const float2 h = unpack2<__nv_bfloat16>(hi);
-  lo = pack_bf16(x - h.x, y - h.y);
-}
-
 // 24 warps per SM: 80 registers (ptxas spills 36-80 bytes; unbounded it takes ~150).
 template <class TS, int K, int V, WarpOp kOp>
 __global__ void __launch_bounds__(kChainWarps * 32, 24 / kChainWarps)
@@ -105,13 +98,9 @@ __global__ void __launch_bounds__(kChainWarps * 32, 24 / kChainWarps)
   asm volatile("griddepcontrol.launch_dependents;");
 
   const int slot = p.state_indices[b];
-  int64_t tok0 = int64_t(b) * T;
-  int len = T;
-  if (p.cu_seqlens != nullptr) {
-    tok0 = p.cu_seqlens[b];
-    len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
-  }
-  if (len < 0 || len > T) {  // a row the kernel cannot place: counted, nothing written
+  int64_t tok0;
+  int len;
+  if (!row_tokens(p, b, T, tok0, len)) {  // a row the kernel cannot place: counted, nothing written
     if (counter) atomicAdd(p.error_flag, 1);
     return;
   }
@@ -299,7 +288,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, 24 / kChainWarps)
       const float x0 = __expf(lg_end - lg_i0) * rk_i0 * sc.u[c2][r];
       const float x1 = __expf(lg_end - lg_i1) * rk_i1 * sc.u[c2 + 1][r];
       uint32_t ua[4];
-      split_bf16(x0, x1, ua[0], ua[2]);
+      split2<bf16>(x0, x1, ua[0], ua[2]);
       ua[1] = ua[3] = 0u;  // rows 8-15: no columns
       const float decay = __expf(lg_end);
 #pragma unroll

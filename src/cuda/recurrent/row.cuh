@@ -1,5 +1,5 @@
 // What every recurrent kernel (warp_kernel.cuh, chain_mma.cuh) shares about a row (one sequence of the
-// batch): the op, and the row's checks in the CPU reference's order.
+// batch): the op, the row's tokens, and the row's checks in the CPU reference's order.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,6 +15,18 @@ enum class WarpOp : int32_t {
   kVerify = 1,  // T tokens (fixed or varlen, chain or tree): o per token, intermediate states when asked
   kReplay = 2,  // commit by recompute: replay the kept tokens (no q, no o) and store the state
 };
+
+// Row b's first token and length: T tokens at b * T, or cu_seqlens' span (decode passes T = 1 and no
+// cu_seqlens). False for a row the kernels cannot place (a length outside 0..T): counted, nothing written.
+__device__ __forceinline__ bool row_tokens(const CommitParams& p, int b, int T, int64_t& tok0, int& len) {
+  tok0 = int64_t(b) * T;
+  len = T;
+  if (p.cu_seqlens != nullptr) {
+    tok0 = p.cu_seqlens[b];
+    len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
+  }
+  return len >= 0 && len <= T;
+}
 
 // Whether row b (len tokens placed, pool slot `slot`) must be skipped and counted: a slot past the pool,
 // and for verify a cache slot past the buffer or a parent out of range, for replay a kept count past the

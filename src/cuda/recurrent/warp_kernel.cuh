@@ -121,12 +121,9 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   if (kDecode && spec >= 0) Tile::load(head_block + int64_t(spec) * p.state.slot_stride, s, lane, stage);
 
   // ---- which tokens, which slots (the same checks, in the same order, as the CPU reference) -----
-  int64_t tok0 = kDecode ? b : int64_t(b) * T;
-  int len = T;
-  if (!kDecode && p.cu_seqlens != nullptr) {
-    tok0 = p.cu_seqlens[b];
-    len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
-  }
+  int64_t tok0;
+  int len;
+  const bool placed = row_tokens(p, b, T, tok0, len);  // decode: T = 1, token b
   const auto out_ptr = [&](int64_t tok) {
     return static_cast<TI*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
   };
@@ -237,7 +234,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   Token cur;  // the next token to apply; decode: its loads go out before the slot arrives
   if constexpr (kDecode) cur = load_token(0);
 
-  if (len < 0 || len > T) {  // a row the kernel cannot place: counted, nothing written
+  if (!placed) {  // a row the kernel cannot place: counted, nothing written
     if (counter) atomicAdd(p.error_flag, 1);
     return;
   }
