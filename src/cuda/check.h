@@ -21,9 +21,10 @@ bool programmatic_launch_enabled();
 // Whether the recurrent kernels prefetch the state into L2 before griddepcontrol.wait: on unless
 // GDNKIT_PREFETCH=0 (read once per process; for A/B timing). Defined in runtime.cpp.
 bool state_prefetch_enabled();
-// Whether verify (chains without a cache) and commit by recompute may run the tensor-core chain kernel
-// (recurrent/chain_mma.cuh): on unless GDNKIT_CHAIN_MMA=0 (read once per process; for A/B timing).
-bool chain_mma_enabled();
+// The fewest draft tokens T for which verify (chains without a cache) and commit by recompute run the
+// tensor-core chain kernel (recurrent/chain_mma.cuh): `measured` unless GDNKIT_CHAIN_MMA sets it (a count
+// n >= 1; 0: never). Read once per process; for A/B timing.
+int chain_mma_min_tokens(int measured);
 // SMs of the first device asked (sizing heuristics only; 132 if the query fails). Defined in runtime.cpp.
 int device_sms();
 

@@ -1,6 +1,7 @@
 // Device discovery for the CUDA backend, and the process-wide launch switches.
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdlib>
 #include <string>
 
@@ -53,9 +54,14 @@ bool state_prefetch_enabled() {
   return enabled;
 }
 
-bool chain_mma_enabled() {
-  static const bool enabled = env_switch("GDNKIT_CHAIN_MMA");
-  return enabled;
+int chain_mma_min_tokens(int measured) {
+  static const int from_env = [] {  // 0: unset
+    const char* e = std::getenv("GDNKIT_CHAIN_MMA");
+    if (e == nullptr) return 0;
+    const int n = std::atoi(e);
+    return n > 0 ? n : INT_MAX;  // "0" (or anything but a count): never
+  }();
+  return from_env > 0 ? from_env : measured;
 }
 
 std::string device_info() {

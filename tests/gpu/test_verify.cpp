@@ -62,6 +62,13 @@ std::string name_of(Shape s, const ProblemConfig& c) {
 
 const Shape kShapes[] = {Shape::kChain, Shape::kChainUpdate, Shape::kTree, Shape::kVarlenChain, Shape::kVarlenTree};
 
+// n varlen lengths cycling through 0..T.
+std::vector<int32_t> many_lens(int n, int T) {
+  std::vector<int32_t> lens;
+  for (int i = 0; i < n; ++i) lens.push_back((5 * i) % (T + 1));
+  return lens;
+}
+
 std::vector<Named> verify_cases() {
   std::vector<Named> out;
   uint64_t seed = 1000;
@@ -100,6 +107,16 @@ std::vector<Named> verify_cases() {
           if (seed % 3 == 0) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 24;
           out.push_back({name_of(s, c), c});
         }
+  // A batch past what the GPU holds at once (items of 4 column blocks: 24 x 32 x 4 against 132 SMs x 4
+  // CTAs): each CTA of the chain kernel runs several items through its two-stage pipeline, padding rows,
+  // empty rows and rows of two chunks among them.
+  for (Shape s : {Shape::kChain, Shape::kVarlenChain})
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat32, 10, seed++);
+      c.intermediate = false, c.H = 16, c.HV = 32, c.batch = 24, c.padding_rows = 4;
+      if (s == Shape::kVarlenChain) c.seq_lens = many_lens(c.batch, 10);
+      out.push_back({name_of(s, c) + "_b24", c});
+    }
   for (Shape s : {Shape::kChain, Shape::kChainUpdate}) {
     ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, 16, seed++);
     c.intermediate = false, c.K = c.V = 64, c.H = 16, c.HV = 32;
@@ -127,6 +144,10 @@ std::vector<Named> sanitize_cases() {
   ProblemConfig c = make(Shape::kVarlenChain, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, 11, seed++);
   c.H = 1, c.HV = 2, c.K = c.V = 64, c.intermediate = false;  // the chain kernel, two chunks
   out.push_back({name_of(Shape::kVarlenChain, c), c});
+  c = make(Shape::kVarlenChain, StateLayout::kKLast, DType::kBFloat16, DType::kFloat32, 11, seed++);
+  c.H = 2, c.HV = 8, c.K = c.V = 64, c.intermediate = false, c.padding_rows = 5;
+  c.seq_lens = many_lens(40, 11);  // 40 x 8 x 2 items: past 132 SMs x 4 CTAs, several per CTA
+  out.push_back({name_of(Shape::kVarlenChain, c) + "_b40", c});
   return out;
 }
 
@@ -230,6 +251,14 @@ std::vector<CommitCase> commit_cases() {
       ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat32, 12, seed++);
       c.update_state = false, c.long_memory = state == DType::kFloat32;
       out.push_back({"recompute_" + name_of(s, c), c, CommitSource::kRecompute});
+    }
+  // Replay of a batch past what the GPU holds at once (the chain kernel's pipeline, see verify_cases).
+  for (Shape s : {Shape::kChain, Shape::kVarlenTree})
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat32, 10, seed++);
+      c.update_state = false, c.intermediate = false, c.H = 16, c.HV = 32, c.batch = 24, c.padding_rows = 4;
+      if (s == Shape::kVarlenTree) c.seq_lens = many_lens(c.batch, 10);
+      out.push_back({"recompute_" + name_of(s, c) + "_b24", c, CommitSource::kRecompute});
     }
   for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute})
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {

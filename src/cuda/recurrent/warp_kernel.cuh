@@ -113,7 +113,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 
-  const int slot = p.state_indices[b];  // first: the state loads wait on it
+  const RowLoads rl = load_row<kOp>(p, b);
+  const int slot = rl.slot;  // the state loads wait on it
   float s[kRows][kKPer];  // the tile (warp_tile.cuh)
   // Decode in prefetch mode loads the state of slot `spec` now, beside the index rather than after it
   // (after the wait: the current state of that slot). If the index read now differs, the state of the
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // ---- which tokens, which slots (the same checks, in the same order, as the CPU reference) -----
   int64_t tok0;
   int len;
-  const bool placed = row_tokens(p, b, T, tok0, len);  // decode: T = 1, token b
+  const bool placed = row_tokens(p, rl, b, T, tok0, len);  // decode: T = 1, token b
   const auto out_ptr = [&](int64_t tok) {
     return static_cast<TI*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
   };
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   }
   if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
   int n_replay, islot;
-  const bool bad = row_is_bad<kOp>(p, b, T, len, slot, n_replay, islot);
+  const bool bad = row_is_bad<kOp>(p, rl, b, T, len, n_replay, islot);
 
   if (bad || slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
     if (bad && counter) atomicAdd(p.error_flag, 1);
