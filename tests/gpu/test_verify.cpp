@@ -107,9 +107,8 @@ std::vector<Named> verify_cases() {
           if (seed % 3 == 0) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 24;
           out.push_back({name_of(s, c), c});
         }
-  // A batch past what the GPU holds at once (items of 4 column blocks: 24 x 32 x 4 against 132 SMs x 4
-  // CTAs): each CTA of the chain kernel runs several items through its two-stage pipeline, padding rows,
-  // empty rows and rows of two chunks among them.
+  // Batches of the qwen3-next heads in several waves of CTAs (24 x 32 heads x 4 column CTAs), padding
+  // rows, empty rows and rows of two chunks among them.
   for (Shape s : {Shape::kChain, Shape::kVarlenChain})
     for (DType state : {DType::kFloat32, DType::kBFloat16}) {
       ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat32, 10, seed++);
@@ -146,7 +145,7 @@ std::vector<Named> sanitize_cases() {
   out.push_back({name_of(Shape::kVarlenChain, c), c});
   c = make(Shape::kVarlenChain, StateLayout::kKLast, DType::kBFloat16, DType::kFloat32, 11, seed++);
   c.H = 2, c.HV = 8, c.K = c.V = 64, c.intermediate = false, c.padding_rows = 5;
-  c.seq_lens = many_lens(40, 11);  // 40 x 8 x 2 items: past 132 SMs x 4 CTAs, several per CTA
+  c.seq_lens = many_lens(40, 11);  // 40 rows, every length 0 .. 11
   out.push_back({name_of(Shape::kVarlenChain, c) + "_b40", c});
   return out;
 }
@@ -252,7 +251,7 @@ std::vector<CommitCase> commit_cases() {
       c.update_state = false, c.long_memory = state == DType::kFloat32;
       out.push_back({"recompute_" + name_of(s, c), c, CommitSource::kRecompute});
     }
-  // Replay of a batch past what the GPU holds at once (the chain kernel's pipeline, see verify_cases).
+  // Replay of batches in several waves of CTAs (see verify_cases).
   for (Shape s : {Shape::kChain, Shape::kVarlenTree})
     for (DType state : {DType::kFloat32, DType::kBFloat16}) {
       ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat32, 10, seed++);

@@ -34,11 +34,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // ---- scalar conversions ---------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }
@@ -54,12 +49,17 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
-// Element i of a buffer whose dtype is known only at run time (per-head scalars: a, b, beta).
-__device__ __forceinline__ float load_dyn(const void* p, DType dtype, int64_t i) {
+// Element i of a buffer whose dtype is known only at run time (per-head scalars: a, b, beta), as its
+// bits (16-bit dtypes in the low half), and those bits as a float.
+__device__ __forceinline__ uint32_t load_bits_dyn(const void* p, DType dtype, int64_t i) {
+  if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) return static_cast<const uint16_t*>(p)[i];
+  return static_cast<const uint32_t*>(p)[i];
+}
+__device__ __forceinline__ float bits_to_float(uint32_t x, DType dtype) {
   switch (dtype) {
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
+    case DType::kBFloat16: return __uint_as_float(x << 16);
+    case DType::kFloat16: return __half2float(__ushort_as_half(static_cast<unsigned short>(x)));
+    default: return __uint_as_float(x);
   }
 }
 

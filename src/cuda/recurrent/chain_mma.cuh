@@ -27,7 +27,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -45,7 +44,6 @@ namespace gdnkit::cuda::recurrent {
 constexpr int kChainCols = 8;   // columns of S per warp
 constexpr int kChainWarps = 4;  // warps per CTA: neighbouring column blocks of one head
 constexpr int kChainChunk = 8;  // tokens per chunk
-constexpr int kChainCtasPerSm = 4;  // resident CTAs per SM (shared memory: two stages, ~47 KB a CTA)
 
 // Whether call p runs the chain kernel, beyond the compile-time choices (K-last, bf16 q/k/v, K <= 128):
 // any replay, and verify of a chain without a cache to store, for T >= 4 draft tokens. At T = 2 the warp
@@ -58,357 +56,274 @@ inline bool chain_mma_fits(const CommitParams& p, bool replay) {
   return replay || (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
 }
 
-// One CTA's shared memory. Two stages, the item being computed and the next one arriving, each with
-// every warp's state columns and the first chunk's k and q rows (16-byte row shift: ldmatrix rows hit
-// distinct banks). fp32 pools: the columns in fp32, rows of K padded by 8 floats, so that the fragment
-// reads (column r, k pair 2 (l%4)) of a half-warp hit distinct banks. bf16 pools: the raw columns, converted
-// into one fp32 working copy when the item starts.
-template <class TS, int K>
-struct ChainSmem {
-  static constexpr bool kRaw = !std::is_same_v<TS, float>;
-  static constexpr int kN = kChainChunk;
+// Resident warps per SM the kernel is built for (ptxas, CUDA 13.0, K = 128: 32 -> 64 registers, replay
+// spills 4 bytes; 24 -> 80 registers, no spills). Unbounded ptxas takes ~150 registers, and the update
+// loop fully unrolled spilled 44-84 bytes at 80 registers (its pairs hoisted). GDNKIT_CHAIN_MIN_WARPS
+// overrides it at build time (A/B runs).
+#ifndef GDNKIT_CHAIN_MIN_WARPS
+#define GDNKIT_CHAIN_MIN_WARPS 32
+#endif
+template <class TS, int K, int V, WarpOp kOp>
+__global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kChainWarps)
+    chain_mma_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
+  static_assert(kOp != WarpOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
+  constexpr bool kReplay = kOp == WarpOp::kReplay;
+  constexpr int kSteps = K / 16, kPitch = K + 8;  // 16-byte row shift: ldmatrix rows hit distinct banks
+  constexpr int kColCtas = V / (kChainCols * kChainWarps);
+  constexpr int kN = kChainChunk;
+  constexpr int64_t kHeadElems = int64_t(K) * V;
+  using bf16 = __nv_bfloat16;
   struct Scratch {  // per warp: the chunk's coefficients and columns
     float a[kN][kN];   // substitution coefficients (row t, token i < t)
     float bq[kN][kN];  // output coefficients (row t, token i <= t)
     float u[kN][kN];   // u (token, column); before the substitution its right-hand side
   };
-  alignas(16) __nv_bfloat16 rows[2][2][kN][K + 8];                   // [stage][k, q][token][k]
-  alignas(16) float state[kRaw ? 1 : 2][kChainWarps][kChainCols][K + 8];  // fp32: [stage]; bf16: working copy
-  alignas(16) TS raw[kRaw ? 2 : 1][kChainWarps][kRaw ? kChainCols * K : 8];  // bf16: [stage]
-  Scratch scratch[kChainWarps];
-};
-
-// Persistent: a CTA takes items (sequence b, value head hv, 4 column blocks) b-major, gridDim.x apart,
-// and runs a two-stage pipeline over them: the next item's state columns, first chunk rows, gates and v
-// are issued before the current item's math, so the loads of one item overlap the math of the one
-// before (the non-persistent kernel ran verify at 56% of DRAM bandwidth, its loads and math in series).
-// The row values that place an item (slot, cu_seqlens, accepted) are loaded one item earlier still.
-// Every branch on an item is uniform over the CTA: all its warps share (b, hv).
-template <class TS, int K, int V, WarpOp kOp>
-__global__ void __launch_bounds__(kChainWarps * 32, kChainCtasPerSm)
-    chain_mma_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
-  static_assert(kOp != WarpOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
-  constexpr bool kReplay = kOp == WarpOp::kReplay;
-  using Smem = ChainSmem<TS, K>;
-  constexpr bool kRaw = Smem::kRaw;
-  constexpr int kSteps = K / 16;
-  constexpr int kColCtas = V / (kChainCols * kChainWarps);
-  constexpr int kN = kChainChunk;
-  constexpr int64_t kHeadElems = int64_t(K) * V;
-  constexpr unsigned kAll = 0xffffffffu;
-  using bf16 = __nv_bfloat16;
-  __shared__ Smem sm;
+  __shared__ __align__(16) bf16 rows[2][kN][kPitch];  // the chunk's k (0) and q (1) rows
+  __shared__ Scratch scratch[kChainWarps];
+  // Each warp's state columns in fp32, rows of K padded by 8 floats: the fragment reads (column r, k pair
+  // 2 (l%4)) of a half-warp hit distinct banks.
+  __shared__ __align__(16) float state[kChainWarps][kChainCols][K + 8];
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int r = lane / 4, c2 = (lane % 4) * 2;  // fragment row (token; column of S) and column pair
-  const int HV = p.heads.num_v_heads, T = p.num_draft_tokens;
-  const int64_t per_row = int64_t(HV) * kColCtas;  // items of one sequence
-  const int64_t items = int64_t(p.batch) * per_row, G = gridDim.x;
+  const int HV = p.heads.num_v_heads;
+  const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
+  const int v0 = (int(blockIdx.x % unsigned(kColCtas)) * kChainWarps + warp) * kChainCols;
+  const int hq = hv / (HV / p.heads.num_qk_heads);
+  const int T = p.num_draft_tokens;
+  const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
+  TS* const head_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
+
+  // Programmatic dependent launch and prefetch mode: as the warp kernel (warp_kernel.cuh).
+  if (prefetch) {
+    const int spec = __ldcg(p.state_indices + b);
+    if (spec >= 0 && spec < p.state.num_slots)
+      WarpTile<StateLayout::kKLast, TS, K, V>::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+
+  const RowLoads rl = load_row<kOp>(p, b);
+  const int slot = rl.slot;
+  int64_t tok0;
+  int len;
+  if (!row_tokens(p, rl, b, T, tok0, len)) {  // a row the kernel cannot place: counted, nothing written
+    if (counter) atomicAdd(p.error_flag, 1);
+    return;
+  }
+  if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
+  int n_replay, islot;
+  const bool bad = row_is_bad<kOp>(p, rl, b, T, len, n_replay, islot);
+  const auto out_pair = [&](int64_t tok) {
+    return reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.o.data) + tok * p.o.token_stride +
+                                             int64_t(hv) * p.o.head_stride + v0 + c2);
+  };
+  if (bad || slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
+    if (bad && counter) atomicAdd(p.error_flag, 1);
+    if (!kReplay && lane < kChainCols / 2)
+      for (int t = 0; t < len; ++t) *out_pair(tok0 + t) = __floats2bfloat162_rn(0.0f, 0.0f);
+    return;
+  }
+  const int n = kReplay ? n_replay : len;
+  if (n == 0) return;  // nothing to apply: the pool state stays
+
+  const auto token_of = [&](int j) -> int64_t {
+    return tok0 + (kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j);
+  };
   const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
   const bool norm = p.heads.use_qk_l2norm;
+  const bf16* const vcol = static_cast<const bf16*>(p.v.data) + int64_t(hv) * p.v.head_stride + v0 + c2;
+  Scratch& sc = scratch[warp];
+  constexpr unsigned kAll = 0xffffffffu;
 
-  // ---- items ------------------------------------------------------------------------------------
-  enum : int { kSkip = 0, kZero = 1, kRun = 2 };
-  struct Item {
-    int what;        // kSkip: nothing to do; kZero: o = 0 for its len tokens (padding or bad row); kRun
-    int b, hv, v0;   // v0: this warp's first column
-    int slot, n;     // n: tokens applied (verify: len; replay: kept)
-    int len;
-    int64_t tok0;
-  };
-  const auto row_of = [&](int64_t it) { return int(it / per_row); };
-  const auto head_of = [&](int64_t it, int b, int& hv, int& v0) {
-    const int x = int(it - int64_t(b) * per_row);
-    hv = x / kColCtas;
-    v0 = ((x % kColCtas) * kChainWarps + warp) * kChainCols;
-  };
-  const auto peek = [&](int64_t it) {
-    RowLoads rl{-1, 0, 0, 0};
-    if (it < items) rl = load_row<kOp>(p, row_of(it));
-    return rl;
-  };
-  // The CPU reference's checks, in its order; a row's errors are counted once, by lane 0 of the warp
-  // owning columns 0.. of head 0.
-  const auto place = [&](int64_t it, const RowLoads& rl) {
-    Item m{kSkip, 0, 0, 0, rl.slot, 0, 0, 0};
-    if (it >= items) return m;
-    m.b = row_of(it);
-    head_of(it, m.b, m.hv, m.v0);
-    const bool counter = m.hv == 0 && m.v0 == 0 && lane == 0 && p.error_flag != nullptr;
-    if (!row_tokens(p, rl, m.b, T, m.tok0, m.len)) {  // a row the kernel cannot place: counted, nothing written
-      if (counter) atomicAdd(p.error_flag, 1);
-      return m;
-    }
-    if (kReplay && rl.slot < 0) return m;  // padding row: commit leaves it alone
-    int n_replay, islot;
-    const bool bad = row_is_bad<kOp>(p, rl, m.b, T, m.len, n_replay, islot);
-    if (bad || rl.slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
-      if (bad && counter) atomicAdd(p.error_flag, 1);
-      m.what = kReplay ? kSkip : kZero;
-      return m;
-    }
-    m.n = kReplay ? n_replay : m.len;
-    m.what = m.n > 0 ? kRun : kSkip;  // nothing to apply: the pool state stays
-    return m;
-  };
-  const auto tile_of = [&](const Item& m) {
-    return static_cast<TS*>(p.state.data) + int64_t(m.slot) * p.state.slot_stride + int64_t(m.hv) * kHeadElems +
-           int64_t(m.v0) * K;
-  };
-  const auto token_of = [&](const Item& m, int j) -> int64_t {
-    return m.tok0 + (kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(m.b) * T + j] : j);
-  };
-  const auto out_pair = [&](const Item& m, int64_t tok) {
-    return reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.o.data) + tok * p.o.token_stride +
-                                             int64_t(m.hv) * p.o.head_stride + m.v0 + c2);
-  };
-
-  // A chunk's inputs: its k (and q) rows by cp.async into rows[stage], zero past the chunk's tokens; lane
-  // t < nc: token c0 + t's index and raw gate inputs; v of this lane's row and column pair.
-  struct ChunkInputs {
+  // A chunk's inputs, issued before they are needed (the first chunk's before the state loads): its k
+  // (and q) rows by cp.async into `rows`, zero past the chunk's tokens; lane t < nc: token c0 + t's index
+  // and raw gate inputs; v of this lane's row and column pair.
+  struct ChunkInputs {  // raw bits, converted where used: no conversion waits on a load here
     int nc;
     int64_t tok_lane;
-    float ga, gb;
-    float2 vv;
+    GateBits g;
+    uint32_t v2;  // bf16 pair
   };
-  const auto issue_inputs = [&](const Item& m, int c0, int stage) {
+  const auto issue_inputs = [&](int c0) {
     ChunkInputs in;
-    in.nc = min(kN, m.n - c0);
-    in.tok_lane = token_of(m, c0 + min(lane, in.nc - 1));
-    const int hq = m.hv / (HV / p.heads.num_qk_heads);  // GVA
+    in.nc = min(kN, n - c0);
+    in.tok_lane = token_of(c0 + min(lane, in.nc - 1));
     constexpr int kPieces = K / 8, kStaged = (kReplay ? 1 : 2) * kN * kPieces;
 #pragma unroll
     for (int i = int(threadIdx.x); i < kStaged; i += kChainWarps * 32) {
       const int row = i / kPieces, piece = i % kPieces, j = row % kN;
       const InView& x = row < kN ? p.k : p.q;
       const int64_t tok = __shfl_sync(kAll, in.tok_lane, j);
-      cp_async16(&sm.rows[stage][row / kN][j][piece * 8],
+      cp_async16(&rows[row / kN][j][piece * 8],
                  static_cast<const bf16*>(x.data) + tok * x.token_stride + int64_t(hq) * x.head_stride + piece * 8,
                  j < in.nc);
     }
-    in.ga = in.gb = 0.0f;
-    if (lane < in.nc) token_gate_inputs(p.gating, in.tok_lane, m.hv, in.ga, in.gb);
+    in.g = GateBits{0u, 0u};
+    if (lane < in.nc) in.g = token_gate_bits(p.gating, in.tok_lane, hv);
     const int64_t tok_r = __shfl_sync(kAll, in.tok_lane, r);
-    in.vv = make_float2(0.0f, 0.0f);
-    if (r < in.nc)
-      in.vv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
-          static_cast<const bf16*>(p.v.data) + tok_r * p.v.token_stride + int64_t(m.hv) * p.v.head_stride + m.v0 + c2));
+    in.v2 = 0u;
+    if (r < in.nc) in.v2 = *reinterpret_cast<const uint32_t*>(vcol + tok_r * p.v.token_stride);
     return in;
   };
-  // Everything item m's math reads first, into `stage`: the first chunk's inputs, then the warp's state
-  // columns (contiguous in a K-last pool), as one cp.async group.
-  const auto issue_item = [&](const Item& m, int stage) {
-    ChunkInputs in{};
-    if (m.what == kRun) {
-      in = issue_inputs(m, 0, stage);
-      const TS* tile = tile_of(m);
-      constexpr int kE = 16 / int(sizeof(TS)), kPieces = kChainCols * K / kE;  // 16-byte pieces
-      static_assert(kPieces % 32 == 0, "whole pieces per lane");
+  const HeadGates hg = head_gates(p.gating, hv);
+  ChunkInputs in = issue_inputs(0);
+
+  // The warp's state columns (contiguous in a K-last pool) into `state`: by cp.async for fp32 pools
+  // (no registers held while they travel), through registers (converted) for bf16.
+  TS* const tile = head_block + int64_t(slot) * p.state.slot_stride;
+  float(&st)[kChainCols][K + 8] = state[warp];
+  {
+    constexpr int kE = 16 / int(sizeof(TS)), kPieces = kChainCols * K / kE;  // 16-byte pieces
+    static_assert(kPieces % 32 == 0, "whole pieces per lane");
+    if constexpr (std::is_same_v<TS, float>) {
 #pragma unroll
-      for (int i = lane; i < kPieces; i += 32) {
-        const int e = i * kE;
-        if constexpr (kRaw)
-          cp_async16(&sm.raw[stage][warp][e], tile + e, true);
-        else
-          cp_async16(&sm.state[stage][warp][e / K][e % K], tile + e, true);
+      for (int i = lane; i < kPieces; i += 32) cp_async16(&st[i * kE / K][i * kE % K], tile + i * kE, true);
+    } else {
+      float x[kPieces / 32][kE];
+#pragma unroll
+      for (int i = 0; i < kPieces / 32; ++i) load_vec<TS, kE>(tile + (lane + 32 * i) * kE, x[i]);
+#pragma unroll
+      for (int i = 0; i < kPieces / 32; ++i) {
+        const int e = (lane + 32 * i) * kE;
+#pragma unroll
+        for (int h = 0; h < kE; h += 4)
+          *reinterpret_cast<float4*>(&st[e / K][e % K + h]) = make_float4(x[i][h], x[i][h + 1], x[i][h + 2], x[i][h + 3]);
       }
     }
-    cp_async_commit();
-    return in;
-  };
-
-  // ---- one item's math ---------------------------------------------------------------------------
-  const auto run = [&](const Item& m, ChunkInputs in, int stage) {
-    if (m.what == kZero) {
-      if (!kReplay && lane < kChainCols / 2)
-        for (int t = 0; t < m.len; ++t) *out_pair(m, m.tok0 + t) = __floats2bfloat162_rn(0.0f, 0.0f);
-      return;
-    }
-    if (m.what != kRun) return;
-    float(&st)[kChainCols][K + 8] = sm.state[kRaw ? 0 : stage][warp];
-    if constexpr (kRaw) {  // the raw columns into the working copy
-      constexpr int kE = 8, kPieces = kChainCols * K / kE;
-#pragma unroll
-      for (int i = lane; i < kPieces; i += 32) {
-        const int e = i * kE;
-        float x[kE];
-        load_vec<TS, kE>(&sm.raw[stage][warp][e], x);
-        *reinterpret_cast<float4*>(&st[e / K][e % K]) = make_float4(x[0], x[1], x[2], x[3]);
-        *reinterpret_cast<float4*>(&st[e / K][e % K + 4]) = make_float4(x[4], x[5], x[6], x[7]);
-      }
-      __syncwarp();
-    }
-    // S[k .. k+1][v0 + r] (this lane's column).
-    const auto pair = [&](int k) -> float2& { return *reinterpret_cast<float2*>(&st[r][k]); };
-    typename Smem::Scratch& sc = sm.scratch[warp];
-    TS* const tile = tile_of(m);
-    const int n = m.n;
-
-#pragma unroll 1
-    for (int c0 = 0; c0 < n; c0 += kN) {
-      if (c0 > 0) {  // this chunk's rows (issued at the end of the last one)
-        cp_async_wait_all();
-        __syncthreads();
-      }
-      const int nc = in.nc;
-      float glog = 0.0f, beta = 0.0f;
-      if (lane < nc) gate_log_values(p.gating, m.hv, in.ga, in.gb, glog, beta);
-      const float2 vv = in.vv;
-
-      // ---- products: pq = [k; q] S on tf32 (S = hi + lo), kk = [k; q] k^T, qq = [k; q] q^T on bf16 ----
-      // The bf16 A fragment of k-step j (ldmatrix) feeds two tf32 k-steps: tf32 index q of the first is k
-      // = 16 j + c2 (low halves), q + 4 is 16 j + c2 + 1 (high halves); the second takes k + 8. Their B
-      // operands are then this lane's state pairs at k = 16 j + c2 and 16 j + 8 + c2. The tf32 products
-      // accumulate in two chains (one per half h), summed at the end: half the dependent mma latency.
-      float pq2[2][4] = {}, kk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, qq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const bf16* arow = &sm.rows[stage][kReplay ? 0 : (lane >> 3) & 1][lane & 7][(lane >> 4) * 8];  // replay: k twice
-#pragma unroll 2
-      for (int j = 0; j < kSteps; ++j) {
-        uint32_t a[4];
-        ldmatrix_x4(a, arow + 16 * j);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t at[4] = {a[2 * h] << 16, a[2 * h + 1] << 16, a[2 * h] & 0xffff0000u, a[2 * h + 1] & 0xffff0000u};
-          const float2 x = pair(16 * j + 8 * h + c2);
-          const uint32_t hi0 = __float_as_uint(x.x) & 0xffffe000u, hi1 = __float_as_uint(x.y) & 0xffffe000u;
-          mma_tf32(pq2[h], at, __float_as_uint(x.x - __uint_as_float(hi0)), __float_as_uint(x.y - __uint_as_float(hi1)));
-          mma_tf32(pq2[h], at, hi0, hi1);
-        }
-        mma<bf16>(kk, a, a[0], a[2]);                // B = k^T: column i is token i's k row
-        if (!kReplay) mma<bf16>(qq, a, a[1], a[3]);  // B = q^T
-      }
-      float pq[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pq[e] = pq2[0][e] + pq2[1][e];
-      // pq: P[r][c2..] (0, 1), Qs[r][c2..] (2, 3); kk: k_r . k_i (0, 1), q_r . k_i (2, 3); qq: q_r . q_i (2, 3)
-      // for tokens i = c2, c2 + 1.
-
-      // ---- per-token scalars: lane t < 8 holds token t's norms and the log-decay sum lg through t -----
-      const int diag = (lane & 7) * 4 + (lane & 7) / 2;  // the lane holding entry (t, t), t = lane % 8
-      const float kkd = __shfl_sync(kAll, r & 1 ? kk[1] : kk[0], diag);
-      const float qqd = __shfl_sync(kAll, r & 1 ? qq[3] : qq[2], diag);
-      const float rk = norm ? rsqrtf(kkd + 1e-6f) : 1.0f;
-      const float rq = (norm ? rsqrtf(qqd + 1e-6f) : 1.0f) * scale;
-      float lg = glog;
-#pragma unroll
-      for (int d = 1; d < kN; d *= 2) {
-        const float y = __shfl_up_sync(kAll, lg, d, kN);
-        if ((lane & 7) >= d) lg += y;
-      }
-      const float lg_r = __shfl_sync(kAll, lg, r), beta_r = __shfl_sync(kAll, beta, r);
-      const float rk_r = __shfl_sync(kAll, rk, r), rq_r = __shfl_sync(kAll, rq, r);
-      const float lg_i0 = __shfl_sync(kAll, lg, c2), lg_i1 = __shfl_sync(kAll, lg, c2 + 1);
-      const float rk_i0 = __shfl_sync(kAll, rk, c2), rk_i1 = __shfl_sync(kAll, rk, c2 + 1);
-      const float lg_end = __shfl_sync(kAll, lg, kN - 1);  // tokens past nc have g = 0
-
-      // ---- coefficients, and u before the substitution ----------------------------------------------
-      {
-        const float e0 = __expf(lg_r - lg_i0), e1 = __expf(lg_r - lg_i1), er = __expf(lg_r);
-        const float ka = beta_r * rk_r, kb = rq_r;
-        sc.a[r][c2] = c2 < r ? ka * e0 * rk_i0 * kk[0] : 0.0f;
-        sc.a[r][c2 + 1] = c2 + 1 < r ? ka * e1 * rk_i1 * kk[1] : 0.0f;
-        sc.bq[r][c2] = c2 <= r ? kb * e0 * rk_i0 * kk[2] : 0.0f;
-        sc.bq[r][c2 + 1] = c2 + 1 <= r ? kb * e1 * rk_i1 * kk[3] : 0.0f;
-        sc.u[r][c2] = beta_r * vv.x - ka * er * pq[0];
-        sc.u[r][c2 + 1] = beta_r * vv.y - ka * er * pq[1];
-        pq[2] *= er * rq_r, pq[3] *= er * rq_r;  // the state's share of o
-      }
-      __syncwarp();
-      // Forward substitution, column lane % 8 in registers (the four lane groups do the same), then in
-      // place into the scratch.
-      {
-        const int col = lane & 7;
-        float u[kN];
-#pragma unroll
-        for (int t = 0; t < kN; ++t) {
-          float acc = sc.u[t][col];
-#pragma unroll
-          for (int i = 0; i < t; ++i) acc = fmaf(-sc.a[t][i], u[i], acc);
-          u[t] = acc;
-        }
-        __syncwarp();
-        if (lane < kN)
-#pragma unroll
-          for (int t = 0; t < kN; ++t) sc.u[t][col] = u[t];
-      }
-      __syncwarp();
-
-      // ---- o of token r, columns c2, c2 + 1 ---------------------------------------------------------
-      if constexpr (!kReplay) {
-        float y0 = pq[2], y1 = pq[3];
-#pragma unroll
-        for (int i = 0; i < kN; ++i) {
-          const float2 ui = *reinterpret_cast<const float2*>(&sc.u[i][c2]);
-          y0 = fmaf(sc.bq[r][i], ui.x, y0);
-          y1 = fmaf(sc.bq[r][i], ui.y, y1);
-        }
-        if (r < nc) *out_pair(m, token_of(m, c0 + r)) = __floats2bfloat162_rn(y0, y1);
-      }
-
-      // ---- S^T <- Γ_n S^T + U'^T k ------------------------------------------------------------------
-      const bool last = c0 + kN >= n;
-      if (kReplay || write_state || !last) {
-        const float x0 = __expf(lg_end - lg_i0) * rk_i0 * sc.u[c2][r];
-        const float x1 = __expf(lg_end - lg_i1) * rk_i1 * sc.u[c2 + 1][r];
-        uint32_t ua[4];
-        split2<bf16>(x0, x1, ua[0], ua[2]);
-        ua[1] = ua[3] = 0u;  // rows 8-15: no columns
-        const float decay = __expf(lg_end);
-#pragma unroll 1
-        for (int jj = 0; jj < K / 32; ++jj) {
-          uint32_t kt[4];  // n-tiles 4 jj .. 4 jj + 3 of the k rows, transposed
-          ldmatrix_x4_trans(kt, &sm.rows[stage][0][lane & 7][8 * (4 * jj + (lane >> 3))]);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {  // n-tile 4 jj + q: this lane's pair at k = 8 (4 jj + q) + c2
-            const int k = 8 * (4 * jj + q) + c2;
-            float2& e = pair(k);
-            float c[4] = {decay * e.x, decay * e.y, 0.0f, 0.0f};
-            mma<bf16>(c, ua, kt[q], kt[q]);
-            if (last)  // the final state: straight to the pool
-              store_vec<TS, 2>(tile + r * K + k, c);
-            else
-              e = make_float2(c[0], c[1]);
-          }
-        }
-      }
-      if (c0 + kN < n) {
-        __syncthreads();  // every warp is done with this chunk's rows
-        in = issue_inputs(m, c0 + kN, stage);
-        cp_async_commit();
-      }
-    }
-  };
-
-  // ---- the pipeline ------------------------------------------------------------------------------
-  int64_t it = blockIdx.x;
-  // Programmatic dependent launch and prefetch mode as in the warp kernel (warp_kernel.cuh), for the
-  // CTA's first item (prefetch mode runs grids of one item per CTA).
-  if (prefetch && it < items) {
-    const int b = row_of(it), spec = __ldcg(p.state_indices + b);
-    int hv, v0;
-    head_of(it, b, hv, v0);
-    if (spec >= 0 && spec < p.state.num_slots)
-      WarpTile<StateLayout::kKLast, TS, K, V>::prefetch(
-          static_cast<TS*>(p.state.data) + int64_t(spec) * p.state.slot_stride + int64_t(hv) * kHeadElems +
-              int64_t(v0) * K,
-          lane);
   }
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
+  // S[k .. k+1][v0 + r] (this lane's column).
+  const auto pair = [&](int k) -> float2& { return *reinterpret_cast<float2*>(&st[r][k]); };
 
-  Item cur = place(it, peek(it));
-  RowLoads ahead = peek(it + G);
-  ChunkInputs in = issue_item(cur, 0);
 #pragma unroll 1
-  for (int stage = 0; it < items; it += G, stage ^= 1) {
-    const Item next = place(it + G, ahead);
-    ahead = peek(it + 2 * G);
-    __syncthreads();  // every warp is done with stage ^ 1 (the item before)
-    const ChunkInputs in_next = issue_item(next, stage ^ 1);
-    cp_async_wait_group<1>();
-    __syncthreads();  // the current item's rows and columns have landed, every thread's copies
-    run(cur, in, stage);
-    cur = next, in = in_next;
+  for (int c0 = 0; c0 < n; c0 += kN) {
+    const int nc = in.nc;
+    float glog = 0.0f, beta = 0.0f;
+    if (lane < nc) gate_log_values(p.gating, hg, in.g, glog, beta);
+    const float2 vv = unpack2<bf16>(in.v2);
+    cp_async_wait_all();
+    __syncthreads();
+
+    // ---- products: pq = [k; q] S on tf32 (S = hi + lo), kk = [k; q] k^T, qq = [k; q] q^T on bf16 ------
+    // The bf16 A fragment of k-step j (ldmatrix) feeds two tf32 k-steps: tf32 index q of the first is k
+    // = 16 j + c2 (low halves), q + 4 is 16 j + c2 + 1 (high halves); the second takes k + 8. Their B
+    // operands are then this lane's state pairs at k = 16 j + c2 and 16 j + 8 + c2.
+    // The tf32 products accumulate in two chains (one per half h), summed after: half the dependent latency.
+    float pq2[2][4] = {}, kk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, qq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const bf16* arow = &rows[kReplay ? 0 : (lane >> 3) & 1][lane & 7][(lane >> 4) * 8];  // replay: k twice
+#pragma unroll
+    for (int j = 0; j < kSteps; ++j) {
+      uint32_t a[4];
+      ldmatrix_x4(a, arow + 16 * j);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t at[4] = {a[2 * h] << 16, a[2 * h + 1] << 16, a[2 * h] & 0xffff0000u, a[2 * h + 1] & 0xffff0000u};
+        const float2 x = pair(16 * j + 8 * h + c2);
+        const uint32_t hi0 = __float_as_uint(x.x) & 0xffffe000u, hi1 = __float_as_uint(x.y) & 0xffffe000u;
+        mma_tf32(pq2[h], at, __float_as_uint(x.x - __uint_as_float(hi0)), __float_as_uint(x.y - __uint_as_float(hi1)));
+        mma_tf32(pq2[h], at, hi0, hi1);
+      }
+      mma<bf16>(kk, a, a[0], a[2]);                // B = k^T: column i is token i's k row
+      if (!kReplay) mma<bf16>(qq, a, a[1], a[3]);  // B = q^T
+    }
+    float pq[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pq[e] = pq2[0][e] + pq2[1][e];
+    // pq: P[r][c2..] (0, 1), Qs[r][c2..] (2, 3); kk: k_r . k_i (0, 1), q_r . k_i (2, 3); qq: q_r . q_i (2, 3)
+    // for tokens i = c2, c2 + 1.
+
+    // ---- per-token scalars: lane t < 8 holds token t's norms and the log-decay sum lg through t -----
+    const int diag = (lane & 7) * 4 + (lane & 7) / 2;  // the lane holding entry (t, t), t = lane % 8
+    const float kkd = __shfl_sync(kAll, r & 1 ? kk[1] : kk[0], diag);
+    const float qqd = __shfl_sync(kAll, r & 1 ? qq[3] : qq[2], diag);
+    const float rk = norm ? rsqrtf(kkd + 1e-6f) : 1.0f;
+    const float rq = (norm ? rsqrtf(qqd + 1e-6f) : 1.0f) * scale;
+    float lg = glog;
+#pragma unroll
+    for (int d = 1; d < kN; d *= 2) {
+      const float y = __shfl_up_sync(kAll, lg, d, kN);
+      if ((lane & 7) >= d) lg += y;
+    }
+    const float lg_r = __shfl_sync(kAll, lg, r), beta_r = __shfl_sync(kAll, beta, r);
+    const float rk_r = __shfl_sync(kAll, rk, r), rq_r = __shfl_sync(kAll, rq, r);
+    const float lg_i0 = __shfl_sync(kAll, lg, c2), lg_i1 = __shfl_sync(kAll, lg, c2 + 1);
+    const float rk_i0 = __shfl_sync(kAll, rk, c2), rk_i1 = __shfl_sync(kAll, rk, c2 + 1);
+    const float lg_end = __shfl_sync(kAll, lg, kN - 1);  // tokens past nc have g = 0
+
+    // ---- coefficients, and u before the substitution ----------------------------------------------
+    {
+      const float e0 = __expf(lg_r - lg_i0), e1 = __expf(lg_r - lg_i1), er = __expf(lg_r);
+      const float ka = beta_r * rk_r, kb = rq_r;
+      sc.a[r][c2] = c2 < r ? ka * e0 * rk_i0 * kk[0] : 0.0f;
+      sc.a[r][c2 + 1] = c2 + 1 < r ? ka * e1 * rk_i1 * kk[1] : 0.0f;
+      sc.bq[r][c2] = c2 <= r ? kb * e0 * rk_i0 * kk[2] : 0.0f;
+      sc.bq[r][c2 + 1] = c2 + 1 <= r ? kb * e1 * rk_i1 * kk[3] : 0.0f;
+      sc.u[r][c2] = beta_r * vv.x - ka * er * pq[0];
+      sc.u[r][c2 + 1] = beta_r * vv.y - ka * er * pq[1];
+      pq[2] *= er * rq_r, pq[3] *= er * rq_r;  // the state's share of o
+    }
+    __syncwarp();
+    // Forward substitution, column lane % 8 in registers (the four lane groups do the same), then in
+    // place into the scratch.
+    {
+      const int col = lane & 7;
+      float u[kN];
+#pragma unroll
+      for (int t = 0; t < kN; ++t) {
+        float acc = sc.u[t][col];
+#pragma unroll
+        for (int i = 0; i < t; ++i) acc = fmaf(-sc.a[t][i], u[i], acc);
+        u[t] = acc;
+      }
+      __syncwarp();
+      if (lane < kN)
+#pragma unroll
+        for (int t = 0; t < kN; ++t) sc.u[t][col] = u[t];
+    }
+    __syncwarp();
+
+    // ---- o of token r, columns c2, c2 + 1 ---------------------------------------------------------
+    if constexpr (!kReplay) {
+      float y0 = pq[2], y1 = pq[3];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        const float2 ui = *reinterpret_cast<const float2*>(&sc.u[i][c2]);
+        y0 = fmaf(sc.bq[r][i], ui.x, y0);
+        y1 = fmaf(sc.bq[r][i], ui.y, y1);
+      }
+      if (r < nc) *out_pair(token_of(c0 + r)) = __floats2bfloat162_rn(y0, y1);
+    }
+
+    // ---- S^T <- Γ_n S^T + U'^T k ------------------------------------------------------------------
+    const bool last = c0 + kN >= n;
+    if (kReplay || write_state || !last) {
+      const float x0 = __expf(lg_end - lg_i0) * rk_i0 * sc.u[c2][r];
+      const float x1 = __expf(lg_end - lg_i1) * rk_i1 * sc.u[c2 + 1][r];
+      uint32_t ua[4];
+      split2<bf16>(x0, x1, ua[0], ua[2]);
+      ua[1] = ua[3] = 0u;  // rows 8-15: no columns
+      const float decay = __expf(lg_end);
+#pragma unroll 1
+      for (int jj = 0; jj < K / 32; ++jj) {
+        uint32_t kt[4];  // n-tiles 4 jj .. 4 jj + 3 of the k rows, transposed
+        ldmatrix_x4_trans(kt, &rows[0][lane & 7][8 * (4 * jj + (lane >> 3))]);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {  // n-tile 4 jj + m: this lane's pair at k = 8 (4 jj + m) + c2
+          const int k = 8 * (4 * jj + m) + c2;
+          float2& e = pair(k);
+          float c[4] = {decay * e.x, decay * e.y, 0.0f, 0.0f};
+          mma<bf16>(c, ua, kt[m], kt[m]);
+          if (last)  // the final state: straight to the pool
+            store_vec<TS, 2>(tile + r * K + k, c);
+          else
+            e = make_float2(c[0], c[1]);
+        }
+      }
+    }
+    if (c0 + kN < n) {
+      __syncthreads();  // every warp is done with this chunk's rows
+      in = issue_inputs(c0 + kN);
+    }
   }
 }
 
@@ -416,15 +331,13 @@ template <class TS, int K, int V, WarpOp kOp>
 void launch_chain_mma(const CommitParams& p, bool write_state, Stream stream) {
   const auto kernel = chain_mma_kernel<TS, K, V, kOp>;
   constexpr int kColCtas = V / (kChainCols * kChainWarps);
-  static const int max_ctas = [&] {  // ~47 KB of shared memory per CTA: ask for the largest carveout
+  static const int max_ctas = [&] {  // 24 KB of shared memory per CTA: ask for the largest carveout
     GDNKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            int(cudaSharedmemCarveoutMaxShared)));
     return resident_ctas(reinterpret_cast<const void*>(kernel), kChainWarps * 32);
   }();
-  // One CTA per item up to what the GPU holds at once; beyond, each CTA loops over items.
-  const int64_t items = int64_t(p.batch) * p.heads.num_v_heads * kColCtas;
-  const int64_t grid = std::min<int64_t>(items, std::max(max_ctas, 1));
-  launch_recurrent(kernel, dim3(unsigned(grid)), kChainWarps * 32, max_ctas, stream, p, write_state);
+  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kChainWarps * 32,
+                   max_ctas, stream, p, write_state);
 }
 
 }  // namespace gdnkit::cuda::recurrent

@@ -11,20 +11,50 @@
 
 namespace gdnkit::cuda::recurrent {
 
-// The raw gate inputs of token `tok` and value head hv: (a, b) of the fused form, or (g, beta).
-__device__ __forceinline__ void token_gate_inputs(const Gating& gt, int64_t tok, int hv, float& a, float& b) {
+// The raw gate inputs of token `tok` and value head hv: (a, b) of the fused form, or (g, beta), as the
+// bits of their dtypes. Kept as bits until gate_log_values, so that a kernel can issue the loads long
+// before their use without a conversion waiting on them right behind the load.
+struct GateBits {
+  uint32_t a, b;
+};
+__device__ __forceinline__ GateBits token_gate_bits(const Gating& gt, int64_t tok, int hv) {
   const bool fused = gt.mode == GateMode::kFused;
   const InView& x = fused ? gt.a : gt.g;
   const InView& y = fused ? gt.b : gt.beta;
-  a = load_dyn(x.data, x.dtype, tok * x.token_stride + hv * x.head_stride);
-  b = load_dyn(y.data, y.dtype, tok * y.token_stride + hv * y.head_stride);
+  return {load_bits_dyn(x.data, x.dtype, tok * x.token_stride + hv * x.head_stride),
+          load_bits_dyn(y.data, y.dtype, tok * y.token_stride + hv * y.head_stride)};
+}
+__device__ __forceinline__ void token_gate_inputs(const Gating& gt, int64_t tok, int hv, float& a, float& b) {
+  const GateBits x = token_gate_bits(gt, tok, hv);
+  const bool fused = gt.mode == GateMode::kFused;
+  a = bits_to_float(x.a, (fused ? gt.a : gt.g).dtype);
+  b = bits_to_float(x.b, (fused ? gt.b : gt.beta).dtype);
+}
+
+// The per-head parameters of the fused gating (A_log, dt_bias), for kernels that load them early.
+struct HeadGates {
+  float A_log, dt_bias;
+};
+__device__ __forceinline__ HeadGates head_gates(const Gating& gt, int hv) {
+  if (gt.mode != GateMode::kFused) return {0.0f, 0.0f};
+  return {gt.A_log[hv], gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f};
 }
 
 // The log-space decay g and beta from the raw inputs.
-__device__ __forceinline__ void gate_log_values(const Gating& gt, int hv, float a, float b, float& g, float& beta) {
+__device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGates& hg, float a, float b, float& g,
+                                                float& beta) {
   const bool fused = gt.mode == GateMode::kFused;
-  g = fused ? fused_decay(gt.A_log[hv], a, gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f) : a;
+  g = fused ? fused_decay(hg.A_log, a, hg.dt_bias) : a;
   beta = fused ? sigmoid(b) : b;
+}
+__device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGates& hg, GateBits x, float& g,
+                                                float& beta) {
+  const bool fused = gt.mode == GateMode::kFused;
+  gate_log_values(gt, hg, bits_to_float(x.a, (fused ? gt.a : gt.g).dtype),
+                  bits_to_float(x.b, (fused ? gt.b : gt.beta).dtype), g, beta);
+}
+__device__ __forceinline__ void gate_log_values(const Gating& gt, int hv, float a, float b, float& g, float& beta) {
+  gate_log_values(gt, head_gates(gt, hv), a, b, g, beta);
 }
 // decay = exp(g) and beta from the raw inputs.
 __device__ __forceinline__ void gate_values(const Gating& gt, int hv, float a, float b, float& decay, float& beta) {
