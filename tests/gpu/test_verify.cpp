@@ -95,12 +95,12 @@ std::vector<Named> verify_cases() {
         out.push_back({name_of(s, c), c});
       }
     }
-  // Chains without the cache. K-last with bf16 inputs, K <= 128 and T >= 4 runs the tensor-core chain
+  // Chains without the cache. K-last with bf16 inputs, K <= 128 and T >= 3 runs the tensor-core chain
   // kernel (chunks of 8 tokens: T = 13 crosses a chunk), the rest the warp kernel.
   for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain})
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
       for (DType state : {DType::kFloat32, DType::kBFloat16})
-        for (int T : {3, 5, 13}) {
+        for (int T : {2, 3, 5, 13}) {
           ProblemConfig c = make(s, layout, state, DType::kFloat32, T, seed++);
           c.intermediate = false;
           c.long_memory = T == 13 && state == DType::kFloat32;
@@ -279,7 +279,7 @@ INSTANTIATE_TEST_SUITE_P(Axes, CommitTest, ::testing::ValuesIn(commit_cases()),
 // Bad rows found on the device: a slot past the pool, accepted past the draft: skipped and counted.
 TEST(CommitGpu, BadRowsSkippedAndCountedSanitize) {
   for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute}) {
-    for (int T : {3, 5}) {  // replay: the warp kernel, the chain kernel
+    for (int T : {2, 5}) {  // replay: the warp kernel, the chain kernel
     ProblemConfig c = make(Shape::kChain, StateLayout::kKLast, DType::kFloat32, DType::kFloat32, T, 4000);
     c.H = 1, c.HV = 2, c.K = c.V = 64, c.padding_rows = 0, c.batch = 4;
     Problem p(c);

@@ -77,17 +77,32 @@ struct VecWord {
   static_assert(N % kPer == 0, "the run must be whole words");
 };
 
+// N contiguous elements held as loaded (the widest words that divide the run) and converted to fp32
+// where used: a kernel can issue a load early without a conversion waiting on it right behind the load.
+template <class T, int N>
+struct RawVec {
+  using W = typename VecWord<T, N>::type;
+  static constexpr int kPer = VecWord<T, N>::kPer;  // elements per word
+  W w[N / kPer];
+  __device__ __forceinline__ void load(const T* __restrict__ p) {
+#pragma unroll
+    for (int i = 0; i < N / kPer; ++i) w[i] = reinterpret_cast<const W*>(p)[i];
+  }
+  __device__ __forceinline__ void to_floats(float* out) const {
+#pragma unroll
+    for (int i = 0; i < N / kPer; ++i) {
+      const T* e = reinterpret_cast<const T*>(&w[i]);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) out[i * kPer + j] = to_float(e[j]);
+    }
+  }
+};
+
 template <class T, int N>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, float* out) {
-  using W = typename VecWord<T, N>::type;
-  constexpr int kPer = VecWord<T, N>::kPer;
-#pragma unroll
-  for (int w = 0; w < N / kPer; ++w) {
-    const W raw = reinterpret_cast<const W*>(p)[w];
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) out[w * kPer + j] = to_float(e[j]);
-  }
+  RawVec<T, N> raw;
+  raw.load(p);
+  raw.to_floats(out);
 }
 
 template <class T, int N>

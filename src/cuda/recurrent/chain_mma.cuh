@@ -46,13 +46,13 @@ constexpr int kChainWarps = 4;  // warps per CTA: neighbouring column blocks of 
 constexpr int kChainChunk = 8;  // tokens per chunk
 
 // Whether call p runs the chain kernel, beyond the compile-time choices (K-last, bf16 q/k/v, K <= 128):
-// any replay, and verify of a chain without a cache to store, for T >= 4 draft tokens. At T = 2 the warp
-// kernel's step (verify + replay) measured 10% faster on the H100 (B = 128: 314.6 vs 350.1 µs), at T = 3
-// the two are within 1.3%, from T = 4 the chain kernel is faster (379.7 -> 353.3 µs; T = 8: 522.9 ->
-// 364.7). (validate.cpp already asks the CUDA backend for 16-byte aligned q/k/v/o rows, which the
-// kernel's row and pair accesses need.)
+// any replay, and verify of a chain without a cache to store, for T >= 3 draft tokens. Step (verify +
+// replay) at B = 128 on the H100 (results/H100/verify_ab_chain_t23.md): T = 3 348.5 µs with the warp
+// kernel, 308.5 with this one; T = 2 308.2 and 308.9, within 1.5% either way from B = 8 to 128, so T = 2
+// stays on the warp kernel. (validate.cpp already asks the CUDA backend for 16-byte aligned q/k/v/o rows,
+// which the kernel's row and pair accesses need.)
 inline bool chain_mma_fits(const CommitParams& p, bool replay) {
-  if (p.num_draft_tokens < chain_mma_min_tokens(4)) return false;
+  if (p.num_draft_tokens < chain_mma_min_tokens(3)) return false;
   return replay || (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
 }
 

@@ -135,15 +135,22 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // Multi-token ops compute them once per token, lane t for token t (t < 32, see `lane_gates` below),
   // rather than once per token in every lane: the gating is ~100 warp instructions, a sixth of a token.
   const auto gate_inputs = [&](int x, float& a, float& b) { token_gate_inputs(gt, tok0 + x, hv, a, b); };
+  const auto gate_bits_math = [&](GateBits x, float& decay, float& beta) {
+    float g;
+    gate_log_values(gt, head_gates(gt, hv), x, g, beta);
+    decay = expf(g);
+  };
   const auto gate_math = [&](float a, float b, float& decay, float& beta) { gate_values(gt, hv, a, b, decay, beta); };
   float lane_decay = 1.0f, lane_beta = 0.0f;  // multi-token ops: the gates of token `lane`
 
-  // One token x (local index) of this sequence: its loads, then its step (o when asked).
+  // One token x (local index) of this sequence: its loads, then its step (o when asked). The loads are
+  // held as loaded and converted in apply: no conversion waits on them before the state loads go out.
+  constexpr int kVec = Tile::kVec;
   struct Token {
     int x;  // local token index (o row)
-    float k[kKPer], q[kKPer];
-    float v_lane;  // v of the column whose sums this lane ends with (see apply)
-    float ga, gb;  // decode: raw gate inputs
+    RawVec<TI, kVec> k[kKPer / kVec], q[kKPer / kVec];  // this lane's k entries: runs of kVec (warp_tile.cuh)
+    TI v_lane;   // v of the column whose sums this lane ends with (see apply)
+    GateBits g;  // decode: raw gate inputs
   };
   const auto load_token = [&](int x) {
     const int64_t tok = tok0 + x;
@@ -152,15 +159,22 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const TI* vp = static_cast<const TI*>(p.v.data) + tok * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
     Token d;
     d.x = x;
-    Tile::load_k_entries(kp, d.k, lane);
-    if (!kReplay) Tile::load_k_entries(qp, d.q, lane);
-    d.v_lane = to_float(vp[(lane / kLanesPerSum) % kRows]);
-    if (kDecode) gate_inputs(x, d.ga, d.gb);
+#pragma unroll
+    for (int j = 0; j < kKPer; j += kVec) {
+      d.k[j / kVec].load(kp + Tile::k_of(lane, j));
+      if (!kReplay) d.q[j / kVec].load(qp + Tile::k_of(lane, j));
+    }
+    d.v_lane = vp[(lane / kLanesPerSum) % kRows];
+    if (kDecode) d.g = token_gate_bits(gt, tok0 + x, hv);
     return d;
   };
-  const auto apply = [&](Token& d, bool write_o) {
-    float(&k)[kKPer] = d.k;
-    float(&q)[kKPer] = d.q;
+  const auto apply = [&](const Token& d, bool write_o) {
+    float k[kKPer], q[kKPer];
+#pragma unroll
+    for (int j = 0; j < kKPer; j += kVec) {
+      d.k[j / kVec].to_floats(&k[j]);
+      if (!kReplay) d.q[j / kVec].to_floats(&q[j]);
+    }
     // q, k: L2 norms (eps inside the root), scale; k . q of the normalized vectors. The norms scale the
     // sums, not the vectors (S^T (rk k) = rk (S^T k); the update k_n u = k (rk u)), so their reduction
     // chain runs beside the dot products' instead of before them.
@@ -178,7 +192,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const float kq_n = kq * rk * rq;
     float decay, beta;
     if (kDecode) {
-      gate_math(d.ga, d.gb, decay, beta);
+      gate_bits_math(d.g, decay, beta);
     } else if (d.x < 32) {
       decay = __shfl_sync(0xffffffffu, lane_decay, d.x);
       beta = __shfl_sync(0xffffffffu, lane_beta, d.x);
@@ -211,7 +225,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const int mine = kReplay ? transpose_group_sum<kRows, 32>(x, lane)
                              : (lane & 16 ? kRows : 0) + transpose_group_sum<kRows, 16>(x, lane);
     // Lanes holding a d_k: u of that column (v_lane is that column's v).
-    const float u_mine = beta * (d.v_lane - decay * (x[0] * rk));
+    const float u_mine = beta * (to_float(d.v_lane) - decay * (x[0] * rk));
     if (!kReplay && write_o) {
       // Lanes holding a d_q take u from the lane holding the same column's d_k (kRows * kLanesPerSum = 16
       // lanes below) and one lane per column writes o.

@@ -61,18 +61,13 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
 #pragma unroll
       for (int j = 0; j < kKPer; j += kVec) store_vec<E, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
   }
-  // This lane's k entries of a q or k row (runs of kVec contiguous elements).
-  template <class TI>
-  __device__ static void load_k_entries(const TI* row, float (&x)[kKPer], int lane) {
-#pragma unroll
-    for (int j = 0; j < kKPer; j += kVec) load_vec<TI, kVec>(row + k_of(lane, j), &x[j]);
-  }
 };
 
 template <class TS, int K, int V>
 struct WarpTile<StateLayout::kVLast, TS, K, V> {
   static constexpr int kRows = K <= 128 ? 8 : 4;
   static constexpr int kKPer = K / 32;
+  static constexpr int kVec = 1;  // k per run: a lane's k are 32 apart
   // Columns per CTA: 128-byte row pieces (32 fp32, 64 bf16: 4 or 8 warps); at K = 256 (correct, not the
   // fast path) 32 columns, so that the stage stays within 48 KB of static shared memory.
   static constexpr int kCtaCols = K <= 128 ? 128 / int(sizeof(TS)) : 32;
@@ -137,11 +132,6 @@ struct WarpTile<StateLayout::kVLast, TS, K, V> {
       load_vec<float, kChunk>(&st.e[r][col], run);
       store_vec<E, kChunk>(cta + int64_t(r) * V + col, run);
     }
-  }
-  template <class TI>
-  __device__ static void load_k_entries(const TI* row, float (&x)[kKPer], int lane) {
-#pragma unroll
-    for (int j = 0; j < kKPer; ++j) x[j] = to_float(row[k_of(lane, j)]);
   }
 };
 
