@@ -1,4 +1,4 @@
-// Per-token inputs shared by the recurrent kernels (warp_kernel.cuh, vlast_decode.cuh): the gate inputs
+// Per-token inputs shared by the recurrent kernels (warp_kernel.cuh, vlast_decode.cuh, chain_mma.cuh): the gate inputs
 // of a token and their math (SPEC.md "The recurrence"), and decode's L2 prefetch of a token's inputs.
 #pragma once
 
@@ -24,12 +24,6 @@ __device__ __forceinline__ GateBits token_gate_bits(const Gating& gt, int64_t to
   return {load_bits_dyn(x.data, x.dtype, tok * x.token_stride + hv * x.head_stride),
           load_bits_dyn(y.data, y.dtype, tok * y.token_stride + hv * y.head_stride)};
 }
-__device__ __forceinline__ void token_gate_inputs(const Gating& gt, int64_t tok, int hv, float& a, float& b) {
-  const GateBits x = token_gate_bits(gt, tok, hv);
-  const bool fused = gt.mode == GateMode::kFused;
-  a = bits_to_float(x.a, (fused ? gt.a : gt.g).dtype);
-  b = bits_to_float(x.b, (fused ? gt.b : gt.beta).dtype);
-}
 
 // The per-head parameters of the fused gating (A_log, dt_bias), for kernels that load them early.
 struct HeadGates {
@@ -41,25 +35,20 @@ __device__ __forceinline__ HeadGates head_gates(const Gating& gt, int hv) {
 }
 
 // The log-space decay g and beta from the raw inputs.
-__device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGates& hg, float a, float b, float& g,
-                                                float& beta) {
-  const bool fused = gt.mode == GateMode::kFused;
-  g = fused ? fused_decay(hg.A_log, a, hg.dt_bias) : a;
-  beta = fused ? sigmoid(b) : b;
-}
 __device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGates& hg, GateBits x, float& g,
                                                 float& beta) {
-  const bool fused = gt.mode == GateMode::kFused;
-  gate_log_values(gt, hg, bits_to_float(x.a, (fused ? gt.a : gt.g).dtype),
-                  bits_to_float(x.b, (fused ? gt.b : gt.beta).dtype), g, beta);
-}
-__device__ __forceinline__ void gate_log_values(const Gating& gt, int hv, float a, float b, float& g, float& beta) {
-  gate_log_values(gt, head_gates(gt, hv), a, b, g, beta);
+  if (gt.mode == GateMode::kFused) {
+    g = fused_decay(hg.A_log, bits_to_float(x.a, gt.a.dtype), hg.dt_bias);
+    beta = sigmoid(bits_to_float(x.b, gt.b.dtype));
+  } else {
+    g = bits_to_float(x.a, gt.g.dtype);
+    beta = bits_to_float(x.b, gt.beta.dtype);
+  }
 }
 // decay = exp(g) and beta from the raw inputs.
-__device__ __forceinline__ void gate_values(const Gating& gt, int hv, float a, float b, float& decay, float& beta) {
+__device__ __forceinline__ void gate_values(const Gating& gt, int hv, GateBits x, float& decay, float& beta) {
   float g;
-  gate_log_values(gt, hv, a, b, g, beta);
+  gate_log_values(gt, head_gates(gt, hv), x, g, beta);
   decay = expf(g);
 }
 

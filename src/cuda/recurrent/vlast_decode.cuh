@@ -95,19 +95,13 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<
   asm volatile("griddepcontrol.launch_dependents;");
 
   const int slot = p.state_indices[b];
-  // The state as loaded (16 bytes a row: 8 registers of bf16 pairs or 4 of fp32 per 4 rows), converted
-  // to fp32 only after the token's math, so that no conversion waits on it there.
-  RawVec<TS, kVec> raw[kRowsPerLane];
+  float s[kRowsPerLane][kVec];
   const auto load = [&](int sl) {
     const TS* t = head + int64_t(sl) * p.state.slot_stride + int64_t(row0) * V + col;
 #pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) raw[i].load(t + int64_t(4 * i) * V);
+    for (int i = 0; i < kRowsPerLane; ++i) load_vec<TS, kVec>(t + int64_t(4 * i) * V, s[i]);
   };
   if (spec >= 0) load(spec);  // beside the index; replaced below if the index differs
-  // A padding row (slot < 0) or a slot past the pool moves no state. Otherwise the state's loads go out
-  // before the token's loads and math below, so that their latencies overlap.
-  const bool bad = slot >= p.state.num_slots;
-  if (!bad && slot >= 0 && spec != slot) load(slot);
 
   // Token b: the q/k norms and k . q (each warp over all K entries), the gates, then the k and q entries
   // of this lane's rows and v of its columns. Reduced as they arrive, so that only what the step needs
@@ -127,11 +121,7 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<
   const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
   const float kq_n = kq * rk * rq;
   float decay, beta;
-  {
-    float ga, gb;
-    token_gate_inputs(p.gating, b, hv, ga, gb);
-    gate_values(p.gating, hv, ga, gb, decay, beta);
-  }
+  gate_values(p.gating, hv, token_gate_bits(p.gating, b, hv), decay, beta);
   float kr[kRowsPerLane], qr[kRowsPerLane], v[kVec];
 #pragma unroll
   for (int i = 0; i < kRowsPerLane; ++i) kr[i] = to_float(kp[row0 + 4 * i]), qr[i] = to_float(qp[row0 + 4 * i]);
@@ -139,15 +129,13 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<
   for (int c = 0; c < kVec; ++c) v[c] = to_float(vp[col + c]);
 
   TI* const o = static_cast<TI*>(p.o.data) + int64_t(b) * p.o.token_stride + int64_t(hv) * p.o.head_stride;
+  const bool bad = slot >= p.state.num_slots;
   if (bad || slot < 0) {  // padding row, or a slot past the pool: o = 0, no state traffic
     if (bad && counter) atomicAdd(p.error_flag, 1);
     if (int(threadIdx.x) < kCols) o[c0 + int(threadIdx.x)] = from_float<TI>(0.0f);
     return;
   }
-
-  float s[kRowsPerLane][kVec];
-#pragma unroll
-  for (int i = 0; i < kRowsPerLane; ++i) raw[i].to_floats(s[i]);
+  if (spec != slot) load(slot);
 
   // This lane's share of S^T k (x[c]) and S^T q (x[kVec + c]) over its rows, then over its column group.
   float x[2 * kVec];

@@ -134,13 +134,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // The gates of local token x: the raw inputs (a, b of the fused form, or g, beta), then the math.
   // Multi-token ops compute them once per token, lane t for token t (t < 32, see `lane_gates` below),
   // rather than once per token in every lane: the gating is ~100 warp instructions, a sixth of a token.
-  const auto gate_inputs = [&](int x, float& a, float& b) { token_gate_inputs(gt, tok0 + x, hv, a, b); };
-  const auto gate_bits_math = [&](GateBits x, float& decay, float& beta) {
-    float g;
-    gate_log_values(gt, head_gates(gt, hv), x, g, beta);
-    decay = expf(g);
-  };
-  const auto gate_math = [&](float a, float b, float& decay, float& beta) { gate_values(gt, hv, a, b, decay, beta); };
+  const auto gate_inputs = [&](int x) { return token_gate_bits(gt, tok0 + x, hv); };
+  const auto gate_math = [&](GateBits x, float& decay, float& beta) { gate_values(gt, hv, x, decay, beta); };
   float lane_decay = 1.0f, lane_beta = 0.0f;  // multi-token ops: the gates of token `lane`
 
   // One token x (local index) of this sequence: its loads, then its step (o when asked). The loads are
@@ -165,7 +160,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
       if (!kReplay) d.q[j / kVec].load(qp + Tile::k_of(lane, j));
     }
     d.v_lane = vp[(lane / kLanesPerSum) % kRows];
-    if (kDecode) d.g = token_gate_bits(gt, tok0 + x, hv);
+    if (kDecode) d.g = gate_inputs(x);
     return d;
   };
   const auto apply = [&](const Token& d, bool write_o) {
@@ -192,14 +187,12 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
     const float kq_n = kq * rk * rq;
     float decay, beta;
     if (kDecode) {
-      gate_bits_math(d.g, decay, beta);
+      gate_math(d.g, decay, beta);
     } else if (d.x < 32) {
       decay = __shfl_sync(0xffffffffu, lane_decay, d.x);
       beta = __shfl_sync(0xffffffffu, lane_beta, d.x);
     } else {  // tree tokens past 32
-      float a, b;
-      gate_inputs(d.x, a, b);
-      gate_math(a, b, decay, beta);
+      gate_math(gate_inputs(d.x), decay, beta);
     }
 
     // The kSums dot products of the warp's columns (d_k of column i at i, d_q at kRows + i), reduced
@@ -274,13 +267,13 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   const auto token_index = [&](int j) {
     return kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j;
   };
-  float lane_a = 0.0f, lane_b = 0.0f;  // raw gate inputs of token `lane`, loaded before the state
-  if (!kDecode && lane < len) gate_inputs(lane, lane_a, lane_b);
+  GateBits lane_g{0u, 0u};  // raw gate inputs of token `lane`, loaded before the state
+  if (!kDecode && lane < len) lane_g = gate_inputs(lane);
   if (!kDecode && chain && n_tokens > 0) cur = load_token(token_index(0));
 
   TS* const tile = head_block + int64_t(slot) * p.state.slot_stride;
   if (!kDecode || spec != slot) Tile::load(tile, s, lane, stage);  // every state load issued before any use
-  if (!kDecode) gate_math(lane_a, lane_b, lane_decay, lane_beta);
+  if (!kDecode) gate_math(lane_g, lane_decay, lane_beta);
 
   // Verify's intermediate state after token t.
   const auto store_intermediate = [&](int t) {
