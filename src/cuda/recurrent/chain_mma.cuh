@@ -1,7 +1,7 @@
 // Verify of chains without an intermediate cache, and commit by recompute, on tensor cores: the chunked
 // (WY) form of SPEC.md's recurrence with chunks of 8 tokens, for K-last pools and bf16 q/k/v. The
 // scalar warp kernel (warp_kernel.cuh) spends 3-4 fp32 instructions per state value and token (two dot
-// products, the decay, the update) plus a butterfly per token: at T >= 4 it is compute-bound. Here a
+// products, the decay, the update) plus a butterfly per token: at T >= 3 it is compute-bound. Here a
 // call reads each state once, and the per-token work on the state is mma.sync (cuda/common/mma_sync.cuh).
 //
 // A warp owns (sequence, value head, 8 columns of S) like the warp kernel; a CTA is 4 warps of one head.
@@ -9,6 +9,14 @@
 // the chunk's k/q rows, so no registers wait on them. Lane l reads column v0 + l/4 at k = 16 j + 2 (l%4)
 // + {0, 1} and + 8: the B operand of two m16n8k8 tf32 steps per k-step j (see the products), and the C
 // fragment of S^T (columns x K, n-tiles of 8) for the update.
+//
+// What the H100 taught (docs/decode-profile.md has the numbers): every input a chunk needs (its gates as
+// raw bits, its v pair, A_log and dt_bias) is loaded before the state's copies and converted only where
+// used. Converted at the load, they stalled the warp right there, before the state's cp.async went out
+// (ncu of the persistent build below: ~20% of verify's stall samples on those conversions and on the
+// A_log / dt_bias loads). With that fixed, the step at T = 4, B = 128 went from 355 to 311 µs. A
+// persistent grid with a two-stage pipeline over items measured slower (393 µs): its 16 warps per SM and
+// the lost overlap between the verify and replay grids cost more than the hidden latency.
 //
 // Per chunk of n <= 8 tokens (Γ_t = exp(sum of g up to t) from the chunk's start; k, q raw bf16 rows,
 // their norms rk, rq applied to the sums):
@@ -47,10 +55,10 @@ constexpr int kChainChunk = 8;  // tokens per chunk
 
 // Whether call p runs the chain kernel, beyond the compile-time choices (K-last, bf16 q/k/v, K <= 128):
 // any replay, and verify of a chain without a cache to store, for T >= 3 draft tokens. Step (verify +
-// replay) at B = 128 on the H100 (results/H100/verify_ab_chain_t23.md): T = 3 348.5 µs with the warp
-// kernel, 308.5 with this one; T = 2 308.2 and 308.9, within 1.5% either way from B = 8 to 128, so T = 2
-// stays on the warp kernel. (validate.cpp already asks the CUDA backend for 16-byte aligned q/k/v/o rows,
-// which the kernel's row and pair accesses need.)
+// replay) at B = 128 on the H100 (results/H100/bench_verify.md, ab_prev_verify.md, verify_ab_chain_t2.md):
+// T = 3 310.0 µs here against 348.1 with the warp kernel; T = 2 308.9 here against 291.2 with the warp
+// kernel, which keeps T = 2. (validate.cpp already asks the CUDA backend for 16-byte aligned q/k/v/o
+// rows, which the kernel's row and pair accesses need.)
 inline bool chain_mma_fits(const CommitParams& p, bool replay) {
   if (p.num_draft_tokens < chain_mma_min_tokens(3)) return false;
   return replay || (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
