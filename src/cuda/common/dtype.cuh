@@ -88,6 +88,14 @@ struct RawVec {
 #pragma unroll
     for (int i = 0; i < N / kPer; ++i) w[i] = reinterpret_cast<const W*>(p)[i];
   }
+  // Hides the words' values from the compiler, so that a conversion after this one is redone from the
+  // words rather than the earlier conversion's fp32 values kept alive (twice the registers for 16-bit T).
+  __device__ __forceinline__ void opaque() {
+    static_assert(sizeof(w) % 4 == 0, "whole 32-bit words");
+    uint32_t* u = reinterpret_cast<uint32_t*>(w);
+#pragma unroll
+    for (int i = 0; i < int(sizeof(w) / 4); ++i) asm volatile("" : "+r"(u[i]));
+  }
   __device__ __forceinline__ void to_floats(float* out) const {
 #pragma unroll
     for (int i = 0; i < N / kPer; ++i) {

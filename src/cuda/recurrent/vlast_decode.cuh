@@ -5,9 +5,11 @@
 // 9-12% (fp32) and 23-31% (bf16) slower than K-last. Here a CTA owns one 128-byte piece of every row
 // (kCols = 32 fp32 or 64 bf16 columns) and its warps split the rows:
 //   lane l: column group cg = l / 4 (kVec = 16 bytes of columns: 4 fp32 or 8 bf16), row phase ro = l % 4;
-//   warp w: rows w * kRowsPerWarp + 4 i + ro, i < kRowsPerWarp / 4 (32 rows per warp fp32, 16 bf16);
+//   warp w: rows w * 32 + 4 i + ro, i < 8;
 // so each load or store instruction of a warp covers 4 whole lines, straight from and to registers, and
-// a lane holds 32 state values like the warp kernel. The sums over k (S^T k and S^T q of the CTA's
+// a lane holds its 8 rows as loaded (32 registers: 32 fp32 or 64 bf16 values), converted to fp32 where
+// used: a bf16 warp moves 4 KB like an fp32 one (with 16 rows per warp and the values in fp32 it moved
+// 2 KB, in 8-warp CTAs, at 70-76% of the copy ceiling). The sums over k (S^T k and S^T q of the CTA's
 // columns) are reduced over the 4 lanes of a column group (a halving butterfly) and then over the warps
 // through shared memory: one barrier. Every lane then has u of its columns; warp 0 writes o.
 // The math and rounding per value are the warp kernel's (norms scale the sums, rsqrtf, fp32 state).
@@ -26,12 +28,12 @@ namespace gdnkit::cuda::recurrent {
 
 template <class TS, int K>
 struct VLastRows {
-  static constexpr int kVec = 16 / int(sizeof(TS));        // columns per lane and row: 16 bytes
-  static constexpr int kCols = 8 * kVec;                     // columns per CTA: one 128-byte line per row
-  static constexpr int kRowsPerWarp = 4 * 32 / kVec;         // 32 values per lane
+  static constexpr int kVec = 16 / int(sizeof(TS));  // columns per lane and row: 16 bytes
+  static constexpr int kCols = 8 * kVec;               // columns per CTA: one 128-byte line per row
+  static constexpr int kRowsPerWarp = 32;              // 8 rows per lane: 32 registers of state as loaded
   static constexpr int kRowsPerLane = kRowsPerWarp / 4;
-  static constexpr int kWarps = K / kRowsPerWarp;            // fp32: K / 32, bf16: K / 16
-  static_assert(K % kRowsPerWarp == 0 && kWarps >= 1 && kWarps <= 8, "V-last decode: K = 64 or 128");
+  static constexpr int kWarps = K / kRowsPerWarp;
+  static_assert(K % kRowsPerWarp == 0 && kWarps >= 1 && kWarps <= 4, "V-last decode: K = 64 or 128");
 };
 
 // N values over aligned groups of kLanes consecutive lanes (N >= kLanes, powers of two; dtype.cuh's
@@ -58,10 +60,11 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
   return index;
 }
 
-// 24 warps per SM (80 registers, no spills at K = 128 but for bf16 state with fp32 inputs): at 32 warps
-// (64 registers) ptxas spilled 44-84 bytes and fp32 decode measured 7-8% slower from B = 16 up.
+// fp32 state: 24 warps per SM (80 registers, no spills at K = 128): at 32 warps (64 registers) ptxas
+// spilled 44-84 bytes and decode measured 7-8% slower from B = 16 up. bf16 state: 20 warps (96 registers,
+// 12-16 bytes spilled at K = 128; at 80 registers 132-176).
 template <class TS, class TI, int K, int V>
-__global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<TS, K>::kWarps)
+__global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, (sizeof(TS) == 4 ? 24 : 20) / VLastRows<TS, K>::kWarps)
     vlast_decode_kernel(const CommitParams p, const bool prefetch) {
   using R = VLastRows<TS, K>;
   constexpr int kVec = R::kVec, kCols = R::kCols, kRowsPerLane = R::kRowsPerLane, kWarps = R::kWarps;
@@ -95,11 +98,12 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<
   asm volatile("griddepcontrol.launch_dependents;");
 
   const int slot = p.state_indices[b];
-  float s[kRowsPerLane][kVec];
+  // The lane's rows as loaded (bf16: two values a register), converted to fp32 where used.
+  RawVec<TS, kVec> s[kRowsPerLane];
   const auto load = [&](int sl) {
     const TS* t = head + int64_t(sl) * p.state.slot_stride + int64_t(row0) * V + col;
 #pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) load_vec<TS, kVec>(t + int64_t(4 * i) * V, s[i]);
+    for (int i = 0; i < kRowsPerLane; ++i) s[i].load(t + int64_t(4 * i) * V);
   };
   if (spec >= 0) load(spec);  // beside the index; replaced below if the index differs
 
@@ -138,13 +142,13 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<
   if (spec != slot) load(slot);
 
   // This lane's share of S^T k (x[c]) and S^T q (x[kVec + c]) over its rows, then over its column group.
-  float x[2 * kVec];
+  float x[2 * kVec] = {};
 #pragma unroll
-  for (int c = 0; c < kVec; ++c) {
-    float dk = 0.0f, dq = 0.0f;
+  for (int i = 0; i < kRowsPerLane; ++i) {
+    float si[kVec];
+    s[i].to_floats(si);
 #pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) dk = fmaf(s[i][c], kr[i], dk), dq = fmaf(s[i][c], qr[i], dq);
-    x[c] = dk, x[kVec + c] = dq;
+    for (int c = 0; c < kVec; ++c) x[c] = fmaf(si[c], kr[i], x[c]), x[kVec + c] = fmaf(si[c], qr[i], x[kVec + c]);
   }
   constexpr int kMine = 2 * kVec / 4;  // sums this lane holds after the butterfly
   const int first = transpose_group_sums<2 * kVec, 4>(x, lane);
@@ -175,9 +179,12 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, 24 / VLastRows<
   TS* const t = head + int64_t(slot) * p.state.slot_stride + int64_t(row0) * V + col;
 #pragma unroll
   for (int i = 0; i < kRowsPerLane; ++i) {
+    float si[kVec];
+    s[i].opaque();  // converted again here: the fp32 values of the sums above are not kept alive
+    s[i].to_floats(si);
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) s[i][c] = fmaf(kr[i], u[c] * rk, decay * s[i][c]);
-    store_vec<TS, kVec>(t + int64_t(4 * i) * V, s[i]);
+    for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, decay * si[c]);
+    store_vec<TS, kVec>(t + int64_t(4 * i) * V, si);
   }
 }
 
