@@ -13,8 +13,8 @@
 // What the H100 taught (docs/decode-profile.md has the numbers): every input a chunk needs (its gates as
 // raw bits, its v pair, A_log and dt_bias) is loaded before the state's copies and converted only where
 // used. Converted at the load, they stalled the warp right there, before the state's cp.async went out
-// (ncu of the persistent build below: ~20% of verify's stall samples on those conversions and on the
-// A_log / dt_bias loads). With that fixed, the step at T = 4, B = 128 went from 355 to 311 µs. A
+// (ncu of the persistent build named next: ~20% of verify's stall samples on those conversions and on
+// the A_log / dt_bias loads). With that fixed, the step at T = 4, B = 128 went from 355 to 311 µs. A
 // persistent grid with a two-stage pipeline over items measured slower (393 µs): its 16 warps per SM and
 // the lost overlap between the verify and replay grids cost more than the hidden latency.
 //
@@ -64,8 +64,8 @@ inline bool chain_mma_fits(const CommitParams& p, bool replay) {
   return replay || (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
 }
 
-// Resident warps per SM the kernel is built for (ptxas, CUDA 13.0, K = 128: 32 -> 64 registers, replay
-// spills 4 bytes; 24 -> 80 registers, no spills). Unbounded ptxas takes ~150 registers, and the update
+// Resident warps per SM the kernel is built for (ptxas, CUDA 13.0, K = 128: 32 -> 64 registers, 4-12
+// bytes spilled; 24 -> 80 registers, none; the two measured within 1% of each other). Unbounded ptxas takes ~150 registers, and the update
 // loop fully unrolled spilled 44-84 bytes at 80 registers (its pairs hoisted). GDNKIT_CHAIN_MIN_WARPS
 // overrides it at build time (A/B runs).
 #ifndef GDNKIT_CHAIN_MIN_WARPS
