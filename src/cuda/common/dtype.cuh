@@ -96,19 +96,6 @@ struct RawVec {
 #pragma unroll
     for (int i = 0; i < int(sizeof(w) / 4); ++i) asm volatile("" : "+r"(u[i]));
   }
-  // Rounds N floats to T into the words, and stores the words.
-  __device__ __forceinline__ void from_floats(const float* in) {
-#pragma unroll
-    for (int i = 0; i < N / kPer; ++i) {
-      T* e = reinterpret_cast<T*>(&w[i]);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) e[j] = from_float<T>(in[i * kPer + j]);
-    }
-  }
-  __device__ __forceinline__ void store(T* __restrict__ p) const {
-#pragma unroll
-    for (int i = 0; i < N / kPer; ++i) reinterpret_cast<W*>(p)[i] = w[i];
-  }
   __device__ __forceinline__ void to_floats(float* out) const {
 #pragma unroll
     for (int i = 0; i < N / kPer; ++i) {
@@ -128,9 +115,16 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, float* out) {
 
 template <class T, int N>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const float* in) {
-  RawVec<T, N> raw;
-  raw.from_floats(in);
-  raw.store(p);
+  using W = typename VecWord<T, N>::type;
+  constexpr int kPer = VecWord<T, N>::kPer;
+#pragma unroll
+  for (int w = 0; w < N / kPer; ++w) {
+    W raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) e[j] = from_float<T>(in[w * kPer + j]);
+    reinterpret_cast<W*>(p)[w] = raw;
+  }
 }
 
 // ---- warp reductions --------------------------------------------------------------------------

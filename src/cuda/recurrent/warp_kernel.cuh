@@ -23,8 +23,7 @@
 // of a CTA (2 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
 // range (K-last) or 128-byte row pieces (V-last, staged through shared memory). Decode, verify and replay
 // are separate instantiations (kOp), so the token loop, the tree logic and the cache stores cost decode
-// no registers. bf16 K-last decode holds its state packed (warp_packed below): 16 columns a warp as
-// loaded, 4 KB of loads in flight per warp like fp32 instead of 2 KB, at 24 warps per SM.
+// no registers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,22 +51,11 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
 
 #ifdef GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
 
-// Whether an instantiation holds its state packed (WarpTile's kPacked: 16 columns a warp, two bf16 values a
-// register, converted at each use): decode of bf16 K-last pools, K <= 128. Decode only: its one update is
-// rounded to bf16 once, as a store rounds it; multi-token ops keep fp32 between tokens.
-template <StateLayout kLayout, class TS, int K, WarpOp kOp>
-constexpr bool warp_packed() {
-  return kOp == WarpOp::kDecode && kLayout == StateLayout::kKLast && std::is_same_v<TS, __nv_bfloat16> && K <= 128;
-}
-template <StateLayout kLayout, class TS, int K, int V, WarpOp kOp>
-using WarpTileOf = WarpTile<kLayout, TS, K, V, warp_packed<kLayout, TS, K, kOp>()>;
-
 // __launch_bounds__ target in warps per SM (ptxas, CUDA 13.0, sm_90a, K = 128). Decode: 32 -> 64
 // registers, no spills for either layout (K = 256: 28 warps, 72-76 registers). Verify and replay carry the token loop and the
 // row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
-template <StateLayout kLayout, class TS, int K, WarpOp kOp>
+template <StateLayout kLayout, int K, WarpOp kOp>
 constexpr int warp_kernel_min_warps() {
-  if (warp_packed<kLayout, TS, K, kOp>()) return 24;  // 80 registers; 28 warps spilled 36 bytes, 32 108-116
   if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
   if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
   if (kOp != WarpOp::kDecode) return 20;
@@ -75,12 +63,10 @@ constexpr int warp_kernel_min_warps() {
 }
 
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
-__global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps * 32,
-                                  warp_kernel_min_warps<kLayout, TS, K, kOp>() /
-                                      WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps)
+__global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
+                                  warp_kernel_min_warps<kLayout, K, kOp>() / WarpTile<kLayout, TS, K, V>::kCtaWarps)
     warp_recurrent_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
-  using Tile = WarpTileOf<kLayout, TS, K, V, kOp>;
-  constexpr bool kPacked = warp_packed<kLayout, TS, K, kOp>();
+  using Tile = WarpTile<kLayout, TS, K, V>;
   constexpr int kRows = Tile::kRows, kKPer = Tile::kKPer;
   constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
   // Dot products per token: d_k of each column, and d_q unless replaying; each lands in kLanesPerSum lanes.
@@ -129,18 +115,11 @@ __global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps 
 
   const RowLoads rl = load_row<kOp>(p, b);
   const int slot = rl.slot;  // the state loads wait on it
-  float s[kPacked ? 1 : kRows][kKPer];  // the tile (warp_tile.cuh) in fp32
-  RawVec<TS, Tile::kVec> sp[kPacked ? kRows : 1][kKPer / Tile::kVec];  // kPacked: the tile as loaded
-  const auto load_state = [&](const TS* t) {
-    if constexpr (kPacked)
-      Tile::load_raw(t, sp, lane);
-    else
-      Tile::load(t, s, lane, stage);
-  };
+  float s[kRows][kKPer];  // the tile (warp_tile.cuh)
   // Decode in prefetch mode loads the state of slot `spec` now, beside the index rather than after it
   // (after the wait: the current state of that slot). If the index read now differs, the state of the
   // right slot is loaded below and this one is dropped.
-  if (kDecode && spec >= 0) load_state(head_block + int64_t(spec) * p.state.slot_stride);
+  if (kDecode && spec >= 0) Tile::load(head_block + int64_t(spec) * p.state.slot_stride, s, lane, stage);
 
   // ---- which tokens, which slots (the same checks, in the same order, as the CPU reference) -----
   int64_t tok0;
@@ -223,20 +202,11 @@ __global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps 
     float x[kRows];
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      float si[kKPer];  // column i in fp32
-#pragma unroll
-      for (int j = 0; j < kKPer; ++j) {
-        if constexpr (kPacked) {
-          if (j % kVec == 0) sp[i][j / kVec].to_floats(&si[j]);
-        } else {
-          si[j] = s[i][j];
-        }
-      }
       float dk = 0.0f, dq = 0.0f;
 #pragma unroll
       for (int j = 0; j < kKPer; ++j) {
-        dk = fmaf(si[j], k[j], dk);
-        if (!kReplay) dq = fmaf(si[j], q[j], dq);
+        dk = fmaf(s[i][j], k[j], dk);
+        if (!kReplay) dq = fmaf(s[i][j], q[j], dq);
       }
       if (kReplay) {
         x[i] = dk;
@@ -260,18 +230,8 @@ __global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps 
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const float uk = __shfl_sync(0xffffffffu, uk_mine, i * kLanesPerSum);
-      if constexpr (kPacked) {  // converted again (opaque: the sums' fp32 values are not kept), rounded once
-        float si[kKPer];
 #pragma unroll
-        for (int r = 0; r < kKPer / kVec; ++r) sp[i][r].opaque(), sp[i][r].to_floats(&si[r * kVec]);
-#pragma unroll
-        for (int j = 0; j < kKPer; ++j) si[j] = fmaf(k[j], uk, decay * si[j]);
-#pragma unroll
-        for (int r = 0; r < kKPer / kVec; ++r) sp[i][r].from_floats(&si[r * kVec]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kKPer; ++j) s[i][j] = fmaf(k[j], uk, decay * s[i][j]);
-      }
+      for (int j = 0; j < kKPer; ++j) s[i][j] = fmaf(k[j], uk, decay * s[i][j]);
     }
   };
   const auto step = [&](int x, bool write_o) {
@@ -312,20 +272,18 @@ __global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps 
   if (!kDecode && chain && n_tokens > 0) cur = load_token(token_index(0));
 
   TS* const tile = head_block + int64_t(slot) * p.state.slot_stride;
-  if (!kDecode || spec != slot) load_state(tile);  // every state load issued before any use
+  if (!kDecode || spec != slot) Tile::load(tile, s, lane, stage);  // every state load issued before any use
   if (!kDecode) gate_math(lane_g, lane_decay, lane_beta);
 
   // Verify's intermediate state after token t.
   const auto store_intermediate = [&](int t) {
-    if constexpr (kOp == WarpOp::kVerify) {
-      if (islot < 0 || t >= p.intermediate.num_steps) return;
-      const int64_t off = int64_t(islot) * p.intermediate.slot_stride + (int64_t(t) * HV + hv) * kHeadElems +
-                          Tile::origin(v0);
-      if (p.intermediate.dtype == DType::kFloat32)
-        Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane, stage);
-      else
-        Tile::store(static_cast<__nv_bfloat16*>(p.intermediate.data) + off, s, lane, stage);
-    }
+    if (kOp != WarpOp::kVerify || islot < 0 || t >= p.intermediate.num_steps) return;
+    const int64_t off = int64_t(islot) * p.intermediate.slot_stride + (int64_t(t) * HV + hv) * kHeadElems +
+                        Tile::origin(v0);
+    if (p.intermediate.dtype == DType::kFloat32)
+      Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane, stage);
+    else
+      Tile::store(static_cast<__nv_bfloat16*>(p.intermediate.data) + off, s, lane, stage);
   };
 
   if (chain) {
@@ -337,10 +295,7 @@ __global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps 
       store_intermediate(j);
       cur = next;
     }
-    if constexpr (kPacked)
-      Tile::store_raw(tile, sp, lane);
-    else if (kOp != WarpOp::kVerify || write_state)
-      Tile::store(tile, s, lane, stage);
+    if (kOp != WarpOp::kVerify || write_state) Tile::store(tile, s, lane, stage);
     return;
   }
   if constexpr (kOp == WarpOp::kVerify) {  // tree
@@ -368,9 +323,9 @@ __global__ void __launch_bounds__(WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps 
 
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
 void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream) {
-  constexpr int kRows = WarpTileOf<kLayout, TS, K, V, kOp>::kRows;
+  constexpr int kRows = WarpTile<kLayout, TS, K, V>::kRows;
   if (p.batch <= 0 || p.heads.num_v_heads <= 0) return;
-  constexpr int kCtaWarps = WarpTileOf<kLayout, TS, K, V, kOp>::kCtaWarps;
+  constexpr int kCtaWarps = WarpTile<kLayout, TS, K, V>::kCtaWarps;
   constexpr int kColCtas = V / kRows / kCtaWarps;  // exact: kCtaWarps divides V / kRows
   if (p.batch > 65535 || int64_t(p.heads.num_v_heads) * kColCtas > int64_t(INT32_MAX))
     throw Error(ErrorCode::kNotImplemented, "cuda recurrent: B = " + std::to_string(p.batch) + ", HV = " +

@@ -26,14 +26,12 @@
 
 namespace gdnkit::cuda::recurrent {
 
-// kPacked (K-last only): twice the columns per warp, the state held as loaded (load_raw / store_raw:
-// bf16 pairs, converted at each use), so that a bf16 warp moves 4 KB like an fp32 one.
-template <StateLayout kLayout, class TS, int K, int V, bool kPacked = false>
+template <StateLayout kLayout, class TS, int K, int V>
 struct WarpTile;
 
-template <class TS, int K, int V, bool kPacked>
-struct WarpTile<StateLayout::kKLast, TS, K, V, kPacked> {
-  static constexpr int kRows = (K <= 128 ? 8 : 4) * (kPacked ? 2 : 1);  // columns per warp
+template <class TS, int K, int V>
+struct WarpTile<StateLayout::kKLast, TS, K, V> {
+  static constexpr int kRows = K <= 128 ? 8 : 4;  // columns per warp
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
   static constexpr int kCtaWarps = 2;  // warps per CTA: neighbouring columns of one head
@@ -63,25 +61,10 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kPacked> {
 #pragma unroll
       for (int j = 0; j < kKPer; j += kVec) store_vec<E, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
   }
-  // The same values held as loaded (kPacked): column i's runs are s[i][0 .. kKPer / kVec - 1].
-  using Raw = RawVec<TS, kVec>;
-  __device__ static void load_raw(const TS* tile, Raw (&s)[kRows][kKPer / kVec], int lane) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) s[i][j / kVec].load(tile + i * K + k_of(lane, j));
-  }
-  __device__ static void store_raw(TS* tile, const Raw (&s)[kRows][kKPer / kVec], int lane) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) s[i][j / kVec].store(tile + i * K + k_of(lane, j));
-  }
 };
 
-template <class TS, int K, int V, bool kPacked>
-struct WarpTile<StateLayout::kVLast, TS, K, V, kPacked> {
-  static_assert(!kPacked, "V-last decode has its own kernel (vlast_decode.cuh)");
+template <class TS, int K, int V>
+struct WarpTile<StateLayout::kVLast, TS, K, V> {
   static constexpr int kRows = K <= 128 ? 8 : 4;
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = 1;  // k per run: a lane's k are 32 apart
