@@ -1,5 +1,6 @@
-// Per-token inputs shared by the recurrent kernels (warp_kernel.cuh, vlast_decode.cuh, chain_mma.cuh): the gate inputs
-// of a token and their math (SPEC.md "The recurrence"), and decode's L2 prefetch of a token's inputs.
+// Per-token inputs shared by the recurrent kernels (warp_kernel.cuh, vlast_decode.cuh, chain_mma.cuh): the
+// gate inputs of a token and their math (SPEC.md "The recurrence"), and decode's L2 prefetch of a token's
+// inputs.
 #pragma once
 
 #include <cuda_runtime.h>
