@@ -65,9 +65,9 @@ inline bool chain_mma_fits(const CommitParams& p, bool replay) {
 }
 
 // Resident warps per SM the kernel is built for (ptxas, CUDA 13.0, K = 128: 32 -> 64 registers, 4-12
-// bytes spilled; 24 -> 80 registers, none; the two measured within 1% of each other). Unbounded ptxas takes ~150 registers, and the update
-// loop fully unrolled spilled 44-84 bytes at 80 registers (its pairs hoisted). GDNKIT_CHAIN_MIN_WARPS
-// overrides it at build time (A/B runs).
+// bytes spilled; 24 -> 80 registers, none; the two measured within 1% of each other). Unbounded ptxas
+// takes ~150 registers, and the update loop fully unrolled spilled 44-84 bytes at 80 registers (its pairs
+// hoisted). GDNKIT_CHAIN_MIN_WARPS overrides it at build time (A/B runs).
 #ifndef GDNKIT_CHAIN_MIN_WARPS
 #define GDNKIT_CHAIN_MIN_WARPS 32
 #endif

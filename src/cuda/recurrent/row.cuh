@@ -16,8 +16,8 @@ enum class WarpOp : int32_t {
   kReplay = 2,  // commit by recompute: replay the kept tokens (no q, no o) and store the state
 };
 
-// The values of row b that place it, loaded together: its pool slot, its cu_seqlens span and, for replay,
-// its kept count. (The persistent chain kernel loads them an item ahead of their use.)
+// The values of row b that place it, loaded together (all issued before the first is used): its pool
+// slot, its cu_seqlens span and, for replay, its kept count.
 struct RowLoads {
   int slot;      // state_indices[b]
   int cs0, cs1;  // cu_seqlens[b], cu_seqlens[b + 1] (0, 0 without cu_seqlens)

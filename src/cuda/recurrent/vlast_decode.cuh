@@ -64,7 +64,8 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
 // spilled 44-84 bytes and decode measured 7-8% slower from B = 16 up. bf16 state: 20 warps (96 registers,
 // 12-16 bytes spilled at K = 128; at 80 registers 132-176).
 template <class TS, class TI, int K, int V>
-__global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32, (sizeof(TS) == 4 ? 24 : 20) / VLastRows<TS, K>::kWarps)
+__global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
+                                  (sizeof(TS) == 4 ? 24 : 20) / VLastRows<TS, K>::kWarps)
     vlast_decode_kernel(const CommitParams p, const bool prefetch) {
   using R = VLastRows<TS, K>;
   constexpr int kVec = R::kVec, kCols = R::kCols, kRowsPerLane = R::kRowsPerLane, kWarps = R::kWarps;
