@@ -2,8 +2,10 @@
 // heuristic, alignment checks, and the dispatch on the head dim K. Kernels: cuda/prefill/kernels.cuh.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -12,6 +14,7 @@
 
 #include "api/backends.h"
 #include "cuda/check.h"
+#include "cuda/common/sequence.cuh"
 #include "cuda/prefill/plan.h"
 
 namespace gdnkit::cuda {
@@ -181,10 +184,56 @@ int choose_vtile(const PrefillParams& p, int num_sms) {
   return 16;
 }
 
-void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split) {
+// The short-sequence path's default reach, measured on the H100 (results/H100/prefill_short_ab.md):
+// the longest sequence for which the recurrent kernels beat the chunked pass.
+constexpr int kShortLenDefault = 32;
+
+int short_len_setting() {
+  static const int from_env = [] {
+    const char* e = std::getenv("GDNKIT_PREFILL_SHORT");
+    return e == nullptr ? -1 : std::max(0, std::atoi(e));
+  }();
+  return from_env >= 0 ? from_env : kShortLenDefault;
+}
+
+int choose_short_len(const PrefillParams& p) {
+  const int len = short_len_setting();
+  if (len <= 0 || !prefill_short_supported(p)) return 0;
+  if (p.cu_seqlens_host != nullptr) {
+    for (int32_t n = 0; n < p.num_seqs; ++n)
+      if (short_prefill_sequence(p.cu_seqlens_host[n], p.cu_seqlens_host[n + 1], p.total_tokens, len)) return len;
+    return 0;
+  }
+  return p.total_tokens <= int64_t(p.num_seqs) * len ? len : 0;
+}
+
+void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split,
+                        int short_len) {
   if (p_in.num_seqs <= 0) return;
   PrefillParams p = p_in;
+  // Short sequences run on the recurrent kernels (the chunked kernels skip them); with a host copy of
+  // cu_seqlens showing only short sequences, nothing else runs. Every check comes before any launch.
+  if (stages == kStagesAll) {
+    if (short_len < 0) short_len = choose_short_len(p);
+    if (short_len > 0 && !prefill_short_supported(p)) short_len = 0;
+    // The short path stores no checkpoint: it takes only sequences shorter than the interval.
+    if (p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoint_indices != nullptr)
+      short_len = std::min(short_len, p.checkpoint_interval - 1);
+  } else {
+    short_len = 0;  // timing of the chunked kernels alone
+  }
+  bool chunked = true;
+  if (short_len > 0 && p.cu_seqlens_host != nullptr) {
+    chunked = false;
+    for (int32_t n = 0; n < p.num_seqs && !chunked; ++n)
+      chunked = !short_prefill_sequence(p.cu_seqlens_host[n], p.cu_seqlens_host[n + 1], p.total_tokens, short_len);
+  }
+  if (!chunked) return prefill_short(p, short_len, reinterpret_cast<Stream>(stream));
+
   const int K = p.heads.head_dim_k;
+  if (K != 64 && K != 128 && K != 256)
+    throw Error(ErrorCode::kInvalidArgument,
+                "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
   Plan plan;
   plan.num_sms = device_sms();
   plan.scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / std::sqrt(float(K));
@@ -220,6 +269,7 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
 
   if (vtile == 0) vtile = choose_vtile(p, plan.num_sms);
   plan.head_split = head_split != 0 ? head_split : choose_head_split(p, plan.num_sms);
+  plan.short_len = short_len;
   if (is_head_tile(vtile) && !head_split_supported(p.heads.head_dim_v, plan.head_split))
     throw Error(ErrorCode::kInvalidArgument, "prefill: head split " + std::to_string(plan.head_split) +
                                                  " is not supported for V=" + std::to_string(p.heads.head_dim_v));
@@ -227,20 +277,10 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(p.heads.head_dim_v));
-  switch (K) {
-    case 64:
-      launch<64>(p, plan, vtile, stream, stages);
-      break;
-    case 128:
-      launch<128>(p, plan, vtile, stream, stages);
-      break;
-    case 256:
-      launch<256>(p, plan, vtile, stream, stages);
-      break;
-    default:
-      throw Error(ErrorCode::kInvalidArgument,
-                  "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
-  }
+  if (short_len > 0) prefill_short(p, short_len, reinterpret_cast<Stream>(stream));
+  if (K == 64) launch<64>(p, plan, vtile, stream, stages);
+  if (K == 128) launch<128>(p, plan, vtile, stream, stages);
+  if (K == 256) launch<256>(p, plan, vtile, stream, stages);
 }
 
 }  // namespace chunked_prefill

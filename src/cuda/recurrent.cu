@@ -18,6 +18,7 @@
 namespace gdnkit::cuda {
 namespace {
 
+using recurrent::RecurrentParams;
 using recurrent::WarpOp;
 
 [[noreturn]] void invalid(const std::string& msg) { throw Error(ErrorCode::kInvalidArgument, msg); }
@@ -45,17 +46,21 @@ void check_recurrent(const char* op, const CommitParams& p) {
                                                 std::to_string(p.num_draft_tokens));
 }
 
-// The kernel of one op and layout behind the one dispatch.
+// The kernel of one op and layout behind the one dispatch. Prefill's short sequences are built for
+// 16-bit inputs and K = V <= 128 only (prefill_short_supported keeps other calls away).
 template <StateLayout L, WarpOp kOp>
 struct WarpKernel {
   template <class TS, class TI, int K, int V>
-  static void launch(const CommitParams& p, bool write_state, Stream stream) {
-    recurrent::launch_warp_recurrent<L, TS, TI, K, V, kOp>(p, write_state, stream);
+  static void launch(const RecurrentParams& p, bool write_state, Stream stream) {
+    if constexpr (kOp != WarpOp::kPrefill || (!std::is_same_v<TI, float> && K <= 128))
+      recurrent::launch_warp_recurrent<L, TS, TI, K, V, kOp>(p, write_state, stream);
+    else
+      throw Error(ErrorCode::kNotImplemented, "cuda prefill: the short-sequence path is not built for this call");
   }
 };
 
 template <class Kernel, class TS, class TI>
-void by_dims(const CommitParams& p, bool write_state, Stream stream) {
+void by_dims(const RecurrentParams& p, bool write_state, Stream stream) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   if (K == 64 && V == 64) return Kernel::template launch<TS, TI, 64, 64>(p, write_state, stream);
   if (K == 128 && V == 128) return Kernel::template launch<TS, TI, 128, 128>(p, write_state, stream);
@@ -65,7 +70,7 @@ void by_dims(const CommitParams& p, bool write_state, Stream stream) {
 }
 
 template <class Kernel, class TS>
-void by_input(const CommitParams& p, bool write_state, Stream stream) {
+void by_input(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.k.dtype) {  // q, k, v, o share it (validated)
     case DType::kFloat32: return by_dims<Kernel, TS, float>(p, write_state, stream);
     case DType::kBFloat16: return by_dims<Kernel, TS, __nv_bfloat16>(p, write_state, stream);
@@ -75,7 +80,7 @@ void by_input(const CommitParams& p, bool write_state, Stream stream) {
 }
 
 template <class Kernel>
-void by_state(const CommitParams& p, bool write_state, Stream stream) {
+void by_state(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.state.dtype) {
     case DType::kFloat32: return by_input<Kernel, float>(p, write_state, stream);
     case DType::kBFloat16: return by_input<Kernel, __nv_bfloat16>(p, write_state, stream);
@@ -84,13 +89,27 @@ void by_state(const CommitParams& p, bool write_state, Stream stream) {
 }
 
 template <WarpOp kOp>
-void dispatch_recurrent(const char* op, const CommitParams& p, bool write_state, Stream stream) {
-  check_recurrent(op, p);
+void by_layout(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.state.layout) {
     case StateLayout::kKLast: return by_state<WarpKernel<StateLayout::kKLast, kOp>>(p, write_state, stream);
     case StateLayout::kVLast: return by_state<WarpKernel<StateLayout::kVLast, kOp>>(p, write_state, stream);
     default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
   }
+}
+
+template <WarpOp kOp>
+void dispatch_recurrent(const char* op, const CommitParams& c, bool write_state, Stream stream) {
+  check_recurrent(op, c);
+  RecurrentParams p;
+  static_cast<CommitParams&>(p) = c;
+  by_layout<kOp>(p, write_state, stream);
+}
+
+// Rows the kernels read and write in 16-byte pieces (validate() asks this of decode / verify views).
+template <class View>
+bool rows_aligned(const View& v) {
+  const int64_t per = 16 / dtype_size(v.dtype);
+  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.token_stride % per == 0 && v.head_stride % per == 0;
 }
 
 // ---- commit from the cache: pool[slot] = intermediate[islot, last kept token] -----------------
@@ -164,6 +183,38 @@ void commit_from_cache(const CommitParams& p, Stream stream) {
 }
 
 }  // namespace
+
+bool prefill_short_supported(const PrefillParams& p) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  const DType dt = p.q.dtype;
+  const auto slot_bytes = p.state.slot_stride * dtype_size(p.state.dtype);
+  return K == V && (K == 64 || K == 128) && (dt == DType::kBFloat16 || dt == DType::kFloat16) && p.k.dtype == dt &&
+         p.v.dtype == dt && p.o.dtype == dt && rows_aligned(p.q) && rows_aligned(p.k) && rows_aligned(p.v) &&
+         rows_aligned(p.o) && reinterpret_cast<uintptr_t>(p.state.data) % 16 == 0 && slot_bytes % 16 == 0 &&
+         p.num_seqs > 0 && p.num_seqs <= 65535 && p.heads.num_v_heads > 0;
+}
+
+void prefill_short(const PrefillParams& p, int max_len, Stream stream) {
+  RecurrentParams r;
+  r.heads = p.heads;
+  r.batch = p.num_seqs;
+  r.q = p.q, r.k = p.k, r.v = p.v, r.o = p.o;
+  r.gating = p.gating;
+  r.state = p.state;
+  r.state_indices = p.initial_indices;
+  r.error_flag = p.error_flag;
+  r.num_draft_tokens = max_len;
+  r.update_state = true;
+  r.final_indices = p.final_indices;
+  r.seq_cu = p.cu_seqlens;
+  r.seq_cu64 = p.cu_seqlens_dtype == DType::kInt64;
+  r.total_tokens = p.total_tokens;
+  if (p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoint_indices != nullptr) {
+    r.checkpoint_indices = p.checkpoint_indices;
+    r.checkpoint_slots = p.checkpoints.num_slots;
+  }
+  by_layout<WarpOp::kPrefill>(r, true, stream);
+}
 
 void decode(const DecodeParams& p, Stream stream) {
   // Decode is a chain of one token per sequence (token b of the batch), state updated in place.

@@ -57,8 +57,11 @@ std::string case_name(const ProblemConfig& c, const std::string& tag = "") {
 struct Case {
   std::string name;
   ProblemConfig cfg;
-  int vtile = 0;       // 0: the library's heuristic through the public API; else the internal entry
+  int vtile = 0;       // 0: the library's heuristic
   int head_split = 0;  // with vtile = kVTileHead: CTAs per (sequence, head); 0: the heuristic
+  // The longest sequence the short-sequence path (recurrent kernels) takes: 0 none (the chunked kernels
+  // run every sequence), > 0 that length, < 0 the library's choice through the public API.
+  int short_len = 0;
 };
 
 ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
@@ -122,25 +125,26 @@ std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
   return ::testing::AssertionSuccess();
 }
 
-void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0) {
+void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-  if (vtile == 0) {
+  if (vtile == 0 && short_len < 0) {
     prefill(p, {Backend::kCUDA, dev.stream()});
   } else {
     validate(p, Backend::kCUDA);
-    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split);
+    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split,
+                                              short_len);
   }
   dev.download(got);
 }
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
-void check_prefill(const Problem& before, int vtile = 0, int head_split = 0) {
+void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1) {
   const ProblemConfig& cfg = before.config();
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split);
+    run_gpu(got, dev, vtile, head_split, short_len);
   }
   const std::vector<int64_t> written = written_finals(before);
   EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kPrefill, cfg.in_dtype)));
@@ -255,6 +259,65 @@ std::vector<Case> shape_cases() {
   return out;
 }
 
+// ---- the short-sequence path (recurrent kernels, WarpOp::kPrefill) beside the chunked kernels ----
+// Lengths around its reach (0, 1, 2 and 3 around the chain kernel's threshold, max_len, max_len + 1) in
+// one batch with longer sequences, so both paths run and each must leave the other's sequences alone.
+std::vector<Case> short_cases() {
+  std::vector<Case> out;
+  int i = 0;
+  auto add = [&](ProblemConfig c, const std::string& tag, int short_len) {
+    c.seed = 4000 + i++;
+    out.push_back({case_name(c, tag), c, 0, 0, short_len});
+  };
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (DType state : {DType::kFloat32, DType::kBFloat16})
+      for (DType in : {DType::kBFloat16, DType::kFloat16})
+        for (GateMode gate : {GateMode::kFused, GateMode::kGiven}) {
+          const int K = i % 3 == 2 ? 64 : 128;
+          ProblemConfig c = base({1, 7, 32, 0, 33, 100, 5, 2, 3}, 2, 4, K, K);
+          c.layout = layout, c.state_dtype = state, c.in_dtype = in, c.gate_mode = gate;
+          c.use_qk_l2norm = gate == GateMode::kFused || i % 2 == 1;
+          c.gate_dtype = (i % 2) ? DType::kBFloat16 : DType::kFloat32;
+          if (i % 3 == 1) c.token_pad = 24, c.head_pad = 8;
+          if (i % 3 == 0) c.slot_pad = 40;
+          if (i % 4 == 3) c.cu_seqlens_dtype = DType::kInt64;
+          add(c, "short32", 32);
+        }
+  // The warp kernel alone (max_len 2 < the chain kernel's 3 tokens), and the chain kernel over 8 chunks.
+  add(base({2, 1, 0, 2, 70}), "short2", 2);
+  add(base({63, 17, 64, 8, 1}), "short63", 63);
+  // Checkpoints: a short sequence stores none, but its checkpoint slot is still checked.
+  {
+    ProblemConfig c = base({10, 64, 130, 3, 63}, 1, 2);
+    c.checkpoint_interval = 64;
+    add(c, "short63", 63);
+  }
+  // Initial == final slot, sequences without a final slot or from zero.
+  {
+    ProblemConfig c = base({5, 64, 0, 20}, 1, 2);
+    c.same_slot = true;
+    add(c, "short32", 32);
+    c.same_slot = false, c.zero_initial_rows = 3, c.no_final_rows = 2;
+    add(c, "short32_zero_init_no_final", 32);
+  }
+  // The library's choice through the public API, qwen3-next heads: only short sequences (a host copy of
+  // cu_seqlens: the chunked kernels are not launched), and the same without the host copy (mean length
+  // <= max_len: both paths launched, the chunked kernels skipping every sequence).
+  {
+    std::mt19937 gen(11);
+    std::vector<int32_t> lens(40);
+    for (int32_t& x : lens) x = int32_t(gen() % 25);
+    ProblemConfig c = base(lens, 16, 32);
+    c.zero_initial_rows = 5;
+    add(c, "auto", -1);
+    c.pass_cu_seqlens_host = false;
+    add(c, "auto_nohost", -1);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kBFloat16;
+    add(c, "auto_nohost", -1);
+  }
+  return out;
+}
+
 // Small cases for compute-sanitizer (memcheck, racecheck): each kernel path once.
 std::vector<Case> sanitize_cases() {
   std::vector<Case> out;
@@ -278,6 +341,13 @@ std::vector<Case> sanitize_cases() {
   out.push_back({case_name(c, "head2"), c, cuda::chunked_prefill::kVTileHead, 2});
   c.seed = 3000 + i++;
   out.push_back({case_name(c, "headwarp"), c, cuda::chunked_prefill::kVTileHeadWarp, 1});
+  // The short-sequence path: the chain kernel (K-last, bf16 inputs) and the warp kernel's staged V-last.
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    ProblemConfig s = base({0, 5, 20, 40, 2}, 1, 2, 64, 64);
+    s.layout = layout;
+    s.seed = 3000 + i++;
+    out.push_back({case_name(s, "short"), s, 0, 0, 32});
+  }
   return out;
 }
 
@@ -301,12 +371,15 @@ Problem make_problem(const ProblemConfig& c) {
 class PrefillTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PrefillTest, MatchesCpuReference) {
-  check_prefill(make_problem(GetParam().cfg), GetParam().vtile, GetParam().head_split);
+  const Case& c = GetParam();
+  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len);
 }
 
 INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Shapes, PrefillTest, ::testing::ValuesIn(shape_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Short, PrefillTest, ::testing::ValuesIn(short_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Sanitize, PrefillTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });

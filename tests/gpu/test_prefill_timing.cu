@@ -142,17 +142,21 @@ TEST(PrefillTiming, TargetSets) {
     };
     const double prep = time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, 16, /*stages=*/1); });
     const double flop = 4.0 * double(T) * HV * K * V;
-    // auto, the head pass (wgmma and mma.sync builds) with each column split, the tiled pass with each
+    // auto (the library's choices, the short-sequence path included), then the chunked kernels alone: their
+    // heuristic, the head pass (wgmma and mma.sync builds) with each column split, the tiled pass with each
     // value tile
     constexpr int kWg = cuda::chunked_prefill::kVTileHead, kWarp = cuda::chunked_prefill::kVTileHeadWarp;
-    const std::pair<int, int> configs[] = {{0, 0},     {kWg, 1}, {kWg, 2}, {kWarp, 1},
-                                           {kWarp, 2}, {16, 0},  {32, 0},  {64, 0}};
-    for (auto [vt, split] : configs) {
+    struct Config {
+      int vt, split, short_len;
+    };
+    const Config configs[] = {{0, 0, -1},    {0, 0, 0},  {kWg, 1, 0},  {kWg, 2, 0}, {kWarp, 1, 0},
+                              {kWarp, 2, 0}, {16, 0, 0}, {32, 0, 0},   {64, 0, 0}};
+    for (auto [vt, split, short_len] : configs) {
       if (cuda::chunked_prefill::is_head_tile(vt) && !cuda::chunked_prefill::head_split_supported(V, split)) continue;
-      const double t = time_it([&, vt = vt, split = split] {
-        cuda::chunked_prefill::prefill_with_vtile(p, stream, vt, cuda::chunked_prefill::kStagesAll, split);
+      const double t = time_it([&, vt = vt, split = split, short_len = short_len] {
+        cuda::chunked_prefill::prefill_with_vtile(p, stream, vt, cuda::chunked_prefill::kStagesAll, split, short_len);
       });
-      const std::string name = vt == 0   ? "auto"
+      const std::string name = vt == 0     ? (short_len < 0 ? "auto" : "chunked")
                                : vt == kWg ? "head/" + std::to_string(split)
                                : vt == kWarp ? "warp/" + std::to_string(split)
                                         : std::to_string(vt);

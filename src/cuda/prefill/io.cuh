@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "cuda/common/dtype.cuh"
+#include "cuda/common/sequence.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
 #include "gdnkit/params.h"
@@ -182,7 +183,8 @@ struct SeqSlots {
   int islot = -1, fslot = -1, cslot = -1;
 };
 
-// Reads sequence n's bounds and slots. A bad sequence (cu_seqlens out of order or past total_tokens),
+// Reads sequence n's bounds and slots. A sequence of the short-sequence path (plan.short_len) is left
+// alone. A bad sequence (cu_seqlens out of order or past total_tokens),
 // or one with an initial, final or checkpoint slot past its buffer, is skipped as the CPU reference
 // does: counted once in error_flag (by the CTA with `counter`), and for a bad slot its o columns
 // [v0, v0 + vt) of head h are zeroed by this CTA's kThreadsPerCta threads. Returns false when skipped.
@@ -196,6 +198,7 @@ __device__ __forceinline__ bool begin_sequence(const PrefillParams& p, const Pla
     if (counter) atomicAdd(p.error_flag, 1);
     return false;
   }
+  if (short_prefill_sequence(start, end, p.total_tokens, plan.short_len)) return false;  // the short path's
   s.start = start;
   s.len = end - start;
   s.islot = p.initial_indices ? p.initial_indices[n] : -1;

@@ -165,6 +165,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   const int n = lo;
   const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
   if (start < 0 || end < start || end > p.total_tokens) return;  // bad sequence: kernel 2 counts it
+  if (short_prefill_sequence(start, end, p.total_tokens, plan.short_len)) return;  // the short path's
   const int64_t c = slot - (start / kChunk + n);
   if (c < 0 || c * kChunk >= end - start) return;  // a slot no chunk maps to
   const int64_t t0 = start + c * kChunk;

@@ -10,6 +10,15 @@
 
 #include "gdnkit/params.h"
 
+namespace gdnkit::cuda {
+// The short-sequence path of prefill (defined in cuda/recurrent.cu): the sequences of at most max_len
+// tokens on the recurrent kernels (WarpOp::kPrefill: one state read, one write, the tokens on the way),
+// the others left to the chunked kernels. prefill_short_supported: the call's dims (K = V <= 128),
+// dtypes (16-bit q/k/v/o) and alignments (16-byte rows and slots) are ones it is built for.
+bool prefill_short_supported(const PrefillParams& p);
+void prefill_short(const PrefillParams& p, int max_len, Stream stream);
+}  // namespace gdnkit::cuda
+
 namespace gdnkit::cuda::chunked_prefill {
 
 constexpr int kChunk = 64;     // tokens per chunk (the WY block)
@@ -40,6 +49,9 @@ struct Plan {
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   int32_t num_sms = 132;
+  // Sequences of at most short_len tokens (cuda/common/sequence.cuh) run on the short-sequence path
+  // instead: both kernels skip them. 0: the chunked kernels run every sequence.
+  int32_t short_len = 0;
 };
 
 // The TMA descriptors of a head pass launch of the wgmma build (a __grid_constant__ kernel parameter): k
@@ -77,8 +89,14 @@ void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t st
 // Test/tuning entry: prefill with an explicit value tile (0: the heuristic) and, for the head state
 // pass, an explicit column split (1, or 2 with V / 2 >= 32; 0: the heuristic); same semantics
 // as cuda::prefill when stages == kStagesAll. Used by the GPU tests and timing to compare tilings.
+// short_len: the longest sequence the short-sequence path takes (0: none; < 0: choose_short_len).
 void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile, int stages = kStagesAll,
-                        int head_split = 0);
+                        int head_split = 0, int short_len = -1);
+
+// The library's choice of max_len for a call (0: the chunked kernels take every sequence):
+// GDNKIT_PREFILL_SHORT=<n> overrides the measured default (0 turns the path off). With a host copy of
+// cu_seqlens, 0 when no sequence is short; without one, 0 unless the mean length is at most max_len.
+int choose_short_len(const PrefillParams& p);
 int choose_vtile(const PrefillParams& p, int num_sms);
 // The head pass's CTAs per (sequence, value head): 2 when that still gives at most one CTA per SM (a
 // sequential chain per CTA gains nothing from sharing an SM), else 1.

@@ -59,9 +59,11 @@ constexpr int kChainChunk = 8;  // tokens per chunk
 // T = 3 310.0 µs here against 348.1 with the warp kernel; T = 2 308.9 here against 291.2 with the warp
 // kernel, which keeps T = 2. (validate.cpp already asks the CUDA backend for 16-byte aligned q/k/v/o
 // rows, which the kernel's row and pair accesses need.)
-inline bool chain_mma_fits(const CommitParams& p, bool replay) {
+// Prefill's short sequences (kPrefill) are chains without a cache: the same rule on their longest length.
+inline bool chain_mma_fits(const RecurrentParams& p, WarpOp op) {
   if (p.num_draft_tokens < chain_mma_min_tokens(3)) return false;
-  return replay || (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
+  return op == WarpOp::kReplay || op == WarpOp::kPrefill ||
+         (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
 }
 
 // Resident warps per SM the kernel is built for (ptxas, CUDA 13.0, K = 128: 32 -> 64 registers, 4-12
@@ -73,9 +75,9 @@ inline bool chain_mma_fits(const CommitParams& p, bool replay) {
 #endif
 template <class TS, int K, int V, WarpOp kOp>
 __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kChainWarps)
-    chain_mma_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
+    chain_mma_kernel(const RecurrentParams p, const bool write_state, const bool prefetch) {
   static_assert(kOp != WarpOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
-  constexpr bool kReplay = kOp == WarpOp::kReplay;
+  constexpr bool kReplay = kOp == WarpOp::kReplay, kPrefill = kOp == WarpOp::kPrefill;
   constexpr int kSteps = K / 16, kPitch = K + 8;  // 16-byte row shift: ldmatrix rows hit distinct banks
   constexpr int kColCtas = V / (kChainCols * kChainWarps);
   constexpr int kN = kChainChunk;
@@ -103,7 +105,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
   TS* const head_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
 
   // Programmatic dependent launch and prefetch mode: as the warp kernel (warp_kernel.cuh).
-  if (prefetch) {
+  if (prefetch && p.state_indices != nullptr) {
     const int spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots)
       WarpTile<StateLayout::kKLast, TS, K, V>::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);
@@ -115,8 +117,8 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
   const int slot = rl.slot;
   int64_t tok0;
   int len;
-  if (!row_tokens(p, rl, b, T, tok0, len)) {  // a row the kernel cannot place: counted, nothing written
-    if (counter) atomicAdd(p.error_flag, 1);
+  if (!row_tokens<kOp>(p, rl, b, T, tok0, len)) {  // a row the kernel cannot place: counted, nothing written
+    if (counter && !kPrefill) atomicAdd(p.error_flag, 1);  // prefill: a sequence of the chunked kernels
     return;
   }
   if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
@@ -126,14 +128,19 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
     return reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.o.data) + tok * p.o.token_stride +
                                              int64_t(hv) * p.o.head_stride + v0 + c2);
   };
-  if (bad || slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
+  // Padding row (prefill: no initial slot means S = 0), or one the kernel must not touch: o = 0, no state
+  // traffic.
+  if (bad || (slot < 0 && !kPrefill)) {
     if (bad && counter) atomicAdd(p.error_flag, 1);
     if (!kReplay && lane < kChainCols / 2)
       for (int t = 0; t < len; ++t) *out_pair(tok0 + t) = __floats2bfloat162_rn(0.0f, 0.0f);
     return;
   }
   const int n = kReplay ? n_replay : len;
-  if (n == 0) return;  // nothing to apply: the pool state stays
+  if (n == 0 && !kPrefill) return;  // nothing to apply: the pool state stays
+  // Where the final state goes: the pool slot read (prefill: the final slot, if any).
+  const bool store_final = kPrefill ? rl.fslot >= 0 : (kReplay || write_state);
+  TS* const out_tile = head_block + int64_t(kPrefill ? rl.fslot : slot) * p.state.slot_stride;
 
   const auto token_of = [&](int j) -> int64_t {
     return tok0 + (kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j);
@@ -184,7 +191,11 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
   {
     constexpr int kE = 16 / int(sizeof(TS)), kPieces = kChainCols * K / kE;  // 16-byte pieces
     static_assert(kPieces % 32 == 0, "whole pieces per lane");
-    if constexpr (std::is_same_v<TS, float>) {
+    if (kPrefill && slot < 0) {  // prefill from S = 0
+#pragma unroll
+      for (int i = lane; i < kPieces; i += 32)
+        for (int h = 0; h < kE; h += 4) *reinterpret_cast<float4*>(&st[i * kE / K][i * kE % K + h]) = float4{};
+    } else if constexpr (std::is_same_v<TS, float>) {
 #pragma unroll
       for (int i = lane; i < kPieces; i += 32) cp_async16(&st[i * kE / K][i * kE % K], tile + i * kE, true);
     } else {
@@ -202,6 +213,14 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
   }
   // S[k .. k+1][v0 + r] (this lane's column).
   const auto pair = [&](int k) -> float2& { return *reinterpret_cast<float2*>(&st[r][k]); };
+  if (kPrefill && n == 0) {  // an empty sequence: its final state is its initial state
+    cp_async_wait_all();
+    __syncwarp();
+    if (store_final)
+#pragma unroll 4
+      for (int k = 2 * (lane % 4); k < K; k += 8) store_vec<TS, 2>(out_tile + r * K + k, &pair(k).x);
+    return;
+  }
 
 #pragma unroll 1
   for (int c0 = 0; c0 < n; c0 += kN) {
@@ -304,7 +323,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
 
     // ---- S^T <- Γ_n S^T + U'^T k ------------------------------------------------------------------
     const bool last = c0 + kN >= n;
-    if (kReplay || write_state || !last) {
+    if (store_final || !last) {
       const float x0 = __expf(lg_end - lg_i0) * rk_i0 * sc.u[c2][r];
       const float x1 = __expf(lg_end - lg_i1) * rk_i1 * sc.u[c2 + 1][r];
       uint32_t ua[4];
@@ -322,7 +341,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
           float c[4] = {decay * e.x, decay * e.y, 0.0f, 0.0f};
           mma<bf16>(c, ua, kt[m], kt[m]);
           if (last)  // the final state: straight to the pool
-            store_vec<TS, 2>(tile + r * K + k, c);
+            store_vec<TS, 2>(out_tile + r * K + k, c);
           else
             e = make_float2(c[0], c[1]);
         }
@@ -336,7 +355,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
 }
 
 template <class TS, int K, int V, WarpOp kOp>
-void launch_chain_mma(const CommitParams& p, bool write_state, Stream stream) {
+void launch_chain_mma(const RecurrentParams& p, bool write_state, Stream stream) {
   const auto kernel = chain_mma_kernel<TS, K, V, kOp>;
   constexpr int kColCtas = V / (kChainCols * kChainWarps);
   static const int max_ctas = [&] {  // 24 KB of shared memory per CTA: ask for the largest carveout

@@ -1,56 +1,93 @@
 // What every recurrent kernel (warp_kernel.cuh, chain_mma.cuh) shares about a row (one sequence of the
-// batch): the op, the row's tokens, and the row's checks in the CPU reference's order.
+// batch): the op, the parameters, the row's tokens, and the row's checks in the CPU reference's order.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/common/sequence.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::recurrent {
 
 enum class WarpOp : int32_t {
-  kDecode = 0,  // one token per sequence (token b), o, state written back
-  kVerify = 1,  // T tokens (fixed or varlen, chain or tree): o per token, intermediate states when asked
-  kReplay = 2,  // commit by recompute: replay the kept tokens (no q, no o) and store the state
+  kDecode = 0,   // one token per sequence (token b), o, state written back
+  kVerify = 1,   // T tokens (fixed or varlen, chain or tree): o per token, intermediate states when asked
+  kReplay = 2,   // commit by recompute: replay the kept tokens (no q, no o) and store the state
+  kPrefill = 3,  // prefill's short sequences (cuda/common/sequence.cuh): a chain from the initial slot
+                 // (or zero) to the final slot (when one), o per token
+};
+
+// What the kernels read: the op's parameters, and for kPrefill what a prefill call adds to a chain.
+// Prefill rows: state_indices = the initial slots (nullptr: every row starts from zero), num_draft_tokens
+// = the longest sequence this path takes, cu_seqlens unused (the prefill's own, int32 or int64, below).
+struct RecurrentParams : CommitParams {
+  const int32_t* final_indices = nullptr;       // kPrefill: slot to store the final state, < 0 / nullptr: none
+  const void* seq_cu = nullptr;                 // kPrefill: cu_seqlens [B + 1]
+  bool seq_cu64 = false;                        //   int64 (else int32)
+  int64_t total_tokens = 0;                     // kPrefill: T_total
+  const int32_t* checkpoint_indices = nullptr;  // kPrefill: only checked against checkpoint_slots (a short
+  int64_t checkpoint_slots = 0;                 //   sequence stores no checkpoint); nullptr: no checkpoints
 };
 
 // The values of row b that place it, loaded together (all issued before the first is used): its pool
-// slot, its cu_seqlens span and, for replay, its kept count.
+// slot, its cu_seqlens span and, for replay, its kept count; for prefill its final and checkpoint slots.
 struct RowLoads {
-  int slot;      // state_indices[b]
-  int cs0, cs1;  // cu_seqlens[b], cu_seqlens[b + 1] (0, 0 without cu_seqlens)
-  int accepted;  // replay: accepted[b]
+  int slot;          // state_indices[b] (prefill: the initial slot, -1 without)
+  int64_t cs0, cs1;  // cu_seqlens[b], cu_seqlens[b + 1] (0, 0 without cu_seqlens)
+  int accepted;      // replay: accepted[b]
+  int fslot, cslot;  // prefill: final and checkpoint slots (-1: none)
 };
 template <WarpOp kOp>
-__device__ __forceinline__ RowLoads load_row(const CommitParams& p, int b) {
-  RowLoads r{p.state_indices[b], 0, 0, 0};
+__device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b) {
+  if constexpr (kOp == WarpOp::kPrefill) {
+    RowLoads r{p.state_indices != nullptr ? p.state_indices[b] : -1, 0, 0, 0, -1, -1};
+    if (p.seq_cu64) {
+      r.cs0 = static_cast<const int64_t*>(p.seq_cu)[b], r.cs1 = static_cast<const int64_t*>(p.seq_cu)[b + 1];
+    } else {
+      r.cs0 = static_cast<const int32_t*>(p.seq_cu)[b], r.cs1 = static_cast<const int32_t*>(p.seq_cu)[b + 1];
+    }
+    if (p.final_indices != nullptr) r.fslot = p.final_indices[b];
+    if (p.checkpoint_indices != nullptr) r.cslot = p.checkpoint_indices[b];
+    return r;
+  }
+  RowLoads r{p.state_indices[b], 0, 0, 0, -1, -1};
   if (kOp != WarpOp::kDecode && p.cu_seqlens != nullptr) r.cs0 = p.cu_seqlens[b], r.cs1 = p.cu_seqlens[b + 1];
   if constexpr (kOp == WarpOp::kReplay) r.accepted = p.accepted[b];
   return r;
 }
 
 // Row b's first token and length: T tokens at b * T, or cu_seqlens' span (decode passes T = 1 and no
-// cu_seqlens). False for a row the kernels cannot place (a length outside 0..T): counted, nothing written.
-__device__ __forceinline__ bool row_tokens(const CommitParams& p, const RowLoads& rl, int b, int T, int64_t& tok0,
+// cu_seqlens). False for a row the kernels cannot place (a length outside 0..T): counted, nothing
+// written. Prefill: false for every sequence the chunked kernels take (not short, or a bad span, which
+// they count): the kernel leaves it alone.
+template <WarpOp kOp>
+__device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLoads& rl, int b, int T, int64_t& tok0,
                                            int& len) {
+  if constexpr (kOp == WarpOp::kPrefill) {
+    tok0 = rl.cs0;
+    len = int(rl.cs1 - rl.cs0);
+    return short_prefill_sequence(rl.cs0, rl.cs1, p.total_tokens, T);
+  }
   tok0 = int64_t(b) * T;
   len = T;
-  if (p.cu_seqlens != nullptr) tok0 = rl.cs0, len = rl.cs1 - rl.cs0;
+  if (p.cu_seqlens != nullptr) tok0 = rl.cs0, len = int(rl.cs1 - rl.cs0);
   return len >= 0 && len <= T;
 }
 
 // Whether row b (len tokens placed, pool slot rl.slot) must be skipped and counted: a slot past the pool,
 // and for verify a cache slot past the buffer or a parent out of range, for replay a kept count past the
-// row's tokens or a path entry out of range. Sets n_replay (replay: the kept count) and islot (verify:
-// the row's cache slot, -1 without a cache).
+// row's tokens or a path entry out of range, for prefill a final or checkpoint slot past its buffer. Sets
+// n_replay (replay: the kept count) and islot (verify: the row's cache slot, -1 without a cache).
 template <WarpOp kOp>
-__device__ __forceinline__ bool row_is_bad(const CommitParams& p, const RowLoads& rl, int b, int T, int len,
+__device__ __forceinline__ bool row_is_bad(const RecurrentParams& p, const RowLoads& rl, int b, int T, int len,
                                            int& n_replay, int& islot) {
   bool bad = rl.slot >= p.state.num_slots;
   n_replay = 0, islot = -1;
-  if constexpr (kOp == WarpOp::kReplay) {
+  if constexpr (kOp == WarpOp::kPrefill) {
+    bad = bad || rl.fslot >= p.state.num_slots || (p.checkpoint_indices != nullptr && rl.cslot >= p.checkpoint_slots);
+  } else if constexpr (kOp == WarpOp::kReplay) {
     n_replay = rl.accepted;
     bad = bad || n_replay < 0 || n_replay > len;
     for (int j = 0; j < n_replay && !bad && p.accepted_path != nullptr; ++j) {

@@ -47,7 +47,7 @@ namespace gdnkit::cuda::recurrent {
 // Routed from here: V-last decode with K <= 128 to vlast_decode_kernel (vlast_decode.cuh); K-last verify
 // of chains without a cache and replay, bf16 inputs, K <= 128, to chain_mma_kernel (chain_mma.cuh).
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
-void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream);
+void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream stream);
 
 #ifdef GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
 
@@ -58,6 +58,7 @@ template <StateLayout kLayout, int K, WarpOp kOp>
 constexpr int warp_kernel_min_warps() {
   if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
   if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
+  if (kOp == WarpOp::kPrefill && kLayout == StateLayout::kVLast) return 16;  // as verify
   if (kOp != WarpOp::kDecode) return 20;
   return K <= 128 ? 32 : 28;
 }
@@ -65,10 +66,11 @@ constexpr int warp_kernel_min_warps() {
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
 __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
                                   warp_kernel_min_warps<kLayout, K, kOp>() / WarpTile<kLayout, TS, K, V>::kCtaWarps)
-    warp_recurrent_kernel(const CommitParams p, const bool write_state, const bool prefetch) {
+    warp_recurrent_kernel(const RecurrentParams p, const bool write_state, const bool prefetch) {
   using Tile = WarpTile<kLayout, TS, K, V>;
   constexpr int kRows = Tile::kRows, kKPer = Tile::kKPer;
   constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
+  constexpr bool kPrefill = kOp == WarpOp::kPrefill;
   // Dot products per token: d_k of each column, and d_q unless replaying; each lands in kLanesPerSum lanes.
   constexpr int kSums = kReplay ? kRows : 2 * kRows, kLanesPerSum = 32 / kSums;
   static_assert(kReplay || kRows * kLanesPerSum == 16, "d_q of column i sits 16 lanes above its d_k");
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // overlaps the DRAM latency of the state with the previous kernel's last wave (all of it at small B).
   // The next kernel may launch once every CTA of this one is past its wait: at most one kernel ahead.
   int spec = -1;  // the slot index as read before the wait, if a pool slot (prefetch mode)
-  if (prefetch) {
+  if (prefetch && p.state_indices != nullptr) {
     spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots)
       Tile::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);
@@ -124,7 +126,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // ---- which tokens, which slots (the same checks, in the same order, as the CPU reference) -----
   int64_t tok0;
   int len;
-  const bool placed = row_tokens(p, rl, b, T, tok0, len);  // decode: T = 1, token b
+  const bool placed = row_tokens<kOp>(p, rl, b, T, tok0, len);  // decode: T = 1, token b
   const auto out_ptr = [&](int64_t tok) {
     return static_cast<TI*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
   };
@@ -242,15 +244,17 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   Token cur;  // the next token to apply; decode: its loads go out before the slot arrives
   if constexpr (kDecode) cur = load_token(0);
 
-  if (!placed) {  // a row the kernel cannot place: counted, nothing written
-    if (counter) atomicAdd(p.error_flag, 1);
+  if (!placed) {  // a row the kernel cannot place: counted, nothing written (prefill: not this path's)
+    if (counter && !kPrefill) atomicAdd(p.error_flag, 1);
     return;
   }
   if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
   int n_replay, islot;
   const bool bad = row_is_bad<kOp>(p, rl, b, T, len, n_replay, islot);
 
-  if (bad || slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
+  // Padding row (prefill: no initial slot means S = 0), or one the kernel must not touch: o = 0, no state
+  // traffic.
+  if (bad || (slot < 0 && !kPrefill)) {
     if (bad && counter) atomicAdd(p.error_flag, 1);
     if (!kReplay && lane < kRows)
       for (int t = 0; t < len; ++t) out_ptr(tok0 + t)[lane] = from_float<TI>(0.0f);
@@ -263,7 +267,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // loads issued before the current token's math, so only the first token's load latency is exposed
   // (and that one overlaps the state loads). Trees take `step` (loads, then math) per token.
   const int n_tokens = kDecode ? 1 : (kReplay ? n_replay : len);
-  const bool chain = kOp != WarpOp::kVerify || p.parent == nullptr;
+  const bool chain = kOp != WarpOp::kVerify || p.parent == nullptr;  // prefill: a chain
   const auto token_index = [&](int j) {
     return kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j;
   };
@@ -272,7 +276,14 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   if (!kDecode && chain && n_tokens > 0) cur = load_token(token_index(0));
 
   TS* const tile = head_block + int64_t(slot) * p.state.slot_stride;
-  if (!kDecode || spec != slot) Tile::load(tile, s, lane, stage);  // every state load issued before any use
+  if (kPrefill && slot < 0) {  // prefill from S = 0
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPer; ++j) s[i][j] = 0.0f;
+  } else if (!kDecode || spec != slot) {
+    Tile::load(tile, s, lane, stage);  // every state load issued before any use
+  }
   if (!kDecode) gate_math(lane_g, lane_decay, lane_beta);
 
   // Verify's intermediate state after token t.
@@ -295,7 +306,11 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
       store_intermediate(j);
       cur = next;
     }
-    if (kOp != WarpOp::kVerify || write_state) Tile::store(tile, s, lane, stage);
+    if constexpr (kPrefill) {
+      if (rl.fslot >= 0) Tile::store(head_block + int64_t(rl.fslot) * p.state.slot_stride, s, lane, stage);
+    } else if (kOp != WarpOp::kVerify || write_state) {
+      Tile::store(tile, s, lane, stage);
+    }
     return;
   }
   if constexpr (kOp == WarpOp::kVerify) {  // tree
@@ -322,7 +337,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
 }
 
 template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
-void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream stream) {
+void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream stream) {
   constexpr int kRows = WarpTile<kLayout, TS, K, V>::kRows;
   if (p.batch <= 0 || p.heads.num_v_heads <= 0) return;
   constexpr int kCtaWarps = WarpTile<kLayout, TS, K, V>::kCtaWarps;
@@ -333,7 +348,7 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
                                                 std::to_string(kColCtas) + " < 2^31)");
   if constexpr (kLayout == StateLayout::kKLast && std::is_same_v<TI, __nv_bfloat16> && K <= 128 &&
                 kOp != WarpOp::kDecode) {
-    if (chain_mma_fits(p, kOp == WarpOp::kReplay))
+    if (chain_mma_fits(p, kOp))
       return launch_chain_mma<TS, K, V, kOp>(p, write_state, stream);  // chain_mma.cuh: tensor cores
   }
   if constexpr (kLayout == StateLayout::kVLast && kOp == WarpOp::kDecode && K <= 128) {
@@ -348,17 +363,23 @@ void launch_warp_recurrent(const CommitParams& p, bool write_state, Stream strea
 
 // Explicit instantiations: one translation unit per (layout, state dtype); all ops, input dtypes, dims.
 #define GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, D)                                                        \
-  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kDecode>(const CommitParams&, bool, Stream); \
-  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kVerify>(const CommitParams&, bool, Stream); \
-  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kReplay>(const CommitParams&, bool, Stream);
+  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kDecode>(const RecurrentParams&, bool, Stream); \
+  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kVerify>(const RecurrentParams&, bool, Stream); \
+  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kReplay>(const RecurrentParams&, bool, Stream);
 #define GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, TI) \
   GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 64)    \
   GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 128)   \
   GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 256)
+// Prefill's short sequences: 16-bit inputs, K = V in {64, 128} (prefill_short_supported, recurrent.cu).
+#define GDNKIT_WARP_RECURRENT_INSTANTIATE_PREFILL(L, TS, TI)                                                 \
+  template void launch_warp_recurrent<L, TS, TI, 64, 64, WarpOp::kPrefill>(const RecurrentParams&, bool, Stream); \
+  template void launch_warp_recurrent<L, TS, TI, 128, 128, WarpOp::kPrefill>(const RecurrentParams&, bool, Stream);
 #define GDNKIT_WARP_RECURRENT_INSTANTIATE(L, TS)                 \
   GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, float)           \
   GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, __nv_bfloat16)   \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, __half)
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, __half)          \
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_PREFILL(L, TS, __nv_bfloat16) \
+  GDNKIT_WARP_RECURRENT_INSTANTIATE_PREFILL(L, TS, __half)
 
 #endif  // GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
 
