@@ -11,7 +11,8 @@ import sys
 
 
 def key(row):
-    return (row["op"], row.get("mode") or "", row["state_dtype"], row["layout"], row.get("draft_tokens") or 0,
+    # prefill's mode names the path the library took (short, chunked), which an A/B may change
+    return (row["op"], "" if row["op"] == "prefill" else row.get("mode") or "", row["state_dtype"], row["layout"], row.get("draft_tokens") or 0,
             row["batch"], row.get("seqs") or "")
 
 

@@ -184,9 +184,10 @@ int choose_vtile(const PrefillParams& p, int num_sms) {
   return 16;
 }
 
-// The short-sequence path's default reach, measured on the H100 (results/H100/prefill_short_ab.md):
-// the longest sequence for which the recurrent kernels beat the chunked pass.
-constexpr int kShortLenDefault = 32;
+// The short-sequence path's default reach, measured on the H100 (qwen3-next heads, fp32 pool; the runs in
+// results/H100/RUN.md): against the chunked kernels 0.49x at 8 tokens a sequence, 0.62x at 16, 1.03x at 32,
+// 1.31x at 48 (the recurrent kernels' math grows with the tokens, the chunked kernels' state I/O does not).
+constexpr int kShortLenDefault = 24;
 
 int short_len_setting() {
   static const int from_env = [] {
