@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
   TS* const head_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
 
   // Programmatic dependent launch and prefetch mode: as the warp kernel (warp_kernel.cuh).
-  if (prefetch && p.state_indices != nullptr) {
+  if (prefetch && (!kPrefill || p.state_indices != nullptr)) {  // prefill: initial slots may be absent
     const int spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots)
       WarpTile<StateLayout::kKLast, TS, K, V>::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);

@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // overlaps the DRAM latency of the state with the previous kernel's last wave (all of it at small B).
   // The next kernel may launch once every CTA of this one is past its wait: at most one kernel ahead.
   int spec = -1;  // the slot index as read before the wait, if a pool slot (prefetch mode)
-  if (prefetch && p.state_indices != nullptr) {
+  if (prefetch && (!kPrefill || p.state_indices != nullptr)) {  // prefill: initial slots may be absent
     spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots)
       Tile::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);
