@@ -143,11 +143,13 @@ def test_verify_commit_vs_cpu(layout, tree):
         assert rel(f64(p_gpu), f64(p_cpu)) < S_TOL[("recurrent", torch.float32)], source
 
 
+# Lengths around the chunk (both CUDA paths: the short sequences on the recurrent kernels), and only short
+# sequences (the short-sequence path alone).
+@pytest.mark.parametrize("lens", [[1, 63, 64, 65, 300, 0, 130], [3, 20, 0, 7, 24, 1, 11]], ids=["mixed", "short"])
 @pytest.mark.parametrize("layout", ["k_last", "v_last"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_prefill_vs_cpu(layout, state_dtype):
-    g = gen("prefill", layout, str(state_dtype))
-    lens = [1, 63, 64, 65, 300, 0, 130]
+def test_prefill_vs_cpu(layout, state_dtype, lens):
+    g = gen("prefill", layout, str(state_dtype), str(lens))
     N, P = len(lens), 12
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32)
     t = tokens(g, int(cu[-1]))
