@@ -3,16 +3,21 @@
 
     python3 tools/bench_compare.py BEFORE.json AFTER.json [MORE.json ...]
 
-One line per row of the first file: its key (op, mode, state dtype, layout, T, B), the µs of each file,
+One line per row of the first file: its key (shape, op, mode, state dtype, layout, T, B, sequence set), the µs of each file,
 the last file's time over the first's, and the last file's % of its own copy ceiling.
 """
 import json
 import sys
 
 
+def shape_name(row):
+    s = row.get("shape") or ""
+    return s if isinstance(s, str) else s.get("name", "")
+
+
 def key(row):
     # prefill's mode names the path the library took (short, chunked), which an A/B may change
-    return (row["op"], "" if row["op"] == "prefill" else row.get("mode") or "", row["state_dtype"], row["layout"], row.get("draft_tokens") or 0,
+    return (shape_name(row), row["op"], "" if row["op"] == "prefill" else row.get("mode") or "", row["state_dtype"], row["layout"], row.get("draft_tokens") or 0,
             row["batch"], row.get("seqs") or "")
 
 
