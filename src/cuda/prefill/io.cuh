@@ -135,15 +135,18 @@ __device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const
       }
     }
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int row = row0 + (u0 + u) * kRowStep;
-      *reinterpret_cast<uint4*>(dst + row * (K + 8) + cv * 8) = x[u];
-      if constexpr (kNorm) {
-        float ss = sumsq8<Op>(x[u]);
+    for (int u = 0; u < kBatch; ++u)
+      *reinterpret_cast<uint4*>(dst + (row0 + (u0 + u) * kRowStep) * (K + 8) + cv * 8) = x[u];
+    if constexpr (kNorm) {
+      // The batch's sums of squares reduced together over each row's kVecPerRow lanes (kBatch - 1 +
+      // log2(kVecPerRow / kBatch) shuffles instead of kBatch log2(kVecPerRow)); lane cv ends with the sum
+      // of row u = cv / (kVecPerRow / kBatch) of the batch.
+      float ss[kBatch];
 #pragma unroll
-        for (int off = kVecPerRow / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-        if (cv == 0) rnorm[row] = (use_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * mult;
-      }
+      for (int u = 0; u < kBatch; ++u) ss[u] = sumsq8<Op>(x[u]);
+      const int u = transpose_group_sum<kBatch, kVecPerRow>(ss, tid % 32);
+      if (cv % (kVecPerRow / kBatch) == 0)
+        rnorm[row0 + (u0 + u) * kRowStep] = (use_l2norm ? rsqrtf(ss[0] + 1e-6f) : 1.0f) * mult;
     }
   }
 }

@@ -175,7 +175,6 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
   load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
   load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
-  if (warp == 0) store_gates(p, gates, L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
   __syncthreads();
 
   // G = k k^T and Mq = q k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns
@@ -205,6 +204,10 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
         }
       }
     }
+    // Warp 0, whose rows have the fewest products, turns the first head's gate loads into gcum and beta
+    // here rather than before the barrier above (the other warps waited for it there; nothing reads them
+    // before the M / A pass).
+    if (warp == 0) store_gates(p, gates, L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
     __syncthreads();  // Ks, Qs are dead from here on: the accumulators, A and T reuse their bytes
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
@@ -328,8 +331,11 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
       Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
       for (int e = tid; e < kChunk * kChunk / 2; e += kThreads) {
         const int i = e >> 5, c = (e & 31) * 2;
-        const float t0v = (c <= i && i < L) ? Tf[i * LDA + c] * beta[c] : 0.0f;
-        const float t1v = (c + 1 <= i && i < L) ? Tf[i * LDA + c + 1] * beta[c + 1] : 0.0f;
+        // Pairs in one access each (the upper triangle and rows past L hold stale values: selected away)
+        const float2 tv = *reinterpret_cast<const float2*>(&Tf[i * LDA + c]);
+        const float2 bv = *reinterpret_cast<const float2*>(&beta[c]);
+        const float t0v = (c <= i && i < L) ? tv.x * bv.x : 0.0f;
+        const float t1v = (c + 1 <= i && i < L) ? tv.y * bv.y : 0.0f;
         *reinterpret_cast<uint32_t*>(out + 2 * e) = pack2<Op>(t0v, t1v);
       }
     }
