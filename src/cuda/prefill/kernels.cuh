@@ -39,43 +39,10 @@ namespace gdnkit::cuda::chunked_prefill {
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: per (chunk, q/k head) WY preparation of the HV/H value heads of its GVA group.
 // ---------------------------------------------------------------------------------------------
-// The k k^T and q k^T accumulators a thread keeps for all value heads of the group: the 20 lower n8-tiles
-// (row block b, n-tile nt < 2 (b + 1)) of each product, 32 float4 (one per lane) each. Every warp holds five:
-// row blocks 0 and 3 have ten tiles together, 1 and 2 too, so warps 0 and 1 split a pair and warps 2 and 3
-// take the rest of a row block (by row block, warp 3 had four times warp 0's products and M / A tiles, and
-// the others waited for it at the barriers). Tile t of warp w is (prep_tile_b(w, t), prep_tile_n(w, t)).
-constexpr int kPrepTiles = 20, kPrepTilesPerWarp = 5;
-__host__ __device__ constexpr int prep_tile_b(int w, int t) { return w == 0 ? (t < 2 ? 0 : 3) : w == 1 ? (t < 4 ? 1 : 2) : w; }
-__host__ __device__ constexpr int prep_tile_n(int w, int t) {
-  return w == 0 ? (t < 2 ? t : t - 2) : w == 1 ? (t < 4 ? t : 0) : w == 2 ? t + 1 : t + 3;
-}
-__device__ __forceinline__ int prep_tile(int warp, int t, int lane) { return (warp * kPrepTilesPerWarp + t) * 32 + lane; }
-
-// Warp W's tiles of G = k k^T and Mq = q k^T (sharing the k fragments): the A fragments of its (one or two)
-// row blocks per k-step, the B fragments of each n-tile pair once.
-template <int W, int K, int LDK, class Op>
-__device__ __forceinline__ void prep_products(const Op* Ks, const Op* Qs, int lane, float (&acc)[kPrepTilesPerWarp][4],
-                                              float (&accm)[kPrepTilesPerWarp][4]) {
-  constexpr int kB0 = prep_tile_b(W, 0), kB1 = prep_tile_b(W, kPrepTilesPerWarp - 1);
-#pragma unroll
-  for (int kk = 0; kk < K; kk += 16) {
-    uint32_t a[2][4], aq[2][4];
-    ldmatrix_x4(a[0], a_frag_ptr<LDK>(Ks, kB0 * 16, kk, lane));
-    ldmatrix_x4(aq[0], a_frag_ptr<LDK>(Qs, kB0 * 16, kk, lane));
-    if constexpr (kB1 != kB0) {
-      ldmatrix_x4(a[1], a_frag_ptr<LDK>(Ks, kB1 * 16, kk, lane));
-      ldmatrix_x4(aq[1], a_frag_ptr<LDK>(Qs, kB1 * 16, kk, lane));
-    }
-    uint32_t b[4];
-#pragma unroll
-    for (int t = 0; t < kPrepTilesPerWarp; ++t) {
-      const int nt = prep_tile_n(W, t), blk = prep_tile_b(W, t) == kB0 ? 0 : 1;
-      if (t == 0 || nt / 2 != prep_tile_n(W, t - 1) / 2) ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, nt / 2 * 16, kk, lane));
-      mma<Op>(acc[t], a[blk], b[(nt & 1) * 2], b[(nt & 1) * 2 + 1]);
-      mma<Op>(accm[t], aq[blk], b[(nt & 1) * 2], b[(nt & 1) * 2 + 1]);
-    }
-  }
-}
+// The k k^T and q k^T accumulators a thread keeps for all value heads of the group: warp w holds
+// the 2(w+1) n8-tiles of its rows' lower blocks, 20 tiles of 32 float4 (one per lane) per product.
+constexpr int kPrepTiles = 20;
+__device__ __forceinline__ int prep_tile(int warp, int nt, int lane) { return (warp * (warp + 1) + nt) * 32 + lane; }
 
 // Dynamic shared memory of kernel 1: raw k and q rows; once they are consumed, their bytes hold the
 // fp32 solve (A, then T in place) and the accumulators of both products.
@@ -210,26 +177,44 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
   __syncthreads();
 
-  // G = k k^T and Mq = q k^T, the lower n8-tiles only, five per warp (prep_tile_b / prep_tile_n). Every
-  // value head of the group reuses them: each thread parks its own accumulators in shared memory (no
-  // barrier needed to read them back), as 64 more live registers through the solve took the kernel from 90
-  // to 168 registers.
+  // G = k k^T and Mq = q k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns
+  // 0..16w+15 (the two products share the k fragments). Every value head of the group reuses them:
+  // each thread parks its own accumulators in shared memory (no barrier needed to read them back),
+  // as 64 more live registers through the solve took the kernel from 90 to 168 registers.
   {
-    float acc[kPrepTilesPerWarp][4] = {}, accm[kPrepTilesPerWarp][4] = {};
-    switch (warp) {
-      case 0: prep_products<0, K, LDK>(Ks, Qs, lane, acc, accm); break;
-      case 1: prep_products<1, K, LDK>(Ks, Qs, lane, acc, accm); break;
-      case 2: prep_products<2, K, LDK>(Ks, Qs, lane, acc, accm); break;
-      default: prep_products<3, K, LDK>(Ks, Qs, lane, acc, accm); break;
+    float acc[8][4], accm[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][e] = accm[i][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < K; kk += 16) {
+      uint32_t a[4], aq[4];
+      ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, warp * 16, kk, lane));
+      ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, warp * 16, kk, lane));
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        if (np <= warp) {
+          uint32_t b[4];
+          ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
+          mma<Op>(acc[2 * np], a, b[0], b[1]);
+          mma<Op>(acc[2 * np + 1], a, b[2], b[3]);
+          mma<Op>(accm[2 * np], aq, b[0], b[1]);
+          mma<Op>(accm[2 * np + 1], aq, b[2], b[3]);
+        }
+      }
     }
-    // Warp 0 turns the first head's gate loads into gcum and beta here rather than before the barrier
-    // above (the other warps waited for it there; nothing reads them before the M / A pass).
+    // Warp 0, whose rows have the fewest products, turns the first head's gate loads into gcum and beta
+    // here rather than before the barrier above (the other warps waited for it there; nothing reads them
+    // before the M / A pass).
     if (warp == 0) store_gates(p, gates, L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
     __syncthreads();  // Ks, Qs are dead from here on: the accumulators, A and T reuse their bytes
 #pragma unroll
-    for (int t = 0; t < kPrepTilesPerWarp; ++t) {
-      Gacc[prep_tile(warp, t, lane)] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
-      Macc[prep_tile(warp, t, lane)] = make_float4(accm[t][0], accm[t][1], accm[t][2], accm[t][3]);
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt < 2 * (warp + 1)) {
+        Gacc[prep_tile(warp, nt, lane)] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+        Macc[prep_tile(warp, nt, lane)] = make_float4(accm[nt][0], accm[nt][1], accm[nt][2], accm[nt][3]);
+      }
     }
   }
 
@@ -247,44 +232,40 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
       constexpr float kLog2e = 1.4426950408889634f;
       const int r = lane >> 2, q2 = (lane & 3) * 2;
       Op* mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
-      // The warp's five lower tiles (those of its accumulators)
+      float gi[2], fq[2], fa[2];  // per row i = 16 warp + r + 8 half
 #pragma unroll
-      for (int t = 0; t < kPrepTilesPerWarp; ++t) {
-        const int b = prep_tile_b(warp, t), j = prep_tile_n(warp, t) * 8 + q2;
-        float gi[2], fq[2], fa[2];  // per row i = 16 b + r + 8 half
+      for (int half = 0; half < 2; ++half) {
+        const int i = warp * 16 + r + half * 8;
+        gi[half] = gc[i] * kLog2e;
+        fq[half] = s_rq[i];
+        fa[half] = beta[i] * s_rk[i];
+      }
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = b * 16 + r + half * 8;
-          gi[half] = gc[i] * kLog2e;
-          fq[half] = s_rq[i];
-          fa[half] = beta[i] * s_rk[i];
-        }
+      for (int nt = 0; nt < 8; ++nt) {
+        const int j = nt * 8 + q2;
         float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const float4 m4 = Macc[prep_tile(warp, t, lane)], g4 = Gacc[prep_tile(warp, t, lane)];
-        const float macc[4] = {m4.x, m4.y, m4.z, m4.w}, gacc[4] = {g4.x, g4.y, g4.z, g4.w};
-        const float2 gj = *reinterpret_cast<const float2*>(&gc[j]);
-        const float2 kj = *reinterpret_cast<const float2*>(&s_rk[j]);
+        if (nt < 2 * (warp + 1)) {
+          const float4 m4 = Macc[prep_tile(warp, nt, lane)], g4 = Gacc[prep_tile(warp, nt, lane)];
+          const float macc[4] = {m4.x, m4.y, m4.z, m4.w}, gacc[4] = {g4.x, g4.y, g4.z, g4.w};
+          const float2 gj = *reinterpret_cast<const float2*>(&gc[j]);
+          const float2 kj = *reinterpret_cast<const float2*>(&s_rk[j]);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = b * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
-          float a = 0.0f;
-          if (jj <= i) {
-            const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
-            m[e] = macc[e] * fq[e >> 1] * d;
-            if (jj < i) a = gacc[e] * fa[e >> 1] * d;
+          for (int e = 0; e < 4; ++e) {
+            const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
+            float a = 0.0f;
+            if (jj <= i) {
+              const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
+              m[e] = macc[e] * fq[e >> 1] * d;
+              if (jj < i) a = gacc[e] * fa[e >> 1] * d;
+            }
+            Af[i * LDA + jj] = a;
           }
-          Af[i * LDA + jj] = a;
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-          *reinterpret_cast<uint32_t*>(mout + (b * 16 + r + half * 8) * kChunk + j) =
+          *reinterpret_cast<uint32_t*>(mout + (warp * 16 + r + half * 8) * kChunk + j) =
               pack2<Op>(m[2 * half], m[2 * half + 1]);
       }
-      // The zero tiles above the diagonal blocks, by the warp of the row block as before (6, 4, 2, 0)
-      for (int nt = 2 * (warp + 1); nt < 8; ++nt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          *reinterpret_cast<uint32_t*>(mout + (warp * 16 + r + half * 8) * kChunk + nt * 8 + q2) = pack2<Op>(0.0f, 0.0f);
     }
     __syncthreads();
 
