@@ -61,6 +61,7 @@ TEST(PrefillTiming, TargetSets) {
                       {"1x32768", 1, 32768, 1.2},
                       {"1024x8", 1024, 8, 0.20},
                       {"1x8192", 1, 8192, 0.40},
+                      {"8x1024", 8, 1024, 0.20},
                       {"1x2048", 1, 2048, 0.0}};
   cudaStream_t stream;
   GDNKIT_TEST_CUDA(cudaStreamCreate(&stream));
