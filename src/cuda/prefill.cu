@@ -184,21 +184,30 @@ int choose_vtile(const PrefillParams& p, int num_sms) {
   return 16;
 }
 
-// The short-sequence path's default reach, measured on the H100 (qwen3-next heads, fp32 pool; the runs in
-// results/H100/RUN.md): against the chunked kernels 0.49x at 8 tokens a sequence, 0.62x at 16, 1.03x at 32,
-// 1.31x at 48 (the recurrent kernels' math grows with the tokens, the chunked kernels' state I/O does not).
-constexpr int kShortLenDefault = 24;
+// The short-sequence path's default reach: the longest sequence it beats the chunked kernels on, measured
+// on the H100 (qwen3-next heads, 1024 sequences of L tokens, short-path time / chunked time;
+// results/H100/prefill_short_reach_{off,64}.md). The recurrent kernels' math grows with the tokens, the
+// chunked kernels' state I/O does not.
+//   K-last, bf16 inputs (the chain kernel on tensor cores), fp32 pool: 0.50x at L = 8, 0.60 at 16, 0.79 at 24,
+//     1.05 at 32 -> 24; bf16 pool: 0.31, 0.44, 0.61, 0.77 at 32 -> 32 (longer not measured)
+//   the warp kernel (V-last; K-last with fp16 inputs, not measured, takes the same), fp32 pool: 0.98 at 8,
+//     1.40 at 16 -> 8; bf16 pool: 0.55 at 8, 0.90 at 16, 1.28 at 24 -> 16
+int short_len_default(const PrefillParams& p) {
+  const bool bf16_pool = p.state.dtype == DType::kBFloat16;
+  if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return bf16_pool ? 32 : 24;
+  return bf16_pool ? 16 : 8;
+}
 
-int short_len_setting() {
+int short_len_setting(const PrefillParams& p) {
   static const int from_env = [] {
     const char* e = std::getenv("GDNKIT_PREFILL_SHORT");
     return e == nullptr ? -1 : std::max(0, std::atoi(e));
   }();
-  return from_env >= 0 ? from_env : kShortLenDefault;
+  return from_env >= 0 ? from_env : short_len_default(p);
 }
 
 int choose_short_len(const PrefillParams& p) {
-  const int len = short_len_setting();
+  const int len = short_len_setting(p);
   if (len <= 0 || !prefill_short_supported(p)) return 0;
   if (p.cu_seqlens_host != nullptr) {
     for (int32_t n = 0; n < p.num_seqs; ++n)
