@@ -223,9 +223,7 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
   PrefillParams p = p_in;
   // Short sequences run on the recurrent kernels (the chunked kernels skip them); with a host copy of
   // cu_seqlens showing only short sequences, nothing else runs. Every check comes before any launch.
-  // The tiled state pass (a positive vtile) runs every sequence: the library picks it only for calls the short
-  // path is not built for, and an explicit tile (tests, timing) keeps it that way.
-  if (stages == kStagesAll && vtile <= 0) {
+  if (stages == kStagesAll) {
     if (short_len < 0) short_len = choose_short_len(p);
     if (short_len > 0 && !prefill_short_supported(p)) short_len = 0;
     // The short path stores no checkpoint: it takes only sequences shorter than the interval.

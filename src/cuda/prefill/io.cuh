@@ -187,11 +187,11 @@ struct SeqSlots {
 };
 
 // Reads sequence n's bounds and slots. A sequence of the short-sequence path (plan.short_len) is left
-// alone (kShortSkip; the tiled state pass never runs beside that path and does not test it). A bad sequence (cu_seqlens out of order or past total_tokens),
+// alone. A bad sequence (cu_seqlens out of order or past total_tokens),
 // or one with an initial, final or checkpoint slot past its buffer, is skipped as the CPU reference
 // does: counted once in error_flag (by the CTA with `counter`), and for a bad slot its o columns
 // [v0, v0 + vt) of head h are zeroed by this CTA's kThreadsPerCta threads. Returns false when skipped.
-template <int kThreadsPerCta, bool kShortSkip = true>
+template <int kThreadsPerCta>
 __device__ __forceinline__ bool begin_sequence(const PrefillParams& p, const Plan& plan, int n, int h, int v0, int vt,
                                                bool counter, SeqSlots& s) {
   const int tid = threadIdx.x;
@@ -201,7 +201,7 @@ __device__ __forceinline__ bool begin_sequence(const PrefillParams& p, const Pla
     if (counter) atomicAdd(p.error_flag, 1);
     return false;
   }
-  if (kShortSkip && short_prefill_sequence(start, end, p.total_tokens, plan.short_len)) return false;  // the short path's
+  if (short_prefill_sequence(start, end, p.total_tokens, plan.short_len)) return false;  // the short path's
   s.start = start;
   s.len = end - start;
   s.islot = p.initial_indices ? p.initial_indices[n] : -1;

@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
   const int r = lane >> 2, q2 = (lane & 3) * 2;
   const int hk = h / (HV / p.heads.num_qk_heads);
   SeqSlots sq;
-  if (!begin_sequence<kThreads, false>(p, plan, n, h, v0, VT, h == 0 && vt == 0, sq)) return;
+  if (!begin_sequence<kThreads>(p, plan, n, h, v0, VT, h == 0 && vt == 0, sq)) return;
   const int64_t start = sq.start, len = sq.len;
   const int islot = sq.islot, fslot = sq.fslot, cslot = sq.cslot;
 
