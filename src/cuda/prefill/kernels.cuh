@@ -153,18 +153,14 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   const int HV = p.heads.num_v_heads, group = HV / p.heads.num_qk_heads;
   const int h0 = hk * group, h1 = h0 + group;  // the value heads of the group
 
-  // slot -> (sequence n, chunk c): n = the last sequence with key(n) = floor(cu[n]/64) + n <= slot (key is
-  // strictly increasing for non-decreasing cu_seqlens, key(0) = 0). Each round samples kThreads sequences of
-  // the remaining span, one load per thread, all in flight together, and counts them with one barrier: one
-  // round for N <= 128, where a binary search waited on log2(N) dependent loads.
-  int lo = 0;
-  for (int span = p.num_seqs; span > 1;) {
-    const int stride = (span + kThreads - 1) / kThreads;
-    const int idx = lo + tid * stride;
-    const bool below = tid * stride < span && load_cu(p, idx) / kChunk + idx <= slot;
-    const int count = __syncthreads_count(below);  // >= 1: key(lo) <= slot
-    lo += (count - 1) * stride;
-    span = min(stride, span - (count - 1) * stride);
+  // slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot.
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (load_cu(p, mid) / kChunk + mid <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const int n = lo;
   const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
@@ -174,12 +170,6 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   if (c < 0 || c * kChunk >= end - start) return;  // a slot no chunk maps to
   const int64_t t0 = start + c * kChunk;
   const int L = int(min(int64_t(kChunk), end - t0));
-  {  // The q rows into L2 now: their loads go out only once the k rows are in shared memory.
-    const int es = p.q.dtype == DType::kFloat32 ? 4 : 2, lines = (K * es + 127) / 128;
-    const char* q0 = static_cast<const char*>(p.q.data) + (t0 * p.q.token_stride + int64_t(hk) * p.q.head_stride) * es;
-    for (int i = tid; i < L * lines; i += kThreads)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(q0 + int64_t(i / lines) * p.q.token_stride * es + (i % lines) * 128));
-  }
 
   GateLoads gates;  // warp 0: the next value head's gate inputs
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
@@ -259,19 +249,17 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
           const float macc[4] = {m4.x, m4.y, m4.z, m4.w}, gacc[4] = {g4.x, g4.y, g4.z, g4.w};
           const float2 gj = *reinterpret_cast<const float2*>(&gc[j]);
           const float2 kj = *reinterpret_cast<const float2*>(&s_rk[j]);
-          float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
+            float a = 0.0f;
             if (jj <= i) {
               const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
               m[e] = macc[e] * fq[e >> 1] * d;
-              if (jj < i) a[e] = gacc[e] * fa[e >> 1] * d;
+              if (jj < i) a = gacc[e] * fa[e >> 1] * d;
             }
+            Af[i * LDA + jj] = a;
           }
-#pragma unroll
-          for (int half = 0; half < 2; ++half)  // (i, j) and (i, j + 1) in one store
-            *reinterpret_cast<float2*>(&Af[(warp * 16 + r + half * 8) * LDA + j]) = make_float2(a[2 * half], a[2 * half + 1]);
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half)
