@@ -287,12 +287,10 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(p.heads.head_dim_v));
-  // The chunked kernels first: what can still fail at a launch (a kernel attribute, the TMA maps) fails
-  // there, before the short path or the state pass has written o or a state.
+  if (short_len > 0) prefill_short(p, short_len, reinterpret_cast<Stream>(stream));
   if (K == 64) launch<64>(p, plan, vtile, stream, stages);
   if (K == 128) launch<128>(p, plan, vtile, stream, stages);
   if (K == 256) launch<256>(p, plan, vtile, stream, stages);
-  if (short_len > 0) prefill_short(p, short_len, reinterpret_cast<Stream>(stream));
 }
 
 }  // namespace chunked_prefill

@@ -469,7 +469,7 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   // The path the library takes (cuda/prefill.cu): sequences of at most choose_short_len tokens on the
   // recurrent kernels, the others on the chunked kernels.
   const int short_len = cuda::chunked_prefill::choose_short_len(p);
-  const auto n_short = std::count_if(set.lengths.begin(), set.lengths.end(), [&](auto L) { return short_len > 0 && L <= short_len; });
+  const auto n_short = std::count_if(set.lengths.begin(), set.lengths.end(), [&](auto L) { return L <= short_len; });
   r.mode = n_short == N ? "short" : n_short == 0 ? "chunked" : "short+chunked";
   std::unique_ptr<DevBuf> workspace;
   const Context ctx = d.ctx();
