@@ -25,6 +25,9 @@ bool state_prefetch_enabled();
 // tensor-core chain kernel (recurrent/chain_mma.cuh): `measured` unless GDNKIT_CHAIN_MMA sets it (a count
 // n >= 1; 0: never). Read once per process; for A/B timing.
 int chain_mma_min_tokens(int measured);
+// The longest prefill sequence the short-sequence path takes (cuda/prefill.cu): `measured` unless
+// GDNKIT_PREFILL_SHORT sets it (0: the path is off). Read once per process; for A/B timing.
+int prefill_short_reach(int measured);
 // SMs of the first device asked (sizing heuristics only; 132 if the query fails). Defined in runtime.cpp.
 int device_sms();
 

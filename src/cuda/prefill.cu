@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -198,22 +197,18 @@ int short_len_default(const PrefillParams& p) {
   return bf16_pool ? 16 : 8;
 }
 
-int short_len_setting(const PrefillParams& p) {
-  static const int from_env = [] {
-    const char* e = std::getenv("GDNKIT_PREFILL_SHORT");
-    return e == nullptr ? -1 : std::max(0, std::atoi(e));
-  }();
-  return from_env >= 0 ? from_env : short_len_default(p);
+// Sequences of at most len tokens, by the host copy of cu_seqlens (which the caller checks is given).
+int32_t count_short(const PrefillParams& p, int len) {
+  int32_t count = 0;
+  for (int32_t n = 0; n < p.num_seqs; ++n)
+    count += short_prefill_sequence(p.cu_seqlens_host[n], p.cu_seqlens_host[n + 1], p.total_tokens, len);
+  return count;
 }
 
 int choose_short_len(const PrefillParams& p) {
-  const int len = short_len_setting(p);
+  const int len = prefill_short_reach(short_len_default(p));
   if (len <= 0 || !prefill_short_supported(p)) return 0;
-  if (p.cu_seqlens_host != nullptr) {
-    for (int32_t n = 0; n < p.num_seqs; ++n)
-      if (short_prefill_sequence(p.cu_seqlens_host[n], p.cu_seqlens_host[n + 1], p.total_tokens, len)) return len;
-    return 0;
-  }
+  if (p.cu_seqlens_host != nullptr) return count_short(p, len) > 0 ? len : 0;
   return p.total_tokens <= int64_t(p.num_seqs) * len ? len : 0;
 }
 
@@ -232,13 +227,8 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
   } else {
     short_len = 0;  // timing of the chunked kernels alone
   }
-  bool chunked = true;
-  if (short_len > 0 && p.cu_seqlens_host != nullptr) {
-    chunked = false;
-    for (int32_t n = 0; n < p.num_seqs && !chunked; ++n)
-      chunked = !short_prefill_sequence(p.cu_seqlens_host[n], p.cu_seqlens_host[n + 1], p.total_tokens, short_len);
-  }
-  if (!chunked) return prefill_short(p, short_len, reinterpret_cast<Stream>(stream));
+  if (short_len > 0 && p.cu_seqlens_host != nullptr && count_short(p, short_len) == p.num_seqs)
+    return prefill_short(p, short_len, reinterpret_cast<Stream>(stream));
 
   const int K = p.heads.head_dim_k;
   if (K != 64 && K != 128 && K != 256)
@@ -294,6 +284,16 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
 }
 
 }  // namespace chunked_prefill
+
+// The head pass's conditions (16-bit q/k/v/o of one dtype in 16-byte aligned rows, K <= 128), K = V, 16-byte
+// aligned state slots, and a grid of N rows.
+bool prefill_short_supported(const PrefillParams& p) {
+  const int K = p.heads.head_dim_k;
+  const int64_t slot_bytes = p.state.slot_stride * dtype_size(p.state.dtype);
+  return chunked_prefill::head_pass_ok(p) && K == p.heads.head_dim_v && (K == 64 || K == 128) &&
+         chunked_prefill::aligned(p.state.data, 16) && slot_bytes % 16 == 0 && p.num_seqs > 0 &&
+         p.num_seqs <= 65535 && p.heads.num_v_heads > 0;
+}
 
 void prefill(const PrefillParams& p, Stream stream) {
   chunked_prefill::prefill_with_vtile(p, reinterpret_cast<cudaStream_t>(stream), 0);

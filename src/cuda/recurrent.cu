@@ -105,13 +105,6 @@ void dispatch_recurrent(const char* op, const CommitParams& c, bool write_state,
   by_layout<kOp>(p, write_state, stream);
 }
 
-// Rows the kernels read and write in 16-byte pieces (validate() asks this of decode / verify views).
-template <class View>
-bool rows_aligned(const View& v) {
-  const int64_t per = 16 / dtype_size(v.dtype);
-  return reinterpret_cast<uintptr_t>(v.data) % 16 == 0 && v.token_stride % per == 0 && v.head_stride % per == 0;
-}
-
 // ---- commit from the cache: pool[slot] = intermediate[islot, last kept token] -----------------
 // One CTA per (sequence, value head) copies K*V elements, converting the cache dtype to the pool's.
 constexpr int kCopyThreads = 256;
@@ -183,16 +176,6 @@ void commit_from_cache(const CommitParams& p, Stream stream) {
 }
 
 }  // namespace
-
-bool prefill_short_supported(const PrefillParams& p) {
-  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
-  const DType dt = p.q.dtype;
-  const auto slot_bytes = p.state.slot_stride * dtype_size(p.state.dtype);
-  return K == V && (K == 64 || K == 128) && (dt == DType::kBFloat16 || dt == DType::kFloat16) && p.k.dtype == dt &&
-         p.v.dtype == dt && p.o.dtype == dt && rows_aligned(p.q) && rows_aligned(p.k) && rows_aligned(p.v) &&
-         rows_aligned(p.o) && reinterpret_cast<uintptr_t>(p.state.data) % 16 == 0 && slot_bytes % 16 == 0 &&
-         p.num_seqs > 0 && p.num_seqs <= 65535 && p.heads.num_v_heads > 0;
-}
 
 void prefill_short(const PrefillParams& p, int max_len, Stream stream) {
   RecurrentParams r;

@@ -1,6 +1,7 @@
 // Device discovery for the CUDA backend, and the process-wide launch switches.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <string>
@@ -62,6 +63,14 @@ int chain_mma_min_tokens(int measured) {
     return n > 0 ? n : INT_MAX;  // "0" (or anything but a count): never
   }();
   return from_env > 0 ? from_env : measured;
+}
+
+int prefill_short_reach(int measured) {
+  static const int from_env = [] {  // -1: unset
+    const char* e = std::getenv("GDNKIT_PREFILL_SHORT");
+    return e == nullptr ? -1 : std::max(0, std::atoi(e));
+  }();
+  return from_env >= 0 ? from_env : measured;
 }
 
 std::string device_info() {

@@ -11,10 +11,11 @@
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda {
-// The short-sequence path of prefill (defined in cuda/recurrent.cu): the sequences of at most max_len
-// tokens on the recurrent kernels (WarpOp::kPrefill: one state read, one write, the tokens on the way),
-// the others left to the chunked kernels. prefill_short_supported: the call's dims (K = V <= 128),
-// dtypes (16-bit q/k/v/o) and alignments (16-byte rows and slots) are ones it is built for.
+// The short-sequence path of prefill: the sequences of at most max_len tokens on the recurrent kernels
+// (WarpOp::kPrefill: one state read, one write, the tokens on the way), the others left to the chunked
+// kernels. prefill_short (cuda/recurrent.cu) launches it; prefill_short_supported (cuda/prefill.cu): the
+// call's dims (K = V <= 128), dtypes (16-bit q/k/v/o) and alignments (16-byte rows and slots) are ones it
+// is built for.
 bool prefill_short_supported(const PrefillParams& p);
 void prefill_short(const PrefillParams& p, int max_len, Stream stream);
 }  // namespace gdnkit::cuda
