@@ -125,9 +125,18 @@ std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
   return ::testing::AssertionSuccess();
 }
 
+// vtile = kShortOnly: the short-sequence path's launcher alone (cuda::prefill_short), no chunked kernel.
+constexpr int kShortOnly = -100;
+
 void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-  if (vtile == 0 && short_len < 0) {
+  // A case that asks for the short path must get it: were it refused, the chunked kernels would run
+  // every sequence and the comparison would still pass.
+  if (short_len > 0) EXPECT_TRUE(cuda::prefill_short_supported(p)) << "the short path would not run";
+  if (vtile == kShortOnly) {
+    validate(p, Backend::kCUDA);
+    cuda::prefill_short(p, short_len, reinterpret_cast<Stream>(dev.stream()));
+  } else if (vtile == 0 && short_len < 0) {
     prefill(p, {Backend::kCUDA, dev.stream()});
   } else {
     validate(p, Backend::kCUDA);
@@ -308,6 +317,25 @@ std::vector<Case> short_cases() {
     c.same_slot = false, c.zero_initial_rows = 3, c.no_final_rows = 2;
     add(c, "short32_zero_init_no_final", 32);
   }
+  // The recurrent kernels alone (cuda::prefill_short, no chunked kernel launched), so that the outputs
+  // and final states can only be theirs: the chain kernel (K-last, bf16 inputs) and the warp kernel.
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    ProblemConfig c = base({1, 7, 32, 0, 20, 3}, 2, 4);
+    c.layout = layout;
+    c.seed = 4000 + i++;
+    out.push_back({case_name(c, "short_only"), c, kShortOnly, 0, 32});
+  }
+  // The library's default routing of mixed batches through the public API (short_len < 0): with the
+  // host copy both paths run; without it the mean length (> 24) keeps every sequence on the chunked
+  // kernels. Lengths at the reach (24, 25) of the K-last fp32 pool.
+  {
+    ProblemConfig c = base({3, 200, 17, 0, 64, 9, 24, 25, 1}, 2, 4);
+    add(c, "mixed_auto", -1);
+    c.pass_cu_seqlens_host = false;
+    add(c, "mixed_auto_nohost", -1);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kBFloat16, c.pass_cu_seqlens_host = true;
+    add(c, "mixed_auto", -1);
+  }
   // The library's choice through the public API, qwen3-next heads: only short sequences (a host copy of
   // cu_seqlens: the chunked kernels are not launched), and the same without the host copy (mean length
   // <= max_len: both paths launched, the chunked kernels skipping every sequence).
@@ -392,26 +420,66 @@ INSTANTIATE_TEST_SUITE_P(Short, PrefillTest, ::testing::ValuesIn(short_cases()),
 INSTANTIATE_TEST_SUITE_P(Sanitize, PrefillTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// Slots >= their buffer: the sequence is skipped (o = 0, no state stored) and counted once each.
+// Slots >= their buffer: the sequence is skipped (o = 0, no state stored) and counted once each. The
+// library's choice (the short path takes 10 and 5), the chunked kernels alone, and the short path at 24
+// (the bad initial and checkpoint slots on its sequences, the bad final slot on a chunked one).
 TEST(PrefillGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
-  ProblemConfig c = base({70, 10, 65, 5}, 1, 2, 64, 64);
-  c.zero_initial_rows = 0;
-  c.checkpoint_interval = 64;
-  Problem p(c);
-  p.as<int32_t>("initial_indices")[1] = int32_t(p.num_slots());
-  p.as<int32_t>("final_indices")[2] = int32_t(p.num_slots()) + 7;
-  p.as<int32_t>("checkpoint_indices")[3] = 1000;
-  check_prefill(p);
-  Problem got = p;
-  {
-    DeviceProblem dev(got);
-    run_gpu(got, dev, 0);
+  for (int short_len : {-1, 0, 24}) {
+    SCOPED_TRACE("short_len " + std::to_string(short_len));
+    ProblemConfig c = base({70, 10, 65, 5}, 1, 2, 64, 64);
+    c.zero_initial_rows = 0;
+    c.checkpoint_interval = 64;
+    Problem p(c);
+    p.as<int32_t>("initial_indices")[1] = int32_t(p.num_slots());
+    p.as<int32_t>("final_indices")[2] = int32_t(p.num_slots()) + 7;
+    p.as<int32_t>("checkpoint_indices")[3] = 1000;
+    check_prefill(p, 0, 0, short_len);
+    Problem got = p;
+    {
+      DeviceProblem dev(got);
+      run_gpu(got, dev, 0, 0, short_len);
+    }
+    EXPECT_EQ(got.as<int32_t>("error_flag")[0], 3);
+    const std::vector<double> o = got.read_tokens("o");
+    for (int32_t r = 1; r < 4; ++r)
+      EXPECT_TRUE(AllZero("o of sequence " + std::to_string(r),
+                          token_rows(o, int64_t(c.HV) * c.V, p.row_start(r), p.row_start(r) + p.row_len(r))));
   }
-  EXPECT_EQ(got.as<int32_t>("error_flag")[0], 3);
-  const std::vector<double> o = got.read_tokens("o");
-  for (int32_t r = 1; r < 4; ++r)
-    EXPECT_TRUE(AllZero("o of sequence " + std::to_string(r),
-                        token_rows(o, int64_t(c.HV) * c.V, p.row_start(r), p.row_start(r) + p.row_len(r))));
+}
+
+// A cu_seqlens span out of order with the short path on: the CPU backend refuses such cu_seqlens (it
+// reads them), so the chunked kernels alone are the reference here. Sequence 1's span [10, 8) is skipped
+// and counted once by the chunked kernels and left alone by the recurrent kernels; sequence 2 then runs
+// [8, 18) (its first two tokens are also sequence 0's, whose o rows both write: not compared). No host
+// copy of cu_seqlens (it would show the good spans): the mean length is within the reach, both paths run.
+TEST(PrefillGpu, BadSpanWithShortPathSanitize) {
+  ProblemConfig c = base({10, 5, 3, 20, 8, 70}, 1, 2);
+  c.pass_cu_seqlens_host = false;
+  c.seed = 4500;
+  Problem before(c);
+  int32_t* cu = before.as<int32_t>("cu_seqlens");
+  cu[2] = cu[1] - 2;
+  before.as<int32_t>("final_indices")[1] = -1;  // the skipped sequence stores nothing either way
+  Problem chunked = before, both = before;
+  {
+    DeviceProblem dev(chunked);
+    run_gpu(chunked, dev, 0, 0, 0);
+  }
+  {
+    DeviceProblem dev(both);
+    run_gpu(both, dev, 0, 0, 24);
+  }
+  EXPECT_EQ(chunked.as<int32_t>("error_flag")[0], 1);
+  EXPECT_EQ(both.as<int32_t>("error_flag")[0], 1);
+  const int64_t row = int64_t(c.HV) * c.V, total = before.row_start(5) + before.row_len(5);
+  const std::vector<double> o0 = chunked.read_tokens("o"), o1 = both.read_tokens("o");
+  const double tol = output_tolerance(OpFamily::kPrefill, c.in_dtype);
+  EXPECT_TRUE(RelClose("o, tokens 0..7", token_rows(o1, row, 0, 8), token_rows(o0, row, 0, 8), tol));
+  EXPECT_TRUE(RelClose("o, tokens 10..", token_rows(o1, row, 10, total), token_rows(o0, row, 10, total), tol));
+  std::vector<int64_t> written;
+  for (int32_t r : {0, 2, 3, 4, 5}) written.push_back(before.as<int32_t>("final_indices")[r]);
+  EXPECT_TRUE(SlotsClose(both, chunked, written, state_tolerance(OpFamily::kPrefill, c.state_dtype)));
+  EXPECT_TRUE(UntouchedSlotsEqual(before, both, "state", written));
 }
 
 // Same inputs twice, a graph capture (library workspace, sized by an eager call first) and a run
@@ -522,6 +590,30 @@ TEST(PrefillPlan, ChunkSlotsDistinctAndBounded) {
 
 // The state pass: the head pass where it can run, else the widest tile that still gives ~2 CTAs per
 // SM (64 is not built for K = 256).
+// The short path's reach per pool layout and dtype, and when it is taken: with a host copy of cu_seqlens
+// whenever a sequence is short, without it when the mean length is within the reach.
+TEST(PrefillPlan, ShortPathChoice) {
+  auto choose = [](std::vector<int32_t> lens, StateLayout layout, DType state, DType in, bool host) {
+    ProblemConfig c = base(std::move(lens), 2, 4);
+    c.layout = layout, c.state_dtype = state, c.in_dtype = in, c.pass_cu_seqlens_host = host;
+    Problem p(c);
+    const PrefillParams pp = p.prefill_params(PrefillAlgorithm::kAuto);
+    EXPECT_TRUE(cuda::prefill_short_supported(pp));
+    return cuda::chunked_prefill::choose_short_len(pp);
+  };
+  const auto kl = StateLayout::kKLast, vl = StateLayout::kVLast;
+  const auto f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
+  const std::vector<int32_t> mixed = {3, 200, 17, 64}, all_short = {3, 8, 0, 20}, all_long = {100, 64};
+  EXPECT_EQ(choose(mixed, kl, f32, bf16, true), 24);  // chain kernel, fp32 pool
+  EXPECT_EQ(choose(mixed, kl, bf16, bf16, true), 32);
+  EXPECT_EQ(choose(mixed, vl, f32, bf16, true), 8);  // warp kernel
+  EXPECT_EQ(choose(mixed, vl, bf16, bf16, true), 16);
+  EXPECT_EQ(choose(mixed, kl, f32, f16, true), 8);
+  EXPECT_EQ(choose(all_long, kl, f32, bf16, true), 0);
+  EXPECT_EQ(choose(mixed, kl, f32, bf16, false), 0);  // mean 71 > 24
+  EXPECT_EQ(choose(all_short, kl, f32, bf16, false), 24);
+}
+
 TEST(PrefillPlan, ValueTileHeuristic) {
   auto tile = [](int N, int HV, int K, int V, DType dt) {
     PrefillParams p;

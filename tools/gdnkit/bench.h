@@ -123,6 +123,11 @@ struct RunInfo {
   std::string sm_clock_start, sm_clock_end, sm_clock_max;  // MHz as nvidia-smi reports; empty if unknown
   double copy_ceiling_tbps = -1;  // device-to-device copy, bytes read + written / time
   double copy_ceiling_gib = 0;
+  // CUDA: µs per call of an empty kernel launched as decode is (programmatic dependent launch, the grid of
+  // decode at B = 1 for the qwen3-next heads), timed like the decode rows: the per-call time no decode or
+  // verify call goes below, whatever its bytes. -1 when not measured.
+  double launch_floor_us = -1;
+  int launch_floor_ctas = 0;
   double wall_seconds = 0;
 };
 

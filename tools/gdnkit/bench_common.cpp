@@ -345,6 +345,15 @@ std::string to_json(const RunInfo& info, const std::vector<Row>& rows) {
                                " GiB, bytes read + written / median time of 10"
                          : "host memcpy, bytes read + written / median time");
   top.raw("copy_ceiling", ceil.done());
+  if (info.launch_floor_us >= 0) {
+    Obj lf(2);
+    lf.num("us", info.launch_floor_us)
+        .str("method", "an empty kernel (griddepcontrol.wait, launch_dependents) of " +
+                           std::to_string(info.launch_floor_ctas) +
+                           " CTAs x 64 threads with programmatic dependent launch, back to back in one CUDA "
+                           "graph; median µs per call");
+    top.raw("launch_floor", lf.done());
+  }
   top.str("method",
           info.backend == "cpu" ? "CPU reference backend on small shapes with host buffers: steady_clock around "
                                   "repeated calls, median of 7 samples; bytes model per BENCH.md" :
@@ -428,6 +437,10 @@ std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
   s += "- copy ceiling: " + fmt(info.backend == "cpu" ? info.copy_ceiling_tbps * 1e3 : info.copy_ceiling_tbps, "%.3f") +
        (info.backend == "cpu" ? " GB/s (host memcpy" : " TB/s (device-to-device copy of 1 GiB") +
        ", bytes read + written)\n";
+  if (info.launch_floor_us >= 0)
+    s += "- launch floor: " + fmt(info.launch_floor_us, "%.2f") + " µs per call (an empty kernel of " +
+         std::to_string(info.launch_floor_ctas) +
+         " CTAs launched as decode is, back to back in a CUDA graph): no decode/verify call goes below it\n";
   if (info.backend == "cuda") {
     s += "- " + std::to_string(info.sms) + " SMs, L2 " + std::to_string(info.l2_bytes >> 20) + " MiB";
     if (!info.sm_clock_start.empty())

@@ -181,6 +181,29 @@ std::vector<double> time_graph(const Device& d, Enqueue&& enqueue, int replays) 
   return ms;
 }
 
+// The launch floor (RunInfo::launch_floor_us): an empty kernel launched as the recurrent kernels are
+// (programmatic dependent launch: it waits for the previous grid, then lets the next one launch).
+__global__ void empty_dependent_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+}
+
+double launch_floor_us(const Device& d, int ctas, int calls) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(ctas));
+  cfg.blockDim = dim3(64);
+  cfg.stream = d.stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = pdl;
+  cfg.numAttrs = 1;
+  const auto ms = time_graph(
+      d, [&] { for (int j = 0; j < calls; ++j) GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, empty_dependent_kernel)); },
+      20);
+  return median(ms) * 1e3 / calls;
+}
+
 // Device-to-device copy of 1 GiB; bytes read + written per second (the ceiling the op rows are compared to).
 double copy_ceiling_tbps(const Device& d, double gib) {
   const size_t bytes = size_t(gib * (1ull << 30));
@@ -620,6 +643,11 @@ void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
   info.sm_clock_max = nvidia_smi("clocks.max.sm");
   std::fprintf(stderr, "copy ceiling: %.3f TB/s (device-to-device copy of 1 GiB, read + write)\n",
                info.copy_ceiling_tbps);
+  // qwen3-next's decode grid at B = 1: 32 value heads x 8 CTAs (K-last: 2 warps of 8 columns each).
+  info.launch_floor_ctas = 256;
+  info.launch_floor_us = launch_floor_us(d, info.launch_floor_ctas, 64);
+  std::fprintf(stderr, "launch floor: %.2f µs per call (empty kernel, %d CTAs, PDL, CUDA graph)\n",
+               info.launch_floor_us, info.launch_floor_ctas);
   const double ceiling = info.copy_ceiling_tbps;
 
   for (const std::string& op : o.ops) {
