@@ -81,6 +81,27 @@ std::vector<Named> decode_cases() {
   return out;
 }
 
+// Small batches with qwen3-next heads, where the launcher's prefetch mode depends on the grid's size
+// (recurrent/launch.cuh): B = 1, 2, 3 for both state dtypes against the reference.
+std::vector<Named> small_batch_cases() {
+  std::vector<Named> out;
+  int i = 0;
+  for (int batch : {1, 2, 3})
+    for (DType state : {DType::kFloat32, DType::kBFloat16})
+      for (DType in : {DType::kBFloat16, DType::kFloat32}) {
+        ProblemConfig c;
+        c.op = OpKind::kDecode;
+        c.batch = batch;
+        c.padding_rows = batch == 3 ? 1 : 0;
+        c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
+        c.state_dtype = state, c.in_dtype = in;
+        if (i % 2 == 1) c.token_pad = 24, c.head_pad = 8, c.slot_pad = 40;
+        c.seed = 400 + i++;
+        out.push_back({case_name(c) + "_b" + std::to_string(batch), c});
+      }
+  return out;
+}
+
 // Small cases for compute-sanitizer (memcheck, racecheck): every layout / state dtype, padding rows.
 std::vector<Named> sanitize_cases() {
   std::vector<Named> out;
@@ -95,6 +116,15 @@ std::vector<Named> sanitize_cases() {
       c.seed = 300 + i++;
       out.push_back({case_name(c), c});
     }
+  // qwen3-next heads at B = 1 and 2 (prefetch mode at both state dtypes or one, launch.cuh).
+  for (int batch : {1, 2}) {
+    ProblemConfig c;
+    c.op = OpKind::kDecode;
+    c.batch = batch;
+    c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
+    c.seed = 300 + i++;
+    out.push_back({case_name(c) + "_b" + std::to_string(batch), c});
+  }
   return out;
 }
 
@@ -124,6 +154,8 @@ class DecodeTest : public ::testing::TestWithParam<Named> {};
 TEST_P(DecodeTest, MatchesCpuReference) { check_decode(Problem(GetParam().cfg)); }
 
 INSTANTIATE_TEST_SUITE_P(Axes, DecodeTest, ::testing::ValuesIn(decode_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(SmallBatch, DecodeTest, ::testing::ValuesIn(small_batch_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Sanitize, DecodeTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });

@@ -358,13 +358,13 @@ template <class TS, int K, int V, WarpOp kOp>
 void launch_chain_mma(const RecurrentParams& p, bool write_state, Stream stream) {
   const auto kernel = chain_mma_kernel<TS, K, V, kOp>;
   constexpr int kColCtas = V / (kChainCols * kChainWarps);
-  static const int max_ctas = [&] {  // 24 KB of shared memory per CTA: ask for the largest carveout
+  static const int prefetch_ctas = [&] {  // 24 KB of shared memory per CTA: ask for the largest carveout
     GDNKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            int(cudaSharedmemCarveoutMaxShared)));
-    return resident_ctas(reinterpret_cast<const void*>(kernel), kChainWarps * 32);
+    return prefetch_limit(reinterpret_cast<const void*>(kernel), kChainWarps * 32, 2);
   }();
   launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kChainWarps * 32,
-                   max_ctas, stream, p, write_state);
+                   prefetch_ctas, stream, p, write_state);
 }
 
 }  // namespace gdnkit::cuda::recurrent

@@ -21,12 +21,19 @@ inline int resident_ctas(const void* kernel, int threads) {
   return per_sm * device_sms();
 }
 
-// Launches kernel<<<grid, threads>>>(args..., prefetch). Prefetch mode when this grid and the next of its
-// size fit the GPU together (2 * CTAs <= max_ctas, from resident_ctas): then the next kernel's CTAs are
-// resident, and prefetching, while this one runs. Larger grids start their later waves after the
-// previous kernel finished, where the index load before the wait would only add latency.
+// The largest grid launched in prefetch mode: 1 / share of the CTAs the GPU holds. At share 2, this grid
+// and the next of its size fit the GPU together, so the next kernel's CTAs are resident, and prefetching,
+// while this one runs; larger grids start their later waves after the previous kernel finished, where the
+// index load before the wait would only add latency. Measured per kernel on the H100 (qwen3-next heads,
+// decode, B = 1..16): the warp kernel at share 2 (8 for bf16 K-last decode: prefetching grids of B = 2 and
+// 4 took 6% and 10% longer than not), V-last decode at share 1 (its grids of fp32 B = 4 and bf16 B = 8,
+// one wave, 7% and 15% faster in prefetch mode; the next larger ones slower).
+inline int prefetch_limit(const void* kernel, int threads, int share) { return resident_ctas(kernel, threads) / share; }
+
+// Launches kernel<<<grid, threads>>>(args..., prefetch), in prefetch mode when the grid has at most
+// prefetch_ctas CTAs (prefetch_limit).
 template <class... Params, class... Args>
-void launch_recurrent(void (*kernel)(Params...), dim3 grid, int threads, int max_ctas, Stream stream,
+void launch_recurrent(void (*kernel)(Params...), dim3 grid, int threads, int prefetch_ctas, Stream stream,
                       const Args&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -37,7 +44,7 @@ void launch_recurrent(void (*kernel)(Params...), dim3 grid, int threads, int max
   pdl[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = pdl;
   cfg.numAttrs = programmatic_launch_enabled() ? 1 : 0;
-  const bool prefetch = state_prefetch_enabled() && 2 * int64_t(grid.x) * grid.y * grid.z <= max_ctas;
+  const bool prefetch = state_prefetch_enabled() && int64_t(grid.x) * grid.y * grid.z <= prefetch_ctas;
   GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args..., prefetch));
 }
 

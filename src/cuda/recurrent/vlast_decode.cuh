@@ -195,9 +195,9 @@ void launch_vlast_decode(const CommitParams& p, Stream stream) {
   constexpr int kColCtas = V / R::kCols;
   static_assert(V % R::kCols == 0, "V-last decode: V must be a multiple of the CTA's columns");
   const auto kernel = vlast_decode_kernel<TS, TI, K, V>;
-  static const int max_ctas = resident_ctas(reinterpret_cast<const void*>(kernel), R::kWarps * 32);
-  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), R::kWarps * 32, max_ctas,
-                   stream, p);
+  static const int prefetch_ctas = prefetch_limit(reinterpret_cast<const void*>(kernel), R::kWarps * 32, 1);
+  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), R::kWarps * 32,
+                   prefetch_ctas, stream, p);
 }
 
 }  // namespace gdnkit::cuda::recurrent
