@@ -148,6 +148,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
   float4* Gacc = reinterpret_cast<float4*>(Af + kChunk * LDA);  // k k^T accumulators (prep_tile)
   float4* Macc = Gacc + kPrepTiles * 32;                   // q k^T accumulators
 
+  // The head state pass may launch once every CTA of this grid has started (it waits for the grid's end
+  // before reading the workspace): its first CTAs then take the SMs the last wave frees.
+  asm volatile("griddepcontrol.launch_dependents;");
   const int slot = blockIdx.x, hk = blockIdx.y;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int HV = p.heads.num_v_heads, group = HV / p.heads.num_qk_heads;
@@ -661,7 +664,8 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
 
 template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
-  if ((stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0) {
+  const bool prep = (stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0;
+  if (prep) {
     const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));  // a CTA per GVA group
     constexpr size_t smem = prep_smem_bytes<K, Op>();
     static const cudaError_t attr =
@@ -675,9 +679,9 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
     if (is_head_tile(vtile)) {
       const bool wg = vtile == kVTileHead;
       if (p.heads.head_dim_v == 64)
-        launch_state_pass_head<K, 64, Op>(p, plan, plan.head_split, wg, stream);
+        launch_state_pass_head<K, 64, Op>(p, plan, plan.head_split, wg, prep, stream);
       else
-        launch_state_pass_head<K, 128, Op>(p, plan, plan.head_split, wg, stream);
+        launch_state_pass_head<K, 128, Op>(p, plan, plan.head_split, wg, prep, stream);
       return;
     }
   }

@@ -257,6 +257,11 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     }
     __syncthreads();
   }
+  // Launched right behind the chunk prep with programmatic dependent launch (launch_state_pass_head), the
+  // CTAs that find a free SM while the prep's last CTAs finish got here early: the state loads above read
+  // the pool and cu_seqlens, which the prep does not write (and what ran before the prep finished before
+  // it started). The workspace is read only after the prep's grid completed. Without PDL a no-op.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   if (nchunks > 0) issue(0, stage[0]);
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c & 1];
@@ -476,30 +481,41 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   if (sq.fslot >= 0) store_s(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs);
 }
 
+// after_prep: the chunk prep is the previous kernel of the stream (launch_op), so the pass may launch
+// early, with programmatic dependent launch (unless GDNKIT_PDL=0), and wait for the prep inside.
 template <int K, int V, int kSplit, class Op, bool kWg>
-void launch_state_pass_head(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
+void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWg>();
-  static const cudaError_t attr = cudaFuncSetAttribute(state_pass_head_kernel<K, V, kSplit, Op, kWg>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWg>;
+  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
-  const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit;
   const HeadTensorMaps maps = kWg ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
-  state_pass_head_kernel<K, V, kSplit, Op, kWg><<<grid, V / kSplit / 16 * 32, smem, stream>>>(p, plan, maps);
-  GDNKIT_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit);
+  cfg.blockDim = dim3(V / kSplit / 16 * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = pdl;
+  cfg.numAttrs = after_prep && programmatic_launch_enabled() ? 1 : 0;
+  GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, plan, maps));
 }
 
 // The wgmma build where the CTA owns whole warpgroups (warpgroup and V / split a multiple of 64) and the
 // TMA coordinates fit, else the mma.sync build.
 template <int K, int V, class Op>
-void launch_state_pass_head(const PrefillParams& p, const Plan& plan, int split, bool warpgroup, cudaStream_t stream) {
+void launch_state_pass_head(const PrefillParams& p, const Plan& plan, int split, bool warpgroup, bool after_prep,
+                            cudaStream_t stream) {
   warpgroup = warpgroup && head_tensor_maps_ok(p, plan);
   if (split == 2) {
     if constexpr (V / 2 % 64 == 0)
-      if (warpgroup) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, stream);
-    launch_state_pass_head<K, V, 2, Op, false>(p, plan, stream);
+      if (warpgroup) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, after_prep, stream);
+    launch_state_pass_head<K, V, 2, Op, false>(p, plan, after_prep, stream);
   } else {
-    if (warpgroup) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, stream);
-    launch_state_pass_head<K, V, 1, Op, false>(p, plan, stream);
+    if (warpgroup) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, after_prep, stream);
+    launch_state_pass_head<K, V, 1, Op, false>(p, plan, after_prep, stream);
   }
 }
 
