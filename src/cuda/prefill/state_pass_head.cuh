@@ -184,28 +184,36 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   };
   constexpr uint32_t kVRow16 = kWg ? 16 * 128 : 16 * LDV * 2;
   __shared__ uint64_t bars[2];  // wgmma build: the TMA completion of each stage
-  auto issue = [&](int64_t c, Stage& b) {
+  // parts: kInputs (the k, q, v rows), kWorkspace (T', M, the factors: the chunk prep's), or both. Chunk 0's
+  // inputs go out before griddepcontrol.wait, its workspace part after it (both arrive on one mbarrier /
+  // in one cp.async group).
+  constexpr int kInputs = 1, kWorkspace = 2, kBoth = 3;
+  auto issue = [&](int64_t c, Stage& b, int parts) {
     if constexpr (kWg) {
       if (tid == 0) {
         uint64_t* bar = &bars[c & 1];
-        constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + 2 * kChunk * kChunk * 2 +
-                                             kFactorRows * kChunk * 4);
-        fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
-        mbarrier_arrive_expect_tx(bar, kBytes);
-        const int tk = int(start + c * kChunk);
+        if (parts & kInputs) {
+          constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + 2 * kChunk * kChunk * 2 +
+                                               kFactorRows * kChunk * 4);
+          fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
+          mbarrier_arrive_expect_tx(bar, kBytes);  // both parts' bytes
+          const int tk = int(start + c * kChunk);
 #pragma unroll
-        for (int i = 0; i < K / 64; ++i) {
-          tma_load_3d(&b.ks[i * 64 * kChunk], &maps.k, 64 * i, hk, tk, bar);
-          tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
+          for (int i = 0; i < K / 64; ++i) {
+            tma_load_3d(&b.ks[i * 64 * kChunk], &maps.k, 64 * i, hk, tk, bar);
+            tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
+          }
+#pragma unroll
+          for (int i = 0; i < kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
         }
-#pragma unroll
-        for (int i = 0; i < kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
-        const int wrow = int((ws0 + c * HV) * kChunk);
-        tma_load_2d(b.ts, &maps.t, 0, wrow, bar);
-        tma_load_2d(b.ms, &maps.m, 0, wrow, bar);
-        bulk_load(b.sc, f_src + c * HV * (kFactorRows * kChunk), kFactorRows * kChunk * 4, bar);
+        if (parts & kWorkspace) {
+          const int wrow = int((ws0 + c * HV) * kChunk);
+          tma_load_2d(b.ts, &maps.t, 0, wrow, bar);
+          tma_load_2d(b.ms, &maps.m, 0, wrow, bar);
+          bulk_load(b.sc, f_src + c * HV * (kFactorRows * kChunk), kFactorRows * kChunk * 4, bar);
+        }
       }
-    } else {
+    } else if (parts & kInputs) {
       const int L = int(min(int64_t(kChunk), len - c * kChunk));
       const Op* kc = k_src + c * kChunk * p.k.token_stride;
       const Op* qc = q_src + c * kChunk * p.q.token_stride;
@@ -224,6 +232,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         const bool ok = row < L;
         cp_async16(&b.vs[row * LDV + cvv * 8], ok ? vc + int64_t(u * kStepV) * p.v.token_stride : v_zero, ok);
       }
+    }
+    if constexpr (!kWg) {
+      if (!(parts & kWorkspace)) return;
       const int64_t wc = c * HV;  // workspace entries per chunk
       const Op* tc = t_src + wc * (kChunk * kChunk);
       const Op* mc = m_src + wc * (kChunk * kChunk);
@@ -261,8 +272,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   // CTAs that find a free SM while the prep's last CTAs finish got here early: the state loads above read
   // the pool and cu_seqlens, which the prep does not write (and what ran before the prep finished before
   // it started). The workspace is read only after the prep's grid completed. Without PDL a no-op.
+  if (nchunks > 0) issue(0, stage[0], kInputs);
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (nchunks > 0) issue(0, stage[0]);
+  if (nchunks > 0) issue(0, stage[0], kWorkspace);
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c & 1];
     const int64_t t0 = start + c * kChunk;
@@ -340,7 +352,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       }
 
       // The next chunk's inputs: issued here, the P/Q products above start right after the barrier.
-      if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1]);
+      if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1], kBoth);
       if constexpr (kWg) {
         wgmma_wait<1>();  // P^T (Q^T may still run)
         wgmma_pin(pk);
