@@ -97,11 +97,19 @@ void by_layout(const RecurrentParams& p, bool write_state, Stream stream) {
   }
 }
 
+// RecurrentParams::gva_group / gva_magic from the head counts (validated: H divides HV).
+void set_gva(RecurrentParams& p) {
+  const int64_t HV = p.heads.num_v_heads, H = p.heads.num_qk_heads;
+  p.gva_group = H > 0 ? int32_t(HV / H) : 0;
+  p.gva_magic = p.gva_group > 1 && HV < 65536 ? uint32_t(((int64_t(1) << 32) + p.gva_group - 1) / p.gva_group) : 0u;
+}
+
 template <WarpOp kOp>
 void dispatch_recurrent(const char* op, const CommitParams& c, bool write_state, Stream stream) {
   check_recurrent(op, c);
   RecurrentParams p;
   static_cast<CommitParams&>(p) = c;
+  set_gva(p);
   by_layout<kOp>(p, write_state, stream);
 }
 
@@ -196,6 +204,7 @@ void prefill_short(const PrefillParams& p, int max_len, Stream stream) {
     r.checkpoint_indices = p.checkpoint_indices;
     r.checkpoint_slots = p.checkpoints.num_slots;
   }
+  set_gva(r);
   by_layout<WarpOp::kPrefill>(r, true, stream);
 }
 

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
   const int HV = p.heads.num_v_heads;
   const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
   const int v0 = (int(blockIdx.x % unsigned(kColCtas)) * kChainWarps + warp) * kChainCols;
-  const int hq = hv / (HV / p.heads.num_qk_heads);
+  const int hq = qk_head(p, hv);
   const int T = p.num_draft_tokens;
   const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
   TS* const head_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;

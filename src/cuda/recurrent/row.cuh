@@ -29,7 +29,20 @@ struct RecurrentParams : CommitParams {
   int64_t total_tokens = 0;                     // kPrefill: T_total
   const int32_t* checkpoint_indices = nullptr;  // kPrefill: only checked against checkpoint_slots (a short
   int64_t checkpoint_slots = 0;                 //   sequence stores no checkpoint); nullptr: no checkpoints
+  // GVA: value head hv reads q/k head hv / group, group = HV / H. gva_magic = ceil(2^32 / group) when
+  // 1 < group and HV < 2^16 (then the quotient is one multiply-high, exact for hv, group < 2^16), else 0
+  // (group 1: hv; otherwise a division). set_gva (recurrent.cu) fills them; a runtime division was ~50 of a
+  // decode warp's ~720 instructions (ncu, K-last bf16 decode at B = 32).
+  int32_t gva_group = 0;
+  uint32_t gva_magic = 0;
 };
+
+// The q/k head of value head hv.
+__device__ __forceinline__ int qk_head(const RecurrentParams& p, int hv) {
+  if (p.gva_group == 1) return hv;
+  if (p.gva_magic != 0) return int(__umulhi(unsigned(hv), p.gva_magic));
+  return hv / (p.heads.num_v_heads / p.heads.num_qk_heads);
+}
 
 // The values of row b that place it, loaded together (all issued before the first is used): its pool
 // slot, its cu_seqlens span and, for replay, its kept count; for prefill its final and checkpoint slots.

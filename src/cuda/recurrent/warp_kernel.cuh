@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   const int HV = p.heads.num_v_heads;
   const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
   const int v0 = (int(blockIdx.x % unsigned(kColCtas)) * kCtaWarps + int(threadIdx.x) / 32) * kRows;
-  const int hq = hv / (HV / p.heads.num_qk_heads);  // GVA
+  const int hq = qk_head(p, hv);  // GVA
   const int T = kDecode ? 1 : p.num_draft_tokens;
   // Errors of a sequence are counted once: by lane 0 of the warp owning columns 0.. of head 0.
   const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
