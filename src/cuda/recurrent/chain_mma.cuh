@@ -96,7 +96,6 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
 
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   const int r = lane / 4, c2 = (lane % 4) * 2;  // fragment row (token; column of S) and column pair
-  const int HV = p.heads.num_v_heads;
   const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
   const int v0 = (int(blockIdx.x % unsigned(kColCtas)) * kChainWarps + warp) * kChainCols;
   const int hq = qk_head(p, hv);
