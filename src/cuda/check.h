@@ -18,6 +18,15 @@ namespace gdnkit::cuda {
 // Whether kernels that support it are launched with programmatic dependent launch (PDL): on unless the
 // environment sets GDNKIT_PDL=0 (read once per process; for A/B timing). Defined in runtime.cpp.
 bool programmatic_launch_enabled();
+// Asks cudaLaunchKernelEx for programmatic dependent launch (the kernel may start while the previous
+// kernel of the stream finishes; it must griddepcontrol.wait before reading that kernel's results) when
+// `on` and programmatic_launch_enabled(). `attr` holds the attribute cfg points to.
+inline void set_programmatic_launch(cudaLaunchConfig_t& cfg, cudaLaunchAttribute& attr, bool on) {
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = on && programmatic_launch_enabled() ? 1 : 0;
+}
 // Whether the recurrent kernels prefetch the state into L2 before griddepcontrol.wait: on unless
 // GDNKIT_PREFETCH=0 (read once per process; for A/B timing). Defined in runtime.cpp.
 bool state_prefetch_enabled();

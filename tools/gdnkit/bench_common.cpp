@@ -350,7 +350,7 @@ std::string to_json(const RunInfo& info, const std::vector<Row>& rows) {
     lf.num("us", info.launch_floor_us)
         .str("method", "an empty kernel (griddepcontrol.wait, launch_dependents) of " +
                            std::to_string(info.launch_floor_ctas) +
-                           " CTAs x 64 threads with programmatic dependent launch, back to back in one CUDA "
+                           " CTAs x 64 threads with programmatic dependent launch (unless GDNKIT_PDL=0), back to back in one CUDA "
                            "graph; median µs per call");
     top.raw("launch_floor", lf.done());
   }

@@ -193,11 +193,8 @@ double launch_floor_us(const Device& d, int ctas, int calls) {
   cfg.gridDim = dim3(unsigned(ctas));
   cfg.blockDim = dim3(64);
   cfg.stream = d.stream;
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute pdl;
+  cuda::set_programmatic_launch(cfg, pdl, true);  // as the recurrent kernels (GDNKIT_PDL=0 too)
   const auto ms = time_graph(
       d, [&] { for (int j = 0; j < calls; ++j) GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, empty_dependent_kernel)); },
       20);

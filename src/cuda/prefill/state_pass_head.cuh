@@ -507,11 +507,8 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
   cfg.blockDim = dim3(V / kSplit / 16 * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl;
-  cfg.numAttrs = after_prep && programmatic_launch_enabled() ? 1 : 0;
+  cudaLaunchAttribute pdl;
+  set_programmatic_launch(cfg, pdl, after_prep);
   GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, plan, maps));
 }
 

@@ -39,11 +39,8 @@ void launch_recurrent(void (*kernel)(Params...), dim3 grid, int threads, int pre
   cfg.gridDim = grid;
   cfg.blockDim = dim3(unsigned(threads));
   cfg.stream = stream;
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl;
-  cfg.numAttrs = programmatic_launch_enabled() ? 1 : 0;
+  cudaLaunchAttribute pdl;
+  set_programmatic_launch(cfg, pdl, true);
   const bool prefetch = state_prefetch_enabled() && int64_t(grid.x) * grid.y * grid.z <= prefetch_ctas;
   GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args..., prefetch));
 }

@@ -355,7 +355,8 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
     launch_vlast_decode<TS, TI, K, V>(p, stream);  // vlast_decode.cuh: no shared-memory stage
   } else {
     const auto kernel = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp>;
-    constexpr int kShare = kOp == WarpOp::kDecode && std::is_same_v<TS, __nv_bfloat16> ? 8 : 2;
+    constexpr int kShare =
+        kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && std::is_same_v<TS, __nv_bfloat16> ? 8 : 2;
     static const int prefetch_ctas = prefetch_limit(reinterpret_cast<const void*>(kernel), kCtaWarps * 32, kShare);
     launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kCtaWarps * 32,
                      prefetch_ctas, stream, p, write_state);
