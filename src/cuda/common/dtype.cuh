@@ -97,6 +97,17 @@ struct RawVec {
     for (int i = 0; i < int(sizeof(w) / 4); ++i) asm volatile("" : "+r"(u[i]));
   }
   __device__ __forceinline__ void to_floats(float* out) const {
+    if constexpr (std::is_same_v<T, __nv_bfloat16> && sizeof(W) % 4 == 0) {
+      // bf16 pairs by 32-bit word: the low element shifted up, the high one masked (one instruction
+      // each; __bfloat162float of the high half compiles to a byte permute and a shift). Bit-exact.
+      const uint32_t* u = reinterpret_cast<const uint32_t*>(w);
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        out[2 * i] = __uint_as_float(u[i] << 16);
+        out[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+      }
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < N / kPer; ++i) {
       const T* e = reinterpret_cast<const T*>(&w[i]);

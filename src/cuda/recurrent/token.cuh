@@ -46,12 +46,6 @@ __device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGate
     beta = bits_to_float(x.b, gt.beta.dtype);
   }
 }
-// decay = exp(g) and beta from the raw inputs.
-__device__ __forceinline__ void gate_values(const Gating& gt, int hv, GateBits x, float& decay, float& beta) {
-  float g;
-  gate_log_values(gt, head_gates(gt, hv), x, g, beta);
-  decay = expf(g);
-}
 
 // Decode's token inputs into L2 (before griddepcontrol.wait): the q and k rows of head hq, the warp's
 // v_elems values of v and the two gate inputs of token b. Lanes take one cache line each.

@@ -21,6 +21,7 @@
 
 #include "cuda/common/dtype.cuh"
 #include "cuda/recurrent/launch.cuh"
+#include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
 #include "gdnkit/params.h"
 
@@ -66,7 +67,7 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
 template <class TS, class TI, int K, int V>
 __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
                                   (sizeof(TS) == 4 ? 24 : 20) / VLastRows<TS, K>::kWarps)
-    vlast_decode_kernel(const CommitParams p, const bool prefetch) {
+    vlast_decode_kernel(const RecurrentParams p, const bool prefetch) {
   using R = VLastRows<TS, K>;
   constexpr int kVec = R::kVec, kCols = R::kCols, kRowsPerLane = R::kRowsPerLane, kWarps = R::kWarps;
   constexpr int kColCtas = V / kCols;
@@ -79,7 +80,7 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const int c0 = int(blockIdx.x % unsigned(kColCtas)) * kCols;  // the CTA's first column
   const int col = c0 + cg * kVec;                                // this lane's first column
   const int row0 = w * R::kRowsPerWarp + ro;                     // this lane's rows: row0 + 4 i
-  const int hq = hv / (p.heads.num_v_heads / p.heads.num_qk_heads);
+  const int hq = qk_head(p, hv);  // GVA
   const bool counter = hv == 0 && c0 == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
   TS* const head = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems;  // + slot * slot_stride
 
@@ -114,10 +115,25 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const TI* kp = static_cast<const TI*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
   const TI* qp = static_cast<const TI*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
   const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride;
+  // The gate inputs go out with k and q, not after their reductions.
+  const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
+  TI kl[K / 32], ql[K / 32];
+#pragma unroll
+  for (int j = 0; j < K / 32; ++j) kl[j] = kp[lane + 32 * j], ql[j] = qp[lane + 32 * j];
+  // The state's loads wait for the norms (issued earlier, the state live across the reductions spilled:
+  // 1-12% slower). Outside prefetch mode its lines are asked of L2 here, once the index arrives (each
+  // thread one row's 128-byte piece), so the loads below find them in L2 or on their way: fp32 3-4% faster
+  // from B = 8, bf16 2% from B = 32 (H100, tenth session). Prefetch mode skips the block as a whole (a
+  // condition on `slot` there made the norms wait for the index: B = 1-4 3-10% slower).
+  static_assert(kWarps * 32 == K, "one row per thread");
+  if (!prefetch) {
+    if (slot >= 0 && slot < p.state.num_slots)
+      prefetch_l2_line(head + int64_t(slot) * p.state.slot_stride + int64_t(threadIdx.x) * V + c0);
+  }
   float kk = 0.0f, qq = 0.0f, kq = 0.0f;
 #pragma unroll
   for (int j = 0; j < K / 32; ++j) {
-    const float kn = to_float(kp[lane + 32 * j]), qn = to_float(qp[lane + 32 * j]);
+    const float kn = to_float(kl[j]), qn = to_float(ql[j]);
     kk = fmaf(kn, kn, kk), qq = fmaf(qn, qn, qq), kq = fmaf(kn, qn, kq);
   }
   kk = warp_sum(kk), qq = warp_sum(qq), kq = warp_sum(kq);
@@ -125,8 +141,9 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
   const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
   const float kq_n = kq * rk * rq;
-  float decay, beta;
-  gate_values(p.gating, hv, token_gate_bits(p.gating, b, hv), decay, beta);
+  float g, beta;
+  gate_log_values(p.gating, head_gates(p.gating, hv), gate_bits, g, beta);
+  const float decay = expf(g);
   float kr[kRowsPerLane], qr[kRowsPerLane], v[kVec];
 #pragma unroll
   for (int i = 0; i < kRowsPerLane; ++i) kr[i] = to_float(kp[row0 + 4 * i]), qr[i] = to_float(qp[row0 + 4 * i]);
@@ -190,7 +207,7 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
 }
 
 template <class TS, class TI, int K, int V>
-void launch_vlast_decode(const CommitParams& p, Stream stream) {
+void launch_vlast_decode(const RecurrentParams& p, Stream stream) {
   using R = VLastRows<TS, K>;
   constexpr int kColCtas = V / R::kCols;
   static_assert(V % R::kCols == 0, "V-last decode: V must be a multiple of the CTA's columns");

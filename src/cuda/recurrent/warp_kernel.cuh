@@ -137,7 +137,15 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   // Multi-token ops compute them once per token, lane t for token t (t < 32, see `lane_gates` below),
   // rather than once per token in every lane: the gating is ~100 warp instructions, a sixth of a token.
   const auto gate_inputs = [&](int x) { return token_gate_bits(gt, tok0 + x, hv); };
-  const auto gate_math = [&](GateBits x, float& decay, float& beta) { gate_values(gt, hv, x, decay, beta); };
+  // Decode loads the head's A_log and dt_bias here, beside the token's inputs, rather than at the gate
+  // math (after the state arrived: one more L2 round trip on the critical path).
+  HeadGates hg_early{0.0f, 0.0f};
+  if (kDecode) hg_early = head_gates(gt, hv);
+  const auto gate_math = [&](GateBits x, float& decay, float& beta) {
+    float g;
+    gate_log_values(gt, kDecode ? hg_early : head_gates(gt, hv), x, g, beta);
+    decay = expf(g);
+  };
   float lane_decay = 1.0f, lane_beta = 0.0f;  // multi-token ops: the gates of token `lane`
 
   // One token x (local index) of this sequence: its loads, then its step (o when asked). The loads are
