@@ -117,6 +117,8 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride;
   // The gate inputs go out with k and q, not after their reductions.
   const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
+  HeadGates hg{0.0f, 0.0f};
+  if (sizeof(TS) == 2) hg = head_gates(p.gating, hv);
   TI kl[K / 32], ql[K / 32];
 #pragma unroll
   for (int j = 0; j < K / 32; ++j) kl[j] = kp[lane + 32 * j], ql[j] = qp[lane + 32 * j];
@@ -142,7 +144,8 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
   const float kq_n = kq * rk * rq;
   float g, beta;
-  gate_log_values(p.gating, head_gates(p.gating, hv), gate_bits, g, beta);
+  if (sizeof(TS) == 4) hg = head_gates(p.gating, hv);
+  gate_log_values(p.gating, hg, gate_bits, g, beta);
   const float decay = expf(g);
   float kr[kRowsPerLane], qr[kRowsPerLane], v[kVec];
 #pragma unroll
