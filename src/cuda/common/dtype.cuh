@@ -63,6 +63,37 @@ __device__ __forceinline__ float bits_to_float(uint32_t x, DType dtype) {
   }
 }
 
+// Volatile global loads of one word (RawVec::load_pinned and load_pinned say why).
+__device__ __forceinline__ void ld_volatile(const uint4* p, uint4& w) {
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p));
+}
+__device__ __forceinline__ void ld_volatile(const uint2* p, uint2& w) {
+  asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(w.x), "=r"(w.y) : "l"(p));
+}
+__device__ __forceinline__ void ld_volatile(const uint32_t* p, uint32_t& w) {
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(w) : "l"(p));
+}
+template <class T>  // one 16-bit element (bf16, fp16)
+__device__ __forceinline__ void ld_volatile(const T* p, T& w) {
+  static_assert(sizeof(T) == 2, "16-bit element");
+  unsigned short u;
+  asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(u) : "l"(p));
+  w = __builtin_bit_cast(T, u);
+}
+// One element by a volatile load (RawVec::load_pinned says why).
+template <class T>
+__device__ __forceinline__ T load_pinned(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    uint32_t u;
+    ld_volatile(reinterpret_cast<const uint32_t*>(p), u);
+    return __builtin_bit_cast(T, u);
+  } else {
+    T x;
+    ld_volatile(p, x);
+    return x;
+  }
+}
+
 // ---- vector loads / stores of N contiguous elements ---------------------------------------------
 // Moved as the widest words that divide the run (16, 8, 4 bytes, or one element): N * sizeof(T) in
 // {2, 4, 8, 16, 32, ...} bytes. The caller guarantees the run is aligned to min(16, its size) (the
@@ -88,6 +119,12 @@ struct RawVec {
 #pragma unroll
     for (int i = 0; i < N / kPer; ++i) w[i] = reinterpret_cast<const W*>(p)[i];
   }
+  // The same as volatile loads: ptxas neither drops nor moves them into a branch taken later (it sinks plain
+  // loads under the first branch before their use, which may wait on another load).
+  __device__ __forceinline__ void load_pinned(const T* p) {
+#pragma unroll
+    for (int i = 0; i < N / kPer; ++i) ld_volatile(reinterpret_cast<const W*>(p) + i, w[i]);
+  }
   // Hides the words' values from the compiler, so that a conversion after this one is redone from the
   // words rather than the earlier conversion's fp32 values kept alive (twice the registers for 16-bit T).
   __device__ __forceinline__ void opaque() {
@@ -106,13 +143,13 @@ struct RawVec {
         out[2 * i] = __uint_as_float(u[i] << 16);
         out[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
       }
-      return;
-    }
+    } else {
 #pragma unroll
-    for (int i = 0; i < N / kPer; ++i) {
-      const T* e = reinterpret_cast<const T*>(&w[i]);
+      for (int i = 0; i < N / kPer; ++i) {
+        const T* e = reinterpret_cast<const T*>(&w[i]);
 #pragma unroll
-      for (int j = 0; j < kPer; ++j) out[i * kPer + j] = to_float(e[j]);
+        for (int j = 0; j < kPer; ++j) out[i * kPer + j] = to_float(e[j]);
+      }
     }
   }
 };
