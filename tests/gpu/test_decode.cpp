@@ -169,21 +169,25 @@ ProblemConfig qwen_decode(StateLayout layout, DType state, int batch = 8) {
   return c;
 }
 
-// Slots >= P are skipped on the device: o = 0, counted in error_flag, no state I/O.
+// Slots >= P are skipped on the device: o = 0, counted in error_flag, no state I/O. Small heads (a grid in
+// prefetch mode) and qwen3-next heads at B = 16 (a grid too large for it: the state is asked of L2 only
+// after the index is read, recurrent/launch.cuh) with both state dtypes.
 TEST(DecodeGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
-  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
-    ProblemConfig c = qwen_decode(layout, DType::kFloat32, 4);
-    c.H = 2, c.HV = 4, c.K = 64, c.V = 64;
-    Problem p(c);
-    p.as<int32_t>("state_indices")[1] = int32_t(p.num_slots());
-    p.as<int32_t>("state_indices")[2] = int32_t(p.num_slots()) + 1000;
-    check_decode(p);
-    Problem got = p;
-    DeviceProblem dev(got);
-    decode(got.decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
-    dev.download(got);
-    EXPECT_EQ(got.as<int32_t>("error_flag")[0], 2);
-  }
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (int which = 0; which < 3; ++which) {  // small fp32, qwen3-next fp32, qwen3-next bf16
+      ProblemConfig c = qwen_decode(layout, which == 2 ? DType::kBFloat16 : DType::kFloat32, which ? 16 : 4);
+      if (which == 0) c.H = 2, c.HV = 4, c.K = 64, c.V = 64;
+      SCOPED_TRACE(which == 0 ? "small heads, B = 4, fp32" : which == 1 ? "qwen3-next, B = 16, fp32" : "qwen3-next, B = 16, bf16");
+      Problem p(c);
+      p.as<int32_t>("state_indices")[1] = int32_t(p.num_slots());
+      p.as<int32_t>("state_indices")[2] = int32_t(p.num_slots()) + 1000;
+      check_decode(p);
+      Problem got = p;
+      DeviceProblem dev(got);
+      decode(got.decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+      dev.download(got);
+      EXPECT_EQ(got.as<int32_t>("error_flag")[0], 2);
+    }
 }
 
 // Same inputs twice, and a CUDA-graph capture replayed once: all bit-identical to one eager run.
