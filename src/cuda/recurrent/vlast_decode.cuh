@@ -62,8 +62,9 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
 }
 
 // fp32 state: 24 warps per SM (80 registers, no spills at K = 128): at 32 warps (64 registers) ptxas
-// spilled 44-84 bytes and decode measured 7-8% slower from B = 16 up. bf16 state: 20 warps (96 registers,
-// 12-16 bytes spilled at K = 128; at 80 registers 132-176).
+// spilled 44-84 bytes and decode measured 7-8% slower from B = 16 up. bf16 state: 20 warps (96 registers;
+// at K = 128 no spills with 16-bit inputs since A_log/dt_bias load early, 16 bytes with fp32 inputs; at 80
+// registers 132-176).
 template <class TS, class TI, int K, int V>
 __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
                                   (sizeof(TS) == 4 ? 24 : 20) / VLastRows<TS, K>::kWarps)
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const TI* qp = static_cast<const TI*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
   const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride;
   // The gate inputs go out with k and q, not after their reductions; with bf16 state A_log and dt_bias too
-  // (B = 1 2.93 -> 2.60 µs; with fp32 state that spilled at 80 registers, so fp32 loads them at the math).
+  // (B = 1 2.93 -> 2.62 µs in the A/B; with fp32 state that spilled at 80 registers, so fp32 loads them at the math).
   const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
   HeadGates hg{0.0f, 0.0f};
   if constexpr (sizeof(TS) == 2) hg = head_gates(p.gating, hv);
