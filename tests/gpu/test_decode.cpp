@@ -180,8 +180,14 @@ TEST(DecodeGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
       if (which == 0) c.H = 2, c.HV = 4, c.K = 64, c.V = 64;
       SCOPED_TRACE(which == 0 ? "small heads, B = 4, fp32" : which == 1 ? "qwen3-next, B = 16, fp32" : "qwen3-next, B = 16, bf16");
       Problem p(c);
-      p.as<int32_t>("state_indices")[1] = int32_t(p.num_slots());
-      p.as<int32_t>("state_indices")[2] = int32_t(p.num_slots()) + 1000;
+      // Two rows past the pool, neither of them the padding row (which stays padding).
+      int32_t* slots = p.as<int32_t>("state_indices");
+      std::vector<int32_t> placed_rows;
+      for (int32_t r = 0; r < p.rows(); ++r)
+        if (slots[r] >= 0) placed_rows.push_back(r);
+      ASSERT_GE(placed_rows.size(), 3u);
+      slots[placed_rows[0]] = int32_t(p.num_slots());
+      slots[placed_rows[1]] = int32_t(p.num_slots()) + 1000;
       check_decode(p);
       Problem got = p;
       DeviceProblem dev(got);
