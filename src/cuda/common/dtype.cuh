@@ -63,7 +63,7 @@ __device__ __forceinline__ float bits_to_float(uint32_t x, DType dtype) {
   }
 }
 
-// Volatile global loads of one word (RawVec::load_pinned and load_pinned say why).
+// Volatile global loads of one word (RawVec::load_pinned says why).
 __device__ __forceinline__ void ld_volatile(const uint4* p, uint4& w) {
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p));
 }
@@ -80,20 +80,6 @@ __device__ __forceinline__ void ld_volatile(const T* p, T& w) {
   asm volatile("ld.volatile.global.u16 %0, [%1];" : "=h"(u) : "l"(p));
   w = __builtin_bit_cast(T, u);
 }
-// One element by a volatile load (RawVec::load_pinned says why).
-template <class T>
-__device__ __forceinline__ T load_pinned(const T* p) {
-  if constexpr (sizeof(T) == 4) {
-    uint32_t u;
-    ld_volatile(reinterpret_cast<const uint32_t*>(p), u);
-    return __builtin_bit_cast(T, u);
-  } else {
-    T x;
-    ld_volatile(p, x);
-    return x;
-  }
-}
-
 // ---- vector loads / stores of N contiguous elements ---------------------------------------------
 // Moved as the widest words that divide the run (16, 8, 4 bytes, or one element): N * sizeof(T) in
 // {2, 4, 8, 16, 32, ...} bytes. The caller guarantees the run is aligned to min(16, its size) (the
@@ -127,6 +113,8 @@ struct RawVec {
   }
   // Hides the words' values from the compiler, so that a conversion after this one is redone from the
   // words rather than the earlier conversion's fp32 values kept alive (twice the registers for 16-bit T).
+  // Element i as loaded (its dtype, no conversion).
+  __device__ __forceinline__ T element(int i) const { return reinterpret_cast<const T*>(w)[i]; }
   __device__ __forceinline__ void opaque() {
     static_assert(sizeof(w) % 4 == 0, "whole 32-bit words");
     uint32_t* u = reinterpret_cast<uint32_t*>(w);

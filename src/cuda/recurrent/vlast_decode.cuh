@@ -118,9 +118,10 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride;
   // The gate inputs go out with k and q, not after their reductions; with bf16 state A_log and dt_bias too
   // (B = 1 2.93 -> 2.62 µs in the A/B; with fp32 state that spilled at 80 registers, so fp32 loads them at the math).
+  constexpr bool kEarlyHeadGates = sizeof(TS) == 2;
   const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
   HeadGates hg{0.0f, 0.0f};
-  if constexpr (sizeof(TS) == 2) hg = head_gates(p.gating, hv);
+  if constexpr (kEarlyHeadGates) hg = head_gates(p.gating, hv);
   TI kl[K / 32], ql[K / 32];
 #pragma unroll
   for (int j = 0; j < K / 32; ++j) kl[j] = kp[lane + 32 * j], ql[j] = qp[lane + 32 * j];
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
   const float kq_n = kq * rk * rq;
   float g, beta;
-  if constexpr (sizeof(TS) == 4) hg = head_gates(p.gating, hv);
+  if constexpr (!kEarlyHeadGates) hg = head_gates(p.gating, hv);
   gate_log_values(p.gating, hg, gate_bits, g, beta);
   const float decay = expf(g);
   float kr[kRowsPerLane], qr[kRowsPerLane], v[kVec];

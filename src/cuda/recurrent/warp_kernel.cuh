@@ -177,7 +177,13 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
         if (!kReplay) d.q[j / kVec].load(qp + Tile::k_of(lane, j));
       }
     }
-    d.v_lane = kPin ? load_pinned(vp + (lane / kLanesPerSum) % kRows) : vp[(lane / kLanesPerSum) % kRows];
+    if (kPin) {
+      RawVec<TI, 1> v;
+      v.load_pinned(vp + (lane / kLanesPerSum) % kRows);
+      d.v_lane = v.element(0);
+    } else {
+      d.v_lane = vp[(lane / kLanesPerSum) % kRows];
+    }
     if (kDecode) d.g = gate_inputs(x);
     return d;
   };
