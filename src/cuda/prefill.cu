@@ -27,7 +27,7 @@ size_t t_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * kChunk * 2);
 }
 size_t f_bytes(const PrefillParams& p) {
-  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRows * kChunk * 4);
+  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRowsMax * kChunk * 4);
 }
 
 // The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
@@ -150,6 +150,11 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
   return m;
 }
 
+bool head_pass_wgmma(const PrefillParams& p, const Plan& plan, int vtile) {
+  return vtile == kVTileHead && p.heads.head_dim_k <= 128 && (p.heads.head_dim_v / plan.head_split) % 64 == 0 &&
+         head_tensor_maps_ok(p, plan);
+}
+
 bool vtile_supported(int K, int vtile) {
   return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128) || (is_head_tile(vtile) && K <= 128);
 }
@@ -270,6 +275,8 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
   if (vtile == 0) vtile = choose_vtile(p, plan.num_sms);
   plan.head_split = head_split != 0 ? head_split : choose_head_split(p, plan.num_sms);
   plan.short_len = short_len;
+  plan.wgmma_pass = head_pass_wgmma(p, plan, vtile);
+  plan.m_in_pass = head_pass_forms_m(plan.wgmma_pass, p.heads.head_dim_v / plan.head_split);
   if (is_head_tile(vtile) && !head_split_supported(p.heads.head_dim_v, plan.head_split))
     throw Error(ErrorCode::kInvalidArgument, "prefill: head split " + std::to_string(plan.head_split) +
                                                  " is not supported for V=" + std::to_string(p.heads.head_dim_v));

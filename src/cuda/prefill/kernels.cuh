@@ -128,7 +128,9 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
 // One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T are computed
 // once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
 // h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
-template <int K, class Op>
+// Without kM (the wgmma head pass forms M from the chunk's rows) q k^T and M are skipped, and M's
+// per-token terms (kGc, kRq, kRk) are written with the other factors.
+template <int K, class Op, bool kM>
 __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
     chunk_prep_kernel(const PrefillParams p, const Plan plan) {
   constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
@@ -194,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
     for (int kk = 0; kk < K; kk += 16) {
       uint32_t a[4], aq[4];
       ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, warp * 16, kk, lane));
-      ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, warp * 16, kk, lane));
+      if constexpr (kM) ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, warp * 16, kk, lane));
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         if (np <= warp) {
@@ -202,8 +204,10 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
           ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
           mma<Op>(acc[2 * np], a, b[0], b[1]);
           mma<Op>(acc[2 * np + 1], a, b[2], b[3]);
-          mma<Op>(accm[2 * np], aq, b[0], b[1]);
-          mma<Op>(accm[2 * np + 1], aq, b[2], b[3]);
+          if constexpr (kM) {
+            mma<Op>(accm[2 * np], aq, b[0], b[1]);
+            mma<Op>(accm[2 * np + 1], aq, b[2], b[3]);
+          }
         }
       }
     }
@@ -216,7 +220,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < 2 * (warp + 1)) {
         Gacc[prep_tile(warp, nt, lane)] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
-        Macc[prep_tile(warp, nt, lane)] = make_float4(accm[nt][0], accm[nt][1], accm[nt][2], accm[nt][3]);
+        if constexpr (kM)
+          Macc[prep_tile(warp, nt, lane)] = make_float4(accm[nt][0], accm[nt][1], accm[nt][2], accm[nt][3]);
       }
     }
   }
@@ -248,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
         const int j = nt * 8 + q2;
         float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (nt < 2 * (warp + 1)) {
-          const float4 m4 = Macc[prep_tile(warp, nt, lane)], g4 = Gacc[prep_tile(warp, nt, lane)];
+          const float4 m4 = kM ? Macc[prep_tile(warp, nt, lane)] : float4{}, g4 = Gacc[prep_tile(warp, nt, lane)];
           const float macc[4] = {m4.x, m4.y, m4.z, m4.w}, gacc[4] = {g4.x, g4.y, g4.z, g4.w};
           const float2 gj = *reinterpret_cast<const float2*>(&gc[j]);
           const float2 kj = *reinterpret_cast<const float2*>(&s_rk[j]);
@@ -258,16 +263,18 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
             float a = 0.0f;
             if (jj <= i) {
               const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
-              m[e] = macc[e] * fq[e >> 1] * d;
+              if constexpr (kM) m[e] = macc[e] * fq[e >> 1] * d;
               if (jj < i) a = gacc[e] * fa[e >> 1] * d;
             }
             Af[i * LDA + jj] = a;
           }
         }
+        if constexpr (kM) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-          *reinterpret_cast<uint32_t*>(mout + (warp * 16 + r + half * 8) * kChunk + j) =
-              pack2<Op>(m[2 * half], m[2 * half + 1]);
+          for (int half = 0; half < 2; ++half)
+            *reinterpret_cast<uint32_t*>(mout + (warp * 16 + r + half * 8) * kChunk + j) =
+                pack2<Op>(m[2 * half], m[2 * half + 1]);
+        }
       }
     }
     __syncthreads();
@@ -344,12 +351,17 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
     }
     if (tid < kChunk) {
       // The state pass reuses gcum and the norms (rq includes the scale), per value head.
-      float* f = plan.ws_f + ws * (kFactorRows * kChunk);
+      float* f = plan.ws_f + ws * (kFactorRows<!kM> * kChunk);
       const float d = expf(gc[tid]), g_last = gc[kChunk - 1];
       f[kEk * kChunk + tid] = d * s_rk[tid];
       f[kEq * kChunk + tid] = d * s_rq[tid];
       f[kDd * kChunk + tid] = tid < L ? s_rk[tid] * expf(g_last - gc[tid]) : 0.0f;
       f[kEg * kChunk + tid] = expf(g_last);
+      if constexpr (!kM) {
+        f[kGc * kChunk + tid] = gc[tid] * 1.4426950408889634f;
+        f[kRq * kChunk + tid] = s_rq[tid];
+        f[kRk * kChunk + tid] = s_rk[tid];
+      }
     }
     if (warp == 0 && h + 1 < h1) store_gates(p, gates, L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
     __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it
@@ -475,7 +487,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
       f.m[u] = __ldg(msrc + tid + u * kThreads);
     }
     if (tid < kChunk) {
-      const float* src = plan.ws_f + ws * (kFactorRows * kChunk);
+      const float* src = plan.ws_f + ws * (kFactorRows<false> * kChunk);
       f.ek = src[kEk * kChunk + tid];
       f.eq = src[kEq * kChunk + tid];
       f.dd = src[kDd * kChunk + tid];
@@ -662,30 +674,38 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
+// The chunk prep, with M (kM) or without (the head pass forms it: Plan::m_in_pass).
+template <int K, class Op, bool kM>
+void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
+  const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));  // a CTA per GVA group
+  constexpr size_t smem = prep_smem_bytes<K, Op>();
+  const auto kernel = chunk_prep_kernel<K, Op, kM>;
+  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  GDNKIT_CUDA_CHECK(attr);
+  kernel<<<grid, kThreads, smem, stream>>>(p, plan);
+  GDNKIT_CUDA_CHECK_LAUNCH();
+}
+
 template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
   const bool prep = (stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0;
   if (prep) {
-    const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));  // a CTA per GVA group
-    constexpr size_t smem = prep_smem_bytes<K, Op>();
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(chunk_prep_kernel<K, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    GDNKIT_CUDA_CHECK(attr);
-    chunk_prep_kernel<K, Op><<<grid, kThreads, smem, stream>>>(p, plan);
-    GDNKIT_CUDA_CHECK_LAUNCH();
+    if (plan.m_in_pass)
+      launch_chunk_prep<K, Op, false>(p, plan, stream);
+    else
+      launch_chunk_prep<K, Op, true>(p, plan, stream);
   }
   if (!(stages & kStageStatePass)) return;
   if constexpr (K <= 128) {
     if (is_head_tile(vtile)) {
-      const bool wg = vtile == kVTileHead;
       // Programmatic dependent launch behind the prep pays where the pass has few waves (1x2048 6%, 8x1024
       // 4.5% faster); with many short CTAs each one's griddepcontrol.wait costs more than it saves (8192x32,
       // 262144 CTAs: 2.4% slower), so there the pass launches after the prep as before.
       const bool early = prep && int64_t(p.num_seqs) * p.heads.num_v_heads * plan.head_split <= 4 * plan.num_sms;
       if (p.heads.head_dim_v == 64)
-        launch_state_pass_head<K, 64, Op>(p, plan, plan.head_split, wg, early, stream);
+        launch_state_pass_head<K, 64, Op>(p, plan, early, stream);
       else
-        launch_state_pass_head<K, 128, Op>(p, plan, plan.head_split, wg, early, stream);
+        launch_state_pass_head<K, 128, Op>(p, plan, early, stream);
       return;
     }
   }

@@ -35,18 +35,29 @@ inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens /
 // precomputed by the chunk prep (with gcum the within-chunk cumulative log decay, flat past the chunk's
 // end, g_last = gcum[63], rk = 1/||k||, rq = scale/||q||; without the L2 norm rk = 1, rq = scale):
 //   kEk: e^gcum rk     kEq: e^gcum rq     kDd: rk e^(g_last - gcum), 0 past the chunk     kEg: e^g_last
-enum FactorRow { kEk = 0, kEq = 1, kDd = 2, kEg = 3, kFactorRows = 4 };
+// and, only where the state pass forms M itself (Plan::m_in_pass), M's per-token terms:
+//   kGc: gcum log2(e) (M's decay is exp2(kGc_i - kGc_j))     kRq: rq     kRk: rk
+enum FactorRow { kEk = 0, kEq = 1, kDd = 2, kEg = 3, kGc = 4, kRq = 5, kRk = 6 };
+// Rows of a (chunk, head) block of factors: 7 where the state pass forms M (kMInPass), else 4.
+template <bool kMInPass>
+constexpr int kFactorRows = kMInPass ? 7 : 4;
+constexpr int kFactorRowsMax = kFactorRows<true>;
 
 struct Plan {
   int64_t num_slots = 0;
   void* ws_t = nullptr;        // [num_slots, HV, 64, 64] operand dtype: T' = (I + A)^{-1} diag(beta) per chunk and head
-  void* ws_m = nullptr;        // [num_slots, HV, 64, 64] operand dtype: M, the masked decayed q k^T
-  float* ws_f = nullptr;       // [num_slots, HV, kFactorRows, 64] fp32: the per-token factors of the chunk
+  void* ws_m = nullptr;        // [num_slots, HV, 64, 64] operand dtype: M, the masked decayed q k^T (unless wgmma_pass)
+  float* ws_f = nullptr;       // [num_slots, HV, kFactorRows<m_in_pass>, 64] fp32: the per-token factors of the chunk
   float scale = 0.0f;          // q scale (resolved default)
   bool qkv_vec = false;        // q, k, v allow 16-byte loads of 8 contiguous elements
   bool o_pair = false;         // o allows 2-element stores
   bool fp16_operands = false;  // tensor-core operands fp16 (fp16 / fp32 inputs) instead of bf16
   int32_t head_split = 1;      // head state pass: CTAs per (sequence, value head)
+  // The state pass is the head pass's wgmma build (head_pass_wgmma).
+  bool wgmma_pass = false;
+  // ... with CTAs of two warpgroups (head_pass_forms_m), which form M from the chunk's q and k rows on the
+  // tensor cores: the chunk prep then writes no M (kGc, kRq, kRk instead).
+  bool m_in_pass = false;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   int32_t num_sms = 132;
@@ -63,6 +74,16 @@ struct HeadTensorMaps {
 };
 // Whether the TMA maps can be made (tokens, and tokens and workspace rows below 2^31), and the maps.
 bool head_tensor_maps_ok(const PrefillParams& p, const Plan& plan);
+// Whether the state pass of value tile `vtile` runs the head pass's wgmma build: kVTileHead, a CTA owning
+// whole warpgroups (V / head_split a multiple of 64) and the TMA maps possible (Plan::wgmma_pass).
+bool head_pass_wgmma(const PrefillParams& p, const Plan& plan, int vtile);
+// Whether the wgmma build with `cols` value columns per CTA forms M itself (else the chunk prep writes it
+// to the workspace): with two warpgroups per CTA, each forms half of it beside its own products. Measured
+// (H100, qwen3-next): the pass moves 8 of its 65 KB per chunk less, 8x8192 1.47 -> 1.35 ms, 8x1024 0.228 ->
+// 0.208; but the mask, scaling and barrier lengthen each chunk's chain, so where the chain is the limit
+// (one warpgroup per CTA, the column split for few sequences) M stays in the workspace (1x32768 1.06 ->
+// 1.24 ms when formed there).
+constexpr bool head_pass_forms_m(bool wgmma, int cols) { return wgmma && cols >= 128; }
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
 // Workspace bytes for the T' and gcum / norm arrays (each 256-byte aligned).

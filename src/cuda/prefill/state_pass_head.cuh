@@ -25,6 +25,11 @@
 //     The chunk's inputs arrive by TMA (tma.cuh: one thread issues the tiles, an mbarrier per stage
 //     counts their bytes). Needs a multiple of 64 value columns per CTA. Past a partial chunk's end the
 //     k, q, v rows are zeroed in shared memory, so the full products run there too.
+//     With two warpgroups per CTA (kMInPass, head_pass_forms_m) it forms M itself, and the chunk prep
+//     writes none: q k^T with both operands in shared memory, issued with P and Q (each warpgroup half of
+//     M's token columns), then masked and scaled by the prep's kGc / kRq / kRk factors while v_new's
+//     product runs, and stored by stmatrix into the stage's M rows, where o's product reads them after one
+//     CTA barrier. With one warpgroup, M comes from the workspace by TMA like T'.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -50,11 +55,11 @@ struct HeadStage {
   Op vs[kChunk * LDV];   // v rows (the CTA's columns); a warp's 16 columns then stage its o rows
   Op ts[kChunk * LDT];   // T'
   Op ms[kChunk * LDT];   // M
-  float sc[kFactorRows * kChunk];  // the chunk's token factors (FactorRow)
+  float sc[kFactorRows<false> * kChunk];  // the chunk's token factors (FactorRow)
 };
 
 // The wgmma build's stage, as the TMA tiles land: k, q, T', M (the wgmma B operands) and v in 128B-swizzled
-// blocks of 64 columns (sw128_offset; 1024-byte aligned).
+// blocks of 64 columns (sw128_offset; 1024-byte aligned); M in the same layout when formed in the pass.
 template <int K, int kCols, class Op>
 struct alignas(1024) HeadStageWg {
   Op ks[kChunk * K];
@@ -62,7 +67,7 @@ struct alignas(1024) HeadStageWg {
   Op ts[kChunk * kChunk];
   Op ms[kChunk * kChunk];
   Op vs[kChunk * kCols];
-  float sc[kFactorRows * kChunk];
+  float sc[kFactorRows<head_pass_forms_m(true, kCols)> * kChunk];
 };
 
 template <int K, int kCols, class Op, bool kWg>
@@ -90,6 +95,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
   static_assert(!kWg || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
+  constexpr bool kMInPass = head_pass_forms_m(kWg, kCols);  // M formed here, not read from the workspace
+  constexpr int kFRows = kFactorRows<kMInPass>;
   using Stage = HeadStageOf<K, kCols, Op, kWg>;
   constexpr int LDV = HeadStage<K, kCols, Op>::LDV;  // the warp build's padded v rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -174,7 +181,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int64_t ws0 = slot0 * HV + h;
   const Op* t_src = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk) + tid * 8;
   const Op* m_src = static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk) + tid * 8;
-  const float* f_src = plan.ws_f + ws0 * (kFactorRows * kChunk);
+  const float* f_src = plan.ws_f + ws0 * (kFRows * kChunk);
   // The warp build's padded k / q and T' / M rows.
   constexpr int LDK = HeadStage<K, kCols, Op>::LDK, LDT = HeadStage<K, kCols, Op>::LDT;
   // Element offset of (row, col) in the v (then o) buffer of a stage; rows 16 apart are kVRow16 bytes apart.
@@ -183,6 +190,11 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     else return row * LDV + col;
   };
   constexpr uint32_t kVRow16 = kWg ? 16 * 128 : 16 * LDV * 2;
+  // The wgmma build's share of M: warpgroup g forms token columns mj0 .. mj0 + kMCols - 1 of every row;
+  // warp w of it holds rows mrow, mrow + 8, and stores (stmatrix) rows mst_row of columns mst_col + 16 np.
+  constexpr int kMCols = 64 / (kWarps / 4 > 0 ? kWarps / 4 : 1);
+  const int mj0 = (warp / 4) * kMCols, mrow = (warp % 4) * 16 + r;
+  const int mst_row = (warp % 4) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, mst_col = mj0 + (lane >> 4) * 8;
   __shared__ uint64_t bars[2];  // wgmma build: the TMA completion of each stage
   // parts: kInputs (the k, q, v rows), kWorkspace (T', M, the factors: the chunk prep's), or both. Chunk 0's
   // inputs go out before griddepcontrol.wait, its workspace part after it (both arrive on one mbarrier /
@@ -193,8 +205,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       if (tid == 0) {
         uint64_t* bar = &bars[c & 1];
         if (parts & kInputs) {
-          constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + 2 * kChunk * kChunk * 2 +
-                                               kFactorRows * kChunk * 4);
+          constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + (kMInPass ? 1 : 2) * kChunk * kChunk * 2 +
+                                               kFRows * kChunk * 4);
           fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
           mbarrier_arrive_expect_tx(bar, kBytes);  // both parts' bytes
           const int tk = int(start + c * kChunk);
@@ -209,8 +221,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         if (parts & kWorkspace) {
           const int wrow = int((ws0 + c * HV) * kChunk);
           tma_load_2d(b.ts, &maps.t, 0, wrow, bar);
-          tma_load_2d(b.ms, &maps.m, 0, wrow, bar);
-          bulk_load(b.sc, f_src + c * HV * (kFactorRows * kChunk), kFactorRows * kChunk * 4, bar);
+          if constexpr (!kMInPass) tma_load_2d(b.ms, &maps.m, 0, wrow, bar);
+          bulk_load(b.sc, f_src + c * HV * (kFRows * kChunk), kFRows * kChunk * 4, bar);
         }
       }
     } else if (parts & kInputs) {
@@ -245,8 +257,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         cp_async16(&b.ts[dst], tc + u * kThr * 8, true);
         cp_async16(&b.ms[dst], mc + u * kThr * 8, true);
       }
-      const float* fc = f_src + wc * (kFactorRows * kChunk);
-      for (int it = tid; it < kFactorRows * kChunk / 4; it += kThr) cp_async16(&b.sc[it * 4], fc + it * 4, true);
+      const float* fc = f_src + wc * (kFRows * kChunk);
+      for (int it = tid; it < kFRows * kChunk / 4; it += kThr) cp_async16(&b.sc[it * 4], fc + it * 4, true);
       cp_async_commit();
     }
   };
@@ -311,12 +323,63 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       // C fragments below are 16 value rows x 64 token columns: element [nt][e] is value vw + r + 8 (e >> 1),
       // token 8 nt + q2 + (e & 1). The warp build skips token tiles past the chunk's length (zero rows).
 
+      // M in the pass (kMInPass): q k^T for tokens i (rows, A = q rows) x this warpgroup's token columns
+      // mj0 .. (B = k rows), both operands in shared memory; then M[i][j] = mask_{j<=i} exp2(gc_i - gc_j) rq_i
+      // rk_j (q_i . k_j) from the chunk prep's factors, stored to the stage's M rows (read by o's product after
+      // the CTA barrier below).
+      [[maybe_unused]] auto issue_qk = [&](float (&acc)[kMCols / 8][4]) {
+        wgmma_pin(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+          const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
+          wgmma_ss<Op, kMCols, 0>(acc, sw128_desc(qs_a + koff, 16, 1024),
+                                  sw128_desc(ks_a + koff + uint32_t(mj0) * 128, 16, 1024));
+        }
+        wgmma_commit();
+      };
+      [[maybe_unused]] auto form_m = [&](float (&acc)[kMCols / 8][4]) {
+        wgmma_pin(acc);
+        float gi[2], fq[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          gi[half] = b.sc[kGc * kChunk + mrow + 8 * half];
+          fq[half] = b.sc[kRq * kChunk + mrow + 8 * half];
+        }
+#pragma unroll
+        for (int nt = 0; nt < kMCols / 8; ++nt) {
+          const int j = mj0 + nt * 8 + q2;
+          const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kGc * kChunk + j]);
+          const float2 kj = *reinterpret_cast<const float2*>(&b.sc[kRk * kChunk + j]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
+            const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
+            acc[nt][e] = jj <= i ? acc[nt][e] * fq[e >> 1] * d : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < kMCols / 16; ++np) {
+          uint32_t frag[4];
+          c_to_a<Op>(acc[2 * np], acc[2 * np + 1], frag);
+          stmatrix_x4(smem_addr(b.ms) + 2 * uint32_t(sw128_offset<kChunk>(mst_row, mst_col + 16 * np)), frag);
+        }
+        fence_proxy_async();  // M is read by the tensor cores
+      };
+
       // ---- P^T = S^T k^T and Q^T = S^T q^T
       float pk[8][4], qo[8][4];
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
+      [[maybe_unused]] float mk[kMCols / 8][4];  // the wgmma build's q k^T, then M (mj0 .. mj0 + kMCols - 1)
+      if constexpr (kMInPass) {
+#pragma unroll
+        for (int nt = 0; nt < kMCols / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mk[nt][e] = 0.0f;
+      }
       if constexpr (kWg) {
         uint32_t sa[K / 16][4];  // S^T as A fragments, held until both products complete
 #pragma unroll
@@ -332,6 +395,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         for (int kk = 0; kk < K / 16; ++kk)
           wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], sw128_desc(qs_a + (kk / 4) * kBlock + (kk % 4) * 32, 16, 1024));
         wgmma_commit();
+        if constexpr (kMInPass) issue_qk(mk);
       } else {
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk) {
@@ -354,7 +418,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       // The next chunk's inputs: issued here, the P/Q products above start right after the barrier.
       if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1], kBoth);
       if constexpr (kWg) {
-        wgmma_wait<1>();  // P^T (Q^T may still run)
+        wgmma_wait<kMInPass ? 2 : 1>();  // P^T (Q^T and q k^T may still run)
         wgmma_pin(pk);
       }
 
@@ -385,7 +449,13 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         wgmma_fence();
         causal_cols_wgmma<Op>(vn, xa, smem_addr(b.ts));
         wgmma_commit();
-        wgmma_wait<0>();  // v_new^T and Q^T
+      }
+      if constexpr (kMInPass) {
+        wgmma_wait<1>();  // Q^T and q k^T (v_new^T may still run)
+        form_m(mk);
+      }
+      if constexpr (kWg) {
+        wgmma_wait<0>();  // v_new^T (and Q^T)
         wgmma_pin(vn);
         wgmma_pin(qo);
       } else {
@@ -417,6 +487,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       }
       const float eg = b.sc[kEg * kChunk];
       if constexpr (kWg) {
+        if constexpr (kMInPass) __syncthreads();  // every warpgroup's share of M is stored
         wgmma_pin(qo);
         wgmma_fence();
         causal_cols_wgmma<Op>(qo, na, smem_addr(b.ms));
@@ -512,18 +583,16 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
   GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, plan, maps));
 }
 
-// The wgmma build where the CTA owns whole warpgroups (warpgroup and V / split a multiple of 64) and the
-// TMA coordinates fit, else the mma.sync build.
+// The wgmma build where the plan says so (Plan::wgmma_pass: the CTA owns whole warpgroups and the TMA
+// coordinates fit), else the mma.sync build.
 template <int K, int V, class Op>
-void launch_state_pass_head(const PrefillParams& p, const Plan& plan, int split, bool warpgroup, bool after_prep,
-                            cudaStream_t stream) {
-  warpgroup = warpgroup && head_tensor_maps_ok(p, plan);
-  if (split == 2) {
+void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
+  if (plan.head_split == 2) {
     if constexpr (V / 2 % 64 == 0)
-      if (warpgroup) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, after_prep, stream);
+      if (plan.wgmma_pass) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, after_prep, stream);
     launch_state_pass_head<K, V, 2, Op, false>(p, plan, after_prep, stream);
   } else {
-    if (warpgroup) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, after_prep, stream);
+    if (plan.wgmma_pass) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, after_prep, stream);
     launch_state_pass_head<K, V, 1, Op, false>(p, plan, after_prep, stream);
   }
 }
