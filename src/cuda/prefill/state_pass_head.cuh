@@ -80,12 +80,12 @@ constexpr size_t head_smem_bytes() {
 // v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M, 128B-swizzled rows
 // at shared address `base`), in token halves: tokens 0..31 need k-steps 0, 1, tokens 32..63 all four
 // (6 of 8 n32 products; an n48/n64 k-step over tokens 16 KS .. 63 made ptxas serialize the wgmmas, as
-// the accumulator tiles 2 KS .. 7 are not an aligned register block).
+// the accumulator tiles 2 KS .. 7 are not an aligned register block). `desc`: B's K-major descriptor.
 template <class Op, int KS = 0>
-__device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint32_t (&a)[4][4], uint32_t base) {
-  if constexpr (KS < 2) wgmma_rs<Op, 32, 0, false>(acc, a[KS], sw128_desc(base + KS * 32, 16, 1024));
-  wgmma_rs<Op, 32, 4, false>(acc, a[KS], sw128_desc(base + 32 * 128 + KS * 32, 16, 1024));
-  if constexpr (KS < 3) causal_cols_wgmma<Op, KS + 1>(acc, a, base);
+__device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint32_t (&a)[4][4], uint64_t desc) {
+  if constexpr (KS < 2) wgmma_rs<Op, 32, 0, false>(acc, a[KS], desc_add(desc, KS * 32));
+  wgmma_rs<Op, 32, 4, false>(acc, a[KS], desc_add(desc, 32 * 128 + KS * 32));
+  if constexpr (KS < 3) causal_cols_wgmma<Op, KS + 1>(acc, a, desc);
 }
 
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
@@ -190,6 +190,11 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     else return row * LDV + col;
   };
   constexpr uint32_t kVRow16 = kWg ? 16 * 128 : 16 * LDV * 2;
+  // o: lane l stores 16-byte piece l & 1 of the warp's columns of rows l / 2 + 16 u of each chunk, staged in
+  // its v columns at o_staged (+ 16 rows per u).
+  Op* const o_lane = static_cast<Op*>(p.o.data) + (start + (lane >> 1)) * p.o.token_stride + h * p.o.head_stride + vw +
+                     (lane & 1) * 8;
+  const int o_staged = v_offset(lane >> 1, lw + (lane & 1) * 8);
   // The wgmma build's share of M: warpgroup g forms token columns mj0 .. mj0 + kMCols - 1 of every row;
   // warp w of it holds rows mrow, mrow + 8, and stores (stmatrix) rows mst_row of columns mst_col + 16 np.
   constexpr int kMCols = 64 / (kWarps / 4 > 0 ? kWarps / 4 : 1);
@@ -315,7 +320,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       const uint32_t ts_b = smem_addr(b.ts) + off_t, ms_b = smem_addr(b.ms) + off_t, vs_b = smem_addr(b.vs) + off_v;
       // wgmma: a 64-column block of the k / q rows is 64 rows of 128 bytes
       [[maybe_unused]] constexpr uint32_t kBlock = kChunk * 128;
-      const uint32_t ks_a = smem_addr(b.ks), qs_a = smem_addr(b.qs);
+      // K-major descriptors of the k and q rows, and of the k rows read transposed (MN-major)
+      [[maybe_unused]] const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024), dq = sw128_desc(smem_addr(b.qs), 16, 1024),
+                                      dkt = sw128_desc(smem_addr(b.ks), kBlock, 1024);
       // Token factors of this thread's token columns 8 nt + q2 + {0, 1} (FactorRow).
       auto factor = [&](int row, int nt) {
         return *reinterpret_cast<const float2*>(&b.sc[row * kChunk + nt * 8 + q2]);
@@ -333,8 +340,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk) {
           const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
-          wgmma_ss<Op, kMCols, 0>(acc, sw128_desc(qs_a + koff, 16, 1024),
-                                  sw128_desc(ks_a + koff + uint32_t(mj0) * 128, 16, 1024));
+          wgmma_ss<Op, kMCols, 0>(acc, desc_add(dq, koff), desc_add(dk, koff + uint32_t(mj0) * 128));
         }
         wgmma_commit();
       };
@@ -389,11 +395,11 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk)
-          wgmma_rs<Op, kChunk, 0, false>(pk, sa[kk], sw128_desc(ks_a + (kk / 4) * kBlock + (kk % 4) * 32, 16, 1024));
+          wgmma_rs<Op, kChunk, 0, false>(pk, sa[kk], desc_add(dk, (kk / 4) * kBlock + (kk % 4) * 32));
         wgmma_commit();
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk)
-          wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], sw128_desc(qs_a + (kk / 4) * kBlock + (kk % 4) * 32, 16, 1024));
+          wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], desc_add(dq, (kk / 4) * kBlock + (kk % 4) * 32));
         wgmma_commit();
         if constexpr (kMInPass) issue_qk(mk);
       } else {
@@ -447,7 +453,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       if constexpr (kWg) {
         wgmma_pin(vn);
         wgmma_fence();
-        causal_cols_wgmma<Op>(vn, xa, smem_addr(b.ts));
+        causal_cols_wgmma<Op>(vn, xa, sw128_desc(smem_addr(b.ts), 16, 1024));
         wgmma_commit();
       }
       if constexpr (kMInPass) {
@@ -490,14 +496,14 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         if constexpr (kMInPass) __syncthreads();  // every warpgroup's share of M is stored
         wgmma_pin(qo);
         wgmma_fence();
-        causal_cols_wgmma<Op>(qo, na, smem_addr(b.ms));
+        causal_cols_wgmma<Op>(qo, na, sw128_desc(smem_addr(b.ms), 16, 1024));
         wgmma_commit();
         // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: MN-major), overlapping o's store
         decay_state(eg);
         wgmma_pin(s);
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) wgmma_rs<Op, K, 0, true>(s, da[ks], sw128_desc(ks_a + ks * 2048, kBlock, 1024));
+        for (int ks = 0; ks < 4; ++ks) wgmma_rs<Op, K, 0, true>(s, da[ks], desc_add(dkt, ks * 2048));
         wgmma_commit();
         wgmma_wait<1>();  // o^T
         wgmma_pin(qo);
@@ -516,13 +522,12 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       }
       __syncwarp();
       {
-        Op* og = static_cast<Op*>(p.o.data);
+        Op* const oc = o_lane + c * kChunk * p.o.token_stride;
 #pragma unroll
         for (int u = 0; u < 2 * kChunk / 32; ++u) {
-          const int it = lane + 32 * u, row = it >> 1, half = it & 1;
-          if (kFull || row < L)
-            *reinterpret_cast<uint4*>(og + (t0 + row) * p.o.token_stride + h * p.o.head_stride + vw + half * 8) =
-                *reinterpret_cast<const uint4*>(&b.vs[v_offset(row, lw + half * 8)]);
+          if (kFull || (lane >> 1) + 16 * u < L)
+            *reinterpret_cast<uint4*>(oc + 16 * u * p.o.token_stride) =
+                *reinterpret_cast<const uint4*>(&b.vs[o_staged + u * int(kVRow16 / 2)]);
         }
       }
 
