@@ -77,16 +77,24 @@ bool vec_ok(const View& v) {
 
 }  // namespace
 
-size_t workspace_bytes(const PrefillParams& p) {
+size_t workspace_bytes(const PrefillParams& p, const Plan& plan) {
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return 2 * t_bytes(p) + f_bytes(p);  // T', M, token factors
+  return (plan.m_in_pass ? 1 : 2) * t_bytes(p) + f_bytes(p);  // T', M (unless the pass forms it), token factors
+}
+
+size_t workspace_bytes(const PrefillParams& p) {
+  Plan plan;
+  plan_state_pass(p, plan, device_sms(), 0, 0);
+  return workspace_bytes(p, plan);
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
-  plan.num_slots = num_chunk_slots(p);
-  plan.ws_t = base;
-  plan.ws_m = static_cast<char*>(base) + t_bytes(p);
-  plan.ws_f = reinterpret_cast<float*>(static_cast<char*>(base) + 2 * t_bytes(p));
+  char* at = static_cast<char*>(base);
+  plan.ws_t = at;
+  at += t_bytes(p);
+  plan.ws_m = plan.m_in_pass ? nullptr : at;
+  if (!plan.m_in_pass) at += t_bytes(p);
+  plan.ws_f = reinterpret_cast<float*>(at);
 }
 
 // Without tokens there is nothing to load (and no tensor to map): the mma.sync build stores the states.
@@ -146,13 +154,22 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
   m.q = rows3("q", p.q, p.heads.num_qk_heads, p.heads.head_dim_k);
   m.v = rows3("v", p.v, p.heads.num_v_heads, p.heads.head_dim_v);
   m.t = ws2("workspace T'", plan.ws_t);
-  m.m = ws2("workspace M", plan.ws_m);
+  if (plan.ws_m != nullptr) m.m = ws2("workspace M", plan.ws_m);
   return m;
 }
 
 bool head_pass_wgmma(const PrefillParams& p, const Plan& plan, int vtile) {
   return vtile == kVTileHead && p.heads.head_dim_k <= 128 && (p.heads.head_dim_v / plan.head_split) % 64 == 0 &&
          head_tensor_maps_ok(p, plan);
+}
+
+int plan_state_pass(const PrefillParams& p, Plan& plan, int num_sms, int vtile, int head_split) {
+  plan.num_slots = p.num_seqs > 0 && p.total_tokens > 0 ? num_chunk_slots(p) : 0;
+  if (vtile == 0) vtile = choose_vtile(p, num_sms);
+  plan.head_split = head_split != 0 ? head_split : choose_head_split(p, num_sms);
+  plan.wgmma_pass = head_pass_wgmma(p, plan, vtile);
+  plan.m_in_pass = head_pass_forms_m(plan.wgmma_pass, p.heads.head_dim_v / plan.head_split);
+  return vtile;
 }
 
 bool vtile_supported(int K, int vtile) {
@@ -256,7 +273,8 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
                           aligned(p.checkpoints.data, 2 * dtype_size(p.checkpoints.dtype)) &&
                           p.checkpoints.slot_stride % 2 == 0;
 
-  const size_t need = workspace_bytes(p);
+  const int vt = plan_state_pass(p, plan, plan.num_sms, vtile, head_split);
+  const size_t need = workspace_bytes(p, plan);
   void* ws = nullptr;
   if (need > 0) {
     if (p.workspace != nullptr) {
@@ -270,13 +288,8 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
     }
   }
   carve_workspace(p, ws, plan);
-  if (need == 0) plan.num_slots = 0;
-
-  if (vtile == 0) vtile = choose_vtile(p, plan.num_sms);
-  plan.head_split = head_split != 0 ? head_split : choose_head_split(p, plan.num_sms);
+  vtile = vt;
   plan.short_len = short_len;
-  plan.wgmma_pass = head_pass_wgmma(p, plan, vtile);
-  plan.m_in_pass = head_pass_forms_m(plan.wgmma_pass, p.heads.head_dim_v / plan.head_split);
   if (is_head_tile(vtile) && !head_split_supported(p.heads.head_dim_v, plan.head_split))
     throw Error(ErrorCode::kInvalidArgument, "prefill: head split " + std::to_string(plan.head_split) +
                                                  " is not supported for V=" + std::to_string(p.heads.head_dim_v));

@@ -86,8 +86,14 @@ bool head_pass_wgmma(const PrefillParams& p, const Plan& plan, int vtile);
 constexpr bool head_pass_forms_m(bool wgmma, int cols) { return wgmma && cols >= 128; }
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
-// Workspace bytes for the T' and gcum / norm arrays (each 256-byte aligned).
+// The state pass of a call: the value tile (0: choose_vtile) returned, and in the plan the chunk slots, the
+// head split (0: choose_head_split), wgmma_pass and m_in_pass. The workspace's size depends on it.
+int plan_state_pass(const PrefillParams& p, Plan& plan, int num_sms, int vtile, int head_split);
+// Workspace bytes for T', M (unless the plan's pass forms it) and the token factors (each 256-byte aligned);
+// without a plan, those of the library's choices (prefill_workspace_bytes).
+size_t workspace_bytes(const PrefillParams& p, const Plan& plan);
 size_t workspace_bytes(const PrefillParams& p);
+// The plan's workspace pointers (ws_t, ws_m, ws_f) in `base` (plan_state_pass first).
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
 
 // The value "tiles" of the head state pass (state_pass_head_kernel): one CTA per (sequence, value
