@@ -17,6 +17,7 @@
 #include "common/compare.h"
 #include "common/host_dtype.h"
 #include "common/problem.h"
+#include "cuda/check.h"
 #include "cuda/prefill/plan.h"
 #include "gdnkit/gdnkit.h"
 #include "gpu/gpu_harness.h"
@@ -529,6 +530,43 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     Problem ref = before;
     prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
     EXPECT_TRUE(OutputsClose(eager, ref, output_tolerance(OpFamily::kPrefill, c.in_dtype)));
+  }
+}
+
+// A caller workspace of exactly prefill_workspace_bytes, for both plans of the head pass: M formed in the
+// pass (two-warpgroup CTAs, no M region in the workspace) and M from the workspace (the column split).
+// Bytes past it stay untouched, and the results equal the library-workspace run's bit for bit.
+TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
+  for (const bool m_in_pass : {true, false}) {
+    // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split), 1 x 32 two each.
+    const Problem before(m_in_pass ? base({130, 64, 71}, 16, 32) : base({130}, 16, 32));
+    Problem lib = before, own = before;
+    DeviceProblem d_lib(lib), d_own(own);
+    PrefillParams p = own.prefill_params(PrefillAlgorithm::kAuto, d_own.resolver());
+    cuda::chunked_prefill::Plan plan;
+    cuda::chunked_prefill::plan_state_pass(p, plan, cuda::device_sms(), 0, 0);
+    ASSERT_EQ(plan.m_in_pass, m_in_pass) << "the case no longer takes the plan it is written for";
+    const size_t need = prefill_workspace_bytes(p), guard = 64 * 1024;
+    ASSERT_GT(need, 0u);
+    unsigned char* ws = nullptr;
+    GDNKIT_TEST_CUDA(cudaMalloc(&ws, need + guard));
+    GDNKIT_TEST_CUDA(cudaMemset(ws, 0xff, need + guard));  // NaN-ish garbage, and the guard's pattern
+    p.workspace = ws;
+    p.workspace_bytes = need;
+    prefill(p, {Backend::kCUDA, d_own.stream()});
+    prefill(lib.prefill_params(PrefillAlgorithm::kAuto, d_lib.resolver()), {Backend::kCUDA, d_lib.stream()});
+    d_own.download(own);
+    d_lib.download(lib);
+    std::vector<unsigned char> tail(guard);
+    GDNKIT_TEST_CUDA(cudaMemcpy(tail.data(), ws + need, guard, cudaMemcpyDeviceToHost));
+    cudaFree(ws);
+    EXPECT_TRUE(std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xff; }))
+        << "bytes past prefill_workspace_bytes were written";
+    for (const char* name : {"o", "state", "error_flag"})
+      EXPECT_TRUE(BitwiseEqual(std::string(name) + " (caller workspace)", own.buffer(name), lib.buffer(name)));
+    Problem ref = before;
+    prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+    EXPECT_TRUE(OutputsClose(own, ref, output_tolerance(OpFamily::kPrefill, before.config().in_dtype)));
   }
 }
 

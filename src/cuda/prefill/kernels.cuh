@@ -45,21 +45,21 @@ constexpr int kPrepTiles = 20;
 __device__ __forceinline__ int prep_tile(int warp, int nt, int lane) { return (warp * (warp + 1) + nt) * 32 + lane; }
 
 // Dynamic shared memory of kernel 1: raw k and q rows; once they are consumed, their bytes hold the
-// fp32 solve (A, then T in place) and the accumulators of both products.
-template <int K, class Op>
+// fp32 solve (A, then T in place) and the accumulators of both products (of k k^T alone without kM).
+template <int K, class Op, bool kM>
 constexpr size_t prep_smem_bytes() {
-  constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);      // k, q rows
-  constexpr size_t solve = size_t(kChunk) * 68 * 4;                       // A / T
-  constexpr size_t stash = size_t(2) * kPrepTiles * 32 * sizeof(float4);  // k k^T, q k^T
+  constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);                    // k, q rows
+  constexpr size_t solve = size_t(kChunk) * 68 * 4;                                     // A / T
+  constexpr size_t stash = size_t(kM ? 2 : 1) * kPrepTiles * 32 * sizeof(float4);      // k k^T, q k^T
   return rows > solve + stash ? rows : solve + stash;
 }
 
 // The CTAs per SM that this shared memory allows on sm_90 (228 KB per SM, 1 KB reserved per CTA, under
 // 2 KB static), asked of ptxas as the register budget: left to itself it settled for 96 registers at
 // K=128 but spilled to get there.
-template <int K, class Op>
+template <int K, class Op, bool kM>
 constexpr int prep_ctas_per_sm() {
-  return int(size_t(228) * 1024 / (prep_smem_bytes<K, Op>() + 3 * 1024));
+  return int(size_t(228) * 1024 / (prep_smem_bytes<K, Op, kM>() + 3 * 1024));
 }
 
 // Raw gate inputs of one value head for warp 0's two tokens (lane, lane + 32): fused a, b (x, y)
@@ -131,7 +131,7 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
 // Without kM (the wgmma head pass forms M from the chunk's rows) q k^T and M are skipped, and M's
 // per-token terms (kGc, kRq, kRk) are written with the other factors.
 template <int K, class Op, bool kM>
-__global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op>())
+__global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     chunk_prep_kernel(const PrefillParams p, const Plan plan) {
   constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
   constexpr int LDA = 68;     // fp32 A rows, 16-byte aligned for vector loads in the solve
@@ -678,7 +678,7 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
 template <int K, class Op, bool kM>
 void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
   const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));  // a CTA per GVA group
-  constexpr size_t smem = prep_smem_bytes<K, Op>();
+  constexpr size_t smem = prep_smem_bytes<K, Op, kM>();
   const auto kernel = chunk_prep_kernel<K, Op, kM>;
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);

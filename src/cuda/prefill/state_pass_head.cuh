@@ -294,7 +294,6 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   if (nchunks > 0) issue(0, stage[0], kWorkspace);
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c & 1];
-    const int64_t t0 = start + c * kChunk;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     if constexpr (kWg) {
       mbarrier_wait(&bars[c & 1], uint32_t(c >> 1) & 1);
