@@ -48,7 +48,7 @@ __device__ __forceinline__ int prep_tile(int warp, int nt, int lane) { return (w
 // fp32 solve (A, then T in place) and the accumulators of both products (of k k^T alone without kM).
 template <int K, class Op, bool kM>
 constexpr size_t prep_smem_bytes() {
-  constexpr size_t rows = size_t(2) * kChunk * (K + 8) * sizeof(Op);                    // k, q rows
+  constexpr size_t rows = size_t(kM ? 2 : 1) * kChunk * (K + 8) * sizeof(Op);           // k (and q) rows
   constexpr size_t solve = size_t(kChunk) * 68 * 4;                                     // A / T
   constexpr size_t stash = size_t(kM ? 2 : 1) * kPrepTiles * 32 * sizeof(float4);      // k k^T, q k^T
   return rows > solve + stash ? rows : solve + stash;
@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   GateLoads gates;  // warp 0: the next value head's gate inputs
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
   load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
-  load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
+  // q's rows are operands only of q k^T (kM); without it only their norms are kept.
+  load_rows_with_norm<K, Op, true, kM>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
   __syncthreads();
 
   // G = k k^T and Mq = q k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns
