@@ -77,24 +77,19 @@ bool vec_ok(const View& v) {
 
 }  // namespace
 
-size_t workspace_bytes(const PrefillParams& p, const Plan& plan) {
-  if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return (plan.m_in_pass ? 1 : 2) * t_bytes(p) + f_bytes(p);  // T', M (unless the pass forms it), token factors
-}
-
+// T', M and the token factors, M's region also where the call's pass forms M (then it is not used): so
+// the size grows with the tokens and the sequences alone, and a buffer sized for the largest call serves
+// every smaller one, whose pass may read M (one or two sequences: the column split).
 size_t workspace_bytes(const PrefillParams& p) {
-  Plan plan;
-  plan_state_pass(p, plan, device_sms(), 0, 0);
-  return workspace_bytes(p, plan);
+  if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
+  return 2 * t_bytes(p) + f_bytes(p);
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   char* at = static_cast<char*>(base);
   plan.ws_t = at;
-  at += t_bytes(p);
-  plan.ws_m = plan.m_in_pass ? nullptr : at;
-  if (!plan.m_in_pass) at += t_bytes(p);
-  plan.ws_f = reinterpret_cast<float*>(at);
+  plan.ws_m = plan.m_in_pass ? nullptr : at + t_bytes(p);
+  plan.ws_f = reinterpret_cast<float*>(at + 2 * t_bytes(p));
 }
 
 // Without tokens there is nothing to load (and no tensor to map): the mma.sync build stores the states.
@@ -274,7 +269,7 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
                           p.checkpoints.slot_stride % 2 == 0;
 
   const int vt = plan_state_pass(p, plan, plan.num_sms, vtile, head_split);
-  const size_t need = workspace_bytes(p, plan);
+  const size_t need = workspace_bytes(p);
   void* ws = nullptr;
   if (need > 0) {
     if (p.workspace != nullptr) {

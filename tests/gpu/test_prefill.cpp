@@ -534,8 +534,8 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
 }
 
 // A caller workspace of exactly prefill_workspace_bytes, for both plans of the head pass: M formed in the
-// pass (two-warpgroup CTAs, no M region in the workspace) and M from the workspace (the column split).
-// Bytes past it stay untouched, and the results equal the library-workspace run's bit for bit.
+// pass (two-warpgroup CTAs, M's region unused) and M from the workspace (the column split). Bytes past it
+// stay untouched, and the results equal the library-workspace run's bit for bit.
 TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
   for (const bool m_in_pass : {true, false}) {
     // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split), 1 x 32 two each.

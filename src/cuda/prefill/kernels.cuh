@@ -125,7 +125,7 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
   gc[lane + 32] = x[1] + __shfl_sync(0xffffffffu, x[0], 31);
 }
 
-// One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T are computed
+// One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T (kM) are computed
 // once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
 // h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
 // Without kM (the wgmma head pass forms M from the chunk's rows) q k^T and M are skipped, and M's
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   __shared__ __align__(16) float s_rk[kChunk];
   __shared__ __align__(16) float s_rq[kChunk];
   Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
-  Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows
+  Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows (kM only: else only their norms are kept)
   // After Ks, Qs are consumed:
   float* Af = reinterpret_cast<float*>(smem);              // [64][LDA] A, lower blocks
   float* Tf = Af;                                          // T = (I + A)^{-1}, in place of A
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     // here rather than before the barrier above (the other warps waited for it there; nothing reads them
     // before the M / A pass).
     if (warp == 0) store_gates(p, gates, L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
-    __syncthreads();  // Ks, Qs are dead from here on: the accumulators, A and T reuse their bytes
+    __syncthreads();  // Ks (and Qs) are dead from here on: the accumulators, A and T reuse their bytes
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < 2 * (warp + 1)) {
@@ -240,7 +240,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     {
       constexpr float kLog2e = 1.4426950408889634f;
       const int r = lane >> 2, q2 = (lane & 3) * 2;
-      Op* mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
+      [[maybe_unused]] Op* mout = nullptr;  // M's rows in the workspace (kM; no M region otherwise)
+      if constexpr (kM) mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
       float gi[2], fq[2], fa[2];  // per row i = 16 warp + r + 8 half
 #pragma unroll
       for (int half = 0; half < 2; ++half) {

@@ -46,7 +46,7 @@ constexpr int kFactorRowsMax = kFactorRows<true>;
 struct Plan {
   int64_t num_slots = 0;
   void* ws_t = nullptr;        // [num_slots, HV, 64, 64] operand dtype: T' = (I + A)^{-1} diag(beta) per chunk and head
-  void* ws_m = nullptr;        // [num_slots, HV, 64, 64] operand dtype: M, the masked decayed q k^T (unless wgmma_pass)
+  void* ws_m = nullptr;        // [num_slots, HV, 64, 64] operand dtype: M, the masked decayed q k^T (unless m_in_pass)
   float* ws_f = nullptr;       // [num_slots, HV, kFactorRows<m_in_pass>, 64] fp32: the per-token factors of the chunk
   float scale = 0.0f;          // q scale (resolved default)
   bool qkv_vec = false;        // q, k, v allow 16-byte loads of 8 contiguous elements
@@ -83,17 +83,17 @@ bool head_pass_wgmma(const PrefillParams& p, const Plan& plan, int vtile);
 // 0.208; but the mask, scaling and barrier lengthen each chunk's chain, so where the chain is the limit
 // (one warpgroup per CTA, the column split for few sequences) M stays in the workspace (1x32768 1.06 ->
 // 1.24 ms when formed there).
-constexpr bool head_pass_forms_m(bool wgmma, int cols) { return wgmma && cols >= 128; }
+constexpr bool head_pass_forms_m(bool wgmma, int cols) { return wgmma && cols == 128; }
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
 // The state pass of a call: the value tile (0: choose_vtile) returned, and in the plan the chunk slots, the
-// head split (0: choose_head_split), wgmma_pass and m_in_pass. The workspace's size depends on it.
+// head split (0: choose_head_split), wgmma_pass and m_in_pass.
 int plan_state_pass(const PrefillParams& p, Plan& plan, int num_sms, int vtile, int head_split);
-// Workspace bytes for T', M (unless the plan's pass forms it) and the token factors (each 256-byte aligned);
-// without a plan, those of the library's choices (prefill_workspace_bytes).
-size_t workspace_bytes(const PrefillParams& p, const Plan& plan);
+// Workspace bytes for T', M and the token factors (each 256-byte aligned; prefill_workspace_bytes): M's
+// region also where the pass forms M, so that the size grows with total_tokens and num_seqs alone.
 size_t workspace_bytes(const PrefillParams& p);
-// The plan's workspace pointers (ws_t, ws_m, ws_f) in `base` (plan_state_pass first).
+// The plan's workspace pointers (ws_t, ws_m: null where the pass forms M, ws_f) in `base` (plan_state_pass
+// first).
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
 
 // The value "tiles" of the head state pass (state_pass_head_kernel): one CTA per (sequence, value

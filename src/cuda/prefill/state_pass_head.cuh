@@ -10,8 +10,9 @@
 //     o^T      = Q^T D rq + v_new^T M^T    A = v_new^T      B = M rows      (causal)
 //     S^T      = e^{g_last} S^T + vd^T k   A = vd^T         B = k rows, .trans
 //   so the warps never wait for each other inside a chunk: the CTA meets once per chunk, when the
-//   next chunk's inputs (q, k, v rows, T', M, scalars) have landed. They arrive by cp.async into a
-//   double-buffered stage while the current chunk computes.
+//   next chunk's inputs (q, k, v rows, T', M, scalars) have landed (and once more where the CTA forms M
+//   itself, kMInPass below). They arrive by cp.async (TMA in the wgmma build) into a double-buffered stage
+//   while the current chunk computes.
 //
 // Used when q, k, v, o are 16-bit in the operand dtype (bf16, or fp16) with 16-byte aligned rows, K
 // <= 128 and V in {64, 128} (K = 128: 64 accumulator registers of S per thread). The q/k rows are
@@ -78,9 +79,9 @@ constexpr size_t head_smem_bytes() {
 }
 
 // v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M, 128B-swizzled rows
-// at shared address `base`), in token halves: tokens 0..31 need k-steps 0, 1, tokens 32..63 all four
+// whose K-major descriptor is `desc`), in token halves: tokens 0..31 need k-steps 0, 1, tokens 32..63 all four
 // (6 of 8 n32 products; an n48/n64 k-step over tokens 16 KS .. 63 made ptxas serialize the wgmmas, as
-// the accumulator tiles 2 KS .. 7 are not an aligned register block). `desc`: B's K-major descriptor.
+// the accumulator tiles 2 KS .. 7 are not an aligned register block).
 template <class Op, int KS = 0>
 __device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint32_t (&a)[4][4], uint64_t desc) {
   if constexpr (KS < 2) wgmma_rs<Op, 32, 0, false>(acc, a[KS], desc_add(desc, KS * 32));
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int mj0 = (warp / 4) * kMCols, mrow = (warp % 4) * 16 + r;
   const int mst_row = (warp % 4) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, mst_col = mj0 + (lane >> 4) * 8;
   __shared__ uint64_t bars[2];  // wgmma build: the TMA completion of each stage
-  // parts: kInputs (the k, q, v rows), kWorkspace (T', M, the factors: the chunk prep's), or both. Chunk 0's
+  // parts: kInputs (the k, q, v rows), kWorkspace (T', M unless kMInPass, the factors: the chunk prep's), or both. Chunk 0's
   // inputs go out before griddepcontrol.wait, its workspace part after it (both arrive on one mbarrier /
   // in one cp.async group).
   constexpr int kInputs = 1, kWorkspace = 2, kBoth = 3;

@@ -1,6 +1,6 @@
 // Warpgroup-level tensor-core primitives (sm_90a wgmma) for the head state pass: m64nNk16 with the A
-// operand in registers and B read by the tensor cores from shared memory in the 128-byte swizzled
-// layout, fp32 accumulation.
+// operand in registers (wgmma_rs) or in shared memory (wgmma_ss) and B read by the tensor cores from shared
+// memory in the 128-byte swizzled layout, fp32 accumulation.
 //
 // Register fragments: warp w of the warpgroup holds rows 16w .. 16w+15 of A and of the accumulator, in
 // exactly the layouts of mma.sync m16n8k16 (mma.cuh): A as c_to_a packs it, the accumulator as N/8
