@@ -3,12 +3,14 @@
 // tile of the state pass and for the chunk-prep kernel alone. CUDA events around each call, warm-up
 // first, median of 15. For iterating on the kernel; the committed numbers come from `gdnkit bench
 // prefill`. Runs only with GDNKIT_PREFILL_TIMING=1 (skipped otherwise: it needs ~3 GB and seconds);
-// GDNKIT_PREFILL_TIMING_SET=<name> times one set (for ncu).
+// GDNKIT_PREFILL_TIMING_SET=<name> times one set (for ncu); GDNKIT_PREFILL_TIMING_GATES=model draws A as
+// `gdnkit bench` does (log U(1, 16): strong decay) instead of about 2.7.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -94,7 +96,13 @@ TEST(PrefillTiming, TargetSets) {
     fill_bf16<<<1024, 256>>>(v, T * HV * V, 3);
     fill_bf16<<<1024, 256>>>(a, T * HV, 4);
     fill_bf16<<<1024, 256>>>(b, T * HV, 5);
-    fill_f32<<<1, 32>>>(A_log, HV, 6, 0.3f, 1.0f);
+    fill_f32<<<1, 32>>>(A_log, HV, 6, 0.3f, 1.0f);  // A = e^A_log about 2.7
+    if (const char* g = std::getenv("GDNKIT_PREFILL_TIMING_GATES"); g != nullptr && std::string(g) == "model") {
+      // A spread over [1, 16] as Qwen3-Next initializes it (log U(1, 16); `gdnkit bench` draws it so): strong decay
+      std::vector<float> alog(HV);
+      for (int h = 0; h < HV; ++h) alog[h] = std::log(1.0f + 15.0f * (float(h) + 0.5f) / float(HV));
+      GDNKIT_TEST_CUDA(cudaMemcpy(A_log, alog.data(), HV * 4, cudaMemcpyHostToDevice));
+    }
     fill_f32<<<1, 32>>>(dt_bias, HV, 7, 0.5f, 0.0f);
     fill_f32<<<1024, 256>>>(pool, P * HV * K * V, 8, 0.5f, 0.0f);
     std::vector<int32_t> hcu(s.N + 1), hini(s.N), hfin(s.N);
