@@ -268,7 +268,7 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
                           aligned(p.checkpoints.data, 2 * dtype_size(p.checkpoints.dtype)) &&
                           p.checkpoints.slot_stride % 2 == 0;
 
-  const int vt = plan_state_pass(p, plan, plan.num_sms, vtile, head_split);
+  vtile = plan_state_pass(p, plan, plan.num_sms, vtile, head_split);
   const size_t need = workspace_bytes(p);
   void* ws = nullptr;
   if (need > 0) {
@@ -283,7 +283,6 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
     }
   }
   carve_workspace(p, ws, plan);
-  vtile = vt;
   plan.short_len = short_len;
   if (is_head_tile(vtile) && !head_split_supported(p.heads.head_dim_v, plan.head_split))
     throw Error(ErrorCode::kInvalidArgument, "prefill: head split " + std::to_string(plan.head_split) +

@@ -111,10 +111,10 @@ struct RawVec {
 #pragma unroll
     for (int i = 0; i < N / kPer; ++i) ld_volatile(reinterpret_cast<const W*>(p) + i, w[i]);
   }
-  // Hides the words' values from the compiler, so that a conversion after this one is redone from the
-  // words rather than the earlier conversion's fp32 values kept alive (twice the registers for 16-bit T).
   // Element i as loaded (its dtype, no conversion).
   __device__ __forceinline__ T element(int i) const { return reinterpret_cast<const T*>(w)[i]; }
+  // Hides the words' values from the compiler, so that a conversion after this one is redone from the
+  // words rather than the earlier conversion's fp32 values kept alive (twice the registers for 16-bit T).
   __device__ __forceinline__ void opaque() {
     static_assert(sizeof(w) % 4 == 0, "whole 32-bit words");
     uint32_t* u = reinterpret_cast<uint32_t*>(w);

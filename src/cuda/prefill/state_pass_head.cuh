@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const Op* v_src = v_zero + (start + rv0) * p.v.token_stride + v0 + cvv * 8;
   const int64_t ws0 = slot0 * HV + h;
   const Op* t_src = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk) + tid * 8;
-  const Op* m_src = static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk) + tid * 8;
+  const Op* m_src = kWg ? nullptr : static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk) + tid * 8;
   const float* f_src = plan.ws_f + ws0 * (kFRows * kChunk);
   // The warp build's padded k / q and T' / M rows.
   constexpr int LDK = HeadStage<K, kCols, Op>::LDK, LDT = HeadStage<K, kCols, Op>::LDT;
@@ -198,7 +198,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int o_staged = v_offset(lane >> 1, lw + (lane & 1) * 8);
   // The wgmma build's share of M: warpgroup g forms token columns mj0 .. mj0 + kMCols - 1 of every row;
   // warp w of it holds rows mrow, mrow + 8, and stores (stmatrix) rows mst_row of columns mst_col + 16 np.
-  constexpr int kMCols = 64 / (kWarps / 4 > 0 ? kWarps / 4 : 1);
+  static_assert(!kMInPass || kWarps == 8, "M in the pass: two warpgroups, half of M's columns each");
+  constexpr int kMCols = 32;
   const int mj0 = (warp / 4) * kMCols, mrow = (warp % 4) * 16 + r;
   const int mst_row = (warp % 4) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, mst_col = mj0 + (lane >> 4) * 8;
   __shared__ uint64_t bars[2];  // wgmma build: the TMA completion of each stage
@@ -330,56 +331,13 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       // C fragments below are 16 value rows x 64 token columns: element [nt][e] is value vw + r + 8 (e >> 1),
       // token 8 nt + q2 + (e & 1). The warp build skips token tiles past the chunk's length (zero rows).
 
-      // M in the pass (kMInPass): q k^T for tokens i (rows, A = q rows) x this warpgroup's token columns
-      // mj0 .. (B = k rows), both operands in shared memory; then M[i][j] = mask_{j<=i} exp2(gc_i - gc_j) rq_i
-      // rk_j (q_i . k_j) from the chunk prep's factors, stored to the stage's M rows (read by o's product after
-      // the CTA barrier below).
-      [[maybe_unused]] auto issue_qk = [&](float (&acc)[kMCols / 8][4]) {
-        wgmma_pin(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk) {
-          const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
-          wgmma_ss<Op, kMCols, 0>(acc, desc_add(dq, koff), desc_add(dk, koff + uint32_t(mj0) * 128));
-        }
-        wgmma_commit();
-      };
-      [[maybe_unused]] auto form_m = [&](float (&acc)[kMCols / 8][4]) {
-        wgmma_pin(acc);
-        float gi[2], fq[2];
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          gi[half] = b.sc[kGc * kChunk + mrow + 8 * half];
-          fq[half] = b.sc[kRq * kChunk + mrow + 8 * half];
-        }
-#pragma unroll
-        for (int nt = 0; nt < kMCols / 8; ++nt) {
-          const int j = mj0 + nt * 8 + q2;
-          const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kGc * kChunk + j]);
-          const float2 kj = *reinterpret_cast<const float2*>(&b.sc[kRk * kChunk + j]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
-            const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
-            acc[nt][e] = jj <= i ? acc[nt][e] * fq[e >> 1] * d : 0.0f;
-          }
-        }
-#pragma unroll
-        for (int np = 0; np < kMCols / 16; ++np) {
-          uint32_t frag[4];
-          c_to_a<Op>(acc[2 * np], acc[2 * np + 1], frag);
-          stmatrix_x4(smem_addr(b.ms) + 2 * uint32_t(sw128_offset<kChunk>(mst_row, mst_col + 16 * np)), frag);
-        }
-        fence_proxy_async();  // M is read by the tensor cores
-      };
-
       // ---- P^T = S^T k^T and Q^T = S^T q^T
       float pk[8][4], qo[8][4];
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
-      [[maybe_unused]] float mk[kMCols / 8][4];  // the wgmma build's q k^T, then M (mj0 .. mj0 + kMCols - 1)
+      [[maybe_unused]] float mk[kMCols / 8][4];  // kMInPass: q k^T, then M (token columns mj0 .. mj0 + 31)
       if constexpr (kMInPass) {
 #pragma unroll
         for (int nt = 0; nt < kMCols / 8; ++nt)
@@ -401,7 +359,18 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         for (int kk = 0; kk < K / 16; ++kk)
           wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], desc_add(dq, (kk / 4) * kBlock + (kk % 4) * 32));
         wgmma_commit();
-        if constexpr (kMInPass) issue_qk(mk);
+        if constexpr (kMInPass) {
+          // M's q k^T: tokens i (rows, A = q rows) x this warpgroup's token columns mj0 .. mj0 + 31 (B = k
+          // rows), both operands in shared memory
+          wgmma_pin(mk);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < K / 16; ++kk) {
+            const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
+            wgmma_ss<Op, kMCols, 0>(mk, desc_add(dq, koff), desc_add(dk, koff + uint32_t(mj0) * 128));
+          }
+          wgmma_commit();
+        }
       } else {
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk) {
@@ -457,8 +426,35 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         wgmma_commit();
       }
       if constexpr (kMInPass) {
+        // ---- M[i][j] = mask_{j<=i} exp2(gc_i - gc_j) rq_i rk_j (q_i . k_j) from the chunk prep's factors,
+        // stored to the stage's M rows while v_new's product runs (o's product reads them after a CTA barrier)
         wgmma_wait<1>();  // Q^T and q k^T (v_new^T may still run)
-        form_m(mk);
+        wgmma_pin(mk);
+        float gi[2], fq[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          gi[half] = b.sc[kGc * kChunk + mrow + 8 * half];
+          fq[half] = b.sc[kRq * kChunk + mrow + 8 * half];
+        }
+#pragma unroll
+        for (int nt = 0; nt < kMCols / 8; ++nt) {
+          const int j = mj0 + nt * 8 + q2;
+          const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kGc * kChunk + j]);
+          const float2 kj = *reinterpret_cast<const float2*>(&b.sc[kRk * kChunk + j]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
+            const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
+            mk[nt][e] = jj <= i ? mk[nt][e] * fq[e >> 1] * d : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < kMCols / 16; ++np) {
+          uint32_t frag[4];
+          c_to_a<Op>(mk[2 * np], mk[2 * np + 1], frag);
+          stmatrix_x4(smem_addr(b.ms) + 2 * uint32_t(sw128_offset<kChunk>(mst_row, mst_col + 16 * np)), frag);
+        }
+        fence_proxy_async();  // M is read by the tensor cores
       }
       if constexpr (kWg) {
         wgmma_wait<0>();  // v_new^T (and Q^T)
