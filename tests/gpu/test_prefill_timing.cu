@@ -1,10 +1,10 @@
 // Quick timing of the CUDA prefill on the issue's target sets (qwen3-next: H=16, HV=32, K=V=128,
 // fused gating + q/k L2 norm, initial and final states in a pooled fp32 K-last pool), for each value
-// tile of the state pass and for the chunk-prep kernel alone. CUDA events around each call, warm-up
-// first, median of 15. For iterating on the kernel; the committed numbers come from `gdnkit bench
-// prefill`. Runs only with GDNKIT_PREFILL_TIMING=1 (skipped otherwise: it needs ~3 GB and seconds);
-// GDNKIT_PREFILL_TIMING_SET=<name> times one set (for ncu); GDNKIT_PREFILL_TIMING_GATES=model draws A as
-// `gdnkit bench` does (log U(1, 16): strong decay) instead of about 2.7.
+// tile of the state pass, and for the chunk-prep kernel and the library's state pass alone. CUDA events
+// around each call, warm-up first, median of 15. For iterating on the kernel; the committed numbers come
+// from `gdnkit bench prefill`. Runs only with GDNKIT_PREFILL_TIMING=1 (skipped otherwise: it needs ~3 GB
+// and seconds); GDNKIT_PREFILL_TIMING_SET=<name> times one set (for ncu); GDNKIT_PREFILL_TIMING_GATES=model
+// draws A as `gdnkit bench` does (log U(1, 16): strong decay) instead of about 2.7.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -70,7 +70,8 @@ TEST(PrefillTiming, TargetSets) {
   cudaEvent_t e0, e1;
   GDNKIT_TEST_CUDA(cudaEventCreate(&e0));
   GDNKIT_TEST_CUDA(cudaEventCreate(&e1));
-  std::printf("\n%-9s %-7s %10s %10s %10s  (ms, median of 15; target)\n", "set", "vtile", "total", "prep", "TFLOP/s");
+  std::printf("\n%-9s %-7s %10s %10s %10s %10s  (ms, median of 15; target)\n", "set", "vtile", "total", "prep", "pass",
+              "TFLOP/s");
   const char* only = std::getenv("GDNKIT_PREFILL_TIMING_SET");  // e.g. "1x8192": time one set
   for (const Set& s : sets) {
     if (only != nullptr && std::string(only) != s.name) continue;
@@ -150,7 +151,10 @@ TEST(PrefillTiming, TargetSets) {
       return median(ms);
     };
     // The chunk prep alone, as the library's choice of state pass runs it (without M where that pass forms it).
-    const double prep = time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, 0, /*stages=*/1); });
+    const double prep = time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, 0, cuda::chunked_prefill::kStagePrep); });
+    // ... and the state pass alone, on the workspace the prep runs above left (no programmatic launch then)
+    const double pass =
+        time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, 0, cuda::chunked_prefill::kStageStatePass); });
     const double flop = 4.0 * double(T) * HV * K * V;
     // auto (the library's choices, the short-sequence path included), then the chunked kernels alone: their
     // heuristic, the head pass (wgmma and mma.sync builds) with each column split, the tiled pass with each
@@ -170,8 +174,8 @@ TEST(PrefillTiming, TargetSets) {
                                : vt == kWg ? "head/" + std::to_string(split)
                                : vt == kWarp ? "warp/" + std::to_string(split)
                                         : std::to_string(vt);
-      std::printf("%-9s %-7s %10.3f %10.3f %10.1f  %s\n", s.name, name.c_str(), t,
-                  prep, flop / (t * 1e-3) / 1e12,
+      std::printf("%-9s %-7s %10.3f %10.3f %10.3f %10.1f  %s\n", s.name, name.c_str(), t, prep, pass,
+                  flop / (t * 1e-3) / 1e12,
                   s.target_ms > 0 ? ("target " + std::to_string(s.target_ms)).c_str() : "");
     }
     GDNKIT_TEST_CUDA(cudaStreamSynchronize(stream));

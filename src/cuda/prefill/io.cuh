@@ -101,10 +101,10 @@ __device__ __forceinline__ float sumsq8(const uint4& x) {
 
 // Loads the 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (Op; rows >= L are zero) and
 // writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as the spec) or mult per row
-// (kNorm; else rnorm is not touched). Without kStore only the factors are written (dst is not touched).
+// (kNorm; else rnorm is not touched).
 // Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma
 // results, so the operand is the input exactly (16-bit inputs) and the L2 norm costs no extra pass.
-template <int K, class Op, bool kNorm = true, bool kStore = true>
+template <int K, class Op, bool kNorm = true>
 __device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const InView& view, int head, int64_t t0,
                                                     int L, bool use_l2norm, float mult, bool vec) {
   constexpr int kVecPerRow = K / 8;  // 8, 16 or 32 lanes per row: a shuffle reduction stays in a warp
@@ -134,11 +134,9 @@ __device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const
                        : make_uint4(0, 0, 0, 0);
       }
     }
-    if constexpr (kStore) {
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        *reinterpret_cast<uint4*>(dst + (row0 + (u0 + u) * kRowStep) * (K + 8) + cv * 8) = x[u];
-    }
+    for (int u = 0; u < kBatch; ++u)
+      *reinterpret_cast<uint4*>(dst + (row0 + (u0 + u) * kRowStep) * (K + 8) + cv * 8) = x[u];
     if constexpr (kNorm) {
       // The batch's sums of squares reduced together over each row's kVecPerRow lanes (kBatch - 1 +
       // log2(kVecPerRow / kBatch) shuffles instead of kBatch log2(kVecPerRow)); lane cv ends with the sum

@@ -128,8 +128,9 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
 // One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T (kM) are computed
 // once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
 // h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
-// Without kM (the wgmma head pass forms M from the chunk's rows) q k^T and M are skipped, and M's
-// per-token terms (kGc, kRq, kRk) are written with the other factors.
+// Without kM (the wgmma head pass forms M from the chunk's rows and takes the q norms there) q is not read,
+// q k^T and M are skipped, kEq is e^gcum alone, and M's per-token terms (kGc, kRk) are written with the
+// other factors.
 template <int K, class Op, bool kM>
 __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     chunk_prep_kernel(const PrefillParams p, const Plan plan) {
@@ -141,9 +142,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   __shared__ __align__(16) float s_gc[2][kChunk];
   __shared__ __align__(16) float s_beta[2][kChunk];
   __shared__ __align__(16) float s_rk[kChunk];
-  __shared__ __align__(16) float s_rq[kChunk];
+  __shared__ __align__(16) float s_rq[kM ? kChunk : 1];
   Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
-  Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows (kM only: else only their norms are kept)
+  Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows (kM only)
   // After Ks, Qs are consumed:
   float* Af = reinterpret_cast<float*>(smem);              // [64][LDA] A, lower blocks
   float* Tf = Af;                                          // T = (I + A)^{-1}, in place of A
@@ -179,8 +180,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   GateLoads gates;  // warp 0: the next value head's gate inputs
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
   load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
-  // q's rows are operands only of q k^T (kM); without it only their norms are kept.
-  load_rows_with_norm<K, Op, true, kM>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
+  // q's rows and norms serve only M (kM).
+  if constexpr (kM) load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
   __syncthreads();
 
   // G = k k^T and Mq = q k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       for (int half = 0; half < 2; ++half) {
         const int i = warp * 16 + r + half * 8;
         gi[half] = gc[i] * kLog2e;
-        fq[half] = s_rq[i];
+        if constexpr (kM) fq[half] = s_rq[i];
         fa[half] = beta[i] * s_rk[i];
       }
 #pragma unroll
@@ -356,12 +357,14 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       float* f = plan.ws_f + ws * (kFactorRows<!kM> * kChunk);
       const float d = expf(gc[tid]), g_last = gc[kChunk - 1];
       f[kEk * kChunk + tid] = d * s_rk[tid];
-      f[kEq * kChunk + tid] = d * s_rq[tid];
+      if constexpr (kM)
+        f[kEq * kChunk + tid] = d * s_rq[tid];
+      else
+        f[kEq * kChunk + tid] = d;  // the state pass applies rq to o
       f[kDd * kChunk + tid] = tid < L ? s_rk[tid] * expf(g_last - gc[tid]) : 0.0f;
       f[kEg * kChunk + tid] = expf(g_last);
       if constexpr (!kM) {
         f[kGc * kChunk + tid] = gc[tid] * 1.4426950408889634f;
-        f[kRq * kChunk + tid] = s_rq[tid];
         f[kRk * kChunk + tid] = s_rk[tid];
       }
     }

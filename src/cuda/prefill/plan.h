@@ -36,11 +36,13 @@ inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens /
 // end, g_last = gcum[63], rk = 1/||k||, rq = scale/||q||; without the L2 norm rk = 1, rq = scale):
 //   kEk: e^gcum rk     kEq: e^gcum rq     kDd: rk e^(g_last - gcum), 0 past the chunk     kEg: e^g_last
 // and, only where the state pass forms M itself (Plan::m_in_pass), M's per-token terms:
-//   kGc: gcum log2(e) (M's decay is exp2(kGc_i - kGc_j))     kRq: rq     kRk: rk
-enum FactorRow { kEk = 0, kEq = 1, kDd = 2, kEg = 3, kGc = 4, kRq = 5, kRk = 6 };
-// Rows of a (chunk, head) block of factors: 7 where the state pass forms M (kMInPass), else 4.
+//   kGc: gcum log2(e) (M's decay is exp2(kGc_i - kGc_j))     kRk: rk
+// There the chunk prep does not read q at all: the state pass takes rq from the chunk's q rows it holds
+// and scales o's rows by it, so kEq is e^gcum alone and M is formed without rq.
+enum FactorRow { kEk = 0, kEq = 1, kDd = 2, kEg = 3, kGc = 4, kRk = 5 };
+// Rows of a (chunk, head) block of factors: 6 where the state pass forms M (kMInPass), else 4.
 template <bool kMInPass>
-constexpr int kFactorRows = kMInPass ? 7 : 4;
+constexpr int kFactorRows = kMInPass ? 6 : 4;
 constexpr int kFactorRowsMax = kFactorRows<true>;
 
 struct Plan {
@@ -56,7 +58,7 @@ struct Plan {
   // The state pass is the head pass's wgmma build (head_pass_wgmma).
   bool wgmma_pass = false;
   // ... with CTAs of two warpgroups (head_pass_forms_m), which form M from the chunk's q and k rows on the
-  // tensor cores: the chunk prep then writes no M (kGc, kRq, kRk instead).
+  // tensor cores, and the q norms: the chunk prep then reads no q and writes no M (kGc, kRk instead).
   bool m_in_pass = false;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer

@@ -28,9 +28,11 @@
 //     k, q, v rows are zeroed in shared memory, so the full products run there too.
 //     With two warpgroups per CTA (kMInPass, head_pass_forms_m) it forms M itself, and the chunk prep
 //     writes none: q k^T with both operands in shared memory, issued with P and Q (each warpgroup half of
-//     M's token columns), then masked and scaled by the prep's kGc / kRq / kRk factors while v_new's
+//     M's token columns), then masked and scaled by the prep's kGc / kRk factors while v_new's
 //     product runs, and stored by stmatrix into the stage's M rows, where o's product reads them after one
-//     CTA barrier. With one warpgroup, M comes from the workspace by TMA like T'.
+//     CTA barrier. It also takes the q norms from the staged q rows while P and Q run (the prep then reads
+//     no q) and scales o's token rows by them at the end: o_i = rq_i (e^gcum_i q_i S + sum_j M'_ij v_new_j),
+//     with M' = M / rq_i. With one warpgroup, M comes from the workspace by TMA like T'.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -203,6 +205,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int mj0 = (warp / 4) * kMCols, mrow = (warp % 4) * 16 + r;
   const int mst_row = (warp % 4) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, mst_col = mj0 + (lane >> 4) * 8;
   __shared__ uint64_t bars[2];  // wgmma build: the TMA completion of each stage
+  // kMInPass: the chunk's rq (scale / ||q||, or the scale), written after the chunk's first barrier, read
+  // after the second (one buffer: every read of chunk c precedes the next chunk's first barrier)
+  __shared__ __align__(16) float s_rq[kMInPass ? kChunk : 1];
   // parts: kInputs (the k, q, v rows), kWorkspace (T', M unless kMInPass, the factors: the chunk prep's), or both. Chunk 0's
   // inputs go out before griddepcontrol.wait, its workspace part after it (both arrive on one mbarrier /
   // in one cp.async group).
@@ -392,6 +397,19 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
 
       // The next chunk's inputs: issued here, the P/Q products above start right after the barrier.
       if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1], kBoth);
+      if constexpr (kMInPass) {
+        // rq of token tid / 4 from a quarter of its q row per lane (rows past a partial chunk are zero), while
+        // the products run. Measured against forming it behind v_new's issue (8x8192 1.5% slower) or forming
+        // the next chunk's while S's update runs (5% slower: ptxas then made q k^T wait for P and Q).
+        static_assert(kThr == 4 * kChunk, "four lanes per token");
+        const int t = tid >> 2, c0 = (tid & 3) * (K / 4);
+        float ss = 0.0f;
+#pragma unroll
+        for (int u = 0; u < K / 32; ++u) ss += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(t, c0 + 8 * u)])));
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+        if ((tid & 3) == 0) s_rq[t] = (p.heads.use_qk_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * plan.scale;
+      }
       if constexpr (kWg) {
         wgmma_wait<kMInPass ? 2 : 1>();  // P^T (Q^T and q k^T may still run)
         wgmma_pin(pk);
@@ -426,16 +444,14 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         wgmma_commit();
       }
       if constexpr (kMInPass) {
-        // ---- M[i][j] = mask_{j<=i} exp2(gc_i - gc_j) rq_i rk_j (q_i . k_j) from the chunk prep's factors,
-        // stored to the stage's M rows while v_new's product runs (o's product reads them after a CTA barrier)
+        // ---- M'[i][j] = mask_{j<=i} exp2(gc_i - gc_j) rk_j (q_i . k_j) (M without rq_i, which o's rows get
+        // at the end) from the chunk prep's factors, stored to the stage's M rows while v_new's product runs
+        // (o's product reads them after a CTA barrier)
         wgmma_wait<1>();  // Q^T and q k^T (v_new^T may still run)
         wgmma_pin(mk);
-        float gi[2], fq[2];
+        float gi[2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          gi[half] = b.sc[kGc * kChunk + mrow + 8 * half];
-          fq[half] = b.sc[kRq * kChunk + mrow + 8 * half];
-        }
+        for (int half = 0; half < 2; ++half) gi[half] = b.sc[kGc * kChunk + mrow + 8 * half];
 #pragma unroll
         for (int nt = 0; nt < kMCols / 8; ++nt) {
           const int j = mj0 + nt * 8 + q2;
@@ -445,7 +461,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
           for (int e = 0; e < 4; ++e) {
             const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
             const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
-            mk[nt][e] = jj <= i ? mk[nt][e] * fq[e >> 1] * d : 0.0f;
+            mk[nt][e] = jj <= i ? mk[nt][e] * d : 0.0f;
           }
         }
 #pragma unroll
@@ -478,7 +494,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         }
       }
 
-      // ---- o^T = Q^T diag(eq) + v_new^T M^T   (M lower triangular)
+      // ---- o^T = Q^T diag(eq) + v_new^T M^T   (M lower triangular; kMInPass: (Q^T diag(e^gcum) + v_new^T M'^T)
+      // diag(rq))
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const float2 eq = factor(kEq, nt);
@@ -503,6 +520,16 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         wgmma_commit();
         wgmma_wait<1>();  // o^T
         wgmma_pin(qo);
+        if constexpr (kMInPass) {
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const float2 rq = *reinterpret_cast<const float2*>(&s_rq[nt * 8 + q2]);
+            qo[nt][0] *= rq.x;
+            qo[nt][1] *= rq.y;
+            qo[nt][2] *= rq.x;
+            qo[nt][3] *= rq.y;
+          }
+        }
       } else {
         causal_cols_mma<Op, LDT, kFull>(qo, na, ms_b, L);
       }
