@@ -11,8 +11,8 @@
 //     S^T      = e^{g_last} S^T + vd^T k   A = vd^T         B = k rows, .trans
 //   so the warps never wait for each other inside a chunk: the CTA meets once per chunk, when the
 //   next chunk's inputs (q, k, v rows, T', M, scalars) have landed (and once more where the CTA forms M
-//   itself, kMInPass below). They arrive by cp.async (TMA in the wgmma build) into a double-buffered stage
-//   while the current chunk computes.
+//   itself, kMInPass below). They arrive by cp.async into a double-buffered stage while the current chunk
+//   computes (TMA in the wgmma build, two chunks ahead into three stages).
 //
 // Used when q, k, v, o are 16-bit in the operand dtype (bf16, or fp16) with 16-byte aligned rows, K
 // <= 128 and V in {64, 128} (K = 128: 64 accumulator registers of S per thread). The q/k rows are
@@ -49,7 +49,7 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 
-// One chunk's inputs in shared memory (two of them: the current chunk and the next).
+// One chunk's inputs in shared memory (kHeadStages of them: the current chunk and the next ones).
 template <int K, int kCols, class Op>
 struct HeadStage {
   static constexpr int LDK = K + 8, LDV = kCols + 8, LDT = kChunk + 8;  // +16 bytes: conflict-free ldmatrix
@@ -75,9 +75,13 @@ struct alignas(1024) HeadStageWg {
 
 template <int K, int kCols, class Op, bool kWg>
 using HeadStageOf = std::conditional_t<kWg, HeadStageWg<K, kCols, Op>, HeadStage<K, kCols, Op>>;
+// Stages in flight: the wgmma build's TMA loads run two chunks ahead (three stages, 197 KB at K = V = 128),
+// the cp.async build's one chunk ahead (its padded stages: two).
+template <bool kWg>
+constexpr int kHeadStages = kWg ? 3 : 2;
 template <int K, int kCols, class Op, bool kWg>
 constexpr size_t head_smem_bytes() {
-  return 2 * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kWg ? 1024 : 0);  // + alignment slack
+  return kHeadStages<kWg> * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kWg ? 1024 : 0);  // + alignment slack
 }
 
 // v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M, 128B-swizzled rows
@@ -101,6 +105,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   constexpr bool kMInPass = head_pass_forms_m(kWg, kCols);  // M formed here, not read from the workspace
   constexpr int kFRows = kFactorRows<kMInPass>;
   using Stage = HeadStageOf<K, kCols, Op, kWg>;
+  constexpr int kStages = kHeadStages<kWg>;
   constexpr int LDV = HeadStage<K, kCols, Op>::LDV;  // the warp build's padded v rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWg ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
@@ -204,7 +209,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   constexpr int kMCols = 32;
   const int mj0 = (warp / 4) * kMCols, mrow = (warp % 4) * 16 + r;
   const int mst_row = (warp % 4) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, mst_col = mj0 + (lane >> 4) * 8;
-  __shared__ uint64_t bars[2];  // wgmma build: the TMA completion of each stage
+  __shared__ uint64_t bars[kStages];  // wgmma build: the TMA completion of each stage
   // kMInPass: the chunk's rq (scale / ||q||, or the scale), written after the chunk's first barrier, read
   // after the second (one buffer: every read of chunk c precedes the next chunk's first barrier)
   __shared__ __align__(16) float s_rq[kMInPass ? kChunk : 1];
@@ -215,7 +220,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   auto issue = [&](int64_t c, Stage& b, int parts) {
     if constexpr (kWg) {
       if (tid == 0) {
-        uint64_t* bar = &bars[c & 1];
+        uint64_t* bar = &bars[c % kStages];
         if (parts & kInputs) {
           constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + (kMInPass ? 1 : 2) * kChunk * kChunk * 2 +
                                                kFRows * kChunk * 4);
@@ -286,8 +291,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
 
   if constexpr (kWg) {
     if (tid == 0) {
-      mbarrier_init(&bars[0], 1);
-      mbarrier_init(&bars[1], 1);
+#pragma unroll
+      for (int i = 0; i < kStages; ++i) mbarrier_init(&bars[i], 1);
       fence_mbarrier_init();
     }
     __syncthreads();
@@ -299,11 +304,14 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   if (nchunks > 0) issue(0, stage[0], kInputs);
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (nchunks > 0) issue(0, stage[0], kWorkspace);
+#pragma unroll
+  for (int i = 1; i < kStages - 1; ++i)
+    if (i < nchunks) issue(i, stage[i], kBoth);
   for (int64_t c = 0; c < nchunks; ++c) {
-    Stage& b = stage[c & 1];
+    Stage& b = stage[c % kStages];
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     if constexpr (kWg) {
-      mbarrier_wait(&bars[c & 1], uint32_t(c >> 1) & 1);
+      mbarrier_wait(&bars[c % kStages], uint32_t(c / kStages) & 1);
       if (L < kChunk) {  // the tiles hold the next tokens' rows there (or zeros past the tensor): zero them
         constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
         for (int it = tid; it < (kChunk - L) * kRowPieces; it += kThr) {
@@ -395,8 +403,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         }
       }
 
-      // The next chunk's inputs: issued here, the P/Q products above start right after the barrier.
-      if (c + 1 < nchunks) issue(c + 1, stage[(c + 1) & 1], kBoth);
+      // The inputs of chunk c + kStages - 1 (into the stage chunk c - 1 used: every warp is past it): issued
+      // here, the P/Q products above start right after the barrier.
+      if (c + kStages - 1 < nchunks) issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
       if constexpr (kMInPass) {
         // rq of token tid / 4 from a quarter of its q row per lane (rows past a partial chunk are zero), while
         // the products run. Measured against forming it behind v_new's issue (8x8192 1.5% slower) or forming
@@ -518,12 +527,17 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) wgmma_rs<Op, K, 0, true>(s, da[ks], desc_add(dkt, ks * 2048));
         wgmma_commit();
+        [[maybe_unused]] float2 rqv[kMInPass ? 8 : 1];  // o's row factors, read while o's product runs
+        if constexpr (kMInPass) {
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) rqv[nt] = *reinterpret_cast<const float2*>(&s_rq[nt * 8 + q2]);
+        }
         wgmma_wait<1>();  // o^T
         wgmma_pin(qo);
         if constexpr (kMInPass) {
 #pragma unroll
           for (int nt = 0; nt < 8; ++nt) {
-            const float2 rq = *reinterpret_cast<const float2*>(&s_rq[nt * 8 + q2]);
+            const float2 rq = rqv[nt];
             qo[nt][0] *= rq.x;
             qo[nt][1] *= rq.y;
             qo[nt][2] *= rq.x;
