@@ -251,6 +251,11 @@ std::vector<Case> shape_cases() {
           c.layout = V == 64 ? StateLayout::kVLast : StateLayout::kKLast;
           const std::string kind = vt == cuda::chunked_prefill::kVTileHead ? "head" : "headwarp";
           add(c, kind + std::to_string(split), vt, split);
+          if (split == 1 && V == 128) {
+            // Two warpgroups per CTA: the wgmma build forms M and rq itself; rq is then the scale alone
+            c.use_qk_l2norm = false, c.gate_mode = GateMode::kGiven;
+            add(c, kind + "1_nol2", vt, split);
+          }
         }
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
   // sequence needs.
