@@ -128,7 +128,7 @@ class Arena {
     const size_t align = bytes >= (size_t(1) << 20) ? size_t(2) << 20 : 256;
     const size_t at = (top_ + align - 1) / align * align;
     if (at + bytes > cap_)
-      throw Error(ErrorCode::kInvalidArgument, "bench: " + std::to_string(bytes) + " bytes of device memory wanted, " +
+      throw Error(ErrorCode::kCudaError, "bench: " + std::to_string(bytes) + " bytes of device memory wanted, " +
                                                    std::to_string(cap_ - std::min(cap_, at)) + " left in the bench's arena");
     blocks_.push_back({top_, at, false});
     top_ = at + bytes;
@@ -136,7 +136,10 @@ class Arena {
   }
   void release(void* p) {
     for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
-      if (base_ + it->at == p) it->freed = true;
+      if (base_ + it->at == p) {
+        it->freed = true;
+        break;
+      }
     while (!blocks_.empty() && blocks_.back().freed) {
       top_ = blocks_.back().prev_top;
       blocks_.pop_back();
