@@ -151,10 +151,10 @@ TEST(PrefillTiming, TargetSets) {
       return median(ms);
     };
     // The chunk prep alone, as the library's choice of state pass runs it (without M where that pass forms it).
-    const double prep = time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, 0, cuda::chunked_prefill::kStagePrep); });
+    namespace cp = cuda::chunked_prefill;
+    const double prep = time_it([&] { cp::prefill_with_vtile(p, stream, 0, cp::kStagePrep); });
     // ... and the state pass alone, on the workspace the prep runs above left (no programmatic launch then)
-    const double pass =
-        time_it([&] { cuda::chunked_prefill::prefill_with_vtile(p, stream, 0, cuda::chunked_prefill::kStageStatePass); });
+    const double pass = time_it([&] { cp::prefill_with_vtile(p, stream, 0, cp::kStageStatePass); });
     const double flop = 4.0 * double(T) * HV * K * V;
     // auto (the library's choices, the short-sequence path included), then the chunked kernels alone: their
     // heuristic, the head pass (wgmma and mma.sync builds) with each column split, the tiled pass with each

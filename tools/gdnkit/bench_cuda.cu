@@ -129,7 +129,7 @@ class Arena {
     const size_t at = (top_ + align - 1) / align * align;
     if (at + bytes > cap_)
       throw Error(ErrorCode::kCudaError, "bench: " + std::to_string(bytes) + " bytes of device memory wanted, " +
-                                                   std::to_string(cap_ - std::min(cap_, at)) + " left in the bench's arena");
+                                             std::to_string(cap_ - std::min(cap_, at)) + " left in its arena");
     blocks_.push_back({top_, at, false});
     top_ = at + bytes;
     return base_ + at;

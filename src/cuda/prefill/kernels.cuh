@@ -181,7 +181,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
   load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
   // q's rows and norms serve only M (kM).
-  if constexpr (kM) load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
+  if constexpr (kM)
+    load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
   __syncthreads();
 
   // G = k k^T and Mq = q k^T, lower 16x16 blocks only: warp w owns rows 16w..16w+15, columns

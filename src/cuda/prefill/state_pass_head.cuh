@@ -414,7 +414,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         const int t = tid >> 2, c0 = (tid & 3) * (K / 4);
         float ss = 0.0f;
 #pragma unroll
-        for (int u = 0; u < K / 32; ++u) ss += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(t, c0 + 8 * u)])));
+        for (int u = 0; u < K / 32; ++u)
+          ss += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(t, c0 + 8 * u)])));
         ss += __shfl_xor_sync(0xffffffffu, ss, 1);
         ss += __shfl_xor_sync(0xffffffffu, ss, 2);
         if ((tid & 3) == 0) s_rq[t] = (p.heads.use_qk_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * plan.scale;
