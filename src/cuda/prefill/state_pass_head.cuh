@@ -122,7 +122,13 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int lw = warp * 16;        // ... and in the CTA's v / o tile
 
   SeqSlots sq;
-  if (!begin_sequence<kThr>(p, plan, n, h, v0, kCols, h == 0 && split == 0, sq)) return;
+  if (!begin_sequence<kThr>(p, plan, n, h, v0, kCols, h == 0 && split == 0, sq)) {
+    // A CTA leaves here (a sequence the recurrent kernels or nobody takes) only after the prep's grid
+    // completed, as every other CTA does: so that this grid never completes before the prep, whatever the
+    // stream's next launch assumes about a programmatic dependent's completion.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    return;
+  }
   const int64_t start = sq.start, len = sq.len;
 
   // S^T in registers: s[j][e] = S[k][v] with k = 8j + q2 + (e & 1), v = vw + r + 8 (e >> 1).
