@@ -65,6 +65,14 @@ int chain_mma_min_tokens(int measured) {
   return from_env > 0 ? from_env : measured;
 }
 
+int decode_narrow_batches(int measured) {
+  static const int from_env = [] {  // -1: unset
+    const char* e = std::getenv("GDNKIT_DECODE_NARROW");
+    return e == nullptr ? -1 : std::max(0, std::atoi(e));
+  }();
+  return from_env >= 0 ? from_env : measured;
+}
+
 int prefill_short_reach(int measured) {
   static const int from_env = [] {  // -1: unset
     const char* e = std::getenv("GDNKIT_PREFILL_SHORT");

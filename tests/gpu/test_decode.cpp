@@ -102,6 +102,26 @@ std::vector<Named> small_batch_cases() {
   return out;
 }
 
+// Batches around the launcher's switches (recurrent/warp_kernel.cuh): bf16-state K-last decode at B = 5 and
+// 16 runs on the narrow tile (4 columns per warp), B = 17 and fp32 state on the regular one; padding rows.
+std::vector<Named> batch_cases() {
+  std::vector<Named> out;
+  int i = 0;
+  for (int batch : {5, 16, 17})
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c;
+      c.op = OpKind::kDecode;
+      c.batch = batch;
+      c.padding_rows = batch / 8;
+      c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
+      c.state_dtype = state;
+      if (i % 2 == 1) c.token_pad = 24, c.head_pad = 8, c.slot_pad = 40;
+      c.seed = 500 + i++;
+      out.push_back({case_name(c) + "_b" + std::to_string(batch), c});
+    }
+  return out;
+}
+
 // Small cases for compute-sanitizer (memcheck, racecheck): every layout / state dtype, padding rows.
 std::vector<Named> sanitize_cases() {
   std::vector<Named> out;
@@ -116,11 +136,13 @@ std::vector<Named> sanitize_cases() {
       c.seed = 300 + i++;
       out.push_back({case_name(c), c});
     }
-  // qwen3-next heads at B = 1 and 2 (prefetch mode at both state dtypes or one, launch.cuh).
-  for (int batch : {1, 2}) {
+  // qwen3-next heads at B = 1 and 2 (prefetch mode at both state dtypes or one, launch.cuh), and bf16 state at
+  // B = 4 (the narrow tile, warp_tile.cuh).
+  for (int batch : {1, 2, 4}) {
     ProblemConfig c;
     c.op = OpKind::kDecode;
     c.batch = batch;
+    if (batch == 4) c.state_dtype = DType::kBFloat16, c.padding_rows = 1;
     c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
     c.seed = 300 + i++;
     out.push_back({case_name(c) + "_b" + std::to_string(batch), c});
@@ -156,6 +178,8 @@ TEST_P(DecodeTest, MatchesCpuReference) { check_decode(Problem(GetParam().cfg));
 INSTANTIATE_TEST_SUITE_P(Axes, DecodeTest, ::testing::ValuesIn(decode_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(SmallBatch, DecodeTest, ::testing::ValuesIn(small_batch_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Batches, DecodeTest, ::testing::ValuesIn(batch_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Sanitize, DecodeTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });

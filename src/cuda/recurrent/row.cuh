@@ -52,8 +52,9 @@ struct RowLoads {
   int accepted;      // replay: accepted[b]
   int fslot, cslot;  // prefill: final and checkpoint slots (-1: none)
 };
+// pin_slot (decode): the slot index as a volatile load, which ptxas issues ahead of the state loads after it.
 template <WarpOp kOp>
-__device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b) {
+__device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b, bool pin_slot = false) {
   if constexpr (kOp == WarpOp::kPrefill) {
     RowLoads r{p.state_indices != nullptr ? p.state_indices[b] : -1, 0, 0, 0, -1, -1};
     if (p.seq_cu64) {
@@ -65,7 +66,14 @@ __device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b) {
     if (p.checkpoint_indices != nullptr) r.cslot = p.checkpoint_indices[b];
     return r;
   }
-  RowLoads r{p.state_indices[b], 0, 0, 0, -1, -1};
+  RowLoads r{0, 0, 0, 0, -1, -1};
+  if (kOp == WarpOp::kDecode && pin_slot) {
+    uint32_t w;
+    ld_volatile(reinterpret_cast<const uint32_t*>(p.state_indices + b), w);
+    r.slot = int(w);
+  } else {
+    r.slot = p.state_indices[b];
+  }
   if (kOp != WarpOp::kDecode && p.cu_seqlens != nullptr) r.cs0 = p.cu_seqlens[b], r.cs1 = p.cu_seqlens[b + 1];
   if constexpr (kOp == WarpOp::kReplay) r.accepted = p.accepted[b];
   return r;

@@ -63,11 +63,14 @@ constexpr int warp_kernel_min_warps() {
   return K <= 128 ? 32 : 28;
 }
 
-template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
-__global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
-                                  warp_kernel_min_warps<kLayout, K, kOp>() / WarpTile<kLayout, TS, K, V>::kCtaWarps)
+// kNarrow: the narrow tile (warp_tile.cuh). kPinSlot: decode reads the slot index as a volatile load (below).
+template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp, bool kNarrow = false,
+          bool kPinSlot = false>
+__global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kNarrow>::kCtaWarps * 32,
+                                  warp_kernel_min_warps<kLayout, K, kOp>() /
+                                      WarpTile<kLayout, TS, K, V, kNarrow>::kCtaWarps)
     warp_recurrent_kernel(const RecurrentParams p, const bool write_state, const bool prefetch) {
-  using Tile = WarpTile<kLayout, TS, K, V>;
+  using Tile = WarpTile<kLayout, TS, K, V, kNarrow>;
   constexpr int kRows = Tile::kRows, kKPer = Tile::kKPer;
   constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
   constexpr bool kPrefill = kOp == WarpOp::kPrefill;
@@ -115,7 +118,10 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V>::kCtaWarps * 32,
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 
-  const RowLoads rl = load_row<kOp>(p, b);
+  // kPinSlot (fp32-state decode in prefetch mode, launcher below): the slot index as a volatile load, which
+  // ptxas issues first; as a plain load it went out behind the state loads of slot `spec`, so the slot checks
+  // and the q/k norms waited for the whole state rather than running while it arrives.
+  const RowLoads rl = load_row<kOp>(p, b, kPinSlot);
   const int slot = rl.slot;  // the state loads wait on it
   float s[kRows][kKPer];  // the tile (warp_tile.cuh)
   // Decode in prefetch mode loads the state of slot `spec` now, beside the index rather than after it
@@ -376,12 +382,33 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
   if constexpr (kLayout == StateLayout::kVLast && kOp == WarpOp::kDecode && K <= 128) {
     launch_vlast_decode<TS, TI, K, V>(p, stream);  // vlast_decode.cuh: no shared-memory stage
   } else {
+    if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && K == 128 && sizeof(TS) == 2) {
+      // bf16 state, B = 3..16 on the narrow tile (warp_tile.cuh), outside prefetch mode. H100, qwen3-next,
+      // against the regular tile: B = 3 / 4 / 8 / 16 3.6 / 5.7 / 1.3 / 1.8% faster, B = 32..128 within 1%
+      // (0.8% slower at 32). In prefetch mode (B <= 2) it was 34-58% slower, and with fp32 state 6% slower
+      // at B = 8 (results/H100/RUN.md, thirteenth session).
+      if (p.batch >= 3 && p.batch <= decode_narrow_batches(16)) {
+        constexpr int kNarrowCols = V / WarpTile<kLayout, TS, K, V, true>::kRows / kCtaWarps;
+        launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, true>,
+                         dim3(unsigned(p.heads.num_v_heads) * kNarrowCols, unsigned(p.batch)), kCtaWarps * 32, 0,
+                         stream, p, write_state);
+        return;
+      }
+    }
     const auto kernel = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp>;
     constexpr int kShare =
         kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && std::is_same_v<TS, __nv_bfloat16> ? 8 : 2;
     static const int prefetch_ctas = prefetch_limit(reinterpret_cast<const void*>(kernel), kCtaWarps * 32, kShare);
-    launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kCtaWarps * 32,
-                     prefetch_ctas, stream, p, write_state);
+    const dim3 grid(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch));
+    if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && K == 128 && sizeof(TS) == 4) {
+      // fp32 state in prefetch mode: the slot index pinned first (kPinSlot). H100, qwen3-next, same run:
+      // B = 1 / 2 / 4 3.08 / 4.76 / 7.63 -> 3.04 / 4.47 / 7.31 µs; outside prefetch mode (B = 8: +3.7%) and
+      // with bf16 state (B = 1: +1.5%) it was slower (results/H100/RUN.md, thirteenth session).
+      if (state_prefetch_enabled() && int64_t(grid.x) * grid.y <= prefetch_ctas)
+        return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, false, true>, grid, kCtaWarps * 32,
+                                prefetch_ctas, stream, p, write_state);
+    }
+    launch_recurrent(kernel, grid, kCtaWarps * 32, prefetch_ctas, stream, p, write_state);
   }
 }
 

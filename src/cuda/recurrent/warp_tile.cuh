@@ -26,12 +26,14 @@
 
 namespace gdnkit::cuda::recurrent {
 
-template <StateLayout kLayout, class TS, int K, int V>
+// kNarrow: 4 columns per warp at every K (K-last only): twice the warps on the same state, each with half
+// the loads and arithmetic (bf16 decode's small batches, where the grid is about one wave or less).
+template <StateLayout kLayout, class TS, int K, int V, bool kNarrow = false>
 struct WarpTile;
 
-template <class TS, int K, int V>
-struct WarpTile<StateLayout::kKLast, TS, K, V> {
-  static constexpr int kRows = K <= 128 ? 8 : 4;  // columns per warp
+template <class TS, int K, int V, bool kNarrow>
+struct WarpTile<StateLayout::kKLast, TS, K, V, kNarrow> {
+  static constexpr int kRows = K <= 128 && !kNarrow ? 8 : 4;  // columns per warp
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
   static constexpr int kCtaWarps = 2;  // warps per CTA: neighbouring columns of one head
@@ -63,8 +65,9 @@ struct WarpTile<StateLayout::kKLast, TS, K, V> {
   }
 };
 
-template <class TS, int K, int V>
-struct WarpTile<StateLayout::kVLast, TS, K, V> {
+template <class TS, int K, int V, bool kNarrow>
+struct WarpTile<StateLayout::kVLast, TS, K, V, kNarrow> {
+  static_assert(!kNarrow, "V-last tiles are whole 128-byte row pieces per CTA");
   static constexpr int kRows = K <= 128 ? 8 : 4;
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = 1;  // k per run: a lane's k are 32 apart
