@@ -5,6 +5,8 @@
 #   tools/gpu-suite.sh [stage ...]     stages: build tests sanitize prefill-timing bench-decode
 #                                      bench-verify bench-prefill python all (default: all)
 #   GDNKIT_GTEST_FILTER=...            restricts the GPU tests (gtest filter)
+#   GDNKIT_SUITE_TAR=1                 leaves $OUT as one archive, gpu-suite.tgz (a device tool that
+#                                      returns only a few files per call then returns all of them)
 #
 # Needs: CUDA toolkit, CMake, ninja, and GoogleTest headers + static libs in carry/gtest
 # (copied from Debian's libgtest-dev by tools/carry-gtest.sh: the GPU machine has no GoogleTest).
@@ -139,4 +141,9 @@ for op in decode verify prefill; do
   [ -f "$OUT/bench_$op.md" ] && { echo; cat "$OUT/bench_$op.md"; }
 done
 [ -f "$OUT/fla_compare.md" ] && { echo; cat "$OUT/fla_compare.md"; }
+if [ "${GDNKIT_SUITE_TAR:-0}" = 1 ]; then
+  tar czf "$OUT/../gpu-suite.tgz.part" -C "$OUT" . && find "$OUT" -mindepth 1 -delete &&
+    mv "$OUT/../gpu-suite.tgz.part" "$OUT/gpu-suite.tgz"
+  echo "archived \$OUT: $OUT/gpu-suite.tgz"
+fi
 exit 0
