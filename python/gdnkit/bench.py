@@ -12,7 +12,8 @@ T-token chain storing the final state in the pool (no intermediate cache), timed
 
 Prefill: FLA's ``chunk_gated_delta_rule`` vs gdnkit's ``prefill`` on the sequence sets of BENCH.md, same
 heads and dtypes, fused gating and L2 norm in the kernel, initial states read and final states written.
-CUDA events around each call, warm-up first, median of >= 10 calls (5 for the largest sets).
+CUDA events around each call, warm-up first, median of >= 10 calls (5 for the largest sets); the timed
+calls are queued behind a GPU spin, so the host's time to issue them is not counted as GPU time.
 
 Each row also reports the relative difference of gdnkit's outputs and states from FLA's on the same
 inputs. Writes fla_compare.json and fla_compare.md to --out. Needs PyTorch with CUDA; FLA optional
