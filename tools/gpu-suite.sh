@@ -142,8 +142,14 @@ for op in decode verify prefill; do
 done
 [ -f "$OUT/fla_compare.md" ] && { echo; cat "$OUT/fla_compare.md"; }
 if [ "${GDNKIT_SUITE_TAR:-0}" = 1 ]; then
-  tar czf "$OUT/../gpu-suite.tgz.part" -C "$OUT" . && find "$OUT" -mindepth 1 -delete &&
-    mv "$OUT/../gpu-suite.tgz.part" "$OUT/gpu-suite.tgz"
-  echo "archived \$OUT: $OUT/gpu-suite.tgz"
+  out_abs=$(cd "$OUT" && pwd)
+  if [ "$out_abs" = "$PWD" ] || [ "$out_abs" = / ]; then
+    echo "GDNKIT_SUITE_TAR: \$OUT is the repository or /, left as it is"
+  elif part=$(mktemp /tmp/gpu-suite.XXXXXX) && tar czf "$part" -C "$OUT" . && find "$OUT" -mindepth 1 -delete &&
+    mv "$part" "$OUT/gpu-suite.tgz"; then
+    echo "archived \$OUT: $OUT/gpu-suite.tgz"
+  else
+    echo "GDNKIT_SUITE_TAR: archiving failed; what was archived is in ${part:-nothing}"
+  fi
 fi
 exit 0

@@ -102,7 +102,8 @@ def _graph_time_us(fn: Callable[[], None], calls: int, replays: int) -> float:
 def _event_time_ms(fn: Callable[[], None], warmup: int, reps: int) -> float:
     """Median GPU time of one fn() call, each between its own pair of events.
 
-    The timed calls are queued behind a GPU spin long enough for the host to issue all of them, so
+    The timed calls are queued behind a GPU spin (torch.cuda._sleep, where PyTorch has it, after at least
+    one warm-up call) long enough for the host to issue all of them, so
     the host's time to issue a call (Python, argument conversion) overlaps the GPU's work instead of
     showing up as idle GPU time between the events (40-65 us per prefill call on the H100 machine).
     """

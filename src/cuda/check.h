@@ -37,8 +37,8 @@ int chain_mma_min_tokens(int measured);
 // The longest prefill sequence the short-sequence path takes (cuda/prefill.cu): `measured` unless
 // GDNKIT_PREFILL_SHORT sets it (0: the path is off). Read once per process; for A/B timing.
 int prefill_short_reach(int measured);
-// The largest batch K-last bf16-state decode (K = 128) runs on the narrow tile (recurrent/warp_tile.cuh):
-// `measured` unless GDNKIT_DECODE_NARROW sets it (0: never). Read once per process; for A/B timing.
+// The largest batch K-last bf16-state decode (K = 128) runs on the narrow tile (recurrent/warp_tile.cuh; from
+// B = 3): `measured` unless GDNKIT_DECODE_NARROW sets it (0-2: never). Read once per process; for A/B timing.
 int decode_narrow_batches(int measured);
 // SMs of the first device asked (sizing heuristics only; 132 if the query fails). Defined in runtime.cpp.
 int device_sms();

@@ -112,7 +112,7 @@ std::vector<Named> batch_cases() {
       ProblemConfig c;
       c.op = OpKind::kDecode;
       c.batch = batch;
-      c.padding_rows = batch / 8;
+      c.padding_rows = (batch + 7) / 8;
       c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
       c.state_dtype = state;
       if (i % 2 == 1) c.token_pad = 24, c.head_pad = 8, c.slot_pad = 40;

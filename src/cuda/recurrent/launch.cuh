@@ -30,8 +30,13 @@ inline int resident_ctas(const void* kernel, int threads) {
 // one wave, 7% and 15% faster in prefetch mode; the next larger ones slower).
 inline int prefetch_limit(const void* kernel, int threads, int share) { return resident_ctas(kernel, threads) / share; }
 
-// Launches kernel<<<grid, threads>>>(args..., prefetch), in prefetch mode when the grid has at most
-// prefetch_ctas CTAs (prefetch_limit).
+// Whether a grid launches in prefetch mode: at most prefetch_ctas CTAs (prefetch_limit), unless
+// GDNKIT_PREFETCH=0.
+inline bool prefetch_mode(dim3 grid, int prefetch_ctas) {
+  return state_prefetch_enabled() && int64_t(grid.x) * grid.y * grid.z <= prefetch_ctas;
+}
+
+// Launches kernel<<<grid, threads>>>(args..., prefetch), in prefetch mode when prefetch_mode(grid, prefetch_ctas).
 template <class... Params, class... Args>
 void launch_recurrent(void (*kernel)(Params...), dim3 grid, int threads, int prefetch_ctas, Stream stream,
                       const Args&... args) {
@@ -41,7 +46,7 @@ void launch_recurrent(void (*kernel)(Params...), dim3 grid, int threads, int pre
   cfg.stream = stream;
   cudaLaunchAttribute pdl;
   set_programmatic_launch(cfg, pdl, true);
-  const bool prefetch = state_prefetch_enabled() && int64_t(grid.x) * grid.y * grid.z <= prefetch_ctas;
+  const bool prefetch = prefetch_mode(grid, prefetch_ctas);
   GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args..., prefetch));
 }
 

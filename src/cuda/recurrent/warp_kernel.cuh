@@ -18,8 +18,8 @@
 // draft tokens (the ancestor set is a 64-bit mask).
 //
 // NOTES: the tile (warp_tile.cuh: kRows columns per warp) keeps 32 fp32 state values per lane at
-// K = 128: 64 registers for K-last decode, so 32 warps fit an SM, each with kRows * K * sizeof(state)
-// bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs). The warps
+// K = 128 (16 on the narrow tile of bf16 decode at B = 3..16): 64 registers for K-last decode, so 32
+// warps fit an SM, each with kRows * K * sizeof(state) bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs). The warps
 // of a CTA (2 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
 // range (K-last) or 128-byte row pieces (V-last, staged through shared memory). Decode, verify and replay
 // are separate instantiations (kOp), so the token loop, the tree logic and the cache stores cost decode
@@ -382,31 +382,34 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
   if constexpr (kLayout == StateLayout::kVLast && kOp == WarpOp::kDecode && K <= 128) {
     launch_vlast_decode<TS, TI, K, V>(p, stream);  // vlast_decode.cuh: no shared-memory stage
   } else {
-    if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && K == 128 && sizeof(TS) == 2) {
-      // bf16 state, B = 3..16 on the narrow tile (warp_tile.cuh), outside prefetch mode. H100, qwen3-next,
-      // against the regular tile: B = 3 / 4 / 8 / 16 3.6 / 5.7 / 1.3 / 1.8% faster, B = 32..128 within 1%
-      // (0.8% slower at 32). In prefetch mode (B <= 2) it was 34-58% slower, and with fp32 state 6% slower
-      // at B = 8 (results/H100/RUN.md, thirteenth session).
-      if (p.batch >= 3 && p.batch <= decode_narrow_batches(16)) {
-        constexpr int kNarrowCols = V / WarpTile<kLayout, TS, K, V, true>::kRows / kCtaWarps;
-        launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, true>,
-                         dim3(unsigned(p.heads.num_v_heads) * kNarrowCols, unsigned(p.batch)), kCtaWarps * 32, 0,
-                         stream, p, write_state);
-        return;
-      }
-    }
     const auto kernel = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp>;
     constexpr int kShare =
         kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && std::is_same_v<TS, __nv_bfloat16> ? 8 : 2;
     static const int prefetch_ctas = prefetch_limit(reinterpret_cast<const void*>(kernel), kCtaWarps * 32, kShare);
     const dim3 grid(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch));
-    if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && K == 128 && sizeof(TS) == 4) {
-      // fp32 state in prefetch mode: the slot index pinned first (kPinSlot). H100, qwen3-next, same run:
-      // B = 1 / 2 / 4 3.08 / 4.76 / 7.63 -> 3.04 / 4.47 / 7.31 µs; outside prefetch mode (B = 8: +3.7%) and
-      // with bf16 state (B = 1: +1.5%) it was slower (results/H100/RUN.md, thirteenth session).
-      if (state_prefetch_enabled() && int64_t(grid.x) * grid.y <= prefetch_ctas)
-        return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, false, true>, grid, kCtaWarps * 32,
-                                prefetch_ctas, stream, p, write_state);
+    if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && K == 128) {
+      if constexpr (sizeof(TS) == 2) {
+        // bf16 state, B = 3..16 outside prefetch mode: the narrow tile (warp_tile.cuh), twice the CTAs. H100,
+        // qwen3-next, against the regular tile: B = 3 / 4 / 8 / 16 3.6 / 5.7 / 1.3 / 1.8% faster, B = 32..128
+        // within 1% (0.8% slower at 32). In prefetch mode (B = 1, 2) it was 34-58% slower, and with fp32
+        // state 6% slower at B = 8 (results/H100/RUN.md, thirteenth session).
+        using Narrow = WarpTile<kLayout, TS, K, V, true>;
+        static_assert(Narrow::kCtaWarps == kCtaWarps, "the narrow tile's CTAs have the regular tile's warps");
+        constexpr int kNarrowCols = V / Narrow::kRows / kCtaWarps;
+        if (p.batch >= 3 && p.batch <= decode_narrow_batches(16) && !prefetch_mode(grid, prefetch_ctas) &&
+            int64_t(p.heads.num_v_heads) * kNarrowCols <= int64_t(INT32_MAX))
+          return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, true>,
+                                  dim3(unsigned(p.heads.num_v_heads) * kNarrowCols, unsigned(p.batch)),
+                                  kCtaWarps * 32, 0, stream, p, write_state);
+      } else {
+        // fp32 state in prefetch mode: the slot index pinned first (kPinSlot; the same registers, so the same
+        // prefetch limit). H100, qwen3-next, same run: B = 1 / 2 / 4 3.08 / 4.76 / 7.63 -> 3.04 / 4.47 /
+        // 7.31 µs; outside prefetch mode (B = 8: +3.7%) and with bf16 state (B = 1: +1.4%) it was slower
+        // (results/H100/RUN.md, thirteenth session).
+        if (prefetch_mode(grid, prefetch_ctas))
+          return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, false, true>, grid,
+                                  kCtaWarps * 32, prefetch_ctas, stream, p, write_state);
+      }
     }
     launch_recurrent(kernel, grid, kCtaWarps * 32, prefetch_ctas, stream, p, write_state);
   }

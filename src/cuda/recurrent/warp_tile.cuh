@@ -2,7 +2,8 @@
 //
 // A warp owns kRows consecutive columns v0 .. v0+kRows-1 of S (S in R^{K x V}, column v = the k-vector
 // S[:, v]) and all K rows k. Lane l holds s[i][j] = S[k_of(l, j)][v0 + i] in fp32 registers, for all
-// i < kRows columns and j < kKPer = K/32 rows: kRows * K / 32 values (32 at K = 128, 256; 16 at K = 64).
+// i < kRows columns and j < kKPer = K/32 rows: kRows * K / 32 values (32 at K = 128, 256; 16 at K = 64
+// and on the narrow tile at K = 128).
 // Each k sits in exactly one lane, so every dot product over k (and the q/k norms) is a per-lane sum
 // plus a warp reduction.
 //
