@@ -219,9 +219,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   // kMInPass: the chunk's rq (scale / ||q||, or the scale), written after the chunk's first barrier, read
   // after the second (one buffer: every read of chunk c precedes the next chunk's first barrier)
   __shared__ __align__(16) float s_rq[kMInPass ? kChunk : 1];
-  // parts: kInputs (the k, q, v rows), kWorkspace (T', M unless kMInPass, the factors: the chunk prep's), or both. Chunk 0's
-  // inputs go out before griddepcontrol.wait, its workspace part after it (both arrive on one mbarrier /
-  // in one cp.async group).
+  // parts: kInputs (the k, q, v rows), kWorkspace (T', M unless kMInPass, the factors: the chunk prep's), or
+  // both. Chunk 0's inputs go out before griddepcontrol.wait, its workspace part after it (both arrive on one
+  // mbarrier / in one cp.async group).
   constexpr int kInputs = 1, kWorkspace = 2, kBoth = 3;
   auto issue = [&](int64_t c, Stage& b, int parts) {
     if constexpr (kWg) {
@@ -341,7 +341,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       // wgmma: a 64-column block of the k / q rows is 64 rows of 128 bytes
       [[maybe_unused]] constexpr uint32_t kBlock = kChunk * 128;
       // K-major descriptors of the k and q rows, and of the k rows read transposed (MN-major)
-      [[maybe_unused]] const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024), dq = sw128_desc(smem_addr(b.qs), 16, 1024),
+      [[maybe_unused]] const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024),
+                                      dq = sw128_desc(smem_addr(b.qs), 16, 1024),
                                       dkt = sw128_desc(smem_addr(b.ks), kBlock, 1024);
       // Token factors of this thread's token columns 8 nt + q2 + {0, 1} (FactorRow).
       auto factor = [&](int row, int nt) {

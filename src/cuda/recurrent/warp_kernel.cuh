@@ -17,13 +17,12 @@
 // than reading the intermediate cache, which may be bf16 or absent. Cost O(T * depth) steps, for T <= 64
 // draft tokens (the ancestor set is a 64-bit mask).
 //
-// NOTES: the tile (warp_tile.cuh: kRows columns per warp) keeps 32 fp32 state values per lane at
-// K = 128 (16 on the narrow tile of bf16 decode at B = 3..16): 64 registers for K-last decode, so 32
-// warps fit an SM, each with kRows * K * sizeof(state) bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs). The warps
-// of a CTA (2 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
-// range (K-last) or 128-byte row pieces (V-last, staged through shared memory). Decode, verify and replay
-// are separate instantiations (kOp), so the token loop, the tree logic and the cache stores cost decode
-// no registers.
+// NOTES: the tile (warp_tile.cuh: kRows columns per warp) keeps 32 fp32 state values per lane at K = 128 (16 on the
+// narrow tile of bf16 decode at B = 3..16): 64 registers for K-last decode, so 32 warps fit an SM, each with
+// kRows * K * sizeof(state) bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs).
+// The warps of a CTA (2 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
+// range (K-last) or 128-byte row pieces (V-last, staged through shared memory). Decode, verify and replay are
+// separate instantiations (kOp), so the token loop, the tree logic and the cache stores cost decode no registers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -51,8 +50,8 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
 
 #ifdef GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
 
-// __launch_bounds__ target in warps per SM (ptxas, CUDA 13.0, sm_90a, K = 128). Decode: 32 -> 64
-// registers, no spills for either layout (K = 256: 28 warps, 72-76 registers). Verify and replay carry the token loop and the
+// __launch_bounds__ target in warps per SM (ptxas, CUDA 13.0, sm_90a, K = 128). Decode: 32 -> 64 registers, no
+// spills for either layout (K = 256: 28 warps, 72-76 registers). Verify and replay carry the token loop and the
 // row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
 template <StateLayout kLayout, int K, WarpOp kOp>
 constexpr int warp_kernel_min_warps() {
