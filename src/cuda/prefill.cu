@@ -95,8 +95,7 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
 // Without tokens there is nothing to load (and no tensor to map): the mma.sync build stores the states.
 bool head_tensor_maps_ok(const PrefillParams& p, const Plan& plan) {
   constexpr int64_t kMax = int64_t(1) << 31;  // TMA coordinates are signed 32-bit
-  return p.total_tokens > 0 && plan.num_slots > 0 && p.total_tokens + kChunk < kMax &&
-         plan.num_slots * p.heads.num_v_heads * kChunk < kMax;
+  return p.total_tokens > 0 && plan.num_slots > 0 && p.total_tokens + kChunk < kMax;
 }
 
 namespace {
@@ -131,7 +130,7 @@ CUtensorMap encode_map(const char* name, const void* data, bool fp16, int rank, 
 
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
   const cuuint64_t T = cuuint64_t(p.total_tokens);
-  const cuuint32_t box3[3] = {64, 1, kChunk}, box2[2] = {64, kChunk};
+  const cuuint32_t box3[3] = {64, 1, kChunk};
   auto rows3 = [&](const char* name, const auto& view, int heads, int dim) {
     const cuuint64_t dims[3] = {cuuint64_t(dim), cuuint64_t(heads), T};
     // one head: its stride is never stepped (any multiple of 16 bytes will do)
@@ -139,17 +138,10 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
     const cuuint64_t strides[2] = {head_bytes, cuuint64_t(view.token_stride) * 2};
     return encode_map(name, view.data, plan.fp16_operands, 3, dims, strides, box3);
   };
-  auto ws2 = [&](const char* name, const void* data) {
-    const cuuint64_t dims[2] = {kChunk, cuuint64_t(plan.num_slots) * cuuint64_t(p.heads.num_v_heads) * kChunk};
-    const cuuint64_t strides[1] = {kChunk * 2};
-    return encode_map(name, data, plan.fp16_operands, 2, dims, strides, box2);
-  };
   HeadTensorMaps m;
   m.k = rows3("k", p.k, p.heads.num_qk_heads, p.heads.head_dim_k);
   m.q = rows3("q", p.q, p.heads.num_qk_heads, p.heads.head_dim_k);
   m.v = rows3("v", p.v, p.heads.num_v_heads, p.heads.head_dim_v);
-  m.t = ws2("workspace T'", plan.ws_t);
-  if (plan.ws_m != nullptr) m.m = ws2("workspace M", plan.ws_m);
   return m;
 }
 

@@ -158,6 +158,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int HV = p.heads.num_v_heads, group = HV / p.heads.num_qk_heads;
   const int h0 = hk * group, h1 = h0 + group;  // the value heads of the group
+  // T' and M for the wgmma head pass as causal images (wgmma.cuh; always so without kM), else row-major 64 x 64
+  const bool image = !kM || plan.wgmma_pass;
 
   // slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot.
   int lo = 0, hi = p.num_seqs - 1;
@@ -245,6 +247,17 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       [[maybe_unused]] Op* mout = nullptr;  // M's rows in the workspace (kM; no M region otherwise)
       if constexpr (kM) mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
       float gi[2], fq[2], fa[2];  // per row i = 16 warp + r + 8 half
+      // M's causal image (image): causal_image_offset(i, 8 nt + q2) = m_row[half] + ((nt ^ m_swz) << 3), as the
+      // swizzle of row i is (i / 2) % 4 = (r / 2) % 4 in rows 0..31 (warps 0, 1) and i % 8 = r in rows 32..63
+      [[maybe_unused]] int m_row[2], m_swz = 0;
+      if constexpr (kM) {
+        m_swz = warp < 2 ? (r >> 1) & 3 : r;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = warp * 16 + r + half * 8;
+          m_row[half] = (warp < 2 ? i * 32 : kCausalImageLow + (i - 32) * 64) + q2;
+        }
+      }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int i = warp * 16 + r + half * 8;
@@ -275,9 +288,13 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         }
         if constexpr (kM) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half)
-            *reinterpret_cast<uint32_t*>(mout + (warp * 16 + r + half * 8) * kChunk + j) =
-                pack2<Op>(m[2 * half], m[2 * half + 1]);
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t pair = pack2<Op>(m[2 * half], m[2 * half + 1]);
+            if (!image)
+              *reinterpret_cast<uint32_t*>(mout + (warp * 16 + r + half * 8) * kChunk + j) = pair;
+            else if (warp >= 2 || nt < 4)  // the image has no upper-right quarter
+              *reinterpret_cast<uint32_t*>(mout + m_row[half] + ((nt ^ m_swz) << 3)) = pair;
+          }
         }
       }
     }
@@ -343,14 +360,32 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
     {
       Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
-      for (int e = tid; e < kChunk * kChunk / 2; e += kThreads) {
-        const int i = e >> 5, c = (e & 31) * 2;
-        // Pairs in one access each (the upper triangle and rows past L hold stale values: selected away)
+      // Element pair (i, c), c even, to out + at, in one access each (the upper triangle and rows past L hold
+      // stale values: selected away)
+      auto put = [&](int i, int c, int at) {
         const float2 tv = *reinterpret_cast<const float2*>(&Tf[i * LDA + c]);
         const float2 bv = *reinterpret_cast<const float2*>(&beta[c]);
         const float t0v = (c <= i && i < L) ? tv.x * bv.x : 0.0f;
         const float t1v = (c + 1 <= i && i < L) ? tv.y * bv.y : 0.0f;
-        *reinterpret_cast<uint32_t*>(out + 2 * e) = pack2<Op>(t0v, t1v);
+        *reinterpret_cast<uint32_t*>(out + at) = pack2<Op>(t0v, t1v);
+      };
+      if (image) {
+        // Rows 0..31 (16 pairs each): a thread's rows il + 8u, its column fixed, so its image offset steps by
+        // 256 (the 64B swizzle of row i is (i / 2) % 4). Rows 32..63 (32 pairs each): rows ih + 4u, the 128B
+        // swizzle i % 8 = (ih % 8) ^ 4 (u % 2) (ih % 8 < 4 with 128 threads): the offset of an odd u flips
+        // the piece's bit 2 (element offset bit 5) of the even u's, and steps by 256.
+        static_assert(kThreads == 128, "the image's per-thread rows");
+        const int il = tid >> 4, cl = (tid & 15) * 2, ih = 32 + (tid >> 5), ch = (tid & 31) * 2;
+        const int offl = causal_image_offset(il, cl), offh = causal_image_offset(ih, ch);
+#pragma unroll 1
+        for (int u = 0; u < 4; ++u) put(il + 8 * u, cl, offl + 256 * u);
+#pragma unroll 1
+        for (int u = 0; u < 8; u += 2) {
+          put(ih + 4 * u, ch, offh + 256 * u);
+          put(ih + 4 * u + 4, ch, (offh ^ 32) + 256 * u + 256);
+        }
+      } else {
+        for (int e = tid; e < kChunk * kChunk / 2; e += kThreads) put(e >> 5, (e & 31) * 2, 2 * e);
       }
     }
     if (tid < kChunk) {

@@ -47,8 +47,10 @@ constexpr int kFactorRowsMax = kFactorRows<true>;
 
 struct Plan {
   int64_t num_slots = 0;
-  void* ws_t = nullptr;        // [num_slots, HV, 64, 64] operand dtype: T' = (I + A)^{-1} diag(beta) per chunk and head
-  void* ws_m = nullptr;        // [num_slots, HV, 64, 64] operand dtype: M, the masked decayed q k^T (unless m_in_pass)
+  // Per chunk and value head, 64 x 64 operand-dtype entries, row-major, or for the wgmma pass the causal image
+  // (wgmma.cuh causal_image_offset: the first 6 KB of each 8 KB entry):
+  void* ws_t = nullptr;        // [num_slots, HV, 64, 64]: T' = (I + A)^{-1} diag(beta)
+  void* ws_m = nullptr;        // [num_slots, HV, 64, 64]: M, the masked decayed q k^T (unless m_in_pass)
   float* ws_f = nullptr;       // [num_slots, HV, kFactorRows<m_in_pass>, 64] fp32: the per-token factors of the chunk
   float scale = 0.0f;          // q scale (resolved default)
   bool qkv_vec = false;        // q, k, v allow 16-byte loads of 8 contiguous elements
@@ -69,12 +71,12 @@ struct Plan {
 };
 
 // The TMA descriptors of a head pass launch of the wgmma build (a __grid_constant__ kernel parameter): k
-// and q as [tokens, q/k heads, K], v as [tokens, value heads, V] (boxes of 64 tokens x 64 columns), T'
-// and M of the workspace as [chunk rows, 64] (boxes of 64 x 64); 128-byte swizzled.
+// and q as [tokens, q/k heads, K], v as [tokens, value heads, V] (boxes of 64 tokens x 64 columns),
+// 128-byte swizzled. T' and M come from the workspace by plain bulk copies (the prep's causal images).
 struct HeadTensorMaps {
-  CUtensorMap k, q, v, t, m;
+  CUtensorMap k, q, v;
 };
-// Whether the TMA maps can be made (tokens, and tokens and workspace rows below 2^31), and the maps.
+// Whether the TMA maps can be made (tokens, and tokens below 2^31), and the maps.
 bool head_tensor_maps_ok(const PrefillParams& p, const Plan& plan);
 // Whether the state pass of value tile `vtile` runs the head pass's wgmma build: kVTileHead, a CTA owning
 // whole warpgroups (V / head_split a multiple of 64) and the TMA maps possible (Plan::wgmma_pass).

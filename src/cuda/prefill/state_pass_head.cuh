@@ -61,8 +61,9 @@ struct HeadStage {
   float sc[kFactorRows<false> * kChunk];  // the chunk's token factors (FactorRow)
 };
 
-// The wgmma build's stage, as the TMA tiles land: k, q, T', M (the wgmma B operands) and v in 128B-swizzled
-// blocks of 64 columns (sw128_offset; 1024-byte aligned); M in the same layout when formed in the pass.
+// The wgmma build's stage, as the TMA tiles land: k, q (the wgmma B operands) and v in 128B-swizzled blocks of
+// 64 columns (sw128_offset; 1024-byte aligned); T' and M as the prep's causal images (causal_image_offset), M
+// 64 x 64 128B-swizzled when formed in the pass.
 template <int K, int kCols, class Op>
 struct alignas(1024) HeadStageWg {
   Op ks[kChunk * K];
@@ -84,15 +85,28 @@ constexpr size_t head_smem_bytes() {
   return kHeadStages<kWg> * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kWg ? 1024 : 0);  // + alignment slack
 }
 
-// v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M, 128B-swizzled rows
-// whose K-major descriptor is `desc`), in token halves: tokens 0..31 need k-steps 0, 1, tokens 32..63 all four
-// (6 of 8 n32 products; an n48/n64 k-step over tokens 16 KS .. 63 made ptxas serialize the wgmmas, as
-// the accumulator tiles 2 KS .. 7 are not an aligned register block).
+// v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M), in token halves: tokens
+// 0..31 need k-steps 0, 1 (K-major descriptor `lo` of rows 0..31), tokens 32..63 all four (`hi`, rows 32..63):
+// 6 of 8 n32 products; an n48/n64 k-step over tokens 16 KS .. 63 made ptxas serialize the wgmmas, as the
+// accumulator tiles 2 KS .. 7 are not an aligned register block. The halves' descriptors: causal_image_descs
+// (the workspace's causal image) or full_causal_descs (M formed in the pass, 64 x 64 128B-swizzled).
 template <class Op, int KS = 0>
-__device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint32_t (&a)[4][4], uint64_t desc) {
-  if constexpr (KS < 2) wgmma_rs<Op, 32, 0, false>(acc, a[KS], desc_add(desc, KS * 32));
-  wgmma_rs<Op, 32, 4, false>(acc, a[KS], desc_add(desc, 32 * 128 + KS * 32));
-  if constexpr (KS < 3) causal_cols_wgmma<Op, KS + 1>(acc, a, desc);
+__device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint32_t (&a)[4][4], uint64_t lo,
+                                                  uint64_t hi) {
+  if constexpr (KS < 2) wgmma_rs<Op, 32, 0, false>(acc, a[KS], desc_add(lo, KS * 32));
+  wgmma_rs<Op, 32, 4, false>(acc, a[KS], desc_add(hi, KS * 32));
+  if constexpr (KS < 3) causal_cols_wgmma<Op, KS + 1>(acc, a, lo, hi);
+}
+struct CausalDescs {
+  uint64_t lo, hi;
+};
+__device__ __forceinline__ CausalDescs causal_image_descs(const void* image) {
+  const uint32_t at = smem_addr(image);
+  return {sw64_desc(at, 16, 512), sw128_desc(at + 2 * kCausalImageLow, 16, 1024)};
+}
+__device__ __forceinline__ CausalDescs full_causal_descs(const void* x) {
+  const uint64_t d = sw128_desc(smem_addr(x), 16, 1024);
+  return {d, desc_add(d, 32 * 128)};
 }
 
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
@@ -196,6 +210,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const Op* t_src = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk) + tid * 8;
   const Op* m_src = kWg ? nullptr : static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk) + tid * 8;
   const float* f_src = plan.ws_f + ws0 * (kFRows * kChunk);
+  // The wgmma build's T' and M as the prep's causal images (kCausalImageElems of each entry's 64 x 64)
+  [[maybe_unused]] const Op* t_img = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk);
+  [[maybe_unused]] const Op* m_img = kMInPass ? nullptr : static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk);
   // The warp build's padded k / q and T' / M rows.
   constexpr int LDK = HeadStage<K, kCols, Op>::LDK, LDT = HeadStage<K, kCols, Op>::LDT;
   // Element offset of (row, col) in the v (then o) buffer of a stage; rows 16 apart are kVRow16 bytes apart.
@@ -228,7 +245,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       if (tid == 0) {
         uint64_t* bar = &bars[c % kStages];
         if (parts & kInputs) {
-          constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + (kMInPass ? 1 : 2) * kChunk * kChunk * 2 +
+          constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + (kMInPass ? 1 : 2) * kCausalImageElems * 2 +
                                                kFRows * kChunk * 4);
           fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
           mbarrier_arrive_expect_tx(bar, kBytes);  // both parts' bytes
@@ -242,9 +259,9 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
           for (int i = 0; i < kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
         }
         if (parts & kWorkspace) {
-          const int wrow = int((ws0 + c * HV) * kChunk);
-          tma_load_2d(b.ts, &maps.t, 0, wrow, bar);
-          if constexpr (!kMInPass) tma_load_2d(b.ms, &maps.m, 0, wrow, bar);
+          const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's causal images: one bulk copy each
+          bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
+          if constexpr (!kMInPass) bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
           bulk_load(b.sc, f_src + c * HV * (kFRows * kChunk), kFRows * kChunk * 4, bar);
         }
       }
@@ -457,7 +474,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       if constexpr (kWg) {
         wgmma_pin(vn);
         wgmma_fence();
-        causal_cols_wgmma<Op>(vn, xa, sw128_desc(smem_addr(b.ts), 16, 1024));
+        const CausalDescs dt = causal_image_descs(b.ts);
+        causal_cols_wgmma<Op>(vn, xa, dt.lo, dt.hi);
         wgmma_commit();
       }
       if constexpr (kMInPass) {
@@ -526,7 +544,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
         if constexpr (kMInPass) __syncthreads();  // every warpgroup's share of M is stored
         wgmma_pin(qo);
         wgmma_fence();
-        causal_cols_wgmma<Op>(qo, na, sw128_desc(smem_addr(b.ms), 16, 1024));
+        const CausalDescs dm = kMInPass ? full_causal_descs(b.ms) : causal_image_descs(b.ms);
+        causal_cols_wgmma<Op>(qo, na, dm.lo, dm.hi);
         wgmma_commit();
         // ---- S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: MN-major), overlapping o's store
         decay_state(eg);

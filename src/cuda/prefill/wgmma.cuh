@@ -33,6 +33,23 @@ __device__ __forceinline__ int sw128_offset(int row, int col) {
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) | (1ull << 62);
 }
+// ... of a 64B-swizzled one (rows of 64 bytes, row r's 16-byte pieces permuted by piece ^ ((r / 2) % 4), blocks
+// of 8 rows 512 bytes apart and 512-byte aligned): layout type 2 instead of 1.
+__device__ __forceinline__ uint64_t sw64_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) | (2ull << 62);
+}
+
+// The causal image of a 64 x 64 chunk-causal matrix X (X[i][j] = 0 for j > i: T', M), as the chunk prep writes
+// it to the workspace for the wgmma head pass and that pass copies it to shared memory in one piece: the two
+// B operands of causal_cols_wgmma, without X's upper-right quarter (rows 0..31, columns 32..63: all zero, never
+// read). Rows 0..31, columns 0..31 first, 64B-swizzled (2 KB, SBO 512); then rows 32..63, all 64 columns,
+// 128B-swizzled (4 KB, SBO 1024). So T' and M move 6 of their 8 KB per chunk and head.
+constexpr int kCausalImageElems = 32 * 32 + 32 * 64;
+constexpr int kCausalImageLow = 32 * 32;  // elements before the second part (2 KB: 1024-byte aligned)
+__device__ __forceinline__ int causal_image_offset(int i, int j) {
+  if (i < 32) return i * 32 + ((((j >> 3) & 3) ^ ((i >> 1) & 3)) << 3) + (j & 7);
+  return kCausalImageLow + sw128_offset<32>(i - 32, j);
+}
 
 // The descriptor of the operand `bytes` further on (16-byte aligned) from the one of `desc`: its address
 // field is shared address / 16 in 14 bits, and shared addresses stay below 2^18 (228 KB), so the sum never
