@@ -6,7 +6,8 @@
 //       A[i][j] = beta_i exp(gcum_i - gcum_j) (k^_i . k^_j) for j < i     (k^ = L2-normalized k)
 //       T' = (I + A)^{-1} diag(beta)          (blocked: 16 x 16 substitutions, block rows on tensor cores)
 //       M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j                (intra-chunk attention)
-//     writes T', M (operand dtype) and the per-token factors (FactorRow, fp32) to the workspace.
+//     writes T', M (operand dtype; for the wgmma head pass as causal images, wgmma.cuh) and the per-token
+//     factors (FactorRow, fp32) to the workspace.
 //  2. a state pass, sequential over the chunks of one sequence: state_pass_head_kernel
 //     (state_pass_head.cuh: one CTA per sequence and value head, the fast path) or state_pass_kernel
 //     below (one value tile S[:, v0:v0+VT] of one head per CTA: fp32 inputs, K or V = 256, unaligned views).

@@ -245,8 +245,8 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       if (tid == 0) {
         uint64_t* bar = &bars[c % kStages];
         if (parts & kInputs) {
-          constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 + (kMInPass ? 1 : 2) * kCausalImageElems * 2 +
-                                               kFRows * kChunk * 4);
+          constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 +
+                                               (kMInPass ? 1 : 2) * kCausalImageElems * 2 + kFRows * kChunk * 4);
           fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
           mbarrier_arrive_expect_tx(bar, kBytes);  // both parts' bytes
           const int tk = int(start + c * kChunk);
