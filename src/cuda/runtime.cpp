@@ -32,6 +32,11 @@ bool env_switch(const char* name) {
   const char* e = std::getenv(name);
   return e == nullptr || std::string(e) != "0";
 }
+// A count from the environment (negative values read as 0), -1 where `name` is unset.
+int env_count(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr ? -1 : std::max(0, std::atoi(e));
+}
 }  // namespace
 
 bool programmatic_launch_enabled() {
@@ -66,18 +71,12 @@ int chain_mma_min_tokens(int measured) {
 }
 
 int decode_narrow_batches(int measured) {
-  static const int from_env = [] {  // -1: unset
-    const char* e = std::getenv("GDNKIT_DECODE_NARROW");
-    return e == nullptr ? -1 : std::max(0, std::atoi(e));
-  }();
+  static const int from_env = env_count("GDNKIT_DECODE_NARROW");
   return from_env >= 0 ? from_env : measured;
 }
 
 int prefill_short_reach(int measured) {
-  static const int from_env = [] {  // -1: unset
-    const char* e = std::getenv("GDNKIT_PREFILL_SHORT");
-    return e == nullptr ? -1 : std::max(0, std::atoi(e));
-  }();
+  static const int from_env = env_count("GDNKIT_PREFILL_SHORT");
   return from_env >= 0 ? from_env : measured;
 }
 
