@@ -75,6 +75,11 @@ int decode_narrow_batches(int measured) {
   return from_env >= 0 ? from_env : measured;
 }
 
+int decode_wide_batches(int measured) {
+  static const int from_env = env_count("GDNKIT_DECODE_WIDE");
+  return from_env >= 0 ? from_env : measured;
+}
+
 int prefill_short_reach(int measured) {
   static const int from_env = env_count("GDNKIT_PREFILL_SHORT");
   return from_env >= 0 ? from_env : measured;

@@ -82,17 +82,18 @@ std::vector<Named> decode_cases() {
 }
 
 // Small batches with qwen3-next heads, where the launcher's prefetch mode depends on the grid's size
-// (recurrent/launch.cuh): B = 1, 2, 3 for both state dtypes against the reference.
+// (recurrent/launch.cuh): B = 1..4 for both state dtypes against the reference (bf16 state: the regular tile at
+// B = 1, the wide tile at 2..4, recurrent/warp_kernel.cuh).
 std::vector<Named> small_batch_cases() {
   std::vector<Named> out;
   int i = 0;
-  for (int batch : {1, 2, 3})
+  for (int batch : {1, 2, 3, 4})
     for (DType state : {DType::kFloat32, DType::kBFloat16})
       for (DType in : {DType::kBFloat16, DType::kFloat32}) {
         ProblemConfig c;
         c.op = OpKind::kDecode;
         c.batch = batch;
-        c.padding_rows = batch == 3 ? 1 : 0;
+        c.padding_rows = batch >= 3 ? 1 : 0;
         c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
         c.state_dtype = state, c.in_dtype = in;
         if (i % 2 == 1) c.token_pad = 24, c.head_pad = 8, c.slot_pad = 40;
@@ -137,12 +138,12 @@ std::vector<Named> sanitize_cases() {
       out.push_back({case_name(c), c});
     }
   // qwen3-next heads at B = 1 and 2 (prefetch mode at both state dtypes or one, launch.cuh), and bf16 state at
-  // B = 4 (the narrow tile, warp_tile.cuh).
-  for (int batch : {1, 2, 4}) {
+  // B = 4 (the wide tile, warp_tile.cuh) and B = 8 (the narrow tile).
+  for (int batch : {1, 2, 4, 8}) {
     ProblemConfig c;
     c.op = OpKind::kDecode;
     c.batch = batch;
-    if (batch == 4) c.state_dtype = DType::kBFloat16, c.padding_rows = 1;
+    if (batch >= 4) c.state_dtype = DType::kBFloat16, c.padding_rows = 1;
     c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
     c.seed = 300 + i++;
     out.push_back({case_name(c) + "_b" + std::to_string(batch), c});

@@ -53,8 +53,11 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
 // __launch_bounds__ target in warps per SM (ptxas, CUDA 13.0, sm_90a, K = 128). Decode: 32 -> 64 registers, no
 // spills for either layout (K = 256: 28 warps, 72-76 registers). Verify and replay carry the token loop and the
 // row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
-template <StateLayout kLayout, int K, WarpOp kOp>
+template <StateLayout kLayout, int K, WarpOp kOp, TileWidth kWidth = TileWidth::kRegular>
 constexpr int warp_kernel_min_warps() {
+  // The wide tile's 64 state values a lane: 127 registers at 16 warps; at 20 (96) ptxas spilled 8-16 bytes and
+  // bf16 decode measured 1-10% slower than at 16 (results/H100/decode_ab15_wide.txt).
+  if (kOp == WarpOp::kDecode && kWidth == TileWidth::kWide) return 16;
   if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
   if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
   if (kOp == WarpOp::kPrefill && kLayout == StateLayout::kVLast) return 16;  // as verify
@@ -62,14 +65,15 @@ constexpr int warp_kernel_min_warps() {
   return K <= 128 ? 32 : 28;
 }
 
-// kNarrow: the narrow tile (warp_tile.cuh). kPinSlot: decode reads the slot index as a volatile load (below).
-template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp, bool kNarrow = false,
-          bool kPinSlot = false>
-__global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kNarrow>::kCtaWarps * 32,
-                                  warp_kernel_min_warps<kLayout, K, kOp>() /
-                                      WarpTile<kLayout, TS, K, V, kNarrow>::kCtaWarps)
+// kWidth: the tile's columns per warp (warp_tile.cuh). kPinSlot: decode reads the slot index as a volatile load
+// (below).
+template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp,
+          TileWidth kWidth = TileWidth::kRegular, bool kPinSlot = false>
+__global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps * 32,
+                                  warp_kernel_min_warps<kLayout, K, kOp, kWidth>() /
+                                      WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps)
     warp_recurrent_kernel(const RecurrentParams p, const bool write_state, const bool prefetch) {
-  using Tile = WarpTile<kLayout, TS, K, V, kNarrow>;
+  using Tile = WarpTile<kLayout, TS, K, V, kWidth>;
   constexpr int kRows = Tile::kRows, kKPer = Tile::kKPer;
   constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
   constexpr bool kPrefill = kOp == WarpOp::kPrefill;
@@ -388,16 +392,30 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
     const dim3 grid(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch));
     if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && K == 128) {
       if constexpr (sizeof(TS) == 2) {
-        // bf16 state, B = 3..16 outside prefetch mode: the narrow tile (warp_tile.cuh), twice the CTAs. H100,
-        // qwen3-next, against the regular tile: B = 3 / 4 / 8 / 16 3.6 / 5.7 / 1.3 / 1.8% faster, B = 32..128
-        // within 1% (0.8% slower at 32). In prefetch mode (B = 1, 2) it was 34-58% slower, and with fp32
-        // state 6% slower at B = 8 (results/H100/RUN.md, thirteenth session).
-        using Narrow = WarpTile<kLayout, TS, K, V, true>;
+        // bf16 state, B = 2..4 where the grid is in prefetch mode: the wide tile (warp_tile.cuh), half the CTAs,
+        // each warp moving the 4 KB an fp32-state warp of the regular tile moves, at share 2 (the regular tile
+        // prefetches bf16 only at share 8, B = 1). H100, qwen3-next, against the regular / narrow tile, two
+        // interleaved rounds: B = 2 / 3 / 4 3.93 / 4.43 / 5.03 -> 3.53 / 4.10 / 4.81 µs. Slower where it is not
+        // in prefetch mode (B = 8 +5%, 16 +4-7%, 32..512 +1-2.5%) and at B = 1 (+3%)
+        // (results/H100/decode_ab15_wide.txt). GDNKIT_DECODE_WIDE=<n> moves the upper bound, 0 turns it off.
+        using Wide = WarpTile<kLayout, TS, K, V, TileWidth::kWide>;
+        static_assert(Wide::kCtaWarps == kCtaWarps, "the wide tile's CTAs have the regular tile's warps");
+        constexpr int kWideCols = V / Wide::kRows / kCtaWarps;
+        const auto wide = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, TileWidth::kWide>;
+        static const int wide_prefetch = prefetch_limit(reinterpret_cast<const void*>(wide), kCtaWarps * 32, 2);
+        const dim3 wide_grid(unsigned(p.heads.num_v_heads) * kWideCols, unsigned(p.batch));
+        if (p.batch >= 2 && p.batch <= decode_wide_batches(4) && prefetch_mode(wide_grid, wide_prefetch))
+          return launch_recurrent(wide, wide_grid, kCtaWarps * 32, wide_prefetch, stream, p, write_state);
+        // bf16 state, B = 3..16 outside prefetch mode (qwen3-next: B = 5..16, the wide tile takes 3 and 4): the
+        // narrow tile (warp_tile.cuh), twice the CTAs. H100, qwen3-next, against the regular tile: B = 3 / 4 / 8 /
+        // 16 3.6 / 5.7 / 1.3 / 1.8% faster, B = 32..128 within 1% (0.8% slower at 32). In prefetch mode (B = 1, 2)
+        // it was 34-58% slower, and with fp32 state 6% slower at B = 8 (results/H100/RUN.md, thirteenth session).
+        using Narrow = WarpTile<kLayout, TS, K, V, TileWidth::kNarrow>;
         static_assert(Narrow::kCtaWarps == kCtaWarps, "the narrow tile's CTAs have the regular tile's warps");
         constexpr int kNarrowCols = V / Narrow::kRows / kCtaWarps;
         if (p.batch >= 3 && p.batch <= decode_narrow_batches(16) && !prefetch_mode(grid, prefetch_ctas) &&
             int64_t(p.heads.num_v_heads) * kNarrowCols <= int64_t(INT32_MAX))
-          return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, true>,
+          return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, TileWidth::kNarrow>,
                                   dim3(unsigned(p.heads.num_v_heads) * kNarrowCols, unsigned(p.batch)),
                                   kCtaWarps * 32, 0, stream, p, write_state);
       } else {
@@ -406,7 +424,7 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
         // 7.31 µs; outside prefetch mode (B = 8: +3.7%) and with bf16 state (B = 1: +1.4%) it was slower
         // (results/H100/RUN.md, thirteenth session).
         if (prefetch_mode(grid, prefetch_ctas))
-          return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, false, true>, grid,
+          return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, TileWidth::kRegular, true>, grid,
                                   kCtaWarps * 32, prefetch_ctas, stream, p, write_state);
       }
     }

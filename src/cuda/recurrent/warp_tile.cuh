@@ -3,7 +3,7 @@
 // A warp owns kRows consecutive columns v0 .. v0+kRows-1 of S (S in R^{K x V}, column v = the k-vector
 // S[:, v]) and all K rows k. Lane l holds s[i][j] = S[k_of(l, j)][v0 + i] in fp32 registers, for all
 // i < kRows columns and j < kKPer = K/32 rows: kRows * K / 32 values (32 at K = 128, 256; 16 at K = 64
-// and on the narrow tile at K = 128).
+// and on the narrow tile at K = 128, 64 on the wide tile).
 // Each k sits in exactly one lane, so every dot product over k (and the q/k norms) is a per-lane sum
 // plus a warp reduction.
 //
@@ -27,14 +27,23 @@
 
 namespace gdnkit::cuda::recurrent {
 
-// kNarrow: 4 columns per warp at every K (K-last only): twice the warps on the same state, each with half
-// the loads and arithmetic (bf16 decode's small batches, where the grid is about one wave or less).
-template <StateLayout kLayout, class TS, int K, int V, bool kNarrow = false>
+// Columns per warp (K-last only; V-last tiles are kRegular):
+//   kRegular  8 (4 at K = 256);
+//   kNarrow   4 at every K: twice the warps on the same state, each with half the loads and arithmetic;
+//   kWide     16 at K <= 128: half the warps, each with twice the loads (bf16 state: a warp then moves the
+//             4 KB per call that an fp32 warp of the regular tile moves, on half as many warps).
+enum class TileWidth : int { kRegular, kNarrow, kWide };
+
+template <StateLayout kLayout, class TS, int K, int V, TileWidth kWidth = TileWidth::kRegular>
 struct WarpTile;
 
-template <class TS, int K, int V, bool kNarrow>
-struct WarpTile<StateLayout::kKLast, TS, K, V, kNarrow> {
-  static constexpr int kRows = K <= 128 && !kNarrow ? 8 : 4;  // columns per warp
+template <class TS, int K, int V, TileWidth kWidth>
+struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
+  static_assert(kWidth != TileWidth::kWide || K <= 128, "the wide tile holds 16 K/32 state values per lane");
+  static constexpr int kRows = kWidth == TileWidth::kWide     ? 16
+                               : kWidth == TileWidth::kNarrow ? 4
+                               : K <= 128                     ? 8
+                                                              : 4;  // columns per warp
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
   static constexpr int kCtaWarps = 2;  // warps per CTA: neighbouring columns of one head
@@ -66,9 +75,9 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kNarrow> {
   }
 };
 
-template <class TS, int K, int V, bool kNarrow>
-struct WarpTile<StateLayout::kVLast, TS, K, V, kNarrow> {
-  static_assert(!kNarrow, "V-last tiles are whole 128-byte row pieces per CTA");
+template <class TS, int K, int V, TileWidth kWidth>
+struct WarpTile<StateLayout::kVLast, TS, K, V, kWidth> {
+  static_assert(kWidth == TileWidth::kRegular, "V-last tiles are whole 128-byte row pieces per CTA");
   static constexpr int kRows = K <= 128 ? 8 : 4;
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = 1;  // k per run: a lane's k are 32 apart
