@@ -41,8 +41,8 @@ int prefill_short_reach(int measured);
 // B = 3): `measured` unless GDNKIT_DECODE_NARROW sets it (0-2: never). Read once per process; for A/B timing.
 int decode_narrow_batches(int measured);
 // The largest batch K-last bf16-state decode (K = 128) runs on the wide tile (recurrent/warp_tile.cuh; from
-// B = 2, in prefetch mode): `measured` unless GDNKIT_DECODE_WIDE sets it (0-1: never). Read once per process;
-// for A/B timing.
+// B = 2, where its grid is in prefetch mode): `measured` unless GDNKIT_DECODE_WIDE sets it (0-1: never). Read
+// once per process; for A/B timing.
 int decode_wide_batches(int measured);
 // SMs of the first device asked (sizing heuristics only; 132 if the query fails). Defined in runtime.cpp.
 int device_sms();

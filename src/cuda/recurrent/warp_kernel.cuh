@@ -18,7 +18,8 @@
 // draft tokens (the ancestor set is a 64-bit mask).
 //
 // NOTES: the tile (warp_tile.cuh: kRows columns per warp) keeps 32 fp32 state values per lane at K = 128 (16 on the
-// narrow tile of bf16 decode at B = 3..16): 64 registers for K-last decode, so 32 warps fit an SM, each with
+// narrow tile of bf16 decode at B = 13..16; 64 as bf16 pairs on its wide tile at B = 2..12): 64 registers for
+// K-last decode (72 on the wide tile), so 32 warps fit an SM, each with
 // kRows * K * sizeof(state) bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs).
 // The warps of a CTA (2 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
 // range (K-last) or 128-byte row pieces (V-last, staged through shared memory). Decode, verify and replay are
@@ -55,9 +56,9 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
 // row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
 template <StateLayout kLayout, int K, WarpOp kOp, TileWidth kWidth = TileWidth::kRegular>
 constexpr int warp_kernel_min_warps() {
-  // The wide tile's 64 state values a lane: 127 registers at 16 warps; at 20 (96) ptxas spilled 8-16 bytes and
-  // bf16 decode measured 1-10% slower than at 16 (results/H100/decode_ab15_wide.txt).
-  if (kOp == WarpOp::kDecode && kWidth == TileWidth::kWide) return 16;
+  // The wide tile (bf16 decode): 72 registers, no spills; at 32 warps (64 registers) ptxas spilled 68-96 bytes
+  // and it measured 5-11% slower (results/H100/decode_ab15_wide.txt).
+  if (kOp == WarpOp::kDecode && kWidth == TileWidth::kWide) return 28;
   if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
   if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
   if (kOp == WarpOp::kPrefill && kLayout == StateLayout::kVLast) return 16;  // as verify
@@ -126,7 +127,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
   // and the q/k norms waited for the whole state rather than running while it arrives.
   const RowLoads rl = load_row<kOp>(p, b, kPinSlot);
   const int slot = rl.slot;  // the state loads wait on it
-  float s[kRows][kKPer];  // the tile (warp_tile.cuh)
+  typename Tile::Regs s;  // the tile (warp_tile.cuh)
+  static_assert(!Tile::kPacked || kDecode, "bf16 values in registers round once per token: decode only");
   // Decode in prefetch mode loads the state of slot `spec` now, beside the index rather than after it
   // (after the wait: the current state of that slot). If the index read now differs, the state of the
   // right slot is loaded below and this one is dropped.
@@ -238,8 +240,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
       float dk = 0.0f, dq = 0.0f;
 #pragma unroll
       for (int j = 0; j < kKPer; ++j) {
-        dk = fmaf(s[i][j], k[j], dk);
-        if (!kReplay) dq = fmaf(s[i][j], q[j], dq);
+        dk = fmaf(s.get(i, j), k[j], dk);
+        if (!kReplay) dq = fmaf(s.get(i, j), q[j], dq);
       }
       if (kReplay) {
         x[i] = dk;
@@ -260,11 +262,13 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
         out_ptr(tok0 + d.x)[mine - kRows] = from_float<TI>(fmaf(kq_n, u_col, decay * (x[0] * rq)));
     }
     const float uk_mine = u_mine * rk;
+    s.opaque();  // packed bf16 state: unpacked again for the update (StateRegs)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const float uk = __shfl_sync(0xffffffffu, uk_mine, i * kLanesPerSum);
 #pragma unroll
-      for (int j = 0; j < kKPer; ++j) s[i][j] = fmaf(k[j], uk, decay * s[i][j]);
+      for (int j = 0; j < kKPer; j += 2)
+        s.set2(i, j, fmaf(k[j], uk, decay * s.get(i, j)), fmaf(k[j + 1], uk, decay * s.get(i, j + 1)));
     }
   };
   const auto step = [&](int x, bool write_o) {
@@ -311,7 +315,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer; ++j) s[i][j] = 0.0f;
+      for (int j = 0; j < kKPer; j += 2) s.set2(i, j, 0.0f, 0.0f);
   } else if (!kDecode || spec != slot) {
     Tile::load(tile, s, lane, stage);  // every state load issued before any use
   }
@@ -392,21 +396,23 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
     const dim3 grid(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch));
     if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && K == 128) {
       if constexpr (sizeof(TS) == 2) {
-        // bf16 state, B = 2..4 where the grid is in prefetch mode: the wide tile (warp_tile.cuh), half the CTAs,
-        // each warp moving the 4 KB an fp32-state warp of the regular tile moves, at share 2 (the regular tile
-        // prefetches bf16 only at share 8, B = 1). H100, qwen3-next, against the regular / narrow tile, two
-        // interleaved rounds: B = 2 / 3 / 4 3.93 / 4.43 / 5.03 -> 3.53 / 4.10 / 4.81 µs. Slower where it is not
-        // in prefetch mode (B = 8 +5%, 16 +4-7%, 32..512 +1-2.5%) and at B = 1 (+3%)
+        // bf16 state, B = 2..12 where the grid is in prefetch mode: the wide tile (warp_tile.cuh), half the CTAs,
+        // each warp moving the 4 KB an fp32-state warp of the regular tile moves, its state held as bf16 pairs
+        // (72 registers), so that grids up to B = 14 fit the GPU at once (share 1; the regular tile prefetches
+        // bf16 only at share 8, B = 1). H100, qwen3-next, against the regular / narrow tile, two interleaved
+        // rounds: B = 2 / 3 / 4 / 5 / 6 / 7 / 8 / 12 3.90 / 4.41 / 5.01 / 5.91 / 6.73 / 7.45 / 8.26 / 11.36 -> 3.62 /
+        // 4.18 / 4.84 / 5.35 / 6.08 / 6.66 / 7.83 / 11.13 µs; B = 1 and 16 unchanged. Held as fp32 (127
+        // registers, prefetch mode to B = 4) it was 2-3% faster at B = 2..4, 3-5% slower at B = 1 and from B = 8
         // (results/H100/decode_ab15_wide.txt). GDNKIT_DECODE_WIDE=<n> moves the upper bound, 0 turns it off.
         using Wide = WarpTile<kLayout, TS, K, V, TileWidth::kWide>;
         static_assert(Wide::kCtaWarps == kCtaWarps, "the wide tile's CTAs have the regular tile's warps");
         constexpr int kWideCols = V / Wide::kRows / kCtaWarps;
         const auto wide = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, TileWidth::kWide>;
-        static const int wide_prefetch = prefetch_limit(reinterpret_cast<const void*>(wide), kCtaWarps * 32, 2);
+        static const int wide_prefetch = prefetch_limit(reinterpret_cast<const void*>(wide), kCtaWarps * 32, 1);
         const dim3 wide_grid(unsigned(p.heads.num_v_heads) * kWideCols, unsigned(p.batch));
-        if (p.batch >= 2 && p.batch <= decode_wide_batches(4) && prefetch_mode(wide_grid, wide_prefetch))
+        if (p.batch >= 2 && p.batch <= decode_wide_batches(12) && prefetch_mode(wide_grid, wide_prefetch))
           return launch_recurrent(wide, wide_grid, kCtaWarps * 32, wide_prefetch, stream, p, write_state);
-        // bf16 state, B = 3..16 outside prefetch mode (qwen3-next: B = 5..16, the wide tile takes 3 and 4): the
+        // bf16 state, B = 3..16 outside prefetch mode (qwen3-next: B = 13..16, the wide tile takes 2..12): the
         // narrow tile (warp_tile.cuh), twice the CTAs. H100, qwen3-next, against the regular tile: B = 3 / 4 / 8 /
         // 16 3.6 / 5.7 / 1.3 / 1.8% faster, B = 32..128 within 1% (0.8% slower at 32). In prefetch mode (B = 1, 2)
         // it was 34-58% slower, and with fp32 state 6% slower at B = 8 (results/H100/RUN.md, thirteenth session).

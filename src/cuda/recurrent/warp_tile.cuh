@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/dtype.cuh"
 #include "gdnkit/types.h"
@@ -30,9 +31,42 @@ namespace gdnkit::cuda::recurrent {
 // Columns per warp (K-last only; V-last tiles are kRegular):
 //   kRegular  8 (4 at K = 256);
 //   kNarrow   4 at every K: twice the warps on the same state, each with half the loads and arithmetic;
-//   kWide     16 at K <= 128: half the warps, each with twice the loads (bf16 state: a warp then moves the
-//             4 KB per call that an fp32 warp of the regular tile moves, on half as many warps).
+//   kWide     16 at K <= 128, bf16 pools, decode: half the warps, each with twice the loads (a warp then moves
+//             the 4 KB per call that an fp32 warp of the regular tile moves), the values held as bf16 pairs
+//             (StateRegs: 32 registers for 64 values), so that the grids of B <= 14 (qwen3-next) fit the GPU at
+//             once and run in prefetch mode (warp_kernel.cuh's launcher).
 enum class TileWidth : int { kRegular, kNarrow, kWide };
+
+// A lane's state values in registers: fp32 [kRows][kKPer], or bf16 pairs (k_of(l, j), k_of(l, j + 1)), j even,
+// as they sit in a K-last pool (kPacked: the wide tile, bf16 decode; one token, so rounding the updated value to
+// bf16 in registers is the rounding the store does, bit for bit).
+template <int kRows, int kKPer, bool kPacked>
+struct StateRegs {
+  float v[kRows][kKPer];
+  __device__ __forceinline__ float get(int i, int j) const { return v[i][j]; }
+  __device__ __forceinline__ void set2(int i, int j, float a, float b) { v[i][j] = a, v[i][j + 1] = b; }
+  __device__ __forceinline__ void opaque() {}
+};
+template <int kRows, int kKPer>
+struct StateRegs<kRows, kKPer, true> {
+  static_assert(kKPer % 2 == 0, "bf16 pairs");
+  uint32_t v[kRows][kKPer / 2];  // the lower k in the low half, as in memory
+  __device__ __forceinline__ float get(int i, int j) const {
+    const uint32_t u = v[i][j / 2];
+    return __uint_as_float(j % 2 ? u & 0xffff0000u : u << 16);
+  }
+  __device__ __forceinline__ void set2(int i, int j, float a, float b) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v[i][j / 2]) : "f"(b), "f"(a));  // b: the high half
+  }
+  // Hides the pairs from the compiler, so that a get() after this one unpacks again rather than keeping the
+  // earlier get()'s fp32 values alive (64 more registers).
+  __device__ __forceinline__ void opaque() {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPer / 2; ++j) asm volatile("" : "+r"(v[i][j]));
+  }
+};
 
 template <StateLayout kLayout, class TS, int K, int V, TileWidth kWidth = TileWidth::kRegular>
 struct WarpTile;
@@ -48,6 +82,10 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
   static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
   static constexpr int kCtaWarps = 2;  // warps per CTA: neighbouring columns of one head
   static_assert(K % 32 == 0 && kKPer % kVec == 0 && V % (kRows * kCtaWarps) == 0, "tile does not divide the head");
+  // The wide tile holds bf16 pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
+  static constexpr bool kPacked = kWidth == TileWidth::kWide;
+  static_assert(!kPacked || (sizeof(TS) == 2 && kVec % 2 == 0), "the wide tile is for bf16 pools");
+  using Regs = StateRegs<kRows, kKPer, kPacked>;
   struct Stage {};  // loads go straight to registers
 
   __device__ static int k_of(int lane, int j) { return (j / kVec) * 32 * kVec + lane * kVec + j % kVec; }
@@ -59,19 +97,41 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
     if (lane == 0) prefetch_l2(tile, unsigned(kRows * K * sizeof(TS)));
   }
   // s <- the pool state at `tile` (head block + origin). Every warp of the CTA calls it together.
-  __device__ static void load(const TS* tile, float (&s)[kRows][kKPer], int lane, Stage&) {
+  __device__ static void load(const TS* tile, Regs& s, int lane, Stage&) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) load_vec<TS, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
+      for (int j = 0; j < kKPer; j += kVec) {
+        if constexpr (kPacked) {
+          RawVec<TS, kVec> raw;
+          raw.load(tile + i * K + k_of(lane, j));
+          static_assert(sizeof(raw) == kVec / 2 * 4, "kVec / 2 words");
+          __builtin_memcpy(&s.v[i][j / 2], &raw, sizeof(raw));
+        } else {
+          load_vec<TS, kVec>(tile + i * K + k_of(lane, j), &s.v[i][j]);
+        }
+      }
   }
   // Any storage dtype E (pool or intermediate cache).
   template <class E>
-  __device__ static void store(E* tile, const float (&s)[kRows][kKPer], int lane, Stage&) {
+  __device__ static void store(E* tile, const Regs& s, int lane, Stage&) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) store_vec<E, kVec>(tile + i * K + k_of(lane, j), &s[i][j]);
+      for (int j = 0; j < kKPer; j += kVec) {
+        if constexpr (kPacked && std::is_same_v<E, TS>) {  // the pairs as they are
+          RawVec<TS, kVec> raw;
+          __builtin_memcpy(&raw, &s.v[i][j / 2], sizeof(raw));
+          *reinterpret_cast<RawVec<TS, kVec>*>(tile + i * K + k_of(lane, j)) = raw;
+        } else if constexpr (kPacked) {
+          float run[kVec];
+#pragma unroll
+          for (int x = 0; x < kVec; ++x) run[x] = s.get(i, j + x);
+          store_vec<E, kVec>(tile + i * K + k_of(lane, j), run);
+        } else {
+          store_vec<E, kVec>(tile + i * K + k_of(lane, j), &s.v[i][j]);
+        }
+      }
   }
 };
 
@@ -86,6 +146,8 @@ struct WarpTile<StateLayout::kVLast, TS, K, V, kWidth> {
   static constexpr int kCtaCols = K <= 128 ? 128 / int(sizeof(TS)) : 32;
   static constexpr int kCtaWarps = kCtaCols / kRows;
   static_assert(K % 32 == 0 && V % kCtaCols == 0, "tile does not divide the head");
+  static constexpr bool kPacked = false;
+  using Regs = StateRegs<kRows, kKPer, false>;
   // The stage: one fp32 row piece of kCtaCols per k, padded by 16 bytes so that the lanes' reads and
   // writes of 16-byte runs (rows lane + 32 j) fall in distinct bank groups. Loads stage the raw state
   // dtype at the start of each row; stores stage fp32.
@@ -104,7 +166,8 @@ struct WarpTile<StateLayout::kVLast, TS, K, V, kWidth> {
       prefetch_l2(cta + int64_t(r) * V, unsigned(kCtaCols * sizeof(TS)));
   }
   // Every warp of the CTA calls load and store together (barriers inside).
-  __device__ static void load(const TS* tile, float (&s)[kRows][kKPer], int lane, Stage& st) {
+  __device__ static void load(const TS* tile, Regs& regs, int lane, Stage& st) {
+    float(&s)[kRows][kKPer] = regs.v;
     constexpr int kChunk = 16 / int(sizeof(TS)), kChunksPerRow = kCtaCols / kChunk;
     const int warp = int(threadIdx.x) / 32;
     const TS* cta = tile - warp * kRows;  // the CTA's first column: its warps take consecutive column blocks
@@ -126,7 +189,8 @@ struct WarpTile<StateLayout::kVLast, TS, K, V, kWidth> {
     }
   }
   template <class E>
-  __device__ static void store(E* tile, const float (&s)[kRows][kKPer], int lane, Stage& st) {
+  __device__ static void store(E* tile, const Regs& regs, int lane, Stage& st) {
+    const float(&s)[kRows][kKPer] = regs.v;
     constexpr int kChunk = 16 / int(sizeof(E)), kChunksPerRow = kCtaCols / kChunk;
     const int warp = int(threadIdx.x) / 32;
     E* cta = tile - warp * kRows;
