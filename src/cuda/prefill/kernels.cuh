@@ -305,12 +305,12 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     //   diagonal blocks  T_ii = (I + A_ii)^{-1}: forward substitution in warp i, one column per lane;
     //   then warp i forms W_ik = T_ii A_ik (k < i) in registers, and at level i (block rows < i final)
     //   T_ij = -sum_{k=j}^{i-1} W_ik T_kj for j < i.
-    // The block products run on tensor cores in split fp16 (split_mma: ~22 significant bits).
+    // The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh).
     // Each block of A is read for the last time before T's block replaces it, by its own warp: A_ii in
     // the substitution (then __syncwarp), A_ik (k < i) when W_ik is formed, before level i writes T_ik.
     // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0
     // (and the blocks skipped keep stale values, which nothing reads).
-    uint32_t w_hi[3][4], w_lo[3][4];  // W_ik, k < warp, as split A operands
+    uint32_t w_a[3][4];  // W_ik, k < warp, as A operands
     if (warp * 16 < L) {
       const int col = lane & 15, b0 = warp * 16;
       float x[16];
@@ -333,14 +333,14 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         for (int i = 0; i < 16; ++i) Tf[(b0 + i) * LDA + b0 + col] = x[i];
       }
       __syncwarp();  // T_ii is in shared memory
-      uint32_t t_hi[4], t_lo[4];
-      load_a_split(Af + b0 * LDA + b0, LDA, lane, t_hi, t_lo);
+      uint32_t t_a[4];
+      load_a_half(Af + b0 * LDA + b0, LDA, lane, t_a);
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
         if (k >= warp) continue;
         float w[2][4] = {};
-        block_mma_split(w, t_hi, t_lo, Af + b0 * LDA + k * 16, LDA, lane);
-        c_to_a_split(w, w_hi[k], w_lo[k]);
+        block_mma_half(w, t_a, Af + b0 * LDA + k * 16, LDA, lane);
+        c_to_a_half(w, w_a[k]);
       }
     }
 #pragma unroll
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         for (int j = 0; j < lvl; ++j) {
           float t[2][4] = {};
 #pragma unroll
-          for (int k = j; k < lvl; ++k) block_mma_split(t, w_hi[k], w_lo[k], Tf + k * 16 * LDA + j * 16, LDA, lane);
+          for (int k = j; k < lvl; ++k) block_mma_half(t, w_a[k], Tf + k * 16 * LDA + j * 16, LDA, lane);
           store_c_neg(t, Tf + lvl * 16 * LDA + j * 16, LDA, lane);
         }
       }

@@ -6,36 +6,36 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 
-// ---- fp32 block products on tensor cores in split fp16 (split2<__half>, mma_sync.cuh): x = hi + lo;
-// a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi (about 22 significant bits; |x| < 65504).
-// A fragment of the 16x16 fp32 block at p (row-major, ld floats per row), split.
-__device__ __forceinline__ void load_a_split(const float* p, int ld, int lane, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+// ---- fp32 blocks multiplied on tensor cores as fp16 operands, fp32 accumulation (the triangular solve's block
+// products; about 11 significant bits per operand, |x| < 65504). T' leaves the prep rounded to the 16-bit operand
+// dtype, so the split form these replaced (x = hi + lo, three mma per product, ~22 bits) bought precision the
+// state pass does not see: the same 151 prefill tests passed, and the prep took 12% less time (fifteenth
+// session, results/H100/prefill_ab15_solve.txt).
+// A fragment of the 16x16 fp32 block at p (row-major, ld floats per row).
+__device__ __forceinline__ void load_a_half(const float* p, int ld, int lane, uint32_t (&a)[4]) {
   const int r = lane >> 2, c = (lane & 3) * 2;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 v = *reinterpret_cast<const float2*>(p + (r + (i & 1) * 8) * ld + c + (i >> 1) * 8);
-    split2<__half>(v.x, v.y, hi[i], lo[i]);
+    a[i] = pack2<__half>(v.x, v.y);
   }
 }
-// C fragments of a 16x16 block (two n8 tiles) as the A fragment of the same block, split.
-__device__ __forceinline__ void c_to_a_split(const float (&c)[2][4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+// C fragments of a 16x16 block (two n8 tiles) as the A fragment of the same block.
+__device__ __forceinline__ void c_to_a_half(const float (&c)[2][4], uint32_t (&a)[4]) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) split2<__half>(c[i >> 1][(i & 1) * 2], c[i >> 1][(i & 1) * 2 + 1], hi[i], lo[i]);
+  for (int i = 0; i < 4; ++i) a[i] = pack2<__half>(c[i >> 1][(i & 1) * 2], c[i >> 1][(i & 1) * 2 + 1]);
 }
-// acc (16x16, two n8 tiles) += A B for A given as split fragments and B the 16x16 fp32 block at p
+// acc (16x16, two n8 tiles) += A B for A given as fragments and B the 16x16 fp32 block at p
 // (row-major [k][n], ld floats per row).
-__device__ __forceinline__ void block_mma_split(float (&acc)[2][4], const uint32_t (&a_hi)[4],
-                                                const uint32_t (&a_lo)[4], const float* p, int ld, int lane) {
+__device__ __forceinline__ void block_mma_half(float (&acc)[2][4], const uint32_t (&a)[4], const float* p, int ld,
+                                               int lane) {
   const int n = lane >> 2, c = (lane & 3) * 2;
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
-    uint32_t b_hi[2], b_lo[2];
+    uint32_t b[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      split2<__half>(p[(c + h * 8) * ld + t * 8 + n], p[(c + h * 8 + 1) * ld + t * 8 + n], b_hi[h], b_lo[h]);
-    mma<__half>(acc[t], a_lo, b_hi[0], b_hi[1]);
-    mma<__half>(acc[t], a_hi, b_lo[0], b_lo[1]);
-    mma<__half>(acc[t], a_hi, b_hi[0], b_hi[1]);
+    for (int h = 0; h < 2; ++h) b[h] = pack2<__half>(p[(c + h * 8) * ld + t * 8 + n], p[(c + h * 8 + 1) * ld + t * 8 + n]);
+    mma<__half>(acc[t], a, b[0], b[1]);
   }
 }
 // The 16x16 block at p (row-major fp32, ld floats per row) = -acc.
