@@ -38,7 +38,8 @@ int chain_mma_min_tokens(int measured);
 // GDNKIT_PREFILL_SHORT sets it (0: the path is off). Read once per process; for A/B timing.
 int prefill_short_reach(int measured);
 // The largest batch K-last bf16-state decode (K = 128) runs on the narrow tile (recurrent/warp_tile.cuh; from
-// B = 3): `measured` unless GDNKIT_DECODE_NARROW sets it (0-2: never). Read once per process; for A/B timing.
+// B = 3, where the wide tile does not take it): `measured` unless GDNKIT_DECODE_NARROW sets it (0-2: never). Read
+// once per process; for A/B timing.
 int decode_narrow_batches(int measured);
 // The largest batch K-last bf16-state decode (K = 128) runs on the wide tile (recurrent/warp_tile.cuh; from
 // B = 2, where its grid is in prefetch mode): `measured` unless GDNKIT_DECODE_WIDE sets it (0-1: never). Read

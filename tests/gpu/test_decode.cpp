@@ -93,7 +93,7 @@ std::vector<Named> small_batch_cases() {
         ProblemConfig c;
         c.op = OpKind::kDecode;
         c.batch = batch;
-        c.padding_rows = batch >= 3 ? 1 : 0;
+        c.padding_rows = batch >= 3 || (batch == 2 && state == DType::kBFloat16) ? 1 : 0;  // the wide tile's ends
         c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
         c.state_dtype = state, c.in_dtype = in;
         if (i % 2 == 1) c.token_pad = 24, c.head_pad = 8, c.slot_pad = 40;

@@ -34,7 +34,8 @@ __device__ __forceinline__ void block_mma_half(float (&acc)[2][4], const uint32_
   for (int t = 0; t < 2; ++t) {
     uint32_t b[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) b[h] = pack2<__half>(p[(c + h * 8) * ld + t * 8 + n], p[(c + h * 8 + 1) * ld + t * 8 + n]);
+    for (int h = 0; h < 2; ++h)
+      b[h] = pack2<__half>(p[(c + h * 8) * ld + t * 8 + n], p[(c + h * 8 + 1) * ld + t * 8 + n]);
     mma<__half>(acc[t], a, b[0], b[1]);
   }
 }

@@ -27,7 +27,9 @@ inline int resident_ctas(const void* kernel, int threads) {
 // index load before the wait would only add latency. Measured per kernel on the H100 (qwen3-next heads,
 // decode, B = 1..16): the warp kernel at share 2 (8 for bf16 K-last decode: prefetching grids of B = 2 and
 // 4 took 6% and 10% longer than not), V-last decode at share 1 (its grids of fp32 B = 4 and bf16 B = 8,
-// one wave, 7% and 15% faster in prefetch mode; the next larger ones slower).
+// one wave, 7% and 15% faster in prefetch mode; the next larger ones slower), bf16 K-last decode's wide tile at
+// share 1 (B = 2..12, warp_kernel.cuh): at share 1 the next grid fits beside this one only in part, the rest
+// of its CTAs becoming resident as this one's leave.
 inline int prefetch_limit(const void* kernel, int threads, int share) { return resident_ctas(kernel, threads) / share; }
 
 // Whether a grid launches in prefetch mode: at most prefetch_ctas CTAs (prefetch_limit), unless

@@ -2,8 +2,8 @@
 // (sequence b, value head hv, kRows columns of S) for all of the sequence's tokens (warp_tile.cuh says
 // which state values each lane holds). No shared memory and no barrier: a warp's state loads go out as
 // soon as its slot index arrives, and the token loop runs at the warp's own pace while other warps of
-// the SM wait on memory. The state stays in fp32 registers across the tokens: one state read, one write,
-// plus the intermediate states verify is asked to store.
+// the SM wait on memory. The state stays in fp32 registers across the tokens (decode's wide tile: bf16 pairs,
+// warp_tile.cuh StateRegs): one state read, one write, plus the intermediate states verify is asked to store.
 //
 // One token (SPEC.md "The recurrence"), q and k normalized (q also scaled) in registers, per column v:
 //   d_k = S[:, v] . k      d_q = S[:, v] . q          (before the decay, reduced together)
@@ -18,9 +18,10 @@
 // draft tokens (the ancestor set is a 64-bit mask).
 //
 // NOTES: the tile (warp_tile.cuh: kRows columns per warp) keeps 32 fp32 state values per lane at K = 128 (16 on the
-// narrow tile of bf16 decode at B = 13..16; 64 as bf16 pairs on its wide tile at B = 2..12): 64 registers for
-// K-last decode (72 on the wide tile), so 32 warps fit an SM, each with
-// kRows * K * sizeof(state) bytes of loads in flight (4 KB fp32: 128 KB per SM, several times what HBM latency needs).
+// narrow tile of bf16 decode, B = 3..16 where the wide tile does not run; 64 as bf16 pairs on the wide tile,
+// B = 2..12 in prefetch mode): 64 registers for K-last decode, so 32 warps fit an SM (72 and 28 on the wide
+// tile), each with kRows * K * sizeof(state) bytes of loads in flight (4 KB fp32: 128 KB per SM, several times
+// what HBM latency needs).
 // The warps of a CTA (2 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
 // range (K-last) or 128-byte row pieces (V-last, staged through shared memory). Decode, verify and replay are
 // separate instantiations (kOp), so the token loop, the tree logic and the cache stores cost decode no registers.
@@ -403,7 +404,8 @@ void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream st
         // rounds: B = 2 / 3 / 4 / 5 / 6 / 7 / 8 / 12 3.90 / 4.41 / 5.01 / 5.91 / 6.73 / 7.45 / 8.26 / 11.36 -> 3.62 /
         // 4.18 / 4.84 / 5.35 / 6.08 / 6.66 / 7.83 / 11.13 µs; B = 1 and 16 unchanged. Held as fp32 (127
         // registers, prefetch mode to B = 4) it was 2-3% faster at B = 2..4, 3-5% slower at B = 1 and from B = 8
-        // (results/H100/decode_ab15_wide.txt). GDNKIT_DECODE_WIDE=<n> moves the upper bound, 0 turns it off.
+        // (results/H100/decode_ab15_wide.txt). GDNKIT_DECODE_WIDE=<n> moves the upper bound, 0 turns it off; so does
+        // GDNKIT_PREFETCH=0 (no grid is then in prefetch mode), which A/Bs of prefetch mode should keep in mind.
         using Wide = WarpTile<kLayout, TS, K, V, TileWidth::kWide>;
         static_assert(Wide::kCtaWarps == kCtaWarps, "the wide tile's CTAs have the regular tile's warps");
         constexpr int kWideCols = V / Wide::kRows / kCtaWarps;

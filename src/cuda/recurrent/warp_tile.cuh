@@ -1,7 +1,8 @@
 // Where a warp's share of one value head's state sits in its lanes, for both pool layouts.
 //
 // A warp owns kRows consecutive columns v0 .. v0+kRows-1 of S (S in R^{K x V}, column v = the k-vector
-// S[:, v]) and all K rows k. Lane l holds s[i][j] = S[k_of(l, j)][v0 + i] in fp32 registers, for all
+// S[:, v]) and all K rows k. Lane l holds s[i][j] = S[k_of(l, j)][v0 + i] in fp32 registers (bf16 pairs on the
+// wide tile: StateRegs), for all
 // i < kRows columns and j < kKPer = K/32 rows: kRows * K / 32 values (32 at K = 128, 256; 16 at K = 64
 // and on the narrow tile at K = 128, 64 on the wide tile).
 // Each k sits in exactly one lane, so every dot product over k (and the q/k norms) is a per-lane sum
@@ -73,7 +74,7 @@ struct WarpTile;
 
 template <class TS, int K, int V, TileWidth kWidth>
 struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
-  static_assert(kWidth != TileWidth::kWide || K <= 128, "the wide tile holds 16 K/32 state values per lane");
+  static_assert(kWidth != TileWidth::kWide || K <= 128, "the wide tile is built for K <= 128 only");
   static constexpr int kRows = kWidth == TileWidth::kWide     ? 16
                                : kWidth == TileWidth::kNarrow ? 4
                                : K <= 128                     ? 8
@@ -84,7 +85,7 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
   static_assert(K % 32 == 0 && kKPer % kVec == 0 && V % (kRows * kCtaWarps) == 0, "tile does not divide the head");
   // The wide tile holds bf16 pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
   static constexpr bool kPacked = kWidth == TileWidth::kWide;
-  static_assert(!kPacked || (sizeof(TS) == 2 && kVec % 2 == 0), "the wide tile is for bf16 pools");
+  static_assert(!kPacked || (std::is_same_v<TS, __nv_bfloat16> && kVec % 2 == 0), "the wide tile is for bf16 pools");
   using Regs = StateRegs<kRows, kKPer, kPacked>;
   struct Stage {};  // loads go straight to registers
 
