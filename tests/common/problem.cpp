@@ -144,7 +144,25 @@ void Problem::build_tokens(std::mt19937_64& gen) {
   for (const char* name : {"q", "k", "v"}) {
     const int heads = is_qk(name) ? cfg_.H : cfg_.HV, dim = is_qk(name) ? cfg_.K : cfg_.V;
     Buffer& b = add(name, size_t(total_ * token_stride(name)) * dtype_size(in), false);
-    fill_token_tensor(b, in, total_, heads, dim, token_stride(name), head_stride(name), &rng, nullptr);
+    std::vector<double> rows;  // correlated_keys: k = z U / 2 + 0.05 N(0, 1), U a 4 x dim basis per head
+    if (cfg_.correlated_keys && std::string(name) == "k") {
+      constexpr int kRank = 4;
+      std::vector<double> basis(size_t(heads) * kRank * dim);
+      for (auto& x : basis) x = rng.normal();
+      rows.resize(size_t(total_) * heads * dim);
+      for (int64_t t = 0; t < total_; ++t)
+        for (int h = 0; h < heads; ++h) {
+          double z[kRank];
+          for (double& x : z) x = rng.normal(0.5);
+          for (int i = 0; i < dim; ++i) {
+            double x = rng.normal(0.05);
+            for (int m = 0; m < kRank; ++m) x += z[m] * basis[(size_t(h) * kRank + m) * dim + i];
+            rows[(size_t(t) * heads + h) * dim + i] = x;
+          }
+        }
+    }
+    fill_token_tensor(b, in, total_, heads, dim, token_stride(name), head_stride(name), &rng,
+                      rows.empty() ? nullptr : &rows);
   }
   {
     Buffer& o = add("o", size_t(total_ * token_stride("o")) * dtype_size(in), true);
@@ -156,7 +174,7 @@ void Problem::build_tokens(std::mt19937_64& gen) {
     const int HV = cfg_.HV;
     std::vector<double> a(total_ * HV), b(total_ * HV), A_log(HV), dt_bias(HV);
     for (auto& x : a) x = rng.normal();
-    for (auto& x : b) x = rng.normal();
+    for (auto& x : b) x = rng.normal() + (cfg_.correlated_keys ? 3.0 : 0.0);
     for (auto& x : A_log) x = cfg_.long_memory ? std::log(rng.uniform(1e-3, 1e-2)) : std::log(rng.uniform(1.0, 16.0));
     for (auto& x : dt_bias) x = rng.normal(0.5);
     auto round_to = [](double x, DType d) {

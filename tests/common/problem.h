@@ -58,6 +58,8 @@ struct ProblemConfig {
   int32_t pool_slots = 0;    // P; 0: 2 * rows + 3 (so some slots are never touched)
   int32_t padding_rows = 0;  // decode/verify: rows whose state slot is -1
   bool long_memory = false;  // A_log = log U(1e-3, 1e-2) instead of log U(1, 16)
+  bool correlated_keys = false;  // k rows from a rank-4 subspace per head (+ small noise), b + 3 (beta ~ 0.95):
+                                 // chunks whose I + A is far from the identity (the prefill prep's solve)
   double state_scale = 0.5;  // initial pool states ~ N(0, state_scale^2)
   uint64_t seed = 1;
   // verify / commit

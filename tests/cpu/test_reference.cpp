@@ -325,12 +325,13 @@ struct ChunkCase {
   std::vector<int32_t> lens;
   bool long_memory;
   DType in;
+  bool correlated_keys = false;  // ProblemConfig::correlated_keys: I + A far from the identity in every chunk
 };
 
 void PrintTo(const ChunkCase& c, std::ostream* os) {
   *os << "lens";
   for (int32_t l : c.lens) *os << " " << l;
-  *os << (c.long_memory ? " long-memory " : " ") << dtype_name(c.in);
+  *os << (c.long_memory ? " long-memory " : " ") << dtype_name(c.in) << (c.correlated_keys ? " correlated-keys" : "");
 }
 
 class RefChunked : public ::testing::TestWithParam<ChunkCase> {};
@@ -343,6 +344,7 @@ TEST_P(RefChunked, EqualsRecurrent) {
   c.H = 1, c.HV = 2, c.K = 128, c.V = 128;
   c.in_dtype = k.in;
   c.long_memory = k.long_memory;
+  c.correlated_keys = k.correlated_keys;
   c.checkpoint_interval = 128;
   c.seed = 77 + k.lens.size() + (k.long_memory ? 1 : 0);
   Problem rec(c);
@@ -372,7 +374,8 @@ INSTANTIATE_TEST_SUITE_P(
                       ChunkCase{{63}, false, DType::kFloat32}, ChunkCase{{64}, false, DType::kBFloat16},
                       ChunkCase{{65}, false, DType::kFloat32}, ChunkCase{{1000}, false, DType::kBFloat16},
                       ChunkCase{{1000}, true, DType::kBFloat16}, ChunkCase{{1000}, true, DType::kFloat32},
-                      ChunkCase{{0, 1, 63, 64, 65, 129}, true, DType::kFloat16}));
+                      ChunkCase{{0, 1, 63, 64, 65, 129}, true, DType::kFloat16},
+                      ChunkCase{{1000}, true, DType::kFloat32, true}, ChunkCase{{700, 64}, true, DType::kBFloat16, true}));
 
 // ---- 4. verify (chain) == T decode steps -----------------------------------------------------------
 
