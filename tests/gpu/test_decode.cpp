@@ -200,11 +200,15 @@ ProblemConfig qwen_decode(StateLayout layout, DType state, int batch = 8) {
 // after the index is read, recurrent/launch.cuh) with both state dtypes. (It checks the loads and stores of
 // that path; an L2 prefetch outside the pool neither faults nor shows in memcheck on the H100.)
 TEST(DecodeGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
+  // small fp32 B = 4, qwen3-next fp32 B = 16, bf16 B = 16, bf16 B = 4 (K-last: the wide tile, prefetch mode)
+  static const char* const kWhich[] = {"small heads, B = 4, fp32", "qwen3-next, B = 16, fp32",
+                                       "qwen3-next, B = 16, bf16", "qwen3-next, B = 4, bf16"};
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-    for (int which = 0; which < 3; ++which) {  // small fp32, qwen3-next fp32, qwen3-next bf16
-      ProblemConfig c = qwen_decode(layout, which == 2 ? DType::kBFloat16 : DType::kFloat32, which ? 16 : 4);
+    for (int which = 0; which < 4; ++which) {
+      ProblemConfig c =
+          qwen_decode(layout, which >= 2 ? DType::kBFloat16 : DType::kFloat32, which == 1 || which == 2 ? 16 : 4);
       if (which == 0) c.H = 2, c.HV = 4, c.K = 64, c.V = 64;
-      SCOPED_TRACE(which == 0 ? "small heads, B = 4, fp32" : which == 1 ? "qwen3-next, B = 16, fp32" : "qwen3-next, B = 16, bf16");
+      SCOPED_TRACE(kWhich[which]);
       Problem p(c);
       // Two rows past the pool, neither of them the padding row (which stays padding).
       int32_t* slots = p.as<int32_t>("state_indices");
@@ -223,11 +227,14 @@ TEST(DecodeGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
     }
 }
 
-// Same inputs twice, and a CUDA-graph capture replayed once: all bit-identical to one eager run.
+// Same inputs twice, and a CUDA-graph capture replayed once: all bit-identical to one eager run. B = 16, and B = 4
+// (prefetch mode; bf16 K-last: the wide tile).
 TEST(DecodeGpu, GraphReplayAndRepeatBitwiseEqualEager) {
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
-      const Problem before(qwen_decode(layout, state, 16));
+    for (DType state : {DType::kFloat32, DType::kBFloat16})
+    for (int batch : {16, 4}) {
+      SCOPED_TRACE("B = " + std::to_string(batch));
+      const Problem before(qwen_decode(layout, state, batch));
       Problem eager = before, again = before, graphed = before;
       DeviceProblem d_eager(eager), d_again(again), d_graph(graphed);
       decode(eager.decode_params(d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});
@@ -255,42 +262,52 @@ TEST(DecodeGpu, GraphReplayAndRepeatBitwiseEqualEager) {
     }
 }
 
-// A bf16 pool whose touched slot starts past 2^31 elements: slot 2 of slot_stride 2^30 + 64 elements
-// (about 4.3 GB of device memory). Only that slot holds data; the result must match the reference
-// computed on a small pool.
+// A bf16 pool whose touched slots start past 2^31 elements: slots 2 (and 3) of slot_stride 2^30 + 64 elements
+// (4.3 / 6.4 GB of device memory). Only those slots hold data; the result must match the reference computed
+// on a small pool. B = 1 (regular tile) and 2 (K-last: the wide tile).
 TEST(DecodeGpu, PoolOffsetsPast2Pow31Elements) {
-  ProblemConfig c = qwen_decode(StateLayout::kKLast, DType::kBFloat16, 1);
-  c.padding_rows = 0, c.pool_slots = 1;
-  c.H = 2, c.HV = 8;
+  for (int batch : {1, 2})
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
-    c.layout = layout;
+    SCOPED_TRACE("B = " + std::to_string(batch));
+    ProblemConfig c = qwen_decode(layout, DType::kBFloat16, batch);
+    c.padding_rows = 0, c.pool_slots = batch;
+    c.H = 2, c.HV = 8;
     const Problem before(c);
     Problem ref = before, got = before;
     decode(ref.decode_params(), {Backend::kCPU, nullptr});
 
     const int64_t big_stride = (int64_t(1) << 30) + 64, big_slot = 2, elems = before.state_elems();
+    const int64_t stride = before.slot_stride();
     ASSERT_GT(big_slot * big_stride, int64_t(1) << 31);
     void* big = nullptr;
-    const size_t bytes = size_t(big_slot * big_stride + elems) * 2;
+    const size_t bytes = size_t((big_slot + batch - 1) * big_stride + elems) * 2;
     if (cudaMalloc(&big, bytes) != cudaSuccess) {
       cudaGetLastError();
       GTEST_SKIP() << "cannot allocate " << bytes << " bytes";
     }
     DeviceProblem dev(got);
+    // problem slot s -> big slot big_slot + s
     uint16_t* slot_data = static_cast<uint16_t*>(big) + big_slot * big_stride;
-    GDNKIT_TEST_CUDA(cudaMemcpy(slot_data, before.buffer("state").bytes.data(), size_t(elems) * 2, cudaMemcpyHostToDevice));
-    const int32_t idx = int32_t(big_slot);
-    GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("state_indices"), &idx, 4, cudaMemcpyHostToDevice));
+    for (int s = 0; s < batch; ++s)
+      GDNKIT_TEST_CUDA(cudaMemcpy(slot_data + s * big_stride, before.buffer("state").bytes.data() + s * stride * 2,
+                                  size_t(elems) * 2, cudaMemcpyHostToDevice));
+    std::vector<int32_t> idx(before.as<int32_t>("state_indices"), before.as<int32_t>("state_indices") + batch);
+    for (int32_t& i : idx) i += int32_t(big_slot);
+    GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("state_indices"), idx.data(), 4 * batch, cudaMemcpyHostToDevice));
     DecodeParams p = got.decode_params(dev.resolver());
     p.state.data = big;
-    p.state.num_slots = big_slot + 1;
+    p.state.num_slots = big_slot + batch;
     p.state.slot_stride = big_stride;
     decode(p, {Backend::kCUDA, dev.stream()});
     dev.download(got);
-    GDNKIT_TEST_CUDA(cudaMemcpy(got.buffer("state").bytes.data(), slot_data, size_t(elems) * 2, cudaMemcpyDeviceToHost));
+    for (int s = 0; s < batch; ++s)
+      GDNKIT_TEST_CUDA(cudaMemcpy(got.buffer("state").bytes.data() + s * stride * 2, slot_data + s * big_stride,
+                                  size_t(elems) * 2, cudaMemcpyDeviceToHost));
     cudaFree(big);
     EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, c.in_dtype)));
-    EXPECT_TRUE(SlotsClose(got, ref, {0}, state_tolerance(OpFamily::kStep, c.state_dtype)));
+    std::vector<int64_t> all(batch);
+    for (int s = 0; s < batch; ++s) all[size_t(s)] = s;
+    EXPECT_TRUE(SlotsClose(got, ref, all, state_tolerance(OpFamily::kStep, c.state_dtype)));
   }
 }
 
