@@ -275,17 +275,21 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
           const float macc[4] = {m4.x, m4.y, m4.z, m4.w}, gacc[4] = {g4.x, g4.y, g4.z, g4.w};
           const float2 gj = *reinterpret_cast<const float2*>(&gc[j]);
           const float2 kj = *reinterpret_cast<const float2*>(&s_rk[j]);
+          // The tiles left of the warp's diagonal block (nt < 2 warp) lie wholly below the diagonal: no mask. The
+          // two of the diagonal block select their elements (j <= i for M, j < i for A) rather than branch per
+          // element; above the diagonal the exponent may be positive (inf), which the select drops.
+          const bool diag = nt >= 2 * warp;
+          float a[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
-            float a = 0.0f;
-            if (jj <= i) {
-              const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
-              if constexpr (kM) m[e] = macc[e] * fq[e >> 1] * d;
-              if (jj < i) a = gacc[e] * fa[e >> 1] * d;
-            }
-            Af[i * LDA + jj] = a;
+            const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
+            if constexpr (kM) m[e] = diag && jj > i ? 0.0f : macc[e] * fq[e >> 1] * d;
+            a[e] = diag && jj >= i ? 0.0f : gacc[e] * fa[e >> 1] * d;
           }
+          const int i0 = warp * 16 + r;
+          *reinterpret_cast<float2*>(&Af[i0 * LDA + j]) = make_float2(a[0], a[1]);
+          *reinterpret_cast<float2*>(&Af[(i0 + 8) * LDA + j]) = make_float2(a[2], a[3]);
         }
         if constexpr (kM) {
 #pragma unroll
@@ -303,14 +307,14 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
 
     // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory), written over A:
     //   diagonal blocks  T_ii = (I + A_ii)^{-1}: forward substitution in warp i, one column per lane;
-    //   then warp i forms W_ik = T_ii A_ik (k < i) in registers, and at level i (block rows < i final)
-    //   T_ij = -sum_{k=j}^{i-1} W_ik T_kj for j < i.
+    //   then warp i forms W'_ik = -T_ii A_ik (k < i) in registers, and at level i (block rows < i final)
+    //   T_ij = sum_{k=j}^{i-1} W'_ik T_kj for j < i.
     // The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh).
     // Each block of A is read for the last time before T's block replaces it, by its own warp: A_ii in
     // the substitution (then __syncwarp), A_ik (k < i) when W_ik is formed, before level i writes T_ik.
     // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0
     // (and the blocks skipped keep stale values, which nothing reads).
-    uint32_t w_a[3][4];  // W_ik, k < warp, as A operands
+    uint32_t w_a[3][4];  // W'_ik, k < warp, as A operands
     if (warp * 16 < L) {
       const int col = lane & 15, b0 = warp * 16;
       float x[16];
@@ -333,8 +337,11 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         for (int i = 0; i < 16; ++i) Tf[(b0 + i) * LDA + b0 + col] = x[i];
       }
       __syncwarp();  // T_ii is in shared memory
+      // -T_ii as the A operand: W_ik comes out negated, so that each level's products sum to T_ij itself.
       uint32_t t_a[4];
       load_a_half(Af + b0 * LDA + b0, LDA, lane, t_a);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) t_a[i] ^= 0x80008000u;  // the sign bits of both fp16 halves
 #pragma unroll
       for (int k = 0; k < 3; ++k) {
         if (k >= warp) continue;
@@ -353,7 +360,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
           float t[2][4] = {};
 #pragma unroll
           for (int k = j; k < lvl; ++k) block_mma_half(t, w_a[k], Tf + k * 16 * LDA + j * 16, LDA, lane);
-          store_c_neg(t, Tf + lvl * 16 * LDA + j * 16, LDA, lane);
+          store_c(t, Tf + lvl * 16 * LDA + j * 16, LDA, lane);
         }
       }
     }
@@ -363,30 +370,40 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
       // Element pair (i, c), c even, to out + at, in one access each (the upper triangle and rows past L hold
       // stale values: selected away)
-      auto put = [&](int i, int c, int at) {
+      // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access (the upper triangle and rows
+      // past L hold stale values: selected away)
+      auto put = [&](int i, int c, float2 bv, Op* to) {
         const float2 tv = *reinterpret_cast<const float2*>(&Tf[i * LDA + c]);
-        const float2 bv = *reinterpret_cast<const float2*>(&beta[c]);
         const float t0v = (c <= i && i < L) ? tv.x * bv.x : 0.0f;
         const float t1v = (c + 1 <= i && i < L) ? tv.y * bv.y : 0.0f;
-        *reinterpret_cast<uint32_t*>(out + at) = pack2<Op>(t0v, t1v);
+        *reinterpret_cast<uint32_t*>(to) = pack2<Op>(t0v, t1v);
       };
       if (image) {
         // Rows 0..31 (16 pairs each): a thread's rows il + 8u, its column fixed, so its image offset steps by
         // 256 (the 64B swizzle of row i is (i / 2) % 4). Rows 32..63 (32 pairs each): rows ih + 4u, the 128B
         // swizzle i % 8 = (ih % 8) ^ 4 (u % 2) (ih % 8 < 4 with 128 threads): the offset of an odd u flips
-        // the piece's bit 2 (element offset bit 5) of the even u's, and steps by 256.
+        // the piece's bit 2 (element offset bit 5) of the even u's, and steps by 256. Unrolled from two base
+        // pointers, every store and shared load takes a constant offset (no address arithmetic per pair).
         static_assert(kThreads == 128, "the image's per-thread rows");
         const int il = tid >> 4, cl = (tid & 15) * 2, ih = 32 + (tid >> 5), ch = (tid & 31) * 2;
-        const int offl = causal_image_offset(il, cl), offh = causal_image_offset(ih, ch);
-#pragma unroll 1
-        for (int u = 0; u < 4; ++u) put(il + 8 * u, cl, offl + 256 * u);
-#pragma unroll 1
+        const int offh = causal_image_offset(ih, ch);
+        Op* const outl = out + causal_image_offset(il, cl);
+        Op* const outh = out + offh;
+        Op* const outh_odd = out + (offh ^ 32) + 256;
+        const float2 bl = *reinterpret_cast<const float2*>(&beta[cl]);
+        const float2 bh = *reinterpret_cast<const float2*>(&beta[ch]);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) put(il + 8 * u, cl, bl, outl + 256 * u);
+#pragma unroll
         for (int u = 0; u < 8; u += 2) {
-          put(ih + 4 * u, ch, offh + 256 * u);
-          put(ih + 4 * u + 4, ch, (offh ^ 32) + 256 * u + 256);
+          put(ih + 4 * u, ch, bh, outh + 256 * u);
+          put(ih + 4 * u + 4, ch, bh, outh_odd + 256 * u);
         }
       } else {
-        for (int e = tid; e < kChunk * kChunk / 2; e += kThreads) put(e >> 5, (e & 31) * 2, 2 * e);
+        for (int e = tid; e < kChunk * kChunk / 2; e += kThreads) {
+          const int c = (e & 31) * 2;
+          put(e >> 5, c, *reinterpret_cast<const float2*>(&beta[c]), out + 2 * e);
+        }
       }
     }
     if (tid < kChunk) {

@@ -39,14 +39,14 @@ __device__ __forceinline__ void block_mma_half(float (&acc)[2][4], const uint32_
     mma<__half>(acc[t], a, b[0], b[1]);
   }
 }
-// The 16x16 block at p (row-major fp32, ld floats per row) = -acc.
-__device__ __forceinline__ void store_c_neg(const float (&acc)[2][4], float* p, int ld, int lane) {
+// The 16x16 block at p (row-major fp32, ld floats per row) = acc.
+__device__ __forceinline__ void store_c(const float (&acc)[2][4], float* p, int ld, int lane) {
   const int r = lane >> 2, c = (lane & 3) * 2;
 #pragma unroll
   for (int t = 0; t < 2; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<float2*>(p + (r + h * 8) * ld + t * 8 + c) = make_float2(-acc[t][2 * h], -acc[t][2 * h + 1]);
+      *reinterpret_cast<float2*>(p + (r + h * 8) * ld + t * 8 + c) = make_float2(acc[t][2 * h], acc[t][2 * h + 1]);
 }
 
 // Address of lane's row for an A fragment (16x16 at (row0, col0)) of a row-major bf16 tile
