@@ -21,17 +21,6 @@ __device__ __forceinline__ int64_t load_cu(const PrefillParams& p, int64_t i) {
                                              : int64_t(static_cast<const int32_t*>(p.cu_seqlens)[i]);
 }
 
-__device__ __forceinline__ float load_scalar(const void* base, DType dt, int64_t i) {
-  switch (dt) {
-    case DType::kBFloat16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-    case DType::kFloat16:
-      return __half2float(static_cast<const __half*>(base)[i]);
-    default:
-      return static_cast<const float*>(base)[i];
-  }
-}
-
 // 8 contiguous elements at base[i..i+7] as 8 Op values (raw when the input dtype is Op, else
 // rounded from fp32). vec: 16-byte loads are aligned (checked on the host from the pointer and strides).
 template <class Op>

@@ -63,33 +63,26 @@ constexpr int prep_ctas_per_sm() {
   return int(size_t(228) * 1024 / (prep_smem_bytes<K, Op, kM>() + 3 * 1024));
 }
 
-// Raw gate inputs of one value head for warp 0's two tokens (lane, lane + 32): fused a, b (x, y)
-// with dt_bias and A_log, or given g, beta. Loads only, no math: the next head's are issued before
-// this head's M, A and solve, so their latency hides behind them.
+// Raw gate inputs of one value head for warp 0's two tokens (lane, lane + 32): fused a, b (x, y), or given g,
+// beta, held as loaded (bits of their dtypes) and converted in store_gates. Loads only, no math and no
+// conversion: the next head's are issued before this head's M, A and solve, so their latency hides behind them
+// (and the first head's do not hold up warp 0's share of the k rows, which a conversion right behind them did).
 struct GateLoads {
-  float x[2] = {0.0f, 0.0f}, y[2] = {0.0f, 0.0f};
-  float dt_bias = 0.0f, A_log = 0.0f;
+  uint32_t x[2] = {0u, 0u}, y[2] = {0u, 0u};
 };
 
 __device__ __forceinline__ GateLoads load_gates(const PrefillParams& p, int h, int64_t t0, int L, int lane) {
   const Gating& G = p.gating;
   const bool fused = G.mode == GateMode::kFused;
   GateLoads in;
-  if (fused) {
-    in.dt_bias = G.dt_bias[h];
-    in.A_log = G.A_log[h];
-  }
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
     if (lane + 32 * u >= L) continue;
     const int64_t t = t0 + lane + 32 * u;
-    if (fused) {
-      in.x[u] = load_scalar(G.a.data, G.a.dtype, t * G.a.token_stride + h * G.a.head_stride);
-      in.y[u] = load_scalar(G.b.data, G.b.dtype, t * G.b.token_stride + h * G.b.head_stride);
-    } else {
-      in.x[u] = static_cast<const float*>(G.g.data)[t * G.g.token_stride + h * G.g.head_stride];
-      in.y[u] = load_scalar(G.beta.data, G.beta.dtype, t * G.beta.token_stride + h * G.beta.head_stride);
-    }
+    const InView& x = fused ? G.a : G.g;
+    const InView& y = fused ? G.b : G.beta;
+    in.x[u] = load_bits_dyn(x.data, x.dtype, t * x.token_stride + h * x.head_stride);
+    in.y[u] = load_bits_dyn(y.data, y.dtype, t * y.token_stride + h * y.head_stride);
   }
   return in;
 }
@@ -97,21 +90,21 @@ __device__ __forceinline__ GateLoads load_gates(const PrefillParams& p, int h, i
 // Warp 0: the gates of tokens lane and lane + 32 from their loads, and gcum by a warp scan of each
 // half (the upper half adds the lower half's total). Padding tokens get g = 0 (gcum stays flat, so
 // gcum[63] is g_last) and beta = 0.
-__device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLoads& in, int L, int lane, float* gc,
-                                            float* beta) {
+// A_log, dt_bias: the head's (fused gating; from shared memory, so that they hold no register across the solve).
+__device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLoads& in, float A_log, float dt_bias,
+                                            int L, int lane, float* gc, float* beta) {
   float x[2];
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
     float g = 0.0f, b = 0.0f;
     if (lane + 32 * u < L) {
-      if (p.gating.mode == GateMode::kFused) {
-        const float xa = in.x[u] + in.dt_bias;
-        const float sp = xa > 20.0f ? xa : log1pf(expf(xa));
-        g = -expf(in.A_log) * sp;
-        b = 1.0f / (1.0f + expf(-in.y[u]));
+      const Gating& G = p.gating;
+      if (G.mode == GateMode::kFused) {
+        g = fused_decay(A_log, bits_to_float(in.x[u], G.a.dtype), dt_bias);
+        b = sigmoid(bits_to_float(in.y[u], G.b.dtype));
       } else {
-        g = in.x[u];
-        b = in.y[u];
+        g = bits_to_float(in.x[u], G.g.dtype);
+        b = bits_to_float(in.y[u], G.beta.dtype);
       }
     }
     x[u] = g;
@@ -144,6 +137,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   __shared__ __align__(16) float s_beta[2][kChunk];
   __shared__ __align__(16) float s_rk[kChunk];
   __shared__ __align__(16) float s_rq[kM ? kChunk : 1];
+  // Fused gating: A_log and dt_bias of the group's first kHeadParams value heads (the rest read at use).
+  constexpr int kHeadParams = 64;
+  __shared__ float s_head[2][kHeadParams];
   Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
   Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows (kM only)
   // After Ks, Qs are consumed:
@@ -182,7 +178,17 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
 
   GateLoads gates;  // warp 0: the next value head's gate inputs
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
-  load_rows_with_norm<K, Op>(Ks, s_rk, p.k, hk, t0, L, p.heads.use_qk_l2norm, 1.0f, plan.qkv_vec);
+  const bool fused = p.gating.mode == GateMode::kFused;
+  if (fused && tid < group && tid < kHeadParams) {
+    s_head[0][tid] = p.gating.A_log[h0 + tid];
+    s_head[1][tid] = p.gating.dt_bias != nullptr ? p.gating.dt_bias[h0 + tid] : 0.0f;
+  }
+  const auto head_param = [&](int which, int h) {  // fused only
+    if (h - h0 < kHeadParams) return s_head[which][h - h0];
+    return which == 0 ? p.gating.A_log[h] : p.gating.dt_bias != nullptr ? p.gating.dt_bias[h] : 0.0f;
+  };
+  // k's norms come from G's diagonal below (G_ii = |k_i|^2 of the operand rows), not from a pass over the rows.
+  load_rows_with_norm<K, Op, false>(Ks, nullptr, p.k, hk, t0, L, false, 1.0f, plan.qkv_vec);
   // q's rows and norms serve only M (kM).
   if constexpr (kM)
     load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
@@ -217,17 +223,52 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         }
       }
     }
+    // rk_i = 1 / |k_i| from G_ii (fp32 sums of the exact products of the operand rows: what a pass over the
+    // rows would sum, in another order). Row 16 warp + d of the warp's diagonal block sits in tile 2 warp + d / 8,
+    // element 2 (d / 8) + d % 2 of the lane with r = d % 8 and (lane & 3) = r / 2: lanes 0, 4, 9, 13, 18, 22, 27,
+    // 31 hold two each (rows r and r + 8). Rows past L are zero: rk = 1 / sqrt(eps) there, as before.
+    {
+      const int r = lane >> 2;
+      if ((lane >> 3) == (lane & 3)) {
+        float d0 = 0.0f, d1 = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          if (w == warp) d0 = r & 1 ? acc[2 * w][1] : acc[2 * w][0], d1 = r & 1 ? acc[2 * w + 1][3] : acc[2 * w + 1][2];
+        const bool norm = p.heads.use_qk_l2norm;
+        s_rk[warp * 16 + r] = norm ? rsqrtf(d0 + 1e-6f) : 1.0f;
+        s_rk[warp * 16 + r + 8] = norm ? rsqrtf(d1 + 1e-6f) : 1.0f;
+      }
+    }
     // Warp 0, whose rows have the fewest products, turns the first head's gate loads into gcum and beta
     // here rather than before the barrier above (the other warps waited for it there; nothing reads them
     // before the M / A pass).
-    if (warp == 0) store_gates(p, gates, L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
+    if (warp == 0)
+      store_gates(p, gates, fused ? head_param(0, h0) : 0.0f, fused ? head_param(1, h0) : 0.0f, L, lane,
+                  s_gc[h0 & 1], s_beta[h0 & 1]);
     __syncthreads();  // Ks (and Qs) are dead from here on: the accumulators, A and T reuse their bytes
+    // The accumulators parked with rk_j already applied (column j's factor, the same for every value head).
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       if (nt < 2 * (warp + 1)) {
-        Gacc[prep_tile(warp, nt, lane)] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+        const float2 kj = *reinterpret_cast<const float2*>(&s_rk[nt * 8 + (lane & 3) * 2]);
+        Gacc[prep_tile(warp, nt, lane)] =
+            make_float4(acc[nt][0] * kj.x, acc[nt][1] * kj.y, acc[nt][2] * kj.x, acc[nt][3] * kj.y);
         if constexpr (kM)
-          Macc[prep_tile(warp, nt, lane)] = make_float4(accm[nt][0], accm[nt][1], accm[nt][2], accm[nt][3]);
+          Macc[prep_tile(warp, nt, lane)] =
+              make_float4(accm[nt][0] * kj.x, accm[nt][1] * kj.y, accm[nt][2] * kj.x, accm[nt][3] * kj.y);
+      }
+    }
+    // T's blocks above the diagonal are zero and stay so (nothing below writes them), so that T' is stored
+    // without a column mask: warp w zeroes the 3 - w blocks right of its diagonal block.
+#pragma unroll
+    for (int jb = 1; jb < 4; ++jb) {
+      if (jb > warp) {
+        float* blk = Af + warp * 16 * LDA + jb * 16;
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          const int e = lane + 32 * x;  // 64 float4 per 16 x 16 block
+          *reinterpret_cast<float4*>(blk + (e >> 2) * LDA + (e & 3) * 4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
       }
     }
   }
@@ -240,7 +281,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     // M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), the intra-chunk attention of
     // the output (rq includes the scale); upper blocks are written as 0.
     // A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0.
-    // Both share rk_j exp(gcum_i - gcum_j) per element (its argument is <= 0 wherever it is used).
+    // rk_j is in the parked accumulators. Without M, A's row factor beta_i rk_i rides in the exponent
+    // (log2, -inf for beta_i = 0): one ex2 and one multiply per element; with M, both share exp(gcum_i - gcum_j)
+    // (its argument is <= 0 wherever it is used).
     const int64_t ws = int64_t(slot) * HV + h;
     {
       constexpr float kLog2e = 1.4426950408889634f;
@@ -263,8 +306,11 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       for (int half = 0; half < 2; ++half) {
         const int i = warp * 16 + r + half * 8;
         gi[half] = gc[i] * kLog2e;
-        if constexpr (kM) fq[half] = s_rq[i];
         fa[half] = beta[i] * s_rk[i];
+        if constexpr (kM)
+          fq[half] = s_rq[i];
+        else
+          gi[half] += __log2f(fa[half]);
       }
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
@@ -274,7 +320,6 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
           const float4 m4 = kM ? Macc[prep_tile(warp, nt, lane)] : float4{}, g4 = Gacc[prep_tile(warp, nt, lane)];
           const float macc[4] = {m4.x, m4.y, m4.z, m4.w}, gacc[4] = {g4.x, g4.y, g4.z, g4.w};
           const float2 gj = *reinterpret_cast<const float2*>(&gc[j]);
-          const float2 kj = *reinterpret_cast<const float2*>(&s_rk[j]);
           // The tiles left of the warp's diagonal block (nt < 2 warp) lie wholly below the diagonal: no mask. The
           // two of the diagonal block select their elements (j <= i for M, j < i for A) rather than branch per
           // element; above the diagonal the exponent may be positive (inf), which the select drops.
@@ -283,9 +328,13 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
-            const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
-            if constexpr (kM) m[e] = diag && jj > i ? 0.0f : macc[e] * fq[e >> 1] * d;
-            a[e] = diag && jj >= i ? 0.0f : gacc[e] * fa[e >> 1] * d;
+            const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e);
+            if constexpr (kM) {
+              m[e] = diag && jj > i ? 0.0f : macc[e] * fq[e >> 1] * d;
+              a[e] = diag && jj >= i ? 0.0f : gacc[e] * fa[e >> 1] * d;
+            } else {
+              a[e] = diag && jj >= i ? 0.0f : gacc[e] * d;
+            }
           }
           const int i0 = warp * 16 + r;
           *reinterpret_cast<float2*>(&Af[i0 * LDA + j]) = make_float2(a[0], a[1]);
@@ -370,13 +419,13 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
       // Element pair (i, c), c even, to out + at, in one access each (the upper triangle and rows past L hold
       // stale values: selected away)
-      // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access (the upper triangle and rows
-      // past L hold stale values: selected away)
+      // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero
+      // (the blocks above the diagonal since the stash, T_ii's by the substitution); rows past L may hold stale
+      // values (blocks the solve skipped): selected away.
       auto put = [&](int i, int c, float2 bv, Op* to) {
         const float2 tv = *reinterpret_cast<const float2*>(&Tf[i * LDA + c]);
-        const float t0v = (c <= i && i < L) ? tv.x * bv.x : 0.0f;
-        const float t1v = (c + 1 <= i && i < L) ? tv.y * bv.y : 0.0f;
-        *reinterpret_cast<uint32_t*>(to) = pack2<Op>(t0v, t1v);
+        const bool live = i < L;
+        *reinterpret_cast<uint32_t*>(to) = pack2<Op>(live ? tv.x * bv.x : 0.0f, live ? tv.y * bv.y : 0.0f);
       };
       if (image) {
         // Rows 0..31 (16 pairs each): a thread's rows il + 8u, its column fixed, so its image offset steps by
@@ -385,7 +434,11 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         // the piece's bit 2 (element offset bit 5) of the even u's, and steps by 256. Unrolled from two base
         // pointers, every store and shared load takes a constant offset (no address arithmetic per pair).
         static_assert(kThreads == 128, "the image's per-thread rows");
-        const int il = tid >> 4, cl = (tid & 15) * 2, ih = 32 + (tid >> 5), ch = (tid & 31) * 2;
+        // The thread index read again here (volatile): hoisted out of the head loop, these offsets held registers
+        // across the solve and ptxas spilled.
+        int t;
+        asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+        const int il = t >> 4, cl = (t & 15) * 2, ih = 32 + (t >> 5), ch = (t & 31) * 2;
         const int offh = causal_image_offset(ih, ch);
         Op* const outl = out + causal_image_offset(il, cl);
         Op* const outh = out + offh;
@@ -422,7 +475,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         f[kRk * kChunk + tid] = s_rk[tid];
       }
     }
-    if (warp == 0 && h + 1 < h1) store_gates(p, gates, L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
+    if (warp == 0 && h + 1 < h1)
+      store_gates(p, gates, fused ? head_param(0, h + 1) : 0.0f, fused ? head_param(1, h + 1) : 0.0f, L, lane,
+                  s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
     __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it
   }
 }
