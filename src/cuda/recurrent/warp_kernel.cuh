@@ -22,7 +22,7 @@
 // B = 2..12 in prefetch mode): 64 registers for K-last decode, so 32 warps fit an SM (72 and 28 on the wide
 // tile), each with kRows * K * sizeof(state) bytes of loads in flight (4 KB fp32: 128 KB per SM, several times
 // what HBM latency needs).
-// The warps of a CTA (2 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
+// The warps of a CTA (4 K-last, 4 V-last) take neighbouring columns of one head, so a CTA reads one contiguous
 // range (K-last) or 128-byte row pieces (V-last, staged through shared memory). Decode, verify and replay are
 // separate instantiations (kOp), so the token loop, the tree logic and the cache stores cost decode no registers.
 #pragma once

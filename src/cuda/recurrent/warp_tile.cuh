@@ -81,7 +81,10 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
                                                               : 4;  // columns per warp
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
-  static constexpr int kCtaWarps = 2;  // warps per CTA: neighbouring columns of one head
+  // Warps per CTA: neighbouring columns of one head. 4 since the sixteenth session: against 2, fp32 decode at
+  // B = 1 / 2 / 4 1.3 / 2 / 1.5% faster (3.01-3.03 -> 2.97-2.98 µs at B = 1), every other decode and verify row
+  // within noise; 1 was 1-6% slower at B <= 4 (results/H100/decode_ab16_cta.txt).
+  static constexpr int kCtaWarps = 4;
   static_assert(K % 32 == 0 && kKPer % kVec == 0 && V % (kRows * kCtaWarps) == 0, "tile does not divide the head");
   // The wide tile holds bf16 pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
   static constexpr bool kPacked = kWidth == TileWidth::kWide;
