@@ -204,14 +204,17 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][e] = accm[i][e] = 0.0f;
+    // Built once per warp index (a compile-time W): the warp's block count is then a constant, so ptxas can issue
+    // the next fragments' loads ahead of the products instead of behind a per-block branch.
+    const auto products = [&](auto wc) {
+      constexpr int W = decltype(wc)::value;
+#pragma unroll 1
+      for (int kk = 0; kk < K; kk += 16) {
+        uint32_t a[4], aq[4];
+        ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, W * 16, kk, lane));
+        if constexpr (kM) ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, W * 16, kk, lane));
 #pragma unroll
-    for (int kk = 0; kk < K; kk += 16) {
-      uint32_t a[4], aq[4];
-      ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, warp * 16, kk, lane));
-      if constexpr (kM) ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, warp * 16, kk, lane));
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        if (np <= warp) {
+        for (int np = 0; np <= W; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
           mma<Op>(acc[2 * np], a, b[0], b[1]);
@@ -222,6 +225,12 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
           }
         }
       }
+    };
+    switch (warp) {
+      case 0: products(std::integral_constant<int, 0>{}); break;
+      case 1: products(std::integral_constant<int, 1>{}); break;
+      case 2: products(std::integral_constant<int, 2>{}); break;
+      default: products(std::integral_constant<int, 3>{}); break;
     }
     // rk_i = 1 / |k_i| from G_ii (fp32 sums of the exact products of the operand rows: what a pass over the
     // rows would sum, in another order). Row 16 warp + d of the warp's diagonal block sits in tile 2 warp + d / 8,
