@@ -246,6 +246,9 @@ std::vector<Case> shape_cases() {
   // (the second group starts at an odd head).
   add(base({100, 30}, 2, 2), "gva1");
   add(base({100, 30}, 2, 6), "gva3");
+  // A group larger than the prep keeps A_log / dt_bias of in shared memory (32 value heads: the rest are read at
+  // their use), on the path where the head pass forms M (80 (sequence, head) pairs).
+  add(base({100, 70}, 1, 40), "gva40");
   // Every value tile the state pass is built with, and the head state pass (bf16 and fp16 inputs,
   // V = 64 and 128, both layouts).
   for (int K : {64, 128, 256})

@@ -55,9 +55,9 @@ constexpr size_t prep_smem_bytes() {
   return rows > solve + stash ? rows : solve + stash;
 }
 
-// The CTAs per SM that this shared memory allows on sm_90 (228 KB per SM, 1 KB reserved per CTA, under
-// 2 KB static), asked of ptxas as the register budget: left to itself it settled for 96 registers at
-// K=128 but spilled to get there.
+// The CTAs per SM that this shared memory allows on sm_90 (228 KB per SM, 1 KB reserved per CTA, 2 KB for the static
+// arrays: 1.8 KB with M, 1.5 KB without), asked of ptxas as the register budget: left to itself it settled for 96
+// registers at K=128 but spilled to get there.
 template <int K, class Op, bool kM>
 constexpr int prep_ctas_per_sm() {
   return int(size_t(228) * 1024 / (prep_smem_bytes<K, Op, kM>() + 3 * 1024));
@@ -137,8 +137,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   __shared__ __align__(16) float s_beta[2][kChunk];
   __shared__ __align__(16) float s_rk[kChunk];
   __shared__ __align__(16) float s_rq[kM ? kChunk : 1];
-  // Fused gating: A_log and dt_bias of the group's first kHeadParams value heads (the rest read at use).
-  constexpr int kHeadParams = 64;
+  // Fused gating: A_log and dt_bias of the group's first kHeadParams value heads (the rest read at use; every model
+  // of BENCH.md has 2-4 value heads per q/k head).
+  constexpr int kHeadParams = 32;
   __shared__ float s_head[2][kHeadParams];
   Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
   Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows (kM only)
@@ -316,6 +317,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         const int i = warp * 16 + r + half * 8;
         gi[half] = gc[i] * kLog2e;
         fa[half] = beta[i] * s_rk[i];
+        // beta in [0, 1] (SPEC.md): beta_i = 0 gives -inf, and A's row 0. (As the exponents <= 0 below, this takes
+        // in-spec gates: a negative given beta would make the row NaN here, where the path with M would not.)
         if constexpr (kM)
           fq[half] = s_rq[i];
         else
@@ -369,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     //   T_ij = sum_{k=j}^{i-1} W'_ik T_kj for j < i.
     // The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh).
     // Each block of A is read for the last time before T's block replaces it, by its own warp: A_ii in
-    // the substitution (then __syncwarp), A_ik (k < i) when W_ik is formed, before level i writes T_ik.
+    // the substitution (then __syncwarp), A_ik (k < i) when W'_ik is formed, before level i writes T_ik.
     // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0
     // (and the blocks skipped keep stale values, which nothing reads).
     uint32_t w_a[3][4];  // W'_ik, k < warp, as A operands
@@ -426,8 +429,6 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
     {
       Op* out = static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk);
-      // Element pair (i, c), c even, to out + at, in one access each (the upper triangle and rows past L hold
-      // stale values: selected away)
       // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero
       // (the blocks above the diagonal since the stash, T_ii's by the substitution); rows past L may hold stale
       // values (blocks the solve skipped): selected away.
