@@ -90,9 +90,9 @@ __device__ __forceinline__ GateLoads load_gates(const PrefillParams& p, int h, i
 // Warp 0: the gates of tokens lane and lane + 32 from their loads, and gcum by a warp scan of each
 // half (the upper half adds the lower half's total). Padding tokens get g = 0 (gcum stays flat, so
 // gcum[63] is g_last) and beta = 0.
-// A_log, dt_bias: the head's (fused gating; from shared memory, so that they hold no register across the solve).
-__device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLoads& in, float A_log, float dt_bias,
-                                            int L, int lane, float* gc, float* beta) {
+// hp: the head's (A_log, dt_bias) (fused gating; from shared memory, so that they hold no register across the solve).
+__device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLoads& in, float2 hp, int L, int lane,
+                                            float* gc, float* beta) {
   float x[2];
 #pragma unroll
   for (int u = 0; u < 2; ++u) {
@@ -100,7 +100,7 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
     if (lane + 32 * u < L) {
       const Gating& G = p.gating;
       if (G.mode == GateMode::kFused) {
-        g = fused_decay(A_log, bits_to_float(in.x[u], G.a.dtype), dt_bias);
+        g = fused_decay(hp.x, bits_to_float(in.x[u], G.a.dtype), hp.y);
         b = sigmoid(bits_to_float(in.y[u], G.b.dtype));
       } else {
         g = bits_to_float(in.x[u], G.g.dtype);
@@ -179,14 +179,16 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
 
   GateLoads gates;  // warp 0: the next value head's gate inputs
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
-  const bool fused = p.gating.mode == GateMode::kFused;
+  const bool fused = p.gating.mode == GateMode::kFused;  // A_log and dt_bias are then present (validate.cpp)
   if (fused && tid < group && tid < kHeadParams) {
     s_head[0][tid] = p.gating.A_log[h0 + tid];
-    s_head[1][tid] = p.gating.dt_bias != nullptr ? p.gating.dt_bias[h0 + tid] : 0.0f;
+    s_head[1][tid] = p.gating.dt_bias[h0 + tid];
   }
-  const auto head_param = [&](int which, int h) {  // fused only
-    if (h - h0 < kHeadParams) return s_head[which][h - h0];
-    return which == 0 ? p.gating.A_log[h] : p.gating.dt_bias != nullptr ? p.gating.dt_bias[h] : 0.0f;
+  // Value head h's (A_log, dt_bias); zeros for given gates, which do not use them.
+  const auto head_params = [&](int h) {
+    if (!fused) return make_float2(0.0f, 0.0f);
+    if (h - h0 < kHeadParams) return make_float2(s_head[0][h - h0], s_head[1][h - h0]);
+    return make_float2(p.gating.A_log[h], p.gating.dt_bias[h]);
   };
   // k's norms come from G's diagonal below (G_ii = |k_i|^2 of the operand rows), not from a pass over the rows.
   load_rows_with_norm<K, Op, false>(Ks, nullptr, p.k, hk, t0, L, false, 1.0f, plan.qkv_vec);
@@ -206,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][e] = accm[i][e] = 0.0f;
     // Built once per warp index (a compile-time W): the warp's block count is then a constant, so ptxas can issue
-    // the next fragments' loads ahead of the products instead of behind a per-block branch.
+    // the next fragments' loads ahead of the products instead of behind a per-block branch; then k's norms.
     const auto products = [&](auto wc) {
       constexpr int W = decltype(wc)::value;
 #pragma unroll 1
@@ -226,6 +228,17 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
           }
         }
       }
+      // rk_i = 1 / |k_i| from G_ii (fp32 sums of the exact products of the operand rows: what a pass over the
+      // rows would sum, in another order). Row 16 W + d of the warp's diagonal block sits in tile 2 W + d / 8,
+      // element 2 (d / 8) + d % 2 of the lane with r = d % 8 and (lane & 3) = r / 2: lanes 0, 4, 9, 13, 18, 22,
+      // 27, 31 hold two each (rows r and r + 8). Rows past L are zero: rk = 1 / sqrt(eps) there.
+      const int r = lane >> 2;
+      if ((lane >> 3) == (lane & 3)) {
+        const bool norm = p.heads.use_qk_l2norm;
+        const float d0 = r & 1 ? acc[2 * W][1] : acc[2 * W][0], d1 = r & 1 ? acc[2 * W + 1][3] : acc[2 * W + 1][2];
+        s_rk[W * 16 + r] = norm ? rsqrtf(d0 + 1e-6f) : 1.0f;
+        s_rk[W * 16 + r + 8] = norm ? rsqrtf(d1 + 1e-6f) : 1.0f;
+      }
     };
     switch (warp) {
       case 0: products(std::integral_constant<int, 0>{}); break;
@@ -233,28 +246,10 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       case 2: products(std::integral_constant<int, 2>{}); break;
       default: products(std::integral_constant<int, 3>{}); break;
     }
-    // rk_i = 1 / |k_i| from G_ii (fp32 sums of the exact products of the operand rows: what a pass over the
-    // rows would sum, in another order). Row 16 warp + d of the warp's diagonal block sits in tile 2 warp + d / 8,
-    // element 2 (d / 8) + d % 2 of the lane with r = d % 8 and (lane & 3) = r / 2: lanes 0, 4, 9, 13, 18, 22, 27,
-    // 31 hold two each (rows r and r + 8). Rows past L are zero: rk = 1 / sqrt(eps) there, as before.
-    {
-      const int r = lane >> 2;
-      if ((lane >> 3) == (lane & 3)) {
-        float d0 = 0.0f, d1 = 0.0f;
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-          if (w == warp) d0 = r & 1 ? acc[2 * w][1] : acc[2 * w][0], d1 = r & 1 ? acc[2 * w + 1][3] : acc[2 * w + 1][2];
-        const bool norm = p.heads.use_qk_l2norm;
-        s_rk[warp * 16 + r] = norm ? rsqrtf(d0 + 1e-6f) : 1.0f;
-        s_rk[warp * 16 + r + 8] = norm ? rsqrtf(d1 + 1e-6f) : 1.0f;
-      }
-    }
     // Warp 0, whose rows have the fewest products, turns the first head's gate loads into gcum and beta
     // here rather than before the barrier above (the other warps waited for it there; nothing reads them
     // before the M / A pass).
-    if (warp == 0)
-      store_gates(p, gates, fused ? head_param(0, h0) : 0.0f, fused ? head_param(1, h0) : 0.0f, L, lane,
-                  s_gc[h0 & 1], s_beta[h0 & 1]);
+    if (warp == 0) store_gates(p, gates, head_params(h0), L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
     __syncthreads();  // Ks (and Qs) are dead from here on: the accumulators, A and T reuse their bytes
     // The accumulators parked with rk_j already applied (column j's factor, the same for every value head).
 #pragma unroll
@@ -486,8 +481,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       }
     }
     if (warp == 0 && h + 1 < h1)
-      store_gates(p, gates, fused ? head_param(0, h + 1) : 0.0f, fused ? head_param(1, h + 1) : 0.0f, L, lane,
-                  s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
+      store_gates(p, gates, head_params(h + 1), L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
     __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it
   }
 }
