@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -150,12 +151,34 @@ bool head_pass_wgmma(const PrefillParams& p, const Plan& plan, int vtile) {
          head_tensor_maps_ok(p, plan);
 }
 
-int plan_state_pass(const PrefillParams& p, Plan& plan, int num_sms, int vtile, int head_split) {
+bool aux_prep_possible(const PrefillParams& p, const Plan& plan) {
+  return plan.wgmma_pass && plan.head_split == 1 && p.heads.head_dim_v == 128 && p.heads.head_dim_k % 64 == 0;
+}
+
+int choose_aux_prep(const PrefillParams& p, const Plan& plan, int aux) {
+  if (!aux_prep_possible(p, plan)) return kAuxNone;
+  if (aux >= 0) return std::min(aux, kAuxAll);
+  static const int from_env = [] {  // -1: unset
+    const char* e = std::getenv("GDNKIT_PREFILL_AUX");
+    return e == nullptr ? -1 : std::clamp(std::atoi(e), kAuxNone, kAuxAll);
+  }();
+  if (from_env >= 0) return from_env;
+  // Measured (H100, qwen3-next, results/H100/prefill_ab17_aux.txt): M in the prep warpgroup takes 8x8192 1.11 ->
+  // 1.04 ms, 32x8192 4.34 -> 4.07, 4x2048 -5.5%, 8x1024 -4%, but 8192x32 (a chunk per sequence, where nothing
+  // overlaps the warpgroup's work) +3%; the whole chunk prep in it is 1.3-1.7x slower everywhere (its solve and
+  // products take ~14k cycles a chunk against the state warpgroups' ~4.5k). So M there from 4 chunks per sequence.
+  return p.total_tokens >= int64_t(4) * kChunk * p.num_seqs ? kAuxM : kAuxNone;
+}
+
+int plan_state_pass(const PrefillParams& p, Plan& plan, int num_sms, int vtile, int head_split, int aux) {
   plan.num_slots = p.num_seqs > 0 && p.total_tokens > 0 ? num_chunk_slots(p) : 0;
   if (vtile == 0) vtile = choose_vtile(p, num_sms);
   plan.head_split = head_split != 0 ? head_split : choose_head_split(p, num_sms);
   plan.wgmma_pass = head_pass_wgmma(p, plan, vtile);
-  plan.m_in_pass = head_pass_forms_m(plan.wgmma_pass, p.heads.head_dim_v / plan.head_split);
+  plan.aux_prep = choose_aux_prep(p, plan, aux);
+  // m_in_pass: the chunk prep without M (M formed by the state warpgroups, or by the prep warpgroup)
+  plan.m_in_pass = plan.aux_prep == kAuxM ||
+                   (plan.aux_prep == kAuxNone && head_pass_forms_m(plan.wgmma_pass, p.heads.head_dim_v / plan.head_split));
   return vtile;
 }
 
@@ -222,7 +245,7 @@ int choose_short_len(const PrefillParams& p) {
 }
 
 void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtile, int stages, int head_split,
-                        int short_len) {
+                        int short_len, int aux) {
   if (p_in.num_seqs <= 0) return;
   PrefillParams p = p_in;
   // Short sequences run on the recurrent kernels (the chunked kernels skip them); with a host copy of
@@ -260,7 +283,7 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
                           aligned(p.checkpoints.data, 2 * dtype_size(p.checkpoints.dtype)) &&
                           p.checkpoints.slot_stride % 2 == 0;
 
-  vtile = plan_state_pass(p, plan, plan.num_sms, vtile, head_split);
+  vtile = plan_state_pass(p, plan, plan.num_sms, vtile, head_split, aux);
   const size_t need = workspace_bytes(p);
   void* ws = nullptr;
   if (need > 0) {
@@ -270,7 +293,7 @@ void prefill_with_vtile(const PrefillParams& p_in, cudaStream_t stream, int vtil
                                                      " bytes (prefill_workspace_bytes), got " +
                                                      std::to_string(p.workspace_bytes));
       ws = p.workspace;
-    } else {
+    } else if (plan.aux_prep != kAuxAll) {  // without the chunk prep none is used (a caller's is still checked)
       ws = owned_workspace(need, stream);
     }
   }

@@ -63,6 +63,9 @@ struct Case {
   // The longest sequence the short-sequence path (recurrent kernels) takes: 0 none (the chunked kernels
   // run every sequence), > 0 that length, < 0 the library's choice through the public API.
   int short_len = 0;
+  // The head pass's prep warpgroup (Plan::aux_prep) where the plan allows it: -1 the library's choice, else
+  // kAuxNone (the chunk prep kernel, then the pass), kAuxM (M in the warpgroup) or kAuxAll (no chunk prep kernel).
+  int aux = -1;
 };
 
 ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
@@ -129,7 +132,7 @@ std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
 // vtile = kShortOnly: the short-sequence path's launcher alone (cuda::prefill_short), no chunked kernel.
 constexpr int kShortOnly = -100;
 
-void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1) {
+void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   // A case that asks for the short path must get it: were it refused, the chunked kernels would run
   // every sequence and the comparison would still pass.
@@ -137,24 +140,24 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
   if (vtile == kShortOnly) {
     validate(p, Backend::kCUDA);
     cuda::prefill_short(p, short_len, reinterpret_cast<Stream>(dev.stream()));
-  } else if (vtile == 0 && short_len < 0) {
+  } else if (vtile == 0 && short_len < 0 && aux < 0) {
     prefill(p, {Backend::kCUDA, dev.stream()});
   } else {
     validate(p, Backend::kCUDA);
     cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split,
-                                              short_len);
+                                              short_len, aux);
   }
   dev.download(got);
 }
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
-void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1) {
+void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1, int aux = -1) {
   const ProblemConfig& cfg = before.config();
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split, short_len);
+    run_gpu(got, dev, vtile, head_split, short_len, aux);
   }
   const std::vector<int64_t> written = written_finals(before);
   // Keys from a rank-4 subspace (correlated_keys) are outside SPEC.md's regimes (N(0, 1) keys): each chunk's I + A
@@ -192,6 +195,14 @@ std::vector<Case> axes_cases() {
             if (i % 4 == 3) c.cu_seqlens_dtype = DType::kInt64;
             c.seed = 1000 + i++;
             out.push_back({case_name(c), c});
+            // 16-bit inputs once more through the head pass with a prep warpgroup (two state warpgroups), for M
+            // alone or for everything, alternately
+            if (in != DType::kFloat32) {
+              const int aux = i % 2 ? cuda::chunked_prefill::kAuxM : cuda::chunked_prefill::kAuxAll;
+              Case f{case_name(c, "aux" + std::to_string(aux)), c, cuda::chunked_prefill::kVTileHead, 1};
+              f.aux = aux;
+              out.push_back(f);
+            }
           }
   return out;
 }
@@ -200,9 +211,11 @@ std::vector<Case> axes_cases() {
 std::vector<Case> shape_cases() {
   std::vector<Case> out;
   int i = 0;
-  auto add = [&](ProblemConfig c, const std::string& tag, int vtile = 0, int head_split = 0) {
+  auto add = [&](ProblemConfig c, const std::string& tag, int vtile = 0, int head_split = 0, int aux = -1) {
     c.seed = 2000 + i++;
-    out.push_back({case_name(c, tag), c, vtile, head_split});
+    Case x{case_name(c, tag), c, vtile, head_split};
+    x.aux = aux;
+    out.push_back(x);
   };
   for (int len : {0, 1, 63, 64, 65, 1000}) add(base({len}), "len" + std::to_string(len));
   // Mixed varlen batch: short and long sequences, an empty one, few heads so the reference stays fast.
@@ -248,7 +261,10 @@ std::vector<Case> shape_cases() {
   add(base({100, 30}, 2, 6), "gva3");
   // A group larger than the prep keeps A_log / dt_bias of in shared memory (32 value heads: the rest are read at
   // their use), on the path where the head pass forms M (80 (sequence, head) pairs).
-  add(base({100, 70}, 1, 40), "gva40");
+  add(base({100, 70}, 1, 40), "gva40", 0, 0, cuda::chunked_prefill::kAuxNone);
+  // ... and the head pass's prep warpgroup (one value head per CTA), for M alone (after the chunk prep) and for all.
+  add(base({100, 70}, 1, 40), "gva40_aux1", 0, 0, cuda::chunked_prefill::kAuxM);
+  add(base({100, 70}, 1, 40), "gva40_aux2", 0, 0, cuda::chunked_prefill::kAuxAll);
   // Every value tile the state pass is built with, and the head state pass (bf16 and fp16 inputs,
   // V = 64 and 128, both layouts).
   for (int K : {64, 128, 256})
@@ -268,11 +284,17 @@ std::vector<Case> shape_cases() {
           c.in_dtype = split == 2 ? DType::kFloat16 : DType::kBFloat16;
           c.layout = V == 64 ? StateLayout::kVLast : StateLayout::kKLast;
           const std::string kind = vt == cuda::chunked_prefill::kVTileHead ? "head" : "headwarp";
-          add(c, kind + std::to_string(split), vt, split);
-          if (split == 1 && V == 128) {
-            // Two warpgroups per CTA: the wgmma build forms M and rq itself; rq is then the scale alone
-            c.use_qk_l2norm = false, c.gate_mode = GateMode::kGiven;
-            add(c, kind + "1_nol2", vt, split);
+          // Two warpgroups per CTA (the wgmma build, split 1, V = 128): forming M and rq themselves after the chunk
+          // prep kernel (rq is the scale alone without the L2 norm), or beside a prep warpgroup for M or for all
+          const bool two_wg = vt == cuda::chunked_prefill::kVTileHead && split == 1 && V == 128;
+          for (int aux : two_wg ? std::vector<int>{0, 1, 2} : std::vector<int>{-1}) {
+            const std::string tag = kind + std::to_string(split) + (aux > 0 ? "_aux" + std::to_string(aux) : "");
+            ProblemConfig cf = c;
+            add(cf, tag, vt, split, aux);
+            if (split == 1 && V == 128) {
+              cf.use_qk_l2norm = false, cf.gate_mode = GateMode::kGiven;
+              add(cf, tag + "_nol2", vt, split, aux);
+            }
           }
         }
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
@@ -396,8 +418,11 @@ std::vector<Case> sanitize_cases() {
   out.push_back({case_name(c), c, 32});
   c.seed = 3000 + i++;
   c.checkpoint_interval = 64;
-  out.push_back({case_name(c, "head"), c, cuda::chunked_prefill::kVTileHead, 1});
-  c.seed = 3000 + i++;
+  for (int aux : {cuda::chunked_prefill::kAuxNone, cuda::chunked_prefill::kAuxM, cuda::chunked_prefill::kAuxAll}) {
+    out.push_back({case_name(c, aux > 0 ? "head_aux" + std::to_string(aux) : "head"), c,
+                   cuda::chunked_prefill::kVTileHead, 1, 0, aux});
+    c.seed = 3000 + i++;
+  }
   out.push_back({case_name(c, "head2"), c, cuda::chunked_prefill::kVTileHead, 2});
   c.seed = 3000 + i++;
   out.push_back({case_name(c, "headwarp"), c, cuda::chunked_prefill::kVTileHeadWarp, 1});
@@ -432,7 +457,7 @@ class PrefillTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PrefillTest, MatchesCpuReference) {
   const Case& c = GetParam();
-  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len);
+  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len, c.aux);
 }
 
 INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
@@ -556,19 +581,31 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
   }
 }
 
-// A caller workspace of exactly prefill_workspace_bytes, for both plans of the head pass: M formed in the
-// pass (two-warpgroup CTAs, M's region unused) and M from the workspace (the column split). Bytes past it
+// A caller workspace of exactly prefill_workspace_bytes, for the plans of the head pass: M formed in the pass
+// (two-warpgroup CTAs after the chunk prep, M's region unused; by a prep warpgroup the same), M from the workspace
+// (the column split), and the chunk prep in a warpgroup (no workspace used). Bytes past it
 // stay untouched, and the results equal the library-workspace run's bit for bit.
 TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
-  for (const bool m_in_pass : {true, false}) {
-    // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split), 1 x 32 two each.
-    const Problem before(m_in_pass ? base({130, 64, 71}, 16, 32) : base({130}, 16, 32));
+  namespace cp = cuda::chunked_prefill;
+  struct Plan {
+    int aux;  // asked for
+    bool few, m_in_pass;
+  };
+  for (const Plan want : {Plan{cp::kAuxNone, false, true}, Plan{cp::kAuxNone, true, false}, Plan{cp::kAuxM, false, true},
+                          Plan{cp::kAuxAll, false, false}}) {
+    // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split: M formed in the pass, by the state
+    // warpgroups or a prep warpgroup, or the chunk prep in a warpgroup), 1 x 32 two each (M from the workspace).
+    const Problem before(want.few ? base({130}, 16, 32) : base({130, 64, 71}, 16, 32));
     Problem lib = before, own = before;
     DeviceProblem d_lib(lib), d_own(own);
     PrefillParams p = own.prefill_params(PrefillAlgorithm::kAuto, d_own.resolver());
-    cuda::chunked_prefill::Plan plan;
-    cuda::chunked_prefill::plan_state_pass(p, plan, cuda::device_sms(), 0, 0);
-    ASSERT_EQ(plan.m_in_pass, m_in_pass) << "the case no longer takes the plan it is written for";
+    cp::Plan plan;
+    cp::plan_state_pass(p, plan, cuda::device_sms(), 0, 0, want.aux);
+    ASSERT_EQ(plan.m_in_pass, want.m_in_pass) << "the case no longer takes the plan it is written for";
+    ASSERT_EQ(plan.aux_prep, want.few ? cp::kAuxNone : want.aux) << "the case no longer takes the plan it is written for";
+    const auto run = [&](const PrefillParams& q, cudaStream_t stream) {
+      cp::prefill_with_vtile(q, stream, 0, cp::kStagesAll, 0, -1, want.aux);
+    };
     const size_t need = prefill_workspace_bytes(p), guard = 64 * 1024;
     ASSERT_GT(need, 0u);
     unsigned char* ws = nullptr;
@@ -576,8 +613,8 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     GDNKIT_TEST_CUDA(cudaMemset(ws, 0xff, need + guard));  // NaN-ish garbage, and the guard's pattern
     p.workspace = ws;
     p.workspace_bytes = need;
-    prefill(p, {Backend::kCUDA, d_own.stream()});
-    prefill(lib.prefill_params(PrefillAlgorithm::kAuto, d_lib.resolver()), {Backend::kCUDA, d_lib.stream()});
+    run(p, d_own.stream());
+    run(lib.prefill_params(PrefillAlgorithm::kAuto, d_lib.resolver()), d_lib.stream());
     d_own.download(own);
     d_lib.download(lib);
     std::vector<unsigned char> tail(guard);

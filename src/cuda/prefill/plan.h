@@ -23,6 +23,8 @@ void prefill_short(const PrefillParams& p, int max_len, Stream stream);
 namespace gdnkit::cuda::chunked_prefill {
 
 constexpr int kChunk = 64;     // tokens per chunk (the WY block)
+// The head pass's prep warpgroup (Plan::aux_prep): none, M alone, or the whole chunk prep.
+constexpr int kAuxNone = 0, kAuxM = 1, kAuxAll = 2;
 constexpr int kThreads = 128;  // 4 warps per CTA in both kernels
 
 // Workspace chunk slots. Chunk c of sequence n lives in slot floor(cu[n]/64) + n + c: unique for
@@ -62,6 +64,10 @@ struct Plan {
   // ... with CTAs of two warpgroups (head_pass_forms_m), which form M from the chunk's q and k rows on the
   // tensor cores, and the q norms: the chunk prep then reads no q and writes no M (kGc, kRk instead).
   bool m_in_pass = false;
+  // ... with a third warpgroup that prepares each chunk in its stage (prep_warpgroup.cuh; two state warpgroups, K a
+  // multiple of 64; choose_aux_prep): kAuxM forms M there (the chunk prep kernel runs without M, as for m_in_pass,
+  // which is then set), kAuxAll everything (no chunk prep kernel, no workspace).
+  int32_t aux_prep = 0;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   int32_t num_sms = 132;
@@ -91,8 +97,14 @@ constexpr bool head_pass_forms_m(bool wgmma, int cols) { return wgmma && cols ==
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
 // The state pass of a call: the value tile (0: choose_vtile) returned, and in the plan the chunk slots, the
-// head split (0: choose_head_split), wgmma_pass and m_in_pass.
-int plan_state_pass(const PrefillParams& p, Plan& plan, int num_sms, int vtile, int head_split);
+// head split (0: choose_head_split), wgmma_pass, aux_prep (`aux`: choose_aux_prep) and m_in_pass.
+int plan_state_pass(const PrefillParams& p, Plan& plan, int num_sms, int vtile, int head_split, int aux = -1);
+// Whether the head pass can have a prep warpgroup (Plan::aux_prep): its wgmma build with two state warpgroups
+// (head split 1, V = 128) and K a multiple of 64.
+bool aux_prep_possible(const PrefillParams& p, const Plan& plan);
+// Where possible, `aux` (kAuxNone, kAuxM, kAuxAll) is taken; -1: GDNKIT_PREFILL_AUX (0, 1, 2; read once per
+// process, for A/B timing), else the measured default (kAuxM from a mean of 4 chunks per sequence).
+int choose_aux_prep(const PrefillParams& p, const Plan& plan, int aux);
 // Workspace bytes for T', M and the token factors (each 256-byte aligned; prefill_workspace_bytes): M's
 // region also where the pass forms M, so that the size grows with total_tokens and num_seqs alone.
 size_t workspace_bytes(const PrefillParams& p);
@@ -123,7 +135,7 @@ void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t st
 // as cuda::prefill when stages == kStagesAll. Used by the GPU tests and timing to compare tilings.
 // short_len: the longest sequence the short-sequence path takes (0: none; < 0: choose_short_len).
 void prefill_with_vtile(const PrefillParams& p, cudaStream_t stream, int vtile, int stages = kStagesAll,
-                        int head_split = 0, int short_len = -1);
+                        int head_split = 0, int short_len = -1, int aux = -1);
 
 // The library's choice of max_len for a call (0: the chunked kernels take every sequence):
 // GDNKIT_PREFILL_SHORT=<n> overrides the measured default (0 turns the path off). With a host copy of

@@ -43,6 +43,7 @@
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
+#include "cuda/prefill/prep_warpgroup.cuh"
 #include "cuda/prefill/tma.cuh"
 #include "cuda/prefill/wgmma.cuh"
 #include "gdnkit/params.h"
@@ -80,9 +81,10 @@ using HeadStageOf = std::conditional_t<kWg, HeadStageWg<K, kCols, Op>, HeadStage
 // the cp.async build's one chunk ahead (its padded stages: two).
 template <bool kWg>
 constexpr int kHeadStages = kWg ? 3 : 2;
-template <int K, int kCols, class Op, bool kWg>
+template <int K, int kCols, class Op, bool kWg, bool kFused = false>
 constexpr size_t head_smem_bytes() {
-  return kHeadStages<kWg> * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kWg ? 1024 : 0);  // + alignment slack
+  return kHeadStages<kWg> * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kFused ? sizeof(PrepSmem) : 0) +
+         (kWg ? 1024 : 0);  // + alignment slack
 }
 
 // v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M), in token halves: tokens
@@ -109,15 +111,27 @@ __device__ __forceinline__ CausalDescs full_causal_descs(const void* x) {
   return {d, desc_add(d, 32 * 128)};
 }
 
+// The head pass's threads: V / kSplit / 16 warps of state columns, and with a prep warpgroup (kAux) its 128.
+template <int V, int kSplit, int kAux>
+constexpr int head_pass_threads() {
+  return V / kSplit / 16 * 32 + (kAux != kAuxNone ? kThreads : 0);
+}
+
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
-template <int K, int V, int kSplit, class Op, bool kWg>
-__global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
+// kAux (the wgmma build with two state warpgroups): a third warpgroup prepares each chunk in its stage
+// (prep_warpgroup.cuh): M (kAuxM, after the chunk prep kernel without M), or everything (kAuxAll, no chunk prep).
+template <int K, int V, int kSplit, class Op, bool kWg, int kAux>
+__global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
-  constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;
+  constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;  // the state warps
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
   static_assert(!kWg || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
-  constexpr bool kMInPass = head_pass_forms_m(kWg, kCols);  // M formed here, not read from the workspace
-  constexpr int kFRows = kFactorRows<kMInPass>;
+  constexpr bool kFused = kAux != kAuxNone;
+  static_assert(!kFused || (kWg && kCols == 128), "the prep warpgroup: beside two state warpgroups");
+  // M formed by the state warpgroups, not read from the stage (kFused: the prep warpgroup forms it)
+  constexpr bool kMInPass = !kFused && head_pass_forms_m(kWg, kCols);
+  // the chunk prep's factor rows in the workspace (6: without M, for kMInPass or the prep warpgroup's M)
+  constexpr int kFRows = kFactorRows<kMInPass || kAux == kAuxM>;
   using Stage = HeadStageOf<K, kCols, Op, kWg>;
   constexpr int kStages = kHeadStages<kWg>;
   constexpr int LDV = HeadStage<K, kCols, Op>::LDV;  // the warp build's padded v rows
@@ -136,7 +150,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   const int lw = warp * 16;        // ... and in the CTA's v / o tile
 
   SeqSlots sq;
-  if (!begin_sequence<kThr>(p, plan, n, h, v0, kCols, h == 0 && split == 0, sq)) {
+  if (!begin_sequence<head_pass_threads<V, kSplit, kAux>()>(p, plan, n, h, v0, kCols, h == 0 && split == 0, sq)) {
     // A CTA leaves here (a sequence the recurrent kernels or nobody takes) only after the prep's grid
     // completed, as every other CTA does: so that this grid never completes before the prep, whatever the
     // stream's next launch assumes about a programmatic dependent's completion.
@@ -144,6 +158,33 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     return;
   }
   const int64_t start = sq.start, len = sq.len;
+  __shared__ uint64_t bars[kStages];  // wgmma build: the TMA completion of each stage
+  __shared__ uint64_t prep_bars[kFused ? kStages : 1];  // kFused: the prep warpgroup's completion of each stage
+  auto init_bars = [&] {
+    if (tid == 0) {
+#pragma unroll
+      for (int i = 0; i < kStages; ++i) {
+        mbarrier_init(&bars[i], 1);
+        if constexpr (kFused) mbarrier_init(&prep_bars[i], kThreads);
+      }
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+  };
+  if constexpr (kFused) {
+    // The prep warpgroup leaves here; the state warps go on with more registers.
+    init_bars();
+    // The warpgroup index as a warp-uniform value (a shuffle of lane 0's), so that ptxas allocates each role's
+    // registers by its setmaxnreg.
+    const int wg = __shfl_sync(0xffffffffu, tid / kThreads, 0);
+    if (wg == kWarps / 4) {
+      setmaxnreg_dec<kPrepRegs>();
+      prep_warpgroup<K, Op, kStages, kAux == kAuxAll>(p, plan, *reinterpret_cast<PrepSmem*>(stage + kStages), stage, bars, prep_bars,
+                                     h, start, len);
+      return;
+    }
+    setmaxnreg_inc<kStateRegs>();
+  }
 
   // S^T in registers: s[j][e] = S[k][v] with k = 8j + q2 + (e & 1), v = vw + r + 8 (e >> 1).
   float s[KT][4];
@@ -232,7 +273,6 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   constexpr int kMCols = 32;
   const int mj0 = (warp / 4) * kMCols, mrow = (warp % 4) * 16 + r;
   const int mst_row = (warp % 4) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, mst_col = mj0 + (lane >> 4) * 8;
-  __shared__ uint64_t bars[kStages];  // wgmma build: the TMA completion of each stage
   // kMInPass: the chunk's rq (scale / ||q||, or the scale), written after the chunk's first barrier, read
   // after the second (one buffer: every read of chunk c precedes the next chunk's first barrier)
   __shared__ __align__(16) float s_rq[kMInPass ? kChunk : 1];
@@ -245,10 +285,12 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
       if (tid == 0) {
         uint64_t* bar = &bars[c % kStages];
         if (parts & kInputs) {
-          constexpr uint32_t kBytes = uint32_t((2 * K + kCols) * kChunk * 2 +
-                                               (kMInPass ? 1 : 2) * kCausalImageElems * 2 + kFRows * kChunk * 4);
+          // both parts' bytes (kAuxAll: the rows alone; the prep warpgroup fills the rest)
+          constexpr uint32_t kBytes =
+              uint32_t((2 * K + kCols) * kChunk * 2) +
+              (kAux == kAuxAll ? 0u : uint32_t((kFused || kMInPass ? 1 : 2) * kCausalImageElems * 2 + kFRows * kChunk * 4));
           fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
-          mbarrier_arrive_expect_tx(bar, kBytes);  // both parts' bytes
+          mbarrier_arrive_expect_tx(bar, kBytes);
           const int tk = int(start + c * kChunk);
 #pragma unroll
           for (int i = 0; i < K / 64; ++i) {
@@ -258,10 +300,10 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
 #pragma unroll
           for (int i = 0; i < kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
         }
-        if (parts & kWorkspace) {
+        if (kAux != kAuxAll && (parts & kWorkspace)) {
           const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's causal images: one bulk copy each
           bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
-          if constexpr (!kMInPass) bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
+          if constexpr (!kMInPass && !kFused) bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
           bulk_load(b.sc, f_src + c * HV * (kFRows * kChunk), kFRows * kChunk * 4, bar);
         }
       }
@@ -312,14 +354,7 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
   const uint32_t off_v = uint32_t(v_offset(((lane >> 4) << 3) + (lane & 7), lw + ((lane >> 3) & 1) * 8)) * 2;
 
-  if constexpr (kWg) {
-    if (tid == 0) {
-#pragma unroll
-      for (int i = 0; i < kStages; ++i) mbarrier_init(&bars[i], 1);
-      fence_mbarrier_init();
-    }
-    __syncthreads();
-  }
+  if constexpr (kWg && !kFused) init_bars();
   // Launched right behind the chunk prep with programmatic dependent launch (launch_state_pass_head), the
   // CTAs that find a free SM while the prep's last CTAs finish got here early: the state loads above read
   // the pool and cu_seqlens, which the prep does not write (and what ran before the prep finished before
@@ -333,7 +368,10 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c % kStages];
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
-    if constexpr (kWg) {
+    if constexpr (kFused) {
+      // the rows, zeroed past a partial chunk's end, T', M and the factors: the prep warpgroup's
+      mbarrier_wait(&prep_bars[c % kStages], uint32_t(c / kStages) & 1);
+    } else if constexpr (kWg) {
       mbarrier_wait(&bars[c % kStages], uint32_t(c / kStages) & 1);
       if (L < kChunk) {  // the tiles hold the next tokens' rows there (or zeros past the tensor): zero them
         constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
@@ -348,7 +386,11 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
     } else {
       cp_async_wait_all();
     }
-    __syncthreads();  // chunk c's inputs are visible; every warp is done with chunk c - 1's stage
+    // chunk c's inputs are visible; every state warp is done with chunk c - 1's stage
+    if constexpr (kFused)
+      named_barrier_sync(kStateBarrier, kThr);
+    else
+      __syncthreads();
     // The chunk's products, built twice: for a full chunk without any length test (one branch-free
     // block that ptxas schedules across the products), and for the last, partial one.
     auto chunk = [&](auto full) {
@@ -635,16 +677,16 @@ __global__ void __launch_bounds__(V / kSplit / 16 * 32, 1)
 
 // after_prep: the chunk prep is the previous kernel of the stream (launch_op), so the pass may launch
 // early, with programmatic dependent launch (unless GDNKIT_PDL=0), and wait for the prep inside.
-template <int K, int V, int kSplit, class Op, bool kWg>
+template <int K, int V, int kSplit, class Op, bool kWg, int kAux = kAuxNone>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
-  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWg>();
-  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWg>;
+  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWg, kAux != kAuxNone>();
+  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWg, kAux>;
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
   const HeadTensorMaps maps = kWg ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit);
-  cfg.blockDim = dim3(V / kSplit / 16 * 32);
+  cfg.blockDim = dim3(head_pass_threads<V, kSplit, kAux>());
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute pdl;
@@ -653,7 +695,7 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
 }
 
 // The wgmma build where the plan says so (Plan::wgmma_pass: the CTA owns whole warpgroups and the TMA
-// coordinates fit), else the mma.sync build.
+// coordinates fit), with the prep warpgroup where Plan::aux_prep says so, else the mma.sync build.
 template <int K, int V, class Op>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   if (plan.head_split == 2) {
@@ -661,6 +703,10 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
       if (plan.wgmma_pass) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, after_prep, stream);
     launch_state_pass_head<K, V, 2, Op, false>(p, plan, after_prep, stream);
   } else {
+    if constexpr (V == 128 && K % 64 == 0) {
+      if (plan.aux_prep == kAuxAll) return launch_state_pass_head<K, V, 1, Op, true, kAuxAll>(p, plan, false, stream);
+      if (plan.aux_prep == kAuxM) return launch_state_pass_head<K, V, 1, Op, true, kAuxM>(p, plan, after_prep, stream);
+    }
     if (plan.wgmma_pass) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, after_prep, stream);
     launch_state_pass_head<K, V, 1, Op, false>(p, plan, after_prep, stream);
   }

@@ -1,0 +1,268 @@
+// The chunk prep as a warpgroup of the fused head pass (state_pass_head_kernel with kFused): beside the two
+// state warpgroups of a (sequence, value head) CTA, a third warpgroup turns each chunk's staged k and q rows
+// and its gates into what the state warpgroups read from the chunk prep's workspace otherwise (T' and M as
+// causal images, the four token factors), in the chunk's own shared-memory stage. The state warpgroups run
+// chunk c while it prepares chunk c + 1 (or c + 2: the stages are filled two chunks ahead), so the prep's
+// work leaves the sequential chain and nothing goes through global memory.
+//
+// Per chunk, for value head h of q/k head hk (the math of chunk_prep_kernel, kernels.cuh):
+//   wait for the stage's TMA (k, q, v rows); past a partial chunk's end, zero the rows (the tiles hold the next
+//   tokens there);
+//   G = k k^T on the tensor cores (wgmma, both operands in shared memory) while each warp takes its 16 rows'
+//   norms rk, rq from the diagonal blocks of k k^T and q q^T (mma.sync) and warp 0 the gates and gcum;
+//   A from G (solve.cuh's mask and factors), then q k^T (wgmma) and M; then T' by invert_and_store_t;
+//   the factor rows; then one arrival per thread on the stage's prep barrier (after a proxy fence: the tensor
+//   cores read T' and M).
+// Registers: the kernel is launched for 384 threads (168 each); this warpgroup gives back to kPrepRegs, the
+// state warpgroups take kStateRegs (setmaxnreg).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/prefill/io.cuh"
+#include "cuda/prefill/mma.cuh"
+#include "cuda/prefill/plan.h"
+#include "cuda/prefill/solve.cuh"
+#include "cuda/prefill/tma.cuh"
+#include "cuda/prefill/wgmma.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::chunked_prefill {
+
+// The CTA launches with 168 registers per thread (384 threads: 64512), the pool the warpgroups trade within.
+constexpr int kPrepRegs = 80, kStateRegs = 208;  // 128 x 80 + 256 x 208 = 63488
+static_assert(kThreads * kPrepRegs + 2 * kThreads * kStateRegs <= 3 * kThreads * 168, "the CTA's registers");
+
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// Barrier `id` (1..15) of `threads` threads (whole warps).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Named barriers: 0 is __syncthreads; the state warpgroups meet on 1, the prep warpgroup on 2.
+constexpr int kStateBarrier = 1, kPrepBarrier = 2;
+
+// The prep warpgroup's own shared memory (after the stages).
+struct PrepSmem {
+  float a[kChunk * kSolveLd];  // A, then T in place (solve.cuh)
+  float gc[kChunk], beta[kChunk], rk[kChunk], rq[kChunk];
+};
+
+// The chunks of one sequence (start, len) of value head h, prepared into their stages: chunk c's is
+// stage[c % kStages] (HeadStageWg: ks, qs, vs as the TMA tiles land; ts, ms, sc filled here), its TMA completes
+// on full[c % kStages] and this warpgroup's 128 threads arrive on done[c % kStages] (phase parity c / kStages).
+// kSolve: everything (T', M, the four factor rows). Else M alone: T' and the six factor rows of the chunk prep
+// kernel without M (kGc, kRk among them) arrive with the rows by TMA; this warpgroup forms M with rq and
+// multiplies kEq by rq (the state warpgroups then read what the chunk prep with M would have written).
+template <int K, class Op, int kStages, bool kSolve, class Stage>
+__device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Plan& plan, PrepSmem& ps, Stage* stage,
+                                               uint64_t* full, uint64_t* done, int h, int64_t start, int64_t len) {
+  static_assert(K % 64 == 0, "the k, q rows in 64-column blocks");
+  // This thread's index in the warpgroup, read again (volatile) where it is used in a chunk: formed once, the
+  // offsets derived from it stayed live across the chunk loop and ptxas spilled them.
+  const auto thread_index = [] {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t - 2 * kThreads;
+  };
+  int at = thread_index(), warp = at >> 5, lane = at & 31;
+  const int64_t nchunks = (len + kChunk - 1) / kChunk;
+  const bool fused = p.gating.mode == GateMode::kFused;
+  const float2 hp = fused ? make_float2(p.gating.A_log[h], p.gating.dt_bias[h]) : make_float2(0.0f, 0.0f);
+  const bool norm = p.heads.use_qk_l2norm;
+  auto sync = [] { named_barrier_sync(kPrepBarrier, kThreads); };
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr uint32_t kBlock = kChunk * 128;  // a 64-column block of the k / q rows
+
+  // T's blocks above the diagonal stay zero (the solve writes only the lower ones): warp w zeroes the 3 - w
+  // blocks right of its diagonal block once.
+  for (int jb = kSolve ? warp + 1 : 4; jb < 4; ++jb) {
+    float* blk = ps.a + warp * 16 * kSolveLd + jb * 16;
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int e = lane + 32 * x;
+      *reinterpret_cast<float4*>(blk + (e >> 2) * kSolveLd + (e & 3) * 4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+
+  GateLoads gates;  // warp 0: the next chunk's gate inputs
+  if (kSolve && warp == 0 && nchunks > 0) gates = load_gates(p, h, start, int(min(int64_t(kChunk), len)), lane);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    Stage& b = stage[c % kStages];
+    at = thread_index(), warp = at >> 5, lane = at & 31;
+    const int r = lane >> 2, q2 = (lane & 3) * 2;
+    const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    mbarrier_wait(&full[c % kStages], uint32_t(c / kStages) & 1);
+    if (L < kChunk) {  // the tiles hold the next tokens' rows there (or zeros past the tensor): zero them
+      constexpr int kCols = int(sizeof(b.vs) / sizeof(b.vs[0])) / kChunk;
+      constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
+      for (int it = at; it < (kChunk - L) * kRowPieces; it += kThreads) {
+        const int row = L + it / kRowPieces, piece = it % kRowPieces, col = piece % (K / 8) * 8;
+        Op* buf = piece < K / 8 ? b.ks : piece < K / 4 ? b.qs : b.vs;
+        const int c8 = piece < K / 4 ? col : (piece - K / 4) * 8;
+        *reinterpret_cast<uint4*>(&buf[sw128_offset<kChunk>(row, c8)]) = make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();  // the zeros are read by the tensor cores
+      sync();
+    }
+    const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024), dq = sw128_desc(smem_addr(b.qs), 16, 1024);
+
+    // acc = A B^T (64 x 64, fp32) for A, B the k or q rows (descriptors da, db), asynchronous
+    float acc[8][4];
+    const auto issue_product = [&](uint64_t da, uint64_t db) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+      wgmma_pin(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk) {
+        const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
+        wgmma_ss<Op, 32, 0>(acc, desc_add(da, koff), desc_add(db, koff));
+        wgmma_ss<Op, 32, 4>(acc, desc_add(da, koff), desc_add(db, koff + 32 * 128));
+      }
+      wgmma_commit();
+    };
+    // ---- G = k k^T; without the solve, q k^T for M at once
+    if constexpr (kSolve)
+      issue_product(dk, dk);
+    else
+      issue_product(dq, dk);
+
+    // ---- meanwhile: the norms of this warp's 16 rows from the diagonal blocks of k k^T and q q^T (the B
+    // fragments of a row block's own product are its A fragment's halves), and warp 0's gates and gcum
+    {
+      float dkk[2][4] = {}, dqq[2][4] = {};
+      const int row = warp * 16 + (lane & 15);
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk) {
+        const int off = sw128_offset<kChunk>(row, kk * 16 + (lane >> 4) * 8);
+        uint32_t fq[4];
+        ldmatrix_x4(fq, &b.qs[off]);
+        mma<Op>(dqq[0], fq, fq[0], fq[2]);
+        mma<Op>(dqq[1], fq, fq[1], fq[3]);
+        if constexpr (kSolve) {
+          uint32_t fk[4];
+          ldmatrix_x4(fk, &b.ks[off]);
+          mma<Op>(dkk[0], fk, fk[0], fk[2]);
+          mma<Op>(dkk[1], fk, fk[1], fk[3]);
+        }
+      }
+      // Row 16 w + d: element d % 2 (rows 0..7) or 2 + d % 2 (rows 8..15) of the lane with r = d % 8, (lane & 3) = r / 2.
+      if ((lane >> 3) == (lane & 3)) {
+        const int i = warp * 16 + r;
+        const float x0 = r & 1 ? dqq[0][1] : dqq[0][0], x1 = r & 1 ? dqq[1][3] : dqq[1][2];
+        const float rq0 = (norm ? rsqrtf(x0 + 1e-6f) : 1.0f) * plan.scale;
+        const float rq1 = (norm ? rsqrtf(x1 + 1e-6f) : 1.0f) * plan.scale;
+        ps.rq[i] = rq0;
+        ps.rq[i + 8] = rq1;
+        if constexpr (kSolve) {
+          const float k0 = r & 1 ? dkk[0][1] : dkk[0][0], k1 = r & 1 ? dkk[1][3] : dkk[1][2];
+          ps.rk[i] = norm ? rsqrtf(k0 + 1e-6f) : 1.0f;
+          ps.rk[i + 8] = norm ? rsqrtf(k1 + 1e-6f) : 1.0f;
+        } else {  // the chunk prep's kEq is e^gcum alone
+          b.sc[kEq * kChunk + i] *= rq0;
+          b.sc[kEq * kChunk + i + 8] *= rq1;
+        }
+      }
+    }
+    if constexpr (!kSolve) __syncwarp();  // the warp's rq (its own rows are all M's pass reads)
+    if (kSolve && warp == 0) {
+      store_gates(p, gates, hp, L, lane, ps.gc, ps.beta);
+      if (c + 1 < nchunks)
+        gates = load_gates(p, h, start + (c + 1) * kChunk, int(min(int64_t(kChunk), len - (c + 1) * kChunk)), lane);
+    }
+    if constexpr (kSolve) sync();  // the norms, gcum and beta of the chunk
+
+    // ---- A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j], j < i (the row factor in the exponent as a log2:
+    // beta in [0, 1], see the chunk prep); this warp's row block, the blocks left of the diagonal and the diagonal
+    // one (the blocks above it stay zero)
+    float gi[2];
+    if constexpr (kSolve) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = warp * 16 + r + half * 8;
+      gi[half] = ps.gc[i] * kLog2e + __log2f(ps.beta[i] * ps.rk[i]);
+    }
+    wgmma_wait<0>();
+    wgmma_pin(acc);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt >= 2 * (warp + 1)) continue;
+      const int j = nt * 8 + q2;
+      const float2 gj = *reinterpret_cast<const float2*>(&ps.gc[j]);
+      const float2 kj = *reinterpret_cast<const float2*>(&ps.rk[j]);
+      const bool diag = nt >= 2 * warp;
+      float a[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
+        const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
+        a[e] = diag && jj >= i ? 0.0f : acc[nt][e] * d;
+      }
+      const int i0 = warp * 16 + r;
+      *reinterpret_cast<float2*>(&ps.a[i0 * kSolveLd + j]) = make_float2(a[0], a[1]);
+      *reinterpret_cast<float2*>(&ps.a[(i0 + 8) * kSolveLd + j]) = make_float2(a[2], a[3]);
+    }
+
+    issue_product(dq, dk);  // q k^T for M
+    }
+
+    // ---- M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), to the stage as its causal image. gcum
+    // (times log2 e) and rk: this warpgroup's, or without the solve the chunk prep's factor rows kGc, kRk.
+    const float* const gcs = kSolve ? ps.gc : &b.sc[kGc * kChunk];
+    const float* const rks = kSolve ? ps.rk : &b.sc[kRk * kChunk];
+    constexpr float kGcScale = kSolve ? kLog2e : 1.0f;
+    float fq[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = warp * 16 + r + half * 8;
+      gi[half] = gcs[i] * kGcScale;
+      fq[half] = ps.rq[i];
+    }
+    const ImageRows m_rows = image_rows(warp, lane);
+    wgmma_wait<0>();
+    wgmma_pin(acc);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (warp < 2 && nt >= 4) continue;  // the image has no upper-right quarter
+      const int j = nt * 8 + q2;
+      const float2 gj = *reinterpret_cast<const float2*>(&gcs[j]);
+      const float2 kj = *reinterpret_cast<const float2*>(&rks[j]);
+      const bool diag = nt >= 2 * warp;
+      float m[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
+        const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kGcScale) * (e & 1 ? kj.y : kj.x);
+        m[e] = diag && jj > i ? 0.0f : acc[nt][e] * fq[e >> 1] * d;
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<uint32_t*>(&b.ms[m_rows.at[half] + ((nt ^ m_rows.swz) << 3)]) =
+            pack2<Op>(m[2 * half], m[2 * half + 1]);
+    }
+    if constexpr (kSolve) {
+      __syncwarp();  // this warp's rows of A are written (the solve's substitution reads its own diagonal block)
+      // ---- T = (I + A)^{-1}, T' = T diag(beta) to the stage (causal image), then the token factors
+      invert_and_store_t<Op, 2 * kThreads>(ps.a, ps.beta, L, b.ts, true, warp, lane, sync);
+      if (at < kChunk) store_token_factors<true>(b.sc, ps.gc, ps.rk, ps.rq, L, at);
+    }
+    fence_proxy_async();  // T' and M are read by the tensor cores
+    mbarrier_arrive(&done[c % kStages]);
+    if constexpr (kSolve) sync();  // every warp is done with this chunk's A / T, norms and gates before the next chunk's
+  }
+}
+
+}  // namespace gdnkit::cuda::chunked_prefill

@@ -1,0 +1,230 @@
+// The chunk prep's per-(chunk, value head) pieces shared by its two homes: the chunk prep kernel
+// (kernels.cuh, one CTA of 4 warps per chunk and q/k head) and the prep warpgroup of the fused head pass
+// (prep_warpgroup.cuh, beside the state warpgroups). Both run them with 4 warps (kThreads), warp w owning
+// token rows 16w .. 16w + 15:
+//   the gate inputs of a value head loaded by warp 0 as raw bits, then gcum and beta (store_gates);
+//   T = (I + A)^{-1} of the strictly lower A (fp32 in shared memory, written over A) and T' = T diag(beta) stored
+//   in the operand dtype (invert_and_store_t).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/prefill/io.cuh"
+#include "cuda/prefill/mma.cuh"
+#include "cuda/prefill/plan.h"
+#include "cuda/prefill/wgmma.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::chunked_prefill {
+
+constexpr int kSolveLd = 68;  // fp32 A / T rows in shared memory, 16-byte aligned for vector loads
+
+// Raw gate inputs of one value head for warp 0's two tokens (lane, lane + 32): fused a, b (x, y), or given g,
+// beta, held as loaded (bits of their dtypes) and converted in store_gates. Loads only, no math and no
+// conversion: the next head's are issued before this head's M, A and solve, so their latency hides behind them
+// (and the first head's do not hold up warp 0's share of the k rows, which a conversion right behind them did).
+struct GateLoads {
+  uint32_t x[2] = {0u, 0u}, y[2] = {0u, 0u};
+};
+
+__device__ __forceinline__ GateLoads load_gates(const PrefillParams& p, int h, int64_t t0, int L, int lane) {
+  const Gating& G = p.gating;
+  const bool fused = G.mode == GateMode::kFused;
+  GateLoads in;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    if (lane + 32 * u >= L) continue;
+    const int64_t t = t0 + lane + 32 * u;
+    const InView& x = fused ? G.a : G.g;
+    const InView& y = fused ? G.b : G.beta;
+    in.x[u] = load_bits_dyn(x.data, x.dtype, t * x.token_stride + h * x.head_stride);
+    in.y[u] = load_bits_dyn(y.data, y.dtype, t * y.token_stride + h * y.head_stride);
+  }
+  return in;
+}
+
+// Warp 0: the gates of tokens lane and lane + 32 from their loads, and gcum by a warp scan of each
+// half (the upper half adds the lower half's total). Padding tokens get g = 0 (gcum stays flat, so
+// gcum[63] is g_last) and beta = 0.
+// hp: the head's (A_log, dt_bias) (fused gating; from shared memory, so that they hold no register across the solve).
+__device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLoads& in, float2 hp, int L, int lane,
+                                            float* gc, float* beta) {
+  float x[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    float g = 0.0f, b = 0.0f;
+    if (lane + 32 * u < L) {
+      const Gating& G = p.gating;
+      if (G.mode == GateMode::kFused) {
+        g = fused_decay(hp.x, bits_to_float(in.x[u], G.a.dtype), hp.y);
+        b = sigmoid(bits_to_float(in.y[u], G.b.dtype));
+      } else {
+        g = bits_to_float(in.x[u], G.g.dtype);
+        b = bits_to_float(in.y[u], G.beta.dtype);
+      }
+    }
+    x[u] = g;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, x[u], off);
+      if (lane >= off) x[u] += y;
+    }
+    beta[lane + 32 * u] = b;
+  }
+  gc[lane] = x[0];
+  gc[lane + 32] = x[1] + __shfl_sync(0xffffffffu, x[0], 31);
+}
+
+// The per-token factors (FactorRow) of token t < 64 of one (chunk, value head) to f, from gcum, rk and (kWithRq) rq
+// in shared memory. Without kWithRq (the state pass forms M and applies rq itself) kEq is e^gcum alone and M's
+// terms kGc, kRk follow.
+template <bool kWithRq>
+__device__ __forceinline__ void store_token_factors(float* f, const float* gc, const float* rk, const float* rq, int L,
+                                                    int t) {
+  const float d = expf(gc[t]), g_last = gc[kChunk - 1];
+  f[kEk * kChunk + t] = d * rk[t];
+  f[kEq * kChunk + t] = kWithRq ? d * rq[t] : d;
+  f[kDd * kChunk + t] = t < L ? rk[t] * expf(g_last - gc[t]) : 0.0f;
+  f[kEg * kChunk + t] = expf(g_last);
+  if constexpr (!kWithRq) {
+    f[kGc * kChunk + t] = gc[t] * 1.4426950408889634f;
+    f[kRk * kChunk + t] = rk[t];
+  }
+}
+
+// Where a warp's C fragments of a 64 x 64 chunk-causal matrix go in its causal image (causal_image_offset): rows
+// i = 16 warp + r + 8 half (r = lane / 4), element (i, 8 nt + 2 (lane % 4)) at at[half] + ((nt ^ swz) << 3), as
+// the swizzle of row i is (i / 2) % 4 in rows 0..31 (warps 0, 1: only nt < 4 is in the image) and i % 8 in rows
+// 32..63. Constant offsets per tile, no address arithmetic per element.
+struct ImageRows {
+  int at[2];
+  int swz;
+};
+__device__ __forceinline__ ImageRows image_rows(int warp, int lane) {
+  const int r = lane >> 2, q2 = (lane & 3) * 2;
+  ImageRows x;
+  x.swz = warp < 2 ? (r >> 1) & 3 : r;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = warp * 16 + r + half * 8;
+    x.at[half] = (warp < 2 ? i * 32 : kCausalImageLow + (i - 32) * 64) + q2;
+  }
+  return x;
+}
+
+// T = (I + A)^{-1} over Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them,
+// strictly lower; the blocks above the diagonal zero), then T' = T diag(beta) to `out` in the operand dtype: the
+// wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or past L are written as zero.
+// Called by the 4 warps of a CTA or a warpgroup (kThreads threads, the first of them thread kTidBase); sync()
+// is their barrier. On return this thread's part of T' is stored; Af may be overwritten after the next sync().
+template <class Op, int kTidBase, class Sync>
+__device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta, int L, Op* out, bool image, int warp,
+                                                   int lane, Sync&& sync) {
+  constexpr int LDA = kSolveLd;
+  float* const Tf = Af;
+  // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory), written over A:
+  //   diagonal blocks  T_ii = (I + A_ii)^{-1}: forward substitution in warp i, one column per lane;
+  //   then warp i forms W'_ik = -T_ii A_ik (k < i) in registers, and at level i (block rows < i final)
+  //   T_ij = sum_{k=j}^{i-1} W'_ik T_kj for j < i.
+  // The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh).
+  // Each block of A is read for the last time before T's block replaces it, by its own warp: A_ii in
+  // the substitution (then __syncwarp), A_ik (k < i) when W'_ik is formed, before level i writes T_ik.
+  // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0
+  // (and the blocks skipped keep stale values, which nothing reads).
+  uint32_t w_a[3][4];  // W'_ik, k < warp, as A operands
+  if (warp * 16 < L) {
+    const int col = lane & 15, b0 = warp * 16;
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const float* Ai = Af + (b0 + i) * LDA + b0;
+      float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
+#pragma unroll
+      for (int j = 0; j < i; ++j) {
+        if (j & 1)
+          acc1 = fmaf(-Ai[j], x[j], acc1);
+        else
+          acc0 = fmaf(-Ai[j], x[j], acc0);
+      }
+      x[i] = acc0 + acc1;
+    }
+    __syncwarp();  // every lane has read A_ii
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) Tf[(b0 + i) * LDA + b0 + col] = x[i];
+    }
+    __syncwarp();  // T_ii is in shared memory
+    // -T_ii as the A operand: W_ik comes out negated, so that each level's products sum to T_ij itself.
+    uint32_t t_a[4];
+    load_a_half(Af + b0 * LDA + b0, LDA, lane, t_a);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) t_a[i] ^= 0x80008000u;  // the sign bits of both fp16 halves
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      if (k >= warp) continue;
+      float w[2][4] = {};
+      block_mma_half(w, t_a, Af + b0 * LDA + k * 16, LDA, lane);
+      c_to_a_half(w, w_a[k]);
+    }
+  }
+#pragma unroll
+  for (int lvl = 1; lvl < 4; ++lvl) {
+    if (lvl * 16 >= L) break;
+    sync();  // block rows < lvl of T are final
+    if (warp == lvl) {
+#pragma unroll
+      for (int j = 0; j < lvl; ++j) {
+        float t[2][4] = {};
+#pragma unroll
+        for (int k = j; k < lvl; ++k) block_mma_half(t, w_a[k], Tf + k * 16 * LDA + j * 16, LDA, lane);
+        store_c(t, Tf + lvl * 16 * LDA + j * 16, LDA, lane);
+      }
+    }
+  }
+  sync();
+  // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
+  {
+    // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero
+    // (the blocks above the diagonal since the stash, T_ii's by the substitution); rows past L may hold stale
+    // values (blocks the solve skipped): selected away.
+    auto put = [&](int i, int c, float2 bv, Op* to) {
+      const float2 tv = *reinterpret_cast<const float2*>(&Tf[i * LDA + c]);
+      const bool live = i < L;
+      *reinterpret_cast<uint32_t*>(to) = pack2<Op>(live ? tv.x * bv.x : 0.0f, live ? tv.y * bv.y : 0.0f);
+    };
+    if (image) {
+      // Rows 0..31 (16 pairs each): a thread's rows il + 8u, its column fixed, so its image offset steps by
+      // 256 (the 64B swizzle of row i is (i / 2) % 4). Rows 32..63 (32 pairs each): rows ih + 4u, the 128B
+      // swizzle i % 8 = (ih % 8) ^ 4 (u % 2) (ih % 8 < 4 with 128 threads): the offset of an odd u flips
+      // the piece's bit 2 (element offset bit 5) of the even u's, and steps by 256. Unrolled from two base
+      // pointers, every store and shared load takes a constant offset (no address arithmetic per pair).
+      static_assert(kThreads == 128, "the image's per-thread rows");
+      // The thread index read again here (volatile): hoisted out of the head loop, these offsets held registers
+      // across the solve and ptxas spilled.
+      int t;
+      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+      t -= kTidBase;
+      const int il = t >> 4, cl = (t & 15) * 2, ih = 32 + (t >> 5), ch = (t & 31) * 2;
+      const int offh = causal_image_offset(ih, ch);
+      Op* const outl = out + causal_image_offset(il, cl);
+      Op* const outh = out + offh;
+      Op* const outh_odd = out + (offh ^ 32) + 256;
+      const float2 bl = *reinterpret_cast<const float2*>(&beta[cl]);
+      const float2 bh = *reinterpret_cast<const float2*>(&beta[ch]);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) put(il + 8 * u, cl, bl, outl + 256 * u);
+#pragma unroll
+      for (int u = 0; u < 8; u += 2) {
+        put(ih + 4 * u, ch, bh, outh + 256 * u);
+        put(ih + 4 * u + 4, ch, bh, outh_odd + 256 * u);
+      }
+    } else {
+      for (int e = int(threadIdx.x) - kTidBase; e < kChunk * kChunk / 2; e += kThreads) {
+        const int c = (e & 31) * 2;
+        put(e >> 5, c, *reinterpret_cast<const float2*>(&beta[c]), out + 2 * e);
+      }
+    }
+  }
+}
+
+}  // namespace gdnkit::cuda::chunked_prefill
