@@ -300,7 +300,10 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     invert_and_store_t<Op, 0>(Af, beta, L, static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk), image, warp, lane,
                               [] { __syncthreads(); });
     // The state pass reuses gcum and the norms (rq includes the scale), per value head.
-    if (tid < kChunk) store_token_factors<kM>(plan.ws_f + ws * (kFactorRows<!kM> * kChunk), gc, s_rk, s_rq, L, tid);
+    // (Beside a prep warpgroup forming M, kGc and kRk alone: it forms the others from them.)
+    if (tid < kChunk)
+      store_token_factors<kM>(plan.ws_f + ws * (kFactorRows<!kM> * kChunk), gc, s_rk, s_rq, L, tid,
+                              plan.aux_prep == kAuxM);
     if (warp == 0 && h + 1 < h1)
       store_gates(p, gates, head_params(h + 1), L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
     __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it

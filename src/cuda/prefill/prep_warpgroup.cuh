@@ -1,18 +1,15 @@
-// The chunk prep as a warpgroup of the fused head pass (state_pass_head_kernel with kFused): beside the two
-// state warpgroups of a (sequence, value head) CTA, a third warpgroup turns each chunk's staged k and q rows
-// and its gates into what the state warpgroups read from the chunk prep's workspace otherwise (T' and M as
-// causal images, the four token factors), in the chunk's own shared-memory stage. The state warpgroups run
-// chunk c while it prepares chunk c + 1 (or c + 2: the stages are filled two chunks ahead), so the prep's
-// work leaves the sequential chain and nothing goes through global memory.
-//
-// Per chunk, for value head h of q/k head hk (the math of chunk_prep_kernel, kernels.cuh):
-//   wait for the stage's TMA (k, q, v rows); past a partial chunk's end, zero the rows (the tiles hold the next
-//   tokens there);
-//   G = k k^T on the tensor cores (wgmma, both operands in shared memory) while each warp takes its 16 rows'
-//   norms rk, rq from the diagonal blocks of k k^T and q q^T (mma.sync) and warp 0 the gates and gcum;
-//   A from G (solve.cuh's mask and factors), then q k^T (wgmma) and M; then T' by invert_and_store_t;
-//   the factor rows; then one arrival per thread on the stage's prep barrier (after a proxy fence: the tensor
-//   cores read T' and M).
+// The head pass's prep warpgroup (state_pass_head_kernel's kAux): beside the two state warpgroups of a (sequence,
+// value head) CTA, a third warpgroup turns each chunk's staged rows into what the state warpgroups would otherwise
+// read from the chunk prep's workspace, in the chunk's own shared-memory stage, a chunk or two ahead of them (the
+// stages are filled two chunks ahead), so that its work leaves their sequential chain. Two modes:
+//   kAuxM (kSolve false): after the chunk prep kernel without M (T' and the factor rows kGc, kRk arrive with the
+//     rows by TMA), it forms M with rq (q k^T on wgmma, rq from the diagonal of q q^T) and the factor rows kEk, kEq,
+//     kDd, kEg;
+//   kAuxAll (kSolve true): everything, no chunk prep kernel (the math of chunk_prep_kernel, kernels.cuh): k k^T,
+//     the norms, gates and gcum, A, T' by solve.cuh's invert_and_store_t, M and the factor rows.
+// Per chunk: wait for the stage's TMA; past a partial chunk's end zero the k, q, v rows (the tiles hold the next
+// tokens there); form its part; then one arrival per thread on the stage's `done` mbarrier, after a proxy fence (the
+// tensor cores read T' and M). Design and measurements: docs/prefill-design.md "The prep warpgroup".
 // Registers: the kernel is launched for 384 threads (168 each); this warpgroup gives back to kPrepRegs, the
 // state warpgroups take kStateRegs (setmaxnreg).
 #pragma once
@@ -171,13 +168,23 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
           const float k0 = r & 1 ? dkk[0][1] : dkk[0][0], k1 = r & 1 ? dkk[1][3] : dkk[1][2];
           ps.rk[i] = norm ? rsqrtf(k0 + 1e-6f) : 1.0f;
           ps.rk[i + 8] = norm ? rsqrtf(k1 + 1e-6f) : 1.0f;
-        } else {  // the chunk prep's kEq is e^gcum alone
-          b.sc[kEq * kChunk + i] *= rq0;
-          b.sc[kEq * kChunk + i + 8] *= rq1;
         }
       }
     }
-    if constexpr (!kSolve) __syncwarp();  // the warp's rq (its own rows are all M's pass reads)
+    if constexpr (!kSolve) {
+      __syncwarp();  // the warp's rq (its own rows are all M's pass reads)
+      // The state warpgroups' factor rows of this warp's 16 tokens from the chunk prep's kGc (gcum log2 e) and kRk
+      // (store_token_factors' with rq)
+      if (lane < 16) {
+        const int t = warp * 16 + lane;
+        const float gc2 = b.sc[kGc * kChunk + t], rk = b.sc[kRk * kChunk + t], gl2 = b.sc[kGc * kChunk + kChunk - 1];
+        const float d = exp2f(gc2);
+        b.sc[kEk * kChunk + t] = d * rk;
+        b.sc[kEq * kChunk + t] = d * ps.rq[t];
+        b.sc[kDd * kChunk + t] = t < L ? rk * exp2f(gl2 - gc2) : 0.0f;
+        b.sc[kEg * kChunk + t] = exp2f(gl2);
+      }
+    }
     if (kSolve && warp == 0) {
       store_gates(p, gates, hp, L, lane, ps.gc, ps.beta);
       if (c + 1 < nchunks)

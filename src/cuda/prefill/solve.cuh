@@ -76,11 +76,16 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
 }
 
 // The per-token factors (FactorRow) of token t < 64 of one (chunk, value head) to f, from gcum, rk and (kWithRq) rq
-// in shared memory. Without kWithRq (the state pass forms M and applies rq itself) kEq is e^gcum alone and M's
-// terms kGc, kRk follow.
+// in shared memory. Without kWithRq (M is formed in the state pass, which applies rq itself) kEq is e^gcum alone and
+// M's terms kGc, kRk follow; with m_terms_only those two alone (the head pass's prep warpgroup forms the others).
 template <bool kWithRq>
 __device__ __forceinline__ void store_token_factors(float* f, const float* gc, const float* rk, const float* rq, int L,
-                                                    int t) {
+                                                    int t, bool m_terms_only = false) {
+  if (!kWithRq && m_terms_only) {
+    f[kGc * kChunk + t] = gc[t] * 1.4426950408889634f;
+    f[kRk * kChunk + t] = rk[t];
+    return;
+  }
   const float d = expf(gc[t]), g_last = gc[kChunk - 1];
   f[kEk * kChunk + t] = d * rk[t];
   f[kEq * kChunk + t] = kWithRq ? d * rq[t] : d;

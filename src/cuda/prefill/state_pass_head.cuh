@@ -286,9 +286,12 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
         uint64_t* bar = &bars[c % kStages];
         if (parts & kInputs) {
           // both parts' bytes (kAuxAll: the rows alone; the prep warpgroup fills the rest)
+          // (kAuxM: T' and the factor rows kGc, kRk; the prep warpgroup forms the others)
           constexpr uint32_t kBytes =
               uint32_t((2 * K + kCols) * kChunk * 2) +
-              (kAux == kAuxAll ? 0u : uint32_t((kFused || kMInPass ? 1 : 2) * kCausalImageElems * 2 + kFRows * kChunk * 4));
+              (kAux == kAuxAll ? 0u
+                               : uint32_t((kFused || kMInPass ? 1 : 2) * kCausalImageElems * 2 +
+                                          (kAux == kAuxM ? 2 : kFRows) * kChunk * 4));
           fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
           mbarrier_arrive_expect_tx(bar, kBytes);
           const int tk = int(start + c * kChunk);
@@ -304,7 +307,10 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
           const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's causal images: one bulk copy each
           bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
           if constexpr (!kMInPass && !kFused) bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
-          bulk_load(b.sc, f_src + c * HV * (kFRows * kChunk), kFRows * kChunk * 4, bar);
+          if constexpr (kAux == kAuxM)
+            bulk_load(b.sc + kGc * kChunk, f_src + c * HV * (kFRows * kChunk) + kGc * kChunk, 2 * kChunk * 4, bar);
+          else
+            bulk_load(b.sc, f_src + c * HV * (kFRows * kChunk), kFRows * kChunk * 4, bar);
         }
       }
     } else if (parts & kInputs) {
