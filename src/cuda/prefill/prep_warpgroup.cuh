@@ -49,6 +49,21 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 // Named barriers: 0 is __syncthreads; the state warpgroups meet on 1, the prep warpgroup on 2.
 constexpr int kStateBarrier = 1, kPrepBarrier = 2;
 
+// Past a partial chunk's end (L < 64 tokens) the staged k, q, v tiles hold the next tokens' rows (or TMA's zeros past
+// the tensor): zeroed here by threads first, first + stride, ..., so that the products run unmasked. The caller
+// orders the zeros before the tensor cores' reads (a proxy fence, then a barrier).
+template <int K, class Op, class Stage>
+__device__ __forceinline__ void zero_rows_past(Stage& b, int L, int first, int stride) {
+  constexpr int kCols = int(sizeof(b.vs) / sizeof(b.vs[0])) / kChunk;
+  constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
+  for (int it = first; it < (kChunk - L) * kRowPieces; it += stride) {
+    const int row = L + it / kRowPieces, piece = it % kRowPieces, col = piece % (K / 8) * 8;
+    Op* buf = piece < K / 8 ? b.ks : piece < K / 4 ? b.qs : b.vs;
+    const int c8 = piece < K / 4 ? col : (piece - K / 4) * 8;
+    *reinterpret_cast<uint4*>(&buf[sw128_offset<kChunk>(row, c8)]) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // The prep warpgroup's own shared memory (after the stages).
 struct PrepSmem {
   float a[kChunk * kSolveLd];  // A, then T in place (solve.cuh)
@@ -100,15 +115,8 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
     const int r = lane >> 2, q2 = (lane & 3) * 2;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     mbarrier_wait(&full[c % kStages], uint32_t(c / kStages) & 1);
-    if (L < kChunk) {  // the tiles hold the next tokens' rows there (or zeros past the tensor): zero them
-      constexpr int kCols = int(sizeof(b.vs) / sizeof(b.vs[0])) / kChunk;
-      constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
-      for (int it = at; it < (kChunk - L) * kRowPieces; it += kThreads) {
-        const int row = L + it / kRowPieces, piece = it % kRowPieces, col = piece % (K / 8) * 8;
-        Op* buf = piece < K / 8 ? b.ks : piece < K / 4 ? b.qs : b.vs;
-        const int c8 = piece < K / 4 ? col : (piece - K / 4) * 8;
-        *reinterpret_cast<uint4*>(&buf[sw128_offset<kChunk>(row, c8)]) = make_uint4(0, 0, 0, 0);
-      }
+    if (L < kChunk) {
+      zero_rows_past<K, Op>(b, L, at, kThreads);
       fence_proxy_async();  // the zeros are read by the tensor cores
       sync();
     }

@@ -379,14 +379,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
       mbarrier_wait(&prep_bars[c % kStages], uint32_t(c / kStages) & 1);
     } else if constexpr (kWg) {
       mbarrier_wait(&bars[c % kStages], uint32_t(c / kStages) & 1);
-      if (L < kChunk) {  // the tiles hold the next tokens' rows there (or zeros past the tensor): zero them
-        constexpr int kRowPieces = (2 * K + kCols) / 8;  // 16-byte pieces of a token's k, q, v rows
-        for (int it = tid; it < (kChunk - L) * kRowPieces; it += kThr) {
-          const int row = L + it / kRowPieces, piece = it % kRowPieces, col = piece % (K / 8) * 8;
-          Op* buf = piece < K / 8 ? b.ks : piece < K / 4 ? b.qs : b.vs;
-          const int c8 = piece < K / 4 ? col : (piece - K / 4) * 8;
-          *reinterpret_cast<uint4*>(&buf[sw128_offset<kChunk>(row, c8)]) = make_uint4(0, 0, 0, 0);
-        }
+      if (L < kChunk) {
+        zero_rows_past<K, Op>(b, L, tid, kThr);
         fence_proxy_async();  // the zeros are read by the tensor cores
       }
     } else {
