@@ -87,6 +87,11 @@ size_t workspace_bytes(const PrefillParams& p) {
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
+  if (base == nullptr) {  // no workspace (no tokens, or no chunk prep kernel: kAuxAll)
+    plan.ws_t = plan.ws_m = nullptr;
+    plan.ws_f = nullptr;
+    return;
+  }
   char* at = static_cast<char*>(base);
   plan.ws_t = at;
   plan.ws_m = plan.m_in_pass ? nullptr : at + t_bytes(p);
@@ -158,9 +163,10 @@ bool aux_prep_possible(const PrefillParams& p, const Plan& plan) {
 int choose_aux_prep(const PrefillParams& p, const Plan& plan, int aux) {
   if (!aux_prep_possible(p, plan)) return kAuxNone;
   if (aux >= 0) return std::min(aux, kAuxAll);
-  static const int from_env = [] {  // -1: unset
+  static const int from_env = [] {  // -1: unset, or not one of 0, 1, 2 (then the default)
     const char* e = std::getenv("GDNKIT_PREFILL_AUX");
-    return e == nullptr ? -1 : std::clamp(std::atoi(e), kAuxNone, kAuxAll);
+    if (e == nullptr || e[0] < '0' || e[0] > '2' || e[1] != '\0') return -1;
+    return e[0] - '0';
   }();
   if (from_env >= 0) return from_env;
   // Measured (H100, qwen3-next, results/H100/prefill_ab17_aux.txt): M in the prep warpgroup takes 8x8192 1.11 ->

@@ -137,6 +137,12 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
   // A case that asks for the short path must get it: were it refused, the chunked kernels would run
   // every sequence and the comparison would still pass.
   if (short_len > 0) EXPECT_TRUE(cuda::prefill_short_supported(p)) << "the short path would not run";
+  // ... and one that asks for a prep warpgroup must get that mode (the plan falls back to none where it cannot).
+  if (aux > 0) {
+    cuda::chunked_prefill::Plan plan;
+    cuda::chunked_prefill::plan_state_pass(p, plan, cuda::device_sms(), vtile, head_split, aux);
+    EXPECT_EQ(plan.aux_prep, aux) << "the prep warpgroup's mode would not run";
+  }
   if (vtile == kShortOnly) {
     validate(p, Backend::kCUDA);
     cuda::prefill_short(p, short_len, reinterpret_cast<Stream>(dev.stream()));
@@ -196,9 +202,11 @@ std::vector<Case> axes_cases() {
             c.seed = 1000 + i++;
             out.push_back({case_name(c), c});
             // 16-bit inputs once more through the head pass with a prep warpgroup (two state warpgroups), for M
-            // alone or for everything, alternately
+            // alone or for everything: the parity of i's low three bits, so that either mode meets both L2 norm
+            // settings, both gate modes and both input dtypes
             if (in != DType::kFloat32) {
-              const int aux = i % 2 ? cuda::chunked_prefill::kAuxM : cuda::chunked_prefill::kAuxAll;
+              const int parity = (c.seed ^ (c.seed >> 1) ^ (c.seed >> 2)) & 1;
+              const int aux = parity ? cuda::chunked_prefill::kAuxM : cuda::chunked_prefill::kAuxAll;
               Case f{case_name(c, "aux" + std::to_string(aux)), c, cuda::chunked_prefill::kVTileHead, 1};
               f.aux = aux;
               out.push_back(f);
@@ -297,6 +305,12 @@ std::vector<Case> shape_cases() {
             }
           }
         }
+  // Sequences of 8 to 16 chunks through each prep warpgroup mode (the stages' mbarrier phases wrap several times).
+  for (int aux : {cuda::chunked_prefill::kAuxNone, cuda::chunked_prefill::kAuxM, cuda::chunked_prefill::kAuxAll}) {
+    ProblemConfig c = base({1000, 700, 517}, 1, 2);
+    c.checkpoint_interval = 256;
+    add(c, "long_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
+  }
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
   // sequence needs.
   for (int C : {64, 128})
@@ -422,6 +436,12 @@ std::vector<Case> sanitize_cases() {
     out.push_back({case_name(c, aux > 0 ? "head_aux" + std::to_string(aux) : "head"), c,
                    cuda::chunked_prefill::kVTileHead, 1, 0, aux});
     c.seed = 3000 + i++;
+  }
+  {  // the default prep warpgroup (M) over 11 chunks: its stages' mbarrier phases wrap
+    ProblemConfig l = base({650, 70}, 1, 2, 128, 128);
+    l.seed = 3000 + i++;
+    out.push_back({case_name(l, "long_aux1"), l, cuda::chunked_prefill::kVTileHead, 1, 0,
+                   cuda::chunked_prefill::kAuxM});
   }
   out.push_back({case_name(c, "head2"), c, cuda::chunked_prefill::kVTileHead, 2});
   c.seed = 3000 + i++;
@@ -617,11 +637,17 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     run(lib.prefill_params(PrefillAlgorithm::kAuto, d_lib.resolver()), d_lib.stream());
     d_own.download(own);
     d_lib.download(lib);
-    std::vector<unsigned char> tail(guard);
+    std::vector<unsigned char> tail(guard), used;
     GDNKIT_TEST_CUDA(cudaMemcpy(tail.data(), ws + need, guard, cudaMemcpyDeviceToHost));
+    if (want.aux == cp::kAuxAll) {  // no chunk prep kernel: nothing of the caller's workspace is written
+      used.resize(need);
+      GDNKIT_TEST_CUDA(cudaMemcpy(used.data(), ws, need, cudaMemcpyDeviceToHost));
+    }
     cudaFree(ws);
     EXPECT_TRUE(std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xff; }))
         << "bytes past prefill_workspace_bytes were written";
+    EXPECT_TRUE(std::all_of(used.begin(), used.end(), [](unsigned char b) { return b == 0xff; }))
+        << "the workspace was written although no chunk prep ran";
     for (const char* name : {"o", "state", "error_flag"})
       EXPECT_TRUE(BitwiseEqual(std::string(name) + " (caller workspace)", own.buffer(name), lib.buffer(name)));
     Problem ref = before;

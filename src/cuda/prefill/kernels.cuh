@@ -67,9 +67,10 @@ constexpr int prep_ctas_per_sm() {
 // One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T (kM) are computed
 // once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
 // h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
-// Without kM (the wgmma head pass forms M from the chunk's rows and takes the q norms there) q is not read,
-// q k^T and M are skipped, kEq is e^gcum alone, and M's per-token terms (kGc, kRk) are written with the
-// other factors.
+// Without kM (the wgmma head pass forms M from the chunk's rows and takes the q norms there, in its state warpgroups
+// or in its prep warpgroup) q is not read, q k^T and M are skipped, kEq is e^gcum alone, and M's per-token terms
+// (kGc, kRk) are written with the other factors, or alone beside a prep warpgroup (Plan::aux_prep == kAuxM), which
+// forms the others.
 template <int K, class Op, bool kM>
 __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     chunk_prep_kernel(const PrefillParams p, const Plan plan) {

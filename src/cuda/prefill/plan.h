@@ -40,7 +40,9 @@ inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens /
 // and, only where the state pass forms M itself (Plan::m_in_pass), M's per-token terms:
 //   kGc: gcum log2(e) (M's decay is exp2(kGc_i - kGc_j))     kRk: rk
 // There the chunk prep does not read q at all: the state pass takes rq from the chunk's q rows it holds
-// and scales o's rows by it, so kEq is e^gcum alone and M is formed without rq.
+// and scales o's rows by it, so kEq is e^gcum alone and M is formed without rq. Beside a prep warpgroup for M
+// (Plan::aux_prep == kAuxM, m_in_pass set too) the chunk prep writes kGc and kRk alone (the block keeps its 6 rows),
+// and the warpgroup forms kEk, kEq (with rq), kDd and kEg in the stage.
 enum FactorRow { kEk = 0, kEq = 1, kDd = 2, kEg = 3, kGc = 4, kRk = 5 };
 // Rows of a (chunk, head) block of factors: 6 where the state pass forms M (kMInPass), else 4.
 template <bool kMInPass>

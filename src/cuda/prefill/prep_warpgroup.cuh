@@ -71,11 +71,12 @@ struct PrepSmem {
 };
 
 // The chunks of one sequence (start, len) of value head h, prepared into their stages: chunk c's is
-// stage[c % kStages] (HeadStageWg: ks, qs, vs as the TMA tiles land; ts, ms, sc filled here), its TMA completes
-// on full[c % kStages] and this warpgroup's 128 threads arrive on done[c % kStages] (phase parity c / kStages).
-// kSolve: everything (T', M, the four factor rows). Else M alone: T' and the six factor rows of the chunk prep
-// kernel without M (kGc, kRk among them) arrive with the rows by TMA; this warpgroup forms M with rq and
-// multiplies kEq by rq (the state warpgroups then read what the chunk prep with M would have written).
+// stage[c % kStages] (HeadStageWg: ks, qs, vs as the TMA tiles land), its TMA completes on full[c % kStages] and
+// this warpgroup's 128 threads arrive on done[c % kStages] (phase parity c / kStages).
+// kSolve: it fills ts (T'), ms (M) and the four factor rows of sc. Else M alone: T' and the factor rows kGc, kRk of
+// the chunk prep kernel arrive with the rows by TMA; this warpgroup fills ms (M with rq) and forms the rows kEk, kEq
+// (with rq), kDd, kEg from kGc and kRk (the state warpgroups then read what the chunk prep with M would have
+// written).
 template <int K, class Op, int kStages, bool kSolve, class Stage>
 __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Plan& plan, PrepSmem& ps, Stage* stage,
                                                uint64_t* full, uint64_t* done, int h, int64_t start, int64_t len) {

@@ -1,8 +1,10 @@
 // The chunk prep's per-(chunk, value head) pieces shared by its two homes: the chunk prep kernel
-// (kernels.cuh, one CTA of 4 warps per chunk and q/k head) and the prep warpgroup of the fused head pass
+// (kernels.cuh, one CTA of 4 warps per chunk and q/k head) and the head pass's prep warpgroup
 // (prep_warpgroup.cuh, beside the state warpgroups). Both run them with 4 warps (kThreads), warp w owning
 // token rows 16w .. 16w + 15:
 //   the gate inputs of a value head loaded by warp 0 as raw bits, then gcum and beta (store_gates);
+//   the per-token factor rows (store_token_factors);
+//   where a warp's C fragments go in a causal image (image_rows);
 //   T = (I + A)^{-1} of the strictly lower A (fp32 in shared memory, written over A) and T' = T diag(beta) stored
 //   in the operand dtype (invert_and_store_t).
 #pragma once

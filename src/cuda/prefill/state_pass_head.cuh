@@ -33,6 +33,10 @@
 //     CTA barrier. It also takes the q norms from the staged q rows while P and Q run (the prep then reads
 //     no q) and scales o's token rows by them at the end: o_i = rq_i (e^gcum_i q_i S + sum_j M'_ij v_new_j),
 //     with M' = M / rq_i. With one warpgroup, M comes from the workspace by TMA like T'.
+//     With a prep warpgroup (kAux: a third warpgroup, prep_warpgroup.cuh) the two state warpgroups form neither M
+//     nor rq: the prep warpgroup fills each stage with M and the factor rows (kAuxM; after the chunk prep kernel)
+//     or with everything the chunk prep would write (kAuxAll; no chunk prep kernel), and hands it over by an
+//     mbarrier per stage; the state warpgroups meet on a named barrier of their 256 threads.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -126,7 +130,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
   constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;  // the state warps
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
   static_assert(!kWg || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
-  constexpr bool kFused = kAux != kAuxNone;
+  constexpr bool kFused = kAux != kAuxNone;  // a prep warpgroup beside the state warpgroups
   static_assert(!kFused || (kWg && kCols == 128), "the prep warpgroup: beside two state warpgroups");
   // M formed by the state warpgroups, not read from the stage (kFused: the prep warpgroup forms it)
   constexpr bool kMInPass = !kFused && head_pass_forms_m(kWg, kCols);
