@@ -183,8 +183,8 @@ int plan_state_pass(const PrefillParams& p, Plan& plan, int num_sms, int vtile, 
   plan.wgmma_pass = head_pass_wgmma(p, plan, vtile);
   plan.aux_prep = choose_aux_prep(p, plan, aux);
   // m_in_pass: the chunk prep without M (M formed by the state warpgroups, or by the prep warpgroup)
-  plan.m_in_pass = plan.aux_prep == kAuxM ||
-                   (plan.aux_prep == kAuxNone && head_pass_forms_m(plan.wgmma_pass, p.heads.head_dim_v / plan.head_split));
+  const bool state_forms_m = head_pass_forms_m(plan.wgmma_pass, p.heads.head_dim_v / plan.head_split);
+  plan.m_in_pass = plan.aux_prep == kAuxM || (plan.aux_prep == kAuxNone && state_forms_m);
   return vtile;
 }
 

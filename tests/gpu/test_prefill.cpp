@@ -611,8 +611,8 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     int aux;  // asked for
     bool few, m_in_pass;
   };
-  for (const Plan want : {Plan{cp::kAuxNone, false, true}, Plan{cp::kAuxNone, true, false}, Plan{cp::kAuxM, false, true},
-                          Plan{cp::kAuxAll, false, false}}) {
+  for (const Plan want : {Plan{cp::kAuxNone, false, true}, Plan{cp::kAuxNone, true, false},
+                          Plan{cp::kAuxM, false, true}, Plan{cp::kAuxAll, false, false}}) {
     // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split: M formed in the pass, by the state
     // warpgroups or a prep warpgroup, or the chunk prep in a warpgroup), 1 x 32 two each (M from the workspace).
     const Problem before(want.few ? base({130}, 16, 32) : base({130, 64, 71}, 16, 32));
@@ -622,7 +622,8 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     cp::Plan plan;
     cp::plan_state_pass(p, plan, cuda::device_sms(), 0, 0, want.aux);
     ASSERT_EQ(plan.m_in_pass, want.m_in_pass) << "the case no longer takes the plan it is written for";
-    ASSERT_EQ(plan.aux_prep, want.few ? cp::kAuxNone : want.aux) << "the case no longer takes the plan it is written for";
+    ASSERT_EQ(plan.aux_prep, want.few ? cp::kAuxNone : want.aux)
+        << "the case no longer takes the plan it is written for";
     const auto run = [&](const PrefillParams& q, cudaStream_t stream) {
       cp::prefill_with_vtile(q, stream, 0, cp::kStagesAll, 0, -1, want.aux);
     };

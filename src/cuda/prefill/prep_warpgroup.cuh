@@ -165,7 +165,8 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
           mma<Op>(dkk[1], fk, fk[1], fk[3]);
         }
       }
-      // Row 16 w + d: element d % 2 (rows 0..7) or 2 + d % 2 (rows 8..15) of the lane with r = d % 8, (lane & 3) = r / 2.
+      // Row 16 w + d: element d % 2 (rows 0..7) or 2 + d % 2 (rows 8..15) of the lane with r = d % 8,
+      // (lane & 3) = r / 2.
       if ((lane >> 3) == (lane & 3)) {
         const int i = warp * 16 + r;
         const float x0 = r & 1 ? dqq[0][1] : dqq[0][0], x1 = r & 1 ? dqq[1][3] : dqq[1][2];
@@ -277,7 +278,8 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
     }
     fence_proxy_async();  // T' and M are read by the tensor cores
     mbarrier_arrive(&done[c % kStages]);
-    if constexpr (kSolve) sync();  // every warp is done with this chunk's A / T, norms and gates before the next chunk's
+    // every warp is done with this chunk's A / T, norms and gates before the next chunk's
+    if constexpr (kSolve) sync();
   }
 }
 

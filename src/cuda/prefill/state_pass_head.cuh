@@ -183,8 +183,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
     const int wg = __shfl_sync(0xffffffffu, tid / kThreads, 0);
     if (wg == kWarps / 4) {
       setmaxnreg_dec<kPrepRegs>();
-      prep_warpgroup<K, Op, kStages, kAux == kAuxAll>(p, plan, *reinterpret_cast<PrepSmem*>(stage + kStages), stage, bars, prep_bars,
-                                     h, start, len);
+      PrepSmem& ps = *reinterpret_cast<PrepSmem*>(stage + kStages);
+      prep_warpgroup<K, Op, kStages, kAux == kAuxAll>(p, plan, ps, stage, bars, prep_bars, h, start, len);
       return;
     }
     setmaxnreg_inc<kStateRegs>();
@@ -289,8 +289,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
       if (tid == 0) {
         uint64_t* bar = &bars[c % kStages];
         if (parts & kInputs) {
-          // both parts' bytes (kAuxAll: the rows alone; the prep warpgroup fills the rest)
-          // (kAuxM: T' and the factor rows kGc, kRk; the prep warpgroup forms the others)
+          // both parts' bytes (kAuxAll: the rows alone; kAuxM: the rows, T' and the factor rows kGc, kRk; the prep
+          // warpgroup forms the rest)
           constexpr uint32_t kBytes =
               uint32_t((2 * K + kCols) * kChunk * 2) +
               (kAux == kAuxAll ? 0u
