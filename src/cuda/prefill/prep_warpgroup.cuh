@@ -72,7 +72,9 @@ struct PrepSmem {
 
 // The chunks of one sequence (start, len) of value head h, prepared into their stages: chunk c's is
 // stage[c % kStages] (HeadStageWg: ks, qs, vs as the TMA tiles land), its TMA completes on full[c % kStages] and
-// this warpgroup's 128 threads arrive on done[c % kStages] (phase parity c / kStages).
+// this warpgroup's 128 threads arrive on done[c % kStages] (phase parity c / kStages). From chunk kStages on it also
+// waits on done[kStages + c % kStages] (parity c / kStages - 1): every state thread is done with the stage's previous
+// chunk.
 // kSolve: it fills ts (T'), ms (M) and the four factor rows of sc. Else M alone: T' and the factor rows kGc, kRk of
 // the chunk prep kernel arrive with the rows by TMA; this warpgroup fills ms (M with rq) and forms the rows kEk, kEq
 // (with rq), kDd, kEg from kGc and kRk (the state warpgroups then read what the chunk prep with M would have
@@ -115,7 +117,9 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
     at = thread_index(), warp = at >> 5, lane = at & 31;
     const int r = lane >> 2, q2 = (lane & 3) * 2;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    if (c >= kStages) mbarrier_wait(&done[kStages + c % kStages], uint32_t(c / kStages - 1) & 1);
     mbarrier_wait(&full[c % kStages], uint32_t(c / kStages) & 1);
+    __syncwarp();  // every lane's reads of the previous chunk's rq before this chunk's writes
     if (L < kChunk) {
       zero_rows_past<K, Op>(b, L, at, kThreads);
       fence_proxy_async();  // the zeros are read by the tensor cores

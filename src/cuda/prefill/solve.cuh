@@ -130,48 +130,72 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
   constexpr int LDA = kSolveLd;
   float* const Tf = Af;
   // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory), written over A:
-  //   diagonal blocks  T_ii = (I + A_ii)^{-1}: forward substitution in warp i, one column per lane;
+  //   diagonal blocks  T_ii = (I + A_ii)^{-1} in warp i, by its 8 x 8 halves: [[X1, 0], [Y, X2]] with
+  //   X1 = (I + A11)^{-1}, X2 = (I + A22)^{-1} by forward substitution (one column per lane) and
+  //   Y = -X2 A21 X1 by two mma (the A fragment of a 16 x 16 block holds its quarters apart);
   //   then warp i forms W'_ik = -T_ii A_ik (k < i) in registers, and at level i (block rows < i final)
   //   T_ij = sum_{k=j}^{i-1} W'_ik T_kj for j < i.
   // The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh).
   // Each block of A is read for the last time before T's block replaces it, by its own warp: A_ii in
-  // the substitution (then __syncwarp), A_ik (k < i) when W'_ik is formed, before level i writes T_ik.
+  // the substitution and Y's products (then __syncwarp), A_ik (k < i) when W'_ik is formed, before level i
+  // writes T_ik. The caller's A is zero on and above the diagonal, so T_ii's upper-right quarter is too.
   // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0
   // (and the blocks skipped keep stale values, which nothing reads).
   uint32_t w_a[3][4];  // W'_ik, k < warp, as A operands
   if (warp * 16 < L) {
-    const int col = lane & 15, b0 = warp * 16;
-    float x[16];
+    const int b0 = warp * 16;
+    {
+      // X1 (lanes 0..7) and X2 (lanes 8..15) column by column; lanes 16..31 repeat lanes 0..15
+      const int col = lane & 7, d0 = b0 + (lane & 8);
+      float x[8];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const float* Ai = Af + (b0 + i) * LDA + b0;
-      float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
+      for (int i = 0; i < 8; ++i) {
+        const float* Ai = Af + (d0 + i) * LDA + d0;
+        float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
 #pragma unroll
-      for (int j = 0; j < i; ++j) {
-        if (j & 1)
-          acc1 = fmaf(-Ai[j], x[j], acc1);
-        else
-          acc0 = fmaf(-Ai[j], x[j], acc0);
+        for (int j = 0; j < i; ++j) {
+          if (j & 1)
+            acc1 = fmaf(-Ai[j], x[j], acc1);
+          else
+            acc0 = fmaf(-Ai[j], x[j], acc0);
+        }
+        x[i] = acc0 + acc1;
       }
-      x[i] = acc0 + acc1;
-    }
-    __syncwarp();  // every lane has read A_ii
-    if (lane < 16) {
+      __syncwarp();  // every lane has read A11 and A22
+      if (lane < 16) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) Tf[(b0 + i) * LDA + b0 + col] = x[i];
+        for (int i = 0; i < 8; ++i) Tf[(d0 + i) * LDA + d0 + col] = x[i];
+      }
+      __syncwarp();  // X1 and X2 are in shared memory
     }
-    __syncwarp();  // T_ii is in shared memory
-    // -T_ii as the A operand: W_ik comes out negated, so that each level's products sum to T_ij itself.
-    uint32_t t_a[4];
+    // The block [[X1, 0], [A21, X2]] as an A fragment (quarters X1, A21, 0, X2) and its first 8 columns as a B
+    // fragment (rows 0..7: X1, rows 8..15: A21).
+    uint32_t t_a[4], bx[2];
     load_a_half(Af + b0 * LDA + b0, LDA, lane, t_a);
+    {
+      const float* pb = Af + b0 * LDA + b0 + (lane >> 2);
+      const int c = (lane & 3) * 2;
+      bx[0] = pack2<__half>(pb[c * LDA], pb[(c + 1) * LDA]);
+      bx[1] = pack2<__half>(pb[(c + 8) * LDA], pb[(c + 9) * LDA]);
+    }
+    // rows 8..15 of [[0, 0], [0, -X2]] [[X1], [A21]] = -X2 A21, then of [[0, 0], [-X2 A21, 0]] [[X1], [A21]] = Y
+    float w[4] = {}, y[4] = {};
+    const uint32_t neg_x2[4] = {0u, 0u, 0u, t_a[3] ^ 0x80008000u};  // the sign bits of both fp16 halves
+    mma<__half>(w, neg_x2, bx[0], bx[1]);
+    const uint32_t neg_w[4] = {0u, pack2<__half>(w[2], w[3]), 0u, 0u};
+    mma<__half>(y, neg_w, bx[0], bx[1]);
+    __syncwarp();  // every lane has read A21
+    *reinterpret_cast<float2*>(Tf + (b0 + 8 + (lane >> 2)) * LDA + b0 + (lane & 3) * 2) = make_float2(y[2], y[3]);
+    t_a[1] = pack2<__half>(y[2], y[3]);  // T_ii's lower-left quarter
+    // -T_ii as the A operand: W_ik comes out negated, so that each level's products sum to T_ij itself.
 #pragma unroll
-    for (int i = 0; i < 4; ++i) t_a[i] ^= 0x80008000u;  // the sign bits of both fp16 halves
+    for (int i = 0; i < 4; ++i) t_a[i] ^= 0x80008000u;
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
       if (k >= warp) continue;
-      float w[2][4] = {};
-      block_mma_half(w, t_a, Af + b0 * LDA + k * 16, LDA, lane);
-      c_to_a_half(w, w_a[k]);
+      float wk[2][4] = {};
+      block_mma_half(wk, t_a, Af + b0 * LDA + k * 16, LDA, lane);
+      c_to_a_half(wk, w_a[k]);
     }
   }
 #pragma unroll

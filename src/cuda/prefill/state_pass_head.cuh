@@ -163,13 +163,22 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
   }
   const int64_t start = sq.start, len = sq.len;
   __shared__ uint64_t bars[kStages];  // wgmma build: the TMA completion of each stage
-  __shared__ uint64_t prep_bars[kFused ? kStages : 1];  // kFused: the prep warpgroup's completion of each stage
+  // kFused: [0, kStages) the prep warpgroup's completion of each stage; [kStages, 2 kStages) the state warps' release
+  // of a stage (each state thread arrives after its last access to a chunk's stage). The next TMA into the stage
+  // already implies the release (it is issued after the state warps' next barrier); the prep warpgroup waits on it
+  // too so that its writes are ordered after every state thread's reads by each thread's own arrival (racecheck
+  // reported hazards where that order ran through the state warps' named barrier, one thread's TMA issue and the
+  // phase that the TMA's bytes complete).
+  __shared__ uint64_t prep_bars[kFused ? 2 * kStages : 1];
   auto init_bars = [&] {
     if (tid == 0) {
 #pragma unroll
       for (int i = 0; i < kStages; ++i) {
         mbarrier_init(&bars[i], 1);
-        if constexpr (kFused) mbarrier_init(&prep_bars[i], kThreads);
+        if constexpr (kFused) {
+          mbarrier_init(&prep_bars[i], kThreads);
+          mbarrier_init(&prep_bars[kStages + i], kThr);
+        }
       }
       fence_mbarrier_init();
     }
@@ -664,6 +673,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
       chunk(std::true_type{});
     else
       chunk(std::false_type{});
+    if constexpr (kFused) mbarrier_arrive(&prep_bars[kStages + c % kStages]);  // this thread is done with stage b
 
     // ---- checkpoint: entry j holds the state after token (j+1)*C, for j < min(steps, len / C)
     if (sq.cslot >= 0) {
