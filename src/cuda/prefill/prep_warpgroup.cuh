@@ -150,40 +150,46 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
     else
       issue_product(dq, dk);
 
-    // ---- meanwhile: the norms of this warp's 16 rows from the diagonal blocks of k k^T and q q^T (the B
-    // fragments of a row block's own product are its A fragment's halves), and warp 0's gates and gcum
-    {
+    // ---- meanwhile: the norms of this warp's 16 rows, and warp 0's gates and gcum.
+    if constexpr (kSolve) {
+      // From the diagonal blocks of k k^T and q q^T (the B fragments of a row block's own product are its A
+      // fragment's halves).
       float dkk[2][4] = {}, dqq[2][4] = {};
       const int row = warp * 16 + (lane & 15);
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) {
         const int off = sw128_offset<kChunk>(row, kk * 16 + (lane >> 4) * 8);
-        uint32_t fq[4];
+        uint32_t fq[4], fk[4];
         ldmatrix_x4(fq, &b.qs[off]);
         mma<Op>(dqq[0], fq, fq[0], fq[2]);
         mma<Op>(dqq[1], fq, fq[1], fq[3]);
-        if constexpr (kSolve) {
-          uint32_t fk[4];
-          ldmatrix_x4(fk, &b.ks[off]);
-          mma<Op>(dkk[0], fk, fk[0], fk[2]);
-          mma<Op>(dkk[1], fk, fk[1], fk[3]);
-        }
+        ldmatrix_x4(fk, &b.ks[off]);
+        mma<Op>(dkk[0], fk, fk[0], fk[2]);
+        mma<Op>(dkk[1], fk, fk[1], fk[3]);
       }
       // Row 16 w + d: element d % 2 (rows 0..7) or 2 + d % 2 (rows 8..15) of the lane with r = d % 8,
       // (lane & 3) = r / 2.
       if ((lane >> 3) == (lane & 3)) {
         const int i = warp * 16 + r;
         const float x0 = r & 1 ? dqq[0][1] : dqq[0][0], x1 = r & 1 ? dqq[1][3] : dqq[1][2];
-        const float rq0 = (norm ? rsqrtf(x0 + 1e-6f) : 1.0f) * plan.scale;
-        const float rq1 = (norm ? rsqrtf(x1 + 1e-6f) : 1.0f) * plan.scale;
-        ps.rq[i] = rq0;
-        ps.rq[i + 8] = rq1;
-        if constexpr (kSolve) {
-          const float k0 = r & 1 ? dkk[0][1] : dkk[0][0], k1 = r & 1 ? dkk[1][3] : dkk[1][2];
-          ps.rk[i] = norm ? rsqrtf(k0 + 1e-6f) : 1.0f;
-          ps.rk[i + 8] = norm ? rsqrtf(k1 + 1e-6f) : 1.0f;
-        }
+        ps.rq[i] = (norm ? rsqrtf(x0 + 1e-6f) : 1.0f) * plan.scale;
+        ps.rq[i + 8] = (norm ? rsqrtf(x1 + 1e-6f) : 1.0f) * plan.scale;
+        const float k0 = r & 1 ? dkk[0][1] : dkk[0][0], k1 = r & 1 ? dkk[1][3] : dkk[1][2];
+        ps.rk[i] = norm ? rsqrtf(k0 + 1e-6f) : 1.0f;
+        ps.rk[i + 8] = norm ? rsqrtf(k1 + 1e-6f) : 1.0f;
       }
+    } else {
+      // rq alone, on the FMA pipe: half a q row per thread (rows 16 w .. 16 w + 15 in warp w). By mma.sync, as
+      // above, these products queued behind the state warpgroups' wgmma and held up M (ncu: a third of this
+      // warpgroup's stall samples, the state warpgroups waiting for it at a fifth of theirs).
+      const int row = at >> 1, c0 = (at & 1) * (K / 2);
+      float ss[2] = {0.0f, 0.0f};  // two chains
+#pragma unroll
+      for (int u = 0; u < K / 16; ++u)
+        ss[u & 1] += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(row, c0 + 8 * u)])));
+      float x = ss[0] + ss[1];
+      x += __shfl_xor_sync(0xffffffffu, x, 1);
+      if (!(at & 1)) ps.rq[row] = (norm ? rsqrtf(x + 1e-6f) : 1.0f) * plan.scale;
     }
     if constexpr (!kSolve) {
       __syncwarp();  // the warp's rq (its own rows are all M's pass reads)
