@@ -3,11 +3,12 @@
 // read from the chunk prep's workspace, in the chunk's own shared-memory stage, a chunk or two ahead of them (the
 // stages are filled two chunks ahead), so that its work leaves their sequential chain. Two modes:
 //   kAuxM (kSolve false): after the chunk prep kernel without M (T' and the factor rows kGc, kRk arrive with the
-//     rows by TMA), it forms M with rq (q k^T on wgmma, rq from the diagonal of q q^T) and the factor rows kEk, kEq,
-//     kDd, kEg;
+//     rows by TMA), it forms M with rq (q k^T on wgmma, rq from the rows' sums of squares on the FMA pipe) and the
+//     factor rows kEk, kEq, kDd, kEg;
 //   kAuxAll (kSolve true): everything, no chunk prep kernel (the math of chunk_prep_kernel, kernels.cuh): k k^T,
 //     the norms, gates and gcum, A, T' by solve.cuh's invert_and_store_t, M and the factor rows.
-// Per chunk: wait for the stage's TMA; past a partial chunk's end zero the k, q, v rows (the tiles hold the next
+// Per chunk: wait for the state warps' release of the stage's previous chunk and for the stage's TMA; past a partial
+// chunk's end zero the k, q, v rows (the tiles hold the next
 // tokens there); form its part; then one arrival per thread on the stage's `done` mbarrier, after a proxy fence (the
 // tensor cores read T' and M). Design and measurements: docs/prefill-design.md "The prep warpgroup".
 // Registers: the kernel is launched for 384 threads (168 each); this warpgroup gives back to kPrepRegs, the
