@@ -1,8 +1,8 @@
 """gdnkit vs FLA on identical inputs: ``python -m gdnkit.bench --out DIR``.
 
 Decode: FLA's ``fused_recurrent_gated_delta_rule`` (one token, initial state in, final state out) vs
-gdnkit's ``decode`` (pool-indexed, in place, slots a random permutation), qwen3-next heads
-(H=16, HV=32, K=V=128), bf16 q/k/v, fp32 state, gating and q/k L2 norm in the kernel for both. Each
+gdnkit's ``decode`` (pool-indexed, in place, slots a random permutation), the heads of a BENCH.md shape
+(``--shape``, default qwen3-next: H=16, HV=32, K=V=128), bf16 q/k/v, fp32 state, gating and q/k L2 norm in the kernel for both. Each
 timed CUDA-graph replay runs one call per input set, rotating through enough sets that the replay
 touches at least 4x the L2 size of state (cold L2, as in serving); the median of the replays over the
 number of calls is reported in microseconds per call.
@@ -32,6 +32,9 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
+# BENCH.md's shapes: (H q/k heads, HV value heads), K = V = 128. The functions below read the module's H and HV,
+# which main() sets from --shape.
+SHAPES = {"qwen3-next": (16, 32), "qwen3.5-397b-tp8": (2, 8), "qwen3.5-27b": (16, 48), "qwen3.5-397b": (16, 64)}
 H, HV, K, V = 16, 32, 128, 128
 
 DECODE_BATCHES = [1, 4, 16, 64, 128, 256, 512]
@@ -299,6 +302,8 @@ def _fmt(x, spec):
 
 def markdown(meta: Dict, rows: List[Dict]) -> str:
     out = [f"# gdnkit vs FLA on {meta['device']}", "",
+           f"Shape {meta.get('shape', 'qwen3-next')} (H={meta['heads']['H']}, HV={meta['heads']['HV']}, "
+           f"K={meta['heads']['K']}, V={meta['heads']['V']}). "
            f"FLA {meta['fla_version']}, torch {meta['torch']}, layout {meta['layout']}, "
            f"copy ceiling {meta['copy_ceiling_tbps']:.2f} TB/s (1 GiB D2D, read + write). "
            f"Command: `{meta['command']}`", "",
@@ -335,6 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gdnkit.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench-out", help="folder for fla_compare.json and fla_compare.md")
     ap.add_argument("--ops", default="decode,verify,prefill", help="comma list of decode, verify, prefill")
+    ap.add_argument("--shape", default="qwen3-next", choices=list(SHAPES), help="heads (BENCH.md's shapes)")
     ap.add_argument("--layout", default="k_last", choices=["k_last", "v_last"],
                     help="state layout for both (FLA: state_v_first = layout == k_last)")
     ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
@@ -344,6 +350,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--replays", type=int, default=20, help="decode graph replays (median)")
     ap.add_argument("--reps", type=int, default=10, help="prefill timed calls (median)")
     args = ap.parse_args(argv)
+    global H, HV
+    H, HV = SHAPES[args.shape]
 
     torch = _torch()
     if not torch.cuda.is_available():
@@ -356,6 +364,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     l2 = int(getattr(props, "L2_cache_size", 50 << 20) or (50 << 20))
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, fla_version=fla_version or "n/a",
                 gdnkit=gdnkit.build_info(), python=platform.python_version(), layout=args.layout, l2_bytes=l2,
+                shape=args.shape,
                 heads=dict(H=H, HV=HV, K=K, V=V), dtype="bf16 q/k/v/a/b, fp32 state",
                 command="python -m gdnkit.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                 time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
