@@ -8,9 +8,8 @@
 //   kAuxAll (kSolve true): everything, no chunk prep kernel (the math of chunk_prep_kernel, kernels.cuh): k k^T,
 //     the norms, gates and gcum, A, T' by solve.cuh's invert_and_store_t, M and the factor rows.
 // Per chunk: wait for the state warps' release of the stage's previous chunk and for the stage's TMA; past a partial
-// chunk's end zero the k, q, v rows (the tiles hold the next
-// tokens there); form its part; then one arrival per thread on the stage's `done` mbarrier, after a proxy fence (the
-// tensor cores read T' and M). Design and measurements: docs/prefill-design.md "The prep warpgroup".
+// chunk's end zero the k, q, v rows (the tiles hold the next tokens there); form its part; then one arrival per thread
+// on the stage's `done` mbarrier, after a proxy fence (the tensor cores read T' and M). Design and measurements: docs/prefill-design.md "The prep warpgroup".
 // Registers: the kernel is launched for 384 threads (168 each); this warpgroup gives back to kPrepRegs, the
 // state warpgroups take kStateRegs (setmaxnreg).
 #pragma once

@@ -182,8 +182,8 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     float w[4] = {}, y[4] = {};
     const uint32_t neg_x2[4] = {0u, 0u, 0u, t_a[3] ^ 0x80008000u};  // the sign bits of both fp16 halves
     mma<__half>(w, neg_x2, bx[0], bx[1]);
-    const uint32_t neg_w[4] = {0u, pack2<__half>(w[2], w[3]), 0u, 0u};
-    mma<__half>(y, neg_w, bx[0], bx[1]);
+    const uint32_t w_lower_left[4] = {0u, pack2<__half>(w[2], w[3]), 0u, 0u};
+    mma<__half>(y, w_lower_left, bx[0], bx[1]);
     __syncwarp();  // every lane has read A21
     *reinterpret_cast<float2*>(Tf + (b0 + 8 + (lane >> 2)) * LDA + b0 + (lane & 3) * 2) = make_float2(y[2], y[3]);
     t_a[1] = pack2<__half>(y[2], y[3]);  // T_ii's lower-left quarter
