@@ -70,6 +70,21 @@ struct PrepSmem {
   float gc[kChunk], beta[kChunk], rk[kChunk], rq[kChunk];
 };
 
+// The four elements of this lane in C tile nt of a warp's 16 rows of a masked, decayed 64 x 64 product (A or M):
+// element e is row i = 16 warp + r + 8 (e >> 1), column jj = j + (e & 1), and comes out as
+// acc[e] * f[e >> 1] * exp2(gi[e >> 1] - gj * scale) * kj, or 0 in the diagonal tiles (diag) where jj > i, or also
+// where jj == i unless kKeepDiag (A is strictly lower, M includes its diagonal).
+template <bool kKeepDiag>
+__device__ __forceinline__ void decayed_tile(const float (&acc)[4], const float (&gi)[2], const float (&f)[2], float2 gj,
+                                             float2 kj, float scale, bool diag, int i0, int j, float (&out)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int i = i0 + (e >> 1) * 8, jj = j + (e & 1);
+    const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * scale) * (e & 1 ? kj.y : kj.x);
+    out[e] = diag && (kKeepDiag ? jj > i : jj >= i) ? 0.0f : acc[e] * f[e >> 1] * d;
+  }
+}
+
 // The chunks of one sequence (start, len) of value head h, prepared into their stages: chunk c's is
 // stage[c % kStages] (HeadStageWg: ks, qs, vs as the TMA tiles land), its TMA completes on full[c % kStages] and
 // this warpgroup's 128 threads arrive on done[c % kStages] (phase parity c / kStages). From chunk kStages on it also
@@ -230,15 +245,9 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
       const int j = nt * 8 + q2;
       const float2 gj = *reinterpret_cast<const float2*>(&ps.gc[j]);
       const float2 kj = *reinterpret_cast<const float2*>(&ps.rk[j]);
-      const bool diag = nt >= 2 * warp;
-      float a[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
-        const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e) * (e & 1 ? kj.y : kj.x);
-        a[e] = diag && jj >= i ? 0.0f : acc[nt][e] * d;
-      }
       const int i0 = warp * 16 + r;
+      float a[4];
+      decayed_tile<false>(acc[nt], gi, {1.0f, 1.0f}, gj, kj, kLog2e, nt >= 2 * warp, i0, j, a);
       *reinterpret_cast<float2*>(&ps.a[i0 * kSolveLd + j]) = make_float2(a[0], a[1]);
       *reinterpret_cast<float2*>(&ps.a[(i0 + 8) * kSolveLd + j]) = make_float2(a[2], a[3]);
     }
@@ -267,14 +276,8 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
       const int j = nt * 8 + q2;
       const float2 gj = *reinterpret_cast<const float2*>(&gcs[j]);
       const float2 kj = *reinterpret_cast<const float2*>(&rks[j]);
-      const bool diag = nt >= 2 * warp;
       float m[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
-        const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kGcScale) * (e & 1 ? kj.y : kj.x);
-        m[e] = diag && jj > i ? 0.0f : acc[nt][e] * fq[e >> 1] * d;
-      }
+      decayed_tile<true>(acc[nt], gi, fq, gj, kj, kGcScale, nt >= 2 * warp, warp * 16 + r, j, m);
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         *reinterpret_cast<uint32_t*>(&b.ms[m_rows.at[half] + ((nt ^ m_rows.swz) << 3)]) =
