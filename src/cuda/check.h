@@ -45,6 +45,9 @@ int decode_narrow_batches(int measured);
 // B = 2, where its grid is in prefetch mode): `measured` unless GDNKIT_DECODE_WIDE sets it (0-1: never). Read
 // once per process; for A/B timing.
 int decode_wide_batches(int measured);
+// Whether K-last bf16-state decode with bf16 inputs runs the tensor-core kernel (recurrent/mma_decode.cuh) on the
+// grids it is built for: on unless GDNKIT_DECODE_MMA=0 (read once per process; for A/B timing).
+bool decode_mma_enabled();
 // SMs of the first device asked (sizing heuristics only; 132 if the query fails). Defined in runtime.cpp.
 int device_sms();
 

@@ -80,6 +80,11 @@ int decode_wide_batches(int measured) {
   return from_env >= 0 ? from_env : measured;
 }
 
+bool decode_mma_enabled() {
+  static const bool enabled = env_switch("GDNKIT_DECODE_MMA");
+  return enabled;
+}
+
 int prefill_short_reach(int measured) {
   static const int from_env = env_count("GDNKIT_PREFILL_SHORT");
   return from_env >= 0 ? from_env : measured;

@@ -82,8 +82,9 @@ std::vector<Named> decode_cases() {
 }
 
 // Small batches with qwen3-next heads, where the launcher's prefetch mode depends on the grid's size
-// (recurrent/launch.cuh): B = 1..4 for both state dtypes against the reference (bf16 state: the regular tile at
-// B = 1, the wide tile from B = 2, recurrent/warp_kernel.cuh).
+// (recurrent/launch.cuh): B = 1..4 for both state dtypes against the reference (bf16 state with bf16 inputs: the
+// tensor-core kernel, recurrent/mma_decode.cuh; with fp32 inputs the regular tile at B = 1, the wide tile from B = 2,
+// recurrent/warp_kernel.cuh).
 std::vector<Named> small_batch_cases() {
   std::vector<Named> out;
   int i = 0;
@@ -103,13 +104,14 @@ std::vector<Named> small_batch_cases() {
   return out;
 }
 
-// Batches around the launcher's switches (recurrent/warp_kernel.cuh): bf16-state K-last decode at B = 5 and
-// 12 runs on the wide tile (16 columns per warp, the state as bf16 pairs), at B = 13 and 16 on the narrow tile
-// (4 columns per warp), B = 17 and fp32 state on the regular one; padding rows.
+// Batches around the launcher's switches (recurrent/warp_kernel.cuh): bf16-state K-last decode (bf16 inputs) at
+// B = 5 and 6 runs the tensor-core kernel (mma_decode.cuh: grids of at most half the GPU), at B = 7 and 12 the wide
+// tile (16 columns per warp, the state as bf16 pairs), at B = 13 and 16 the narrow tile (4 columns per warp), B = 17
+// and fp32 state the regular one; padding rows.
 std::vector<Named> batch_cases() {
   std::vector<Named> out;
   int i = 0;
-  for (int batch : {5, 12, 13, 16, 17})
+  for (int batch : {5, 6, 7, 12, 13, 16, 17})
     for (DType state : {DType::kFloat32, DType::kBFloat16}) {
       ProblemConfig c;
       c.op = OpKind::kDecode;
@@ -139,7 +141,7 @@ std::vector<Named> sanitize_cases() {
       out.push_back({case_name(c), c});
     }
   // qwen3-next heads at B = 1 and 2 (prefetch mode at both state dtypes or one, launch.cuh), and bf16 state at
-  // B = 4 and 8 (the wide tile, warp_tile.cuh).
+  // B = 4 (the tensor-core kernel, mma_decode.cuh) and 8 (the wide tile, warp_tile.cuh).
   for (int batch : {1, 2, 4, 8}) {
     ProblemConfig c;
     c.op = OpKind::kDecode;

@@ -207,5 +207,13 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
 __device__ __forceinline__ float fused_decay(float A_log, float a, float dt_bias) {
   return -expf(A_log) * softplus(a + dt_bias);
 }
+// The same with the SFU's exp2 / log2 / reciprocal (a few ulp; for kernels with 16-bit outputs): about 60 fewer
+// instructions on a decode warp's dependent chain. softplus(x) for x < -15 (1 + e^x rounds to 1) is 0 instead of
+// e^x < 3.1e-7, so g is off by at most 3.1e-7 exp(A_log).
+__device__ __forceinline__ float softplus_fast(float x) { return x > 20.0f ? x : __logf(1.0f + __expf(x)); }
+__device__ __forceinline__ float sigmoid_fast(float x) { return __frcp_rn(1.0f + __expf(-x)); }
+__device__ __forceinline__ float fused_decay_fast(float A_log, float a, float dt_bias) {
+  return -__expf(A_log) * softplus_fast(a + dt_bias);
+}
 
 }  // namespace gdnkit::cuda

@@ -35,12 +35,14 @@ __device__ __forceinline__ HeadGates head_gates(const Gating& gt, int hv) {
   return {gt.A_log[hv], gt.dt_bias != nullptr ? gt.dt_bias[hv] : 0.0f};
 }
 
-// The log-space decay g and beta from the raw inputs.
+// The log-space decay g and beta from the raw inputs. kFast: the SFU forms (dtype.cuh, fused_decay_fast).
+template <bool kFast = false>
 __device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGates& hg, GateBits x, float& g,
                                                 float& beta) {
   if (gt.mode == GateMode::kFused) {
-    g = fused_decay(hg.A_log, bits_to_float(x.a, gt.a.dtype), hg.dt_bias);
-    beta = sigmoid(bits_to_float(x.b, gt.b.dtype));
+    const float a = bits_to_float(x.a, gt.a.dtype), bb = bits_to_float(x.b, gt.b.dtype);
+    g = kFast ? fused_decay_fast(hg.A_log, a, hg.dt_bias) : fused_decay(hg.A_log, a, hg.dt_bias);
+    beta = kFast ? sigmoid_fast(bb) : sigmoid(bb);
   } else {
     g = bits_to_float(x.a, gt.g.dtype);
     beta = bits_to_float(x.b, gt.beta.dtype);

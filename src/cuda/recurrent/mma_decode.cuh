@@ -1,0 +1,209 @@
+// Decode of K-last bf16 pools with bf16 inputs: the dot products on tensor cores.
+//
+// The warp kernel (warp_kernel.cuh) forms S^T k and S^T q of a warp's columns as per-lane FMAs plus a
+// cross-lane reduction: with bf16 state a decode warp issued ~720 instructions for 2 KB of state, and at
+// B = 8-64 the warps were issue-bound while active (docs/decode-profile.md). Here the two products are one
+// mma.sync m16n8k16 per 16 rows of k: A = 16 columns of S (the warp's columns, as loaded from a K-last
+// pool), B = [k q 0 ... 0] (n = 0: k, n = 1: q), accumulated in fp32 (bf16 x bf16 products are exact, as in
+// the warp kernel, which converts both to fp32 before its FMAs; only the order of the additions differs).
+//
+// Lane l = 4 r + c holds columns v0 + r and v0 + r + 8, each as kChunks 16-byte chunks of k: chunk j covers
+// k = 32 j + 8 c .. + 7 (a warp's load instruction reads 64 contiguous bytes of each of 8 columns). A dot
+// product does not depend on the order of its terms, so mma step t (j = t / 2, half h = t % 2) takes, as the
+// fragment's logical k columns (2c, 2c+1) and (2c+8, 2c+9), the lane's words 2h and 2h+1 of chunk j; the B
+// fragment of lanes 0-3 (n = 0) and 4-7 (n = 1) holds k and q at exactly those k, so it is the same chunk of
+// k or q. The accumulator then gives lane 4 r: S[:, v0+r] . k, . q, S[:, v0+r+8] . k, . q.
+// The update is the warp kernel's, per value and in fp32 (S_new = exp(g) S + k (u rk), rounded once to bf16),
+// so the pool's new values equal the warp kernel's up to the u that the sums' order changes.
+// Everything else (PDL, prefetch mode, padding and out-of-range rows, GVA, norms) follows the warp kernel and
+// shares its helpers (row.cuh, token.cuh); the gates use the SFU forms (dtype.cuh, fused_decay_fast: the outputs
+// and the state are bf16 here).
+//
+// Where it runs (warp_kernel.cuh's launcher): grids that fit the GPU twice over, i.e. in prefetch mode with the next
+// call's CTAs resident beside them (qwen3-next: B <= 6). There it shortens each warp's dependent chain: H100, against
+// the warp kernel, B = 1 / 2 / 3 / 4 / 6 2.79-2.81 / 3.58-3.60 / 4.18-4.22 / 4.85-4.87 / 6.06-6.08 -> 2.48 / 3.16-3.18
+// / 3.60-3.62 / 4.46 / 5.85-5.89 µs. On larger grids it measured 1-4% slower than the warp kernel's tiles from B = 16
+// (B = 32-256 at 24 warps per SM: +1.0-1.6%), and at B = 8 and 12 (grids past half the GPU) 10-24% slower
+// (results/H100/RUN.md, "Nineteenth session", calls 4-7): there the time is the per-call ramp and drain and the
+// memory system, not the instructions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common/dtype.cuh"
+#include "cuda/common/mma_sync.cuh"
+#include "cuda/recurrent/launch.cuh"
+#include "cuda/recurrent/row.cuh"
+#include "cuda/recurrent/token.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::recurrent {
+
+template <int K, int V>
+struct MmaDecodeTile {
+  static constexpr int kCols = 16;             // columns per warp: the mma's M (8 columns with rows 8-15 zero,
+                                               // twice the CTAs: 5-30% slower at B <= 6)
+  static constexpr int kWarps = 4;             // warps per CTA: neighbouring columns of one head
+  static constexpr int kCtaCols = kCols * kWarps;
+  static constexpr int kChunks = K / 32;       // 16-byte chunks per lane and column
+  static constexpr int kSteps = K / 16;        // mma k-steps
+  static_assert(K % 32 == 0 && V % kCtaCols == 0, "mma decode: K a multiple of 32, V of 64");
+};
+
+__device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
+// 24 warps per SM (80 registers, no spills). At 28 (72 registers) ptxas spilled 12-20 bytes: B = 1 2.48 -> 2.52 µs,
+// B = 2 3.17 -> 3.30 (H100, with the SFU gates).
+template <int K, int V>
+__global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDecodeTile<K, V>::kWarps)
+    mma_decode_kernel(const RecurrentParams p, const bool prefetch) {
+  using TS = __nv_bfloat16;
+  using TI = __nv_bfloat16;
+  using Tile = MmaDecodeTile<K, V>;
+  constexpr int kCols = Tile::kCols, kChunks = Tile::kChunks, kSteps = Tile::kSteps;
+  constexpr int kColCtas = V / Tile::kCtaCols;
+  constexpr int64_t kHeadElems = int64_t(K) * V;
+
+  const int lane = int(threadIdx.x) % 32, r = lane / 4, c = lane % 4;
+  const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
+  const int v0 = int(blockIdx.x % unsigned(kColCtas)) * Tile::kCtaCols + int(threadIdx.x) / 32 * kCols;
+  const int hq = qk_head(p, hv);  // GVA
+  const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
+  // The warp's first column, and this lane's first element in it (column r, chunk 0).
+  TS* const warp_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
+  const int lane_elem = r * K + 8 * c;
+
+  // Before the wait: prefetch mode as in warp_kernel.cuh (the warp's 16 columns are one contiguous run).
+  int spec = -1;
+  if (prefetch) {
+    spec = __ldcg(p.state_indices + b);
+    if (spec >= 0 && spec < p.state.num_slots) {
+      if (lane == 0) prefetch_l2(warp_block + int64_t(spec) * p.state.slot_stride, unsigned(kCols * K * sizeof(TS)));
+    } else {
+      spec = -1;
+    }
+    prefetch_token_inputs<TI>(p, b, hq, hv, v0, K, kCols, lane);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+
+  const int slot = p.state_indices[b];
+  uint4 s[2][kChunks];  // [column r / r + 8][chunk]
+  const auto load = [&](int sl) {
+    const TS* t = warp_block + int64_t(sl) * p.state.slot_stride + lane_elem;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) s[h][j] = *reinterpret_cast<const uint4*>(t + h * 8 * K + 32 * j);
+  };
+  if (spec >= 0) load(spec);  // beside the index; replaced below if the index differs
+
+  // Token b's inputs. Norms: lane l holds k and q at 4 l .. (K / 32 per lane), as the warp kernel reduces them.
+  const TI* kp = static_cast<const TI*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
+  const TI* qp = static_cast<const TI*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
+  const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
+  constexpr int kPer = K / 32;
+  RawVec<TI, kPer> kn, qn;
+  kn.load(kp + kPer * lane), qn.load(qp + kPer * lane);
+  // The B fragment's chunks: k in lanes 0-3, q in lanes 4-7, zero elsewhere.
+  uint4 bf[kChunks];
+  {
+    const TI* src = r == 0 ? kp : qp;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j)
+      bf[j] = r < 2 ? *reinterpret_cast<const uint4*>(src + 32 * j + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
+  }
+  const TI v_lo = vp[r], v_hi = vp[r + 8];
+  const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
+  const HeadGates hg = head_gates(p.gating, hv);
+
+  TI* const o = static_cast<TI*>(p.o.data) + int64_t(b) * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
+  const bool bad = slot >= p.state.num_slots;
+  if (bad || slot < 0) {  // padding row, or a slot past the pool: o = 0, no state traffic
+    if (bad && counter) atomicAdd(p.error_flag, 1);
+    if (lane < kCols) o[lane] = from_float<TI>(0.0f);
+    return;
+  }
+  if (spec != slot) load(slot);
+
+  // q, k: L2 norms (eps inside the root), scale; k . q of the normalized vectors (warp_kernel.cuh).
+  float kf[kPer], qf[kPer];
+  kn.to_floats(kf), qn.to_floats(qf);
+  float kk = 0.0f, qq = 0.0f, kq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
+  kk = warp_sum(kk), qq = warp_sum(qq), kq = warp_sum(kq);
+  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
+  const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
+  const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
+  const float kq_n = kq * rk * rq;
+  float g, beta;
+  gate_log_values<true>(p.gating, hg, gate_bits, g, beta);
+  const float decay = __expf(g);
+
+  // S^T [k q]: lane 4 r ends with d = (S[:, v0+r] . k, . q, S[:, v0+r+8] . k, . q).
+  float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int t = 0; t < kSteps; ++t) {
+    const int j = t / 2, w = 2 * (t % 2);
+    const uint32_t a[4] = {word_of(s[0][j], w), word_of(s[1][j], w), word_of(s[0][j], w + 1), word_of(s[1][j], w + 1)};
+    mma<__nv_bfloat16>(d, a, word_of(bf[j], w), word_of(bf[j], w + 1));
+  }
+  const float u_lo = beta * (to_float(v_lo) - decay * (d[0] * rk));
+  const float u_hi = beta * (to_float(v_hi) - decay * (d[2] * rk));
+  if (c == 0) {
+    o[r] = from_float<TI>(fmaf(kq_n, u_lo, decay * (d[1] * rq)));
+    o[r + 8] = from_float<TI>(fmaf(kq_n, u_hi, decay * (d[3] * rq)));
+  }
+  const float uk[2] = {__shfl_sync(0xffffffffu, u_lo * rk, lane & ~3), __shfl_sync(0xffffffffu, u_hi * rk, lane & ~3)};
+
+  // S_new = exp(g) S + k (u rk), per value in fp32, rounded once to bf16. k at this lane's chunks is loaded again
+  // (lanes 0-3 just read it: L1) rather than kept from the B fragment, chunk by chunk between the stores (loaded
+  // together ahead of the o stores, B = 1 took 2.51 -> 2.62 µs: H100, RUN.md "Nineteenth session").
+  TS* const t = warp_block + int64_t(slot) * p.state.slot_stride + lane_elem;
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const uint4 kcj = *reinterpret_cast<const uint4*>(kp + 32 * j + 8 * c);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t out[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t sw = word_of(s[h][j], w), kw = word_of(kcj, w);
+        const float lo = fmaf(__uint_as_float(kw << 16), uk[h], decay * __uint_as_float(sw << 16));
+        const float hi = fmaf(__uint_as_float(kw & 0xffff0000u), uk[h], decay * __uint_as_float(sw & 0xffff0000u));
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out[w]) : "f"(hi), "f"(lo));
+      }
+      *reinterpret_cast<uint4*>(t + h * 8 * K + 32 * j) = make_uint4(out[0], out[1], out[2], out[3]);
+    }
+  }
+}
+
+// Grids of at most the CTAs the GPU holds at once run in prefetch mode (share 1, as the wide tile's).
+// The kernel and the CTAs the GPU holds of it (its grid runs in prefetch mode when it fits them, share 1).
+template <int K, int V>
+struct MmaDecodeLaunch {
+  static constexpr auto kernel = mma_decode_kernel<K, V>;
+  static int resident() {
+    static const int ctas = resident_ctas(reinterpret_cast<const void*>(kernel), MmaDecodeTile<K, V>::kWarps * 32);
+    return ctas;
+  }
+  static dim3 grid(const RecurrentParams& p) {
+    return dim3(unsigned(p.heads.num_v_heads) * (V / MmaDecodeTile<K, V>::kCtaCols), unsigned(p.batch));
+  }
+  // Where the launcher takes it: grids of at most half the resident CTAs (the next call's fit beside them).
+  static bool fits(const RecurrentParams& p) {
+    const dim3 g = grid(p);
+    return decode_mma_enabled() && 2 * int64_t(g.x) * g.y <= resident() && prefetch_mode(g, resident());
+  }
+  static void launch(const RecurrentParams& p, Stream stream) {
+    launch_recurrent(kernel, grid(p), MmaDecodeTile<K, V>::kWarps * 32, resident(), stream, p);
+  }
+};
+
+}  // namespace gdnkit::cuda::recurrent
