@@ -1,8 +1,8 @@
 // Decode of K-last bf16 pools with bf16 inputs: the dot products on tensor cores.
 //
 // The warp kernel (warp_kernel.cuh) forms S^T k and S^T q of a warp's columns as per-lane FMAs plus a
-// cross-lane reduction: with bf16 state a decode warp issued ~720 instructions for 2 KB of state, and at
-// B = 8-64 the warps were issue-bound while active (docs/decode-profile.md). Here the two products are one
+// cross-lane reduction: with bf16 state a decode warp issues ~720 instructions for 2 KB of state, and at small B a
+// call is one chain of dependent steps per warp (docs/decode-profile.md). Here the two products are one
 // mma.sync m16n8k16 per 16 rows of k: A = 16 columns of S (the warp's columns, as loaded from a K-last
 // pool), B = [k q 0 ... 0] (n = 0: k, n = 1: q), accumulated in fp32 (bf16 x bf16 products are exact, as in
 // the warp kernel, which converts both to fp32 before its FMAs; only the order of the additions differs).
@@ -137,11 +137,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   float kk = 0.0f, qq = 0.0f, kq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
-  kk = warp_sum(kk), qq = warp_sum(qq), kq = warp_sum(kq);
-  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
-  const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
-  const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
-  const float kq_n = kq * rk * rq;
+  const auto [rk, rq, kq_n] = qk_norms(p.heads, K, kk, qq, kq);
   float g, beta;
   gate_log_values<true>(p.gating, hg, gate_bits, g, beta);
   const float decay = __expf(g);

@@ -141,11 +141,7 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
     const float kn = to_float(kl[j]), qn = to_float(ql[j]);
     kk = fmaf(kn, kn, kk), qq = fmaf(qn, qn, qq), kq = fmaf(kn, qn, kq);
   }
-  kk = warp_sum(kk), qq = warp_sum(qq), kq = warp_sum(kq);
-  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
-  const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
-  const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
-  const float kq_n = kq * rk * rq;
+  const auto [rk, rq, kq_n] = qk_norms(p.heads, K, kk, qq, kq);
   float g, beta;
   if constexpr (!kEarlyHeadGates) hg = head_gates(p.gating, hv);
   gate_log_values(p.gating, hg, gate_bits, g, beta);
