@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   };
   if (spec >= 0) load(spec);  // beside the index; replaced below if the index differs
 
-  // Token b's inputs. Norms: lane l holds k and q at 4 l .. (K / 32 per lane), as the warp kernel reduces them.
+  // Token b's inputs. For the norms lane l holds k and q at kPer l .. kPer l + kPer - 1 (kPer = K / 32).
   const TI* kp = static_cast<const TI*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
   const TI* qp = static_cast<const TI*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
   const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
@@ -180,7 +180,6 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   }
 }
 
-// Grids of at most the CTAs the GPU holds at once run in prefetch mode (share 1, as the wide tile's).
 // The kernel and the CTAs the GPU holds of it (its grid runs in prefetch mode when it fits them, share 1).
 template <int K, int V>
 struct MmaDecodeLaunch {
