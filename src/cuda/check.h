@@ -37,6 +37,9 @@ int chain_mma_min_tokens(int measured);
 // The longest prefill sequence the short-sequence path takes (cuda/prefill.cu): `measured` unless
 // GDNKIT_PREFILL_SHORT sets it (0: the path is off). Read once per process; for A/B timing.
 int prefill_short_reach(int measured);
+// The chunked prefill's prep warpgroup mode (prefill.cu choose_aux_prep) as GDNKIT_PREFILL_AUX sets it: 0, 1 or 2, or
+// -1 when unset (the measured default). Read once per process; for A/B timing.
+int prefill_aux_override();
 // The largest batch K-last bf16-state decode (K = 128) runs on the narrow tile (recurrent/warp_tile.cuh; from
 // B = 3, where the wide tile does not take it): `measured` unless GDNKIT_DECODE_NARROW sets it (0-2: never). Read
 // once per process; for A/B timing.

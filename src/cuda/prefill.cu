@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -163,11 +162,7 @@ bool aux_prep_possible(const PrefillParams& p, const Plan& plan) {
 int choose_aux_prep(const PrefillParams& p, const Plan& plan, int aux) {
   if (!aux_prep_possible(p, plan)) return kAuxNone;
   if (aux >= 0) return std::min(aux, kAuxAll);
-  static const int from_env = [] {  // -1: unset, or not one of 0, 1, 2 (then the default)
-    const char* e = std::getenv("GDNKIT_PREFILL_AUX");
-    if (e == nullptr || e[0] < '0' || e[0] > '2' || e[1] != '\0') return -1;
-    return e[0] - '0';
-  }();
+  const int from_env = prefill_aux_override();
   if (from_env >= 0) return from_env;
   // Measured (H100, qwen3-next, results/H100/prefill_ab17_aux.txt): M in the prep warpgroup takes 8x8192 1.11 ->
   // 1.04 ms, 32x8192 4.34 -> 4.07, 4x2048 -5.5%, 8x1024 -4%, but 8192x32 (a chunk per sequence, where nothing

@@ -85,6 +85,15 @@ bool decode_mma_enabled() {
   return enabled;
 }
 
+int prefill_aux_override() {
+  static const int from_env = [] {  // -1: unset, or not one of 0, 1, 2 (then the default)
+    const char* e = std::getenv("GDNKIT_PREFILL_AUX");
+    if (e == nullptr || e[0] < '0' || e[0] > '2' || e[1] != '\0') return -1;
+    return e[0] - '0';
+  }();
+  return from_env;
+}
+
 int prefill_short_reach(int measured) {
   static const int from_env = env_count("GDNKIT_PREFILL_SHORT");
   return from_env >= 0 ? from_env : measured;

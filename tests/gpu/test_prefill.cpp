@@ -202,8 +202,8 @@ std::vector<Case> axes_cases() {
             c.seed = 1000 + i++;
             out.push_back({case_name(c), c});
             // 16-bit inputs once more through the head pass with a prep warpgroup (two state warpgroups), for M
-            // alone or for everything: the parity of i's low three bits, so that either mode meets both L2 norm
-            // settings, both gate modes and both input dtypes
+            // alone or for everything: the parity of the seed's low three bits (i's, as 1000 % 8 == 0), so that either
+            // mode meets both L2 norm settings, both gate modes and both input dtypes
             if (in != DType::kFloat32) {
               const int parity = (c.seed ^ (c.seed >> 1) ^ (c.seed >> 2)) & 1;
               const int aux = parity ? cuda::chunked_prefill::kAuxM : cuda::chunked_prefill::kAuxAll;
@@ -647,8 +647,9 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     cudaFree(ws);
     EXPECT_TRUE(std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xff; }))
         << "bytes past prefill_workspace_bytes were written";
-    EXPECT_TRUE(std::all_of(used.begin(), used.end(), [](unsigned char b) { return b == 0xff; }))
-        << "the workspace was written although no chunk prep ran";
+    if (want.aux == cp::kAuxAll)
+      EXPECT_TRUE(std::all_of(used.begin(), used.end(), [](unsigned char b) { return b == 0xff; }))
+          << "the workspace was written although no chunk prep ran";
     for (const char* name : {"o", "state", "error_flag"})
       EXPECT_TRUE(BitwiseEqual(std::string(name) + " (caller workspace)", own.buffer(name), lib.buffer(name)));
     Problem ref = before;

@@ -1,10 +1,11 @@
-// CUDA chunked prefill (SPEC.md "prefill"), two kernels per call:
+// CUDA chunked prefill (SPEC.md "prefill"), two kernels per call (one where the state pass's prep warpgroup forms
+// everything, kAuxAll, prep_warpgroup.cuh):
 //
 //  1. chunk_prep_kernel  one CTA per (chunk slot, q/k head): everything that depends on one chunk only.
 //     q, k rows, their norms, k k^T and q k^T once per q/k head, then per value head of its GVA group:
 //       gates g, beta (fused or given), gcum = within-chunk cumulative sum of g,
 //       A[i][j] = beta_i exp(gcum_i - gcum_j) (k^_i . k^_j) for j < i     (k^ = L2-normalized k)
-//       T' = (I + A)^{-1} diag(beta)          (blocked: 16 x 16 substitutions, block rows on tensor cores)
+//       T' = (I + A)^{-1} diag(beta)          (blocked: 8 x 8 substitutions, the rest on tensor cores, solve.cuh)
 //       M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j                (intra-chunk attention)
 //     writes T', M (operand dtype; for the wgmma head pass as causal images, wgmma.cuh) and the per-token
 //     factors (FactorRow, fp32) to the workspace.
@@ -83,8 +84,8 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   __shared__ __align__(16) float s_beta[2][kChunk];
   __shared__ __align__(16) float s_rk[kChunk];
   __shared__ __align__(16) float s_rq[kM ? kChunk : 1];
-  // Fused gating: A_log and dt_bias of the group's first kHeadParams value heads (the rest read at use; every model
-  // of BENCH.md has 2-4 value heads per q/k head).
+  // Fused gating: A_log and dt_bias of the group's first kHeadParams value heads (the rest read at use; the models
+  // of BENCH.md have 2-4 value heads per q/k head).
   constexpr int kHeadParams = 32;
   __shared__ float s_head[2][kHeadParams];
   Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows

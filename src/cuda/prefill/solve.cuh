@@ -48,7 +48,8 @@ __device__ __forceinline__ GateLoads load_gates(const PrefillParams& p, int h, i
 // Warp 0: the gates of tokens lane and lane + 32 from their loads, and gcum by a warp scan of each
 // half (the upper half adds the lower half's total). Padding tokens get g = 0 (gcum stays flat, so
 // gcum[63] is g_last) and beta = 0.
-// hp: the head's (A_log, dt_bias) (fused gating; from shared memory, so that they hold no register across the solve).
+// hp: the head's (A_log, dt_bias) (fused gating; the chunk prep reads them from shared memory, so that they hold no
+// register across its solve; the prep warpgroup keeps them in a register).
 __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLoads& in, float2 hp, int L, int lane,
                                             float* gc, float* beta) {
   float x[2];
