@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gdnkit's benchmark, from a fresh clone: install what is missing, build the CLI in build/ (with the CUDA
-# backend when nvcc is found), then run `build/gdnkit bench "$@"`. See BENCH.md / README.md for the method.
+# backend when nvcc is found), then run `build/gdnkit bench "$@"`. See docs/benchmarks.md / README.md for the method.
 #
 #   bash tools/bench.sh                      # every op, the default shapes
 #   bash tools/bench.sh decode --json out.json --markdown out.md

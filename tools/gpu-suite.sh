@@ -62,7 +62,7 @@ if want prefill-timing; then
   grep -E "^(set|[0-9])" "$OUT/prefill_timing.log"
 fi
 
-# Benchmarks: BENCH.md's sweep per op (GDNKIT_BENCH_ARGS adds options, e.g. "--quick" or "--shape all"),
+# Benchmarks: docs/benchmarks.md's sweep per op (GDNKIT_BENCH_ARGS adds options, e.g. "--quick" or "--shape all"),
 # then the plots of tools/plot_bench.py next to the JSON.
 benched=()
 for op in decode verify prefill; do

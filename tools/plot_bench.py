@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plots of `gdnkit bench` JSON files (BENCH.md "Output").
+"""Plots of `gdnkit bench` JSON files (docs/benchmarks.md "Output").
 
     python3 tools/plot_bench.py bench_decode.json bench_verify.json bench_prefill.json --out DIR
 

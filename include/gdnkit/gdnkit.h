@@ -36,6 +36,13 @@ void validate(const LayoutParams& params, Backend backend);
 // Scratch bytes the CUDA prefill needs for these params (0 on the CPU backend).
 size_t prefill_workspace_bytes(const PrefillParams& params);
 
+// How the CUDA backend runs a prefill call's sequences (for tools and logs): sequences of at most
+// short_max_len tokens on the recurrent kernels of decode and verify, the others on the chunked kernels.
+struct PrefillPath {
+  int short_max_len = 0;  // 0: every sequence on the chunked kernels
+};
+PrefillPath prefill_path(const PrefillParams& params);
+
 bool cuda_compiled();   // the library was built with the CUDA backend
 bool cuda_available();  // ... and a usable sm_90 device is present
 std::string build_info();  // version, compiler, CUDA version, architectures, devices

@@ -1,5 +1,5 @@
 // gdnkit op parameters: one plain struct per op, shared by host dispatch and device kernels.
-// Shapes use the spec's names (../shared/SPEC.md): H q/k heads, HV value heads, K, V head dims,
+// Shapes use the spec's names (docs/semantics.md): H q/k heads, HV value heads, K, V head dims,
 // B batch, T draft tokens, N prefill sequences, P pool slots.
 // All index tensors are int32 and live where the backend computes (host for CPU, device for CUDA).
 #pragma once

@@ -1,7 +1,10 @@
 // Public entries: validate, then hand the params to the chosen backend.
 #include <string>
 
-#include "api/backends.h"
+#include "cpu/backend.h"
+#include "cuda/backend.h"
+#include "cuda/host/overrides.h"
+#include "cuda/prefill/heuristics.h"
 #include "gdnkit/gdnkit.h"
 
 namespace gdnkit {
@@ -58,6 +61,13 @@ size_t prefill_workspace_bytes(const PrefillParams& p) {
   (void)p;
   return 0;
 #endif
+}
+
+PrefillPath prefill_path(const PrefillParams& p) {
+  PrefillPath path;
+  validate(p, Backend::kCUDA);
+  if (p.num_seqs > 0) path.short_max_len = cuda::chunked_prefill::choose_prefill(p, 1, cuda::overrides()).short_len;
+  return path;
 }
 
 bool cuda_compiled() {

@@ -2,7 +2,7 @@
 #include <cstring>
 #include <vector>
 
-#include "api/backends.h"
+#include "cpu/backend.h"
 
 namespace gdnkit::cpu {
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "api/backends.h"
+#include "cpu/backend.h"
 
 namespace gdnkit::cpu {
 namespace detail {

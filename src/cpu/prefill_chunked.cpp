@@ -1,7 +1,7 @@
 // CPU chunked prefill: the blueprint of the CUDA prefill kernel, in double and staged the same way.
 //
 // Within a chunk of L <= 64 tokens (local index i = 0..L-1) with entering state S0, write
-// G_i = g_0 + ... + g_i (cumulative log decay). Unrolling the recurrence of SPEC.md:
+// G_i = g_0 + ... + g_i (cumulative log decay). Unrolling the recurrence of docs/semantics.md:
 //
 //   S_i = exp(G_i) S0 + sum_{j<=i} exp(G_i - G_j) k_j u_j^T                                  (1)
 //   u_i = beta_i (v_i - exp(G_i) S0^T k_i - sum_{j<i} exp(G_i - G_j) (k_i . k_j) u_j)

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "common/host_dtype.h"
+#include "gdnkit/host_dtype.h"
 
 namespace gdnkit::cpu::detail {
 

@@ -1,4 +1,4 @@
-// CPU reference backend, internal helpers shared by every op (SPEC.md "The recurrence").
+// CPU reference backend, internal helpers shared by every op (docs/semantics.md "The recurrence").
 //
 // Everything is computed in double: inputs are widened when read, the state of one (sequence, value
 // head) lives in a double K x V matrix S[k][v] (canonical orientation whatever the pool layout), and

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "api/backends.h"
+#include "cpu/backend.h"
 #include "cpu/reference.h"
 
 namespace gdnkit::cpu {

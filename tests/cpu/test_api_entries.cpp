@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "api/backends.h"
-#include "common/compare.h"
-#include "common/problem.h"
+#include "cpu/backend.h"
+#include "support/compare.h"
+#include "support/problem.h"
 #include "gdnkit/gdnkit.h"
 
 namespace gdnkit::test {

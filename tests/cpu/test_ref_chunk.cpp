@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "common/compare.h"
+#include "support/compare.h"
 #include "cpu/chunk.h"
 #include "cpu/reference.h"
 

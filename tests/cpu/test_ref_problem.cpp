@@ -3,8 +3,8 @@
 
 #include <cmath>
 
-#include "common/compare.h"
-#include "common/problem.h"
+#include "support/compare.h"
+#include "support/problem.h"
 
 namespace gdnkit::test {
 namespace {

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "api/backends.h"
-#include "common/compare.h"
-#include "common/naive.h"
-#include "common/problem.h"
+#include "cpu/backend.h"
+#include "support/compare.h"
+#include "support/naive.h"
+#include "support/problem.h"
 
 namespace gdnkit::test {
 namespace {

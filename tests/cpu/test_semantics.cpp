@@ -1,4 +1,4 @@
-// Semantics of the ops beyond the arithmetic (SPEC.md "Ops", "Bad input"): padding rows, out-of-range
+// Semantics of the ops beyond the arithmetic (docs/semantics.md "Ops", "Bad input"): padding rows, out-of-range
 // slots and the error flag, read-before-write prefill slots, layouts and their conversion, bf16 state
 // rounding points, cu_seqlens dtypes, strided views, gating modes, int64 slot offsets.
 #include <gtest/gtest.h>
@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "api/backends.h"
-#include "common/compare.h"
-#include "common/naive.h"
-#include "common/problem.h"
+#include "cpu/backend.h"
+#include "support/compare.h"
+#include "support/naive.h"
+#include "support/problem.h"
 
 namespace gdnkit::test {
 namespace {

@@ -1,5 +1,5 @@
 // Bad input: every public entry rejects each class of wrong params with gdnkit::Error(kInvalidArgument)
-// and a message that names the tensor, the expectation and the value (SPEC.md "Bad input"); nothing is
+// and a message that names the tensor, the expectation and the value (docs/semantics.md "Bad input"); nothing is
 // written when validation fails. The CUDA backend's rules (16-byte alignment) are checked through
 // validate(p, Backend::kCUDA), which needs no GPU.
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "common/host_dtype.h"
+#include "gdnkit/host_dtype.h"
 #include "gdnkit/gdnkit.h"
 
 namespace gdnkit {
@@ -355,7 +355,7 @@ TEST(Validation, ShapeMismatch) {
 TEST(Validation, NonMonotonicCuSeqlens) {
   Host h;
   auto p = h.prefill();
-  // 4 sequences; cu_seqlens[3] < cu_seqlens[2], as in SPEC.md's example.
+  // 4 sequences; cu_seqlens[3] < cu_seqlens[2], as in docs/semantics.md's example.
   std::vector<int64_t> host{0, 16, 40, 32, 48};
   std::vector<int32_t> dev{0, 16, 40, 32, 48};
   p.num_seqs = 4;

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "common/compare.h"
-#include "common/problem.h"
+#include "support/compare.h"
+#include "support/problem.h"
 
 namespace gdnkit::test {
 

@@ -9,11 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "common/compare.h"
-#include "common/host_dtype.h"
-#include "common/problem.h"
+#include "support/compare.h"
+#include "gdnkit/host_dtype.h"
+#include "support/problem.h"
 #include "gdnkit/gdnkit.h"
 #include "gpu/gpu_harness.h"
+#include "cuda/host/overrides.h"
 
 namespace gdnkit::test {
 namespace {
@@ -196,6 +197,42 @@ ProblemConfig qwen_decode(StateLayout layout, DType state, int batch = 8) {
   c.layout = layout, c.state_dtype = state;
   return c;
 }
+
+// Every K-last decode kernel the heuristics can pick, forced through the overrides at batches where the heuristics
+// would pick another (recurrent/heuristics.h): each must match the reference wherever it is launched.
+struct Forced {
+  std::string name;
+  cuda::Overrides o;
+};
+std::vector<Forced> forced_kernels() {
+  cuda::Overrides tiles;  // no tensor-core decode: the wide tile in prefetch mode, then the narrow tile
+  tiles.decode_mma = false;
+  cuda::Overrides narrow = tiles;  // the narrow tile wherever it is built
+  narrow.decode_wide_max_batch = 0;
+  narrow.decode_narrow_max_batch = 1 << 20;
+  cuda::Overrides regular = narrow;  // the regular tile, and for fp32 state no pinned slot (no prefetch mode)
+  regular.decode_narrow_max_batch = 0;
+  regular.state_prefetch = false;
+  cuda::Overrides wide = tiles;  // the wide tile up to 14 sequences (its prefetch-mode limit)
+  wide.decode_wide_max_batch = 1 << 20;
+  return {{"tiles", tiles}, {"narrow", narrow}, {"regular", regular}, {"wide", wide}};
+}
+
+TEST(DecodeForcedKernels, MatchCpuReference) {
+  int seed = 700;
+  for (const Forced& f : forced_kernels())
+    for (int batch : {1, 3, 8, 14, 33})
+      for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+        SCOPED_TRACE(f.name + " B=" + std::to_string(batch) + (state == DType::kFloat32 ? " fp32" : " bf16"));
+        ProblemConfig c = qwen_decode(StateLayout::kKLast, state, batch);
+        c.in_dtype = DType::kBFloat16;
+        c.padding_rows = batch > 1 ? 1 : 0;
+        c.seed = seed++;
+        const cuda::ScopedOverrides scoped(f.o);
+        check_decode(Problem(c));
+      }
+}
+
 
 // Slots >= P are skipped on the device: o = 0, counted in error_flag, no state I/O. Small heads (a grid in
 // prefetch mode) and qwen3-next heads at B = 16 (a grid too large for it: the state is asked of L2 only

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "common/compare.h"
-#include "common/problem.h"
+#include "support/compare.h"
+#include "support/problem.h"
 #include "gdnkit/gdnkit.h"
 #include "gpu/gpu_harness.h"
 

@@ -14,10 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "common/compare.h"
-#include "common/host_dtype.h"
-#include "common/problem.h"
-#include "cuda/check.h"
+#include "support/compare.h"
+#include "gdnkit/host_dtype.h"
+#include "support/problem.h"
+#include "cuda/host/check.h"
+#include "cuda/host/overrides.h"
 #include "cuda/prefill/plan.h"
 #include "gdnkit/gdnkit.h"
 #include "gpu/gpu_harness.h"
@@ -63,8 +64,8 @@ struct Case {
   // The longest sequence the short-sequence path (recurrent kernels) takes: 0 none (the chunked kernels
   // run every sequence), > 0 that length, < 0 the library's choice through the public API.
   int short_len = 0;
-  // The head pass's prep warpgroup (Plan::aux_prep) where the plan allows it: -1 the library's choice, else
-  // kAuxNone (the chunk prep kernel, then the pass), kAuxM (M in the warpgroup) or kAuxAll (no chunk prep kernel).
+  // The head pass's prep warpgroup that forms M, where the plan allows it: -1 the library's choice, 0 none (the
+  // state warpgroups form M, or it comes from the workspace), 1 the warpgroup.
   int aux = -1;
 };
 
@@ -77,7 +78,7 @@ ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128
   return c;
 }
 
-// A sequence with a slot past its buffer is skipped entirely (SPEC.md "Bad input").
+// A sequence with a slot past its buffer is skipped entirely (docs/semantics.md "Bad input").
 bool row_runs(const Problem& p, int32_t r) {
   if (p.as<int32_t>("initial_indices")[r] >= p.num_slots() || p.as<int32_t>("final_indices")[r] >= p.num_slots())
     return false;
@@ -132,26 +133,32 @@ std::vector<std::pair<int64_t, int64_t>> written_checkpoints(const Problem& p) {
 // vtile = kShortOnly: the short-sequence path's launcher alone (cuda::prefill_short), no chunked kernel.
 constexpr int kShortOnly = -100;
 
+// The library's entry under the overrides a case asks for (0 / -1: the heuristics' choice).
+cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux) {
+  cuda::Overrides o;
+  o.prefill_vtile = vtile == kShortOnly ? 0 : vtile;
+  o.prefill_head_split = head_split;
+  o.prefill_short_max_len = short_len;
+  o.prefill_m_warpgroup = aux;
+  return o;
+}
+
 void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux);
   // A case that asks for the short path must get it: were it refused, the chunked kernels would run
   // every sequence and the comparison would still pass.
-  if (short_len > 0) EXPECT_TRUE(cuda::prefill_short_supported(p)) << "the short path would not run";
-  // ... and one that asks for a prep warpgroup must get that mode (the plan falls back to none where it cannot).
-  if (aux > 0) {
-    cuda::chunked_prefill::Plan plan;
-    cuda::chunked_prefill::plan_state_pass(p, plan, cuda::device_sms(), vtile, head_split, aux);
-    EXPECT_EQ(plan.aux_prep, aux) << "the prep warpgroup's mode would not run";
-  }
+  if (short_len > 0) EXPECT_TRUE(cuda::chunked_prefill::short_path_supported(p)) << "the short path would not run";
+  // ... and one that asks for the prep warpgroup must get it (the plan falls back to none where it cannot).
+  if (aux > 0)
+    EXPECT_TRUE(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).m_warpgroup)
+        << "the prep warpgroup would not run";
   if (vtile == kShortOnly) {
     validate(p, Backend::kCUDA);
     cuda::prefill_short(p, short_len, reinterpret_cast<Stream>(dev.stream()));
-  } else if (vtile == 0 && short_len < 0 && aux < 0) {
-    prefill(p, {Backend::kCUDA, dev.stream()});
   } else {
-    validate(p, Backend::kCUDA);
-    cuda::chunked_prefill::prefill_with_vtile(p, dev.stream(), vtile, cuda::chunked_prefill::kStagesAll, head_split,
-                                              short_len, aux);
+    const cuda::ScopedOverrides scoped(o);
+    prefill(p, {Backend::kCUDA, dev.stream()});
   }
   dev.download(got);
 }
@@ -166,7 +173,7 @@ void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int
     run_gpu(got, dev, vtile, head_split, short_len, aux);
   }
   const std::vector<int64_t> written = written_finals(before);
-  // Keys from a rank-4 subspace (correlated_keys) are outside SPEC.md's regimes (N(0, 1) keys): each chunk's I + A
+  // Keys from a rank-4 subspace (correlated_keys) are outside docs/semantics.md's regimes (N(0, 1) keys): each chunk's I + A
   // is far from the identity and T' = (I + A)^-1 diag(beta) amplifies the rounding of the 16-bit operands. With
   // bf16 inputs (8-bit operands, as FLA's) the H100 measured o 8.7e-3 and states 9.2-9.8e-3 against the fp64
   // recurrence, with the split-fp16 solve (fifteenth session) and the plain fp16 one alike (sixteenth session,
@@ -201,14 +208,10 @@ std::vector<Case> axes_cases() {
             if (i % 4 == 3) c.cu_seqlens_dtype = DType::kInt64;
             c.seed = 1000 + i++;
             out.push_back({case_name(c), c});
-            // 16-bit inputs once more through the head pass with a prep warpgroup (two state warpgroups), for M
-            // alone or for everything: the parity of the seed's low three bits (i's, as 1000 % 8 == 0), so that either
-            // mode meets both L2 norm settings, both gate modes and both input dtypes
+            // 16-bit inputs once more through the head pass with the prep warpgroup beside two state warpgroups
             if (in != DType::kFloat32) {
-              const int parity = (c.seed ^ (c.seed >> 1) ^ (c.seed >> 2)) & 1;
-              const int aux = parity ? cuda::chunked_prefill::kAuxM : cuda::chunked_prefill::kAuxAll;
-              Case f{case_name(c, "aux" + std::to_string(aux)), c, cuda::chunked_prefill::kVTileHead, 1};
-              f.aux = aux;
+              Case f{case_name(c, "aux1"), c, cuda::chunked_prefill::kVTileHead, 1};
+              f.aux = 1;
               out.push_back(f);
             }
           }
@@ -269,10 +272,9 @@ std::vector<Case> shape_cases() {
   add(base({100, 30}, 2, 6), "gva3");
   // A group larger than the prep keeps A_log / dt_bias of in shared memory (32 value heads: the rest are read at
   // their use), on the path where the head pass forms M (80 (sequence, head) pairs).
-  add(base({100, 70}, 1, 40), "gva40", 0, 0, cuda::chunked_prefill::kAuxNone);
-  // ... and the head pass's prep warpgroup (one value head per CTA), for M alone (after the chunk prep) and for all.
-  add(base({100, 70}, 1, 40), "gva40_aux1", 0, 0, cuda::chunked_prefill::kAuxM);
-  add(base({100, 70}, 1, 40), "gva40_aux2", 0, 0, cuda::chunked_prefill::kAuxAll);
+  add(base({100, 70}, 1, 40), "gva40", 0, 0, 0);
+  // ... and the head pass's prep warpgroup (one value head per CTA).
+  add(base({100, 70}, 1, 40), "gva40_aux1", 0, 0, 1);
   // Every value tile the state pass is built with, and the head state pass (bf16 and fp16 inputs,
   // V = 64 and 128, both layouts).
   for (int K : {64, 128, 256})
@@ -293,9 +295,9 @@ std::vector<Case> shape_cases() {
           c.layout = V == 64 ? StateLayout::kVLast : StateLayout::kKLast;
           const std::string kind = vt == cuda::chunked_prefill::kVTileHead ? "head" : "headwarp";
           // Two warpgroups per CTA (the wgmma build, split 1, V = 128): forming M and rq themselves after the chunk
-          // prep kernel (rq is the scale alone without the L2 norm), or beside a prep warpgroup for M or for all
+          // prep kernel (rq is the scale alone without the L2 norm), or beside the prep warpgroup
           const bool two_wg = vt == cuda::chunked_prefill::kVTileHead && split == 1 && V == 128;
-          for (int aux : two_wg ? std::vector<int>{0, 1, 2} : std::vector<int>{-1}) {
+          for (int aux : two_wg ? std::vector<int>{0, 1} : std::vector<int>{-1}) {
             const std::string tag = kind + std::to_string(split) + (aux > 0 ? "_aux" + std::to_string(aux) : "");
             ProblemConfig cf = c;
             add(cf, tag, vt, split, aux);
@@ -305,8 +307,8 @@ std::vector<Case> shape_cases() {
             }
           }
         }
-  // Sequences of 8 to 16 chunks through each prep warpgroup mode (the stages' mbarrier phases wrap several times).
-  for (int aux : {cuda::chunked_prefill::kAuxNone, cuda::chunked_prefill::kAuxM, cuda::chunked_prefill::kAuxAll}) {
+  // Sequences of 8 to 16 chunks with and without the prep warpgroup (the stages' mbarrier phases wrap several times).
+  for (int aux : {0, 1}) {
     ProblemConfig c = base({1000, 700, 517}, 1, 2);
     c.checkpoint_interval = 256;
     add(c, "long_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
@@ -336,7 +338,7 @@ std::vector<Case> shape_cases() {
   return out;
 }
 
-// ---- the short-sequence path (recurrent kernels, WarpOp::kPrefill) beside the chunked kernels ----
+// ---- the short-sequence path (recurrent kernels, RecurrentOp::kPrefill) beside the chunked kernels ----
 // Lengths around its reach (0, 1, 2 and 3 around the chain kernel's threshold, max_len, max_len + 1) in
 // one batch with longer sequences, so both paths run and each must leave the other's sequences alone.
 std::vector<Case> short_cases() {
@@ -432,7 +434,7 @@ std::vector<Case> sanitize_cases() {
   out.push_back({case_name(c), c, 32});
   c.seed = 3000 + i++;
   c.checkpoint_interval = 64;
-  for (int aux : {cuda::chunked_prefill::kAuxNone, cuda::chunked_prefill::kAuxM, cuda::chunked_prefill::kAuxAll}) {
+  for (int aux : {0, 1}) {
     out.push_back({case_name(c, aux > 0 ? "head_aux" + std::to_string(aux) : "head"), c,
                    cuda::chunked_prefill::kVTileHead, 1, 0, aux});
     c.seed = 3000 + i++;
@@ -440,8 +442,7 @@ std::vector<Case> sanitize_cases() {
   {  // the default prep warpgroup (M) over 11 chunks: its stages' mbarrier phases wrap
     ProblemConfig l = base({650, 70}, 1, 2, 128, 128);
     l.seed = 3000 + i++;
-    out.push_back({case_name(l, "long_aux1"), l, cuda::chunked_prefill::kVTileHead, 1, 0,
-                   cuda::chunked_prefill::kAuxM});
+    out.push_back({case_name(l, "long_aux1"), l, cuda::chunked_prefill::kVTileHead, 1, 0, 1});
   }
   out.push_back({case_name(c, "head2"), c, cuda::chunked_prefill::kVTileHead, 2});
   c.seed = 3000 + i++;
@@ -602,30 +603,30 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
 }
 
 // A caller workspace of exactly prefill_workspace_bytes, for the plans of the head pass: M formed in the pass
-// (two-warpgroup CTAs after the chunk prep, M's region unused; by a prep warpgroup the same), M from the workspace
-// (the column split), and the chunk prep in a warpgroup (no workspace used). Bytes past it
-// stay untouched, and the results equal the library-workspace run's bit for bit.
+// (two-warpgroup CTAs after the chunk prep, M's region unused; by the prep warpgroup the same) and M from the
+// workspace (the column split). Bytes past it stay untouched, and the results equal the library-workspace run's
+// bit for bit.
 TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
   namespace cp = cuda::chunked_prefill;
   struct Plan {
     int aux;  // asked for
     bool few, m_in_pass;
   };
-  for (const Plan want : {Plan{cp::kAuxNone, false, true}, Plan{cp::kAuxNone, true, false},
-                          Plan{cp::kAuxM, false, true}, Plan{cp::kAuxAll, false, false}}) {
+  for (const Plan want : {Plan{0, false, true}, Plan{0, true, false}, Plan{1, false, true}}) {
     // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split: M formed in the pass, by the state
-    // warpgroups or a prep warpgroup, or the chunk prep in a warpgroup), 1 x 32 two each (M from the workspace).
+    // warpgroups or the prep warpgroup), 1 x 32 two each (M from the workspace).
     const Problem before(want.few ? base({130}, 16, 32) : base({130, 64, 71}, 16, 32));
     Problem lib = before, own = before;
     DeviceProblem d_lib(lib), d_own(own);
     PrefillParams p = own.prefill_params(PrefillAlgorithm::kAuto, d_own.resolver());
-    cp::Plan plan;
-    cp::plan_state_pass(p, plan, cuda::device_sms(), 0, 0, want.aux);
-    ASSERT_EQ(plan.m_in_pass, want.m_in_pass) << "the case no longer takes the plan it is written for";
-    ASSERT_EQ(plan.aux_prep, want.few ? cp::kAuxNone : want.aux)
-        << "the case no longer takes the plan it is written for";
+    cuda::Overrides o;
+    o.prefill_m_warpgroup = want.aux;
+    const cp::PrefillChoice choice = cp::choose_prefill(p, cuda::device_sms(), o);
+    ASSERT_EQ(choice.m_in_pass, want.m_in_pass) << "the case no longer takes the plan it is written for";
+    ASSERT_EQ(choice.m_warpgroup, !want.few && want.aux == 1) << "the case no longer takes the plan it is written for";
     const auto run = [&](const PrefillParams& q, cudaStream_t stream) {
-      cp::prefill_with_vtile(q, stream, 0, cp::kStagesAll, 0, -1, want.aux);
+      const cuda::ScopedOverrides scoped(o);
+      prefill(q, {Backend::kCUDA, stream});
     };
     const size_t need = prefill_workspace_bytes(p), guard = 64 * 1024;
     ASSERT_GT(need, 0u);
@@ -638,18 +639,11 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     run(lib.prefill_params(PrefillAlgorithm::kAuto, d_lib.resolver()), d_lib.stream());
     d_own.download(own);
     d_lib.download(lib);
-    std::vector<unsigned char> tail(guard), used;
+    std::vector<unsigned char> tail(guard);
     GDNKIT_TEST_CUDA(cudaMemcpy(tail.data(), ws + need, guard, cudaMemcpyDeviceToHost));
-    if (want.aux == cp::kAuxAll) {  // no chunk prep kernel: nothing of the caller's workspace is written
-      used.resize(need);
-      GDNKIT_TEST_CUDA(cudaMemcpy(used.data(), ws, need, cudaMemcpyDeviceToHost));
-    }
     cudaFree(ws);
     EXPECT_TRUE(std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xff; }))
         << "bytes past prefill_workspace_bytes were written";
-    if (want.aux == cp::kAuxAll)
-      EXPECT_TRUE(std::all_of(used.begin(), used.end(), [](unsigned char b) { return b == 0xff; }))
-          << "the workspace was written although no chunk prep ran";
     for (const char* name : {"o", "state", "error_flag"})
       EXPECT_TRUE(BitwiseEqual(std::string(name) + " (caller workspace)", own.buffer(name), lib.buffer(name)));
     Problem ref = before;
@@ -724,7 +718,7 @@ TEST(PrefillPlan, ShortPathChoice) {
     c.layout = layout, c.state_dtype = state, c.in_dtype = in, c.pass_cu_seqlens_host = host;
     Problem p(c);
     const PrefillParams pp = p.prefill_params(PrefillAlgorithm::kAuto);
-    EXPECT_TRUE(cuda::prefill_short_supported(pp));
+    EXPECT_TRUE(cuda::chunked_prefill::short_path_supported(pp));
     return cuda::chunked_prefill::choose_short_len(pp);
   };
   const auto kl = StateLayout::kKLast, vl = StateLayout::kVLast;

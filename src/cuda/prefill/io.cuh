@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/common/dtype.cuh"
-#include "cuda/common/sequence.cuh"
+#include "cuda/arch/dtype.cuh"
+#include "cuda/prefill/short_sequence.h"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
 #include "gdnkit/params.h"

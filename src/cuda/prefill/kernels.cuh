@@ -1,4 +1,4 @@
-// CUDA chunked prefill (SPEC.md "prefill"), two kernels per call (one where the state pass's prep warpgroup forms
+// CUDA chunked prefill (docs/semantics.md "prefill"), two kernels per call (one where the state pass's prep warpgroup forms
 // everything, kAuxAll, prep_warpgroup.cuh):
 //
 //  1. chunk_prep_kernel  one CTA per (chunk slot, q/k head): everything that depends on one chunk only.
@@ -29,7 +29,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/check.h"
+#include "cuda/host/check.h"
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
@@ -69,8 +69,8 @@ constexpr int prep_ctas_per_sm() {
 // once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
 // h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
 // Without kM (the wgmma head pass forms M from the chunk's rows and takes the q norms there, in its state warpgroups
-// or in its prep warpgroup) q is not read, q k^T and M are skipped, kEq is e^gcum alone, and M's per-token terms
-// (kGc, kRk) are written with the other factors, or alone beside a prep warpgroup (Plan::aux_prep == kAuxM), which
+// or in its prep warpgroup) q is not read, q k^T and M are skipped, kDecayRq is e^gcum alone, and M's per-token terms
+// (kLog2Gcum, kInvNormK) are written with the other factors, or alone beside a prep warpgroup (Plan::m_warpgroup), which
 // forms the others.
 template <int K, class Op, bool kM>
 __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   __shared__ __align__(16) float s_rk[kChunk];
   __shared__ __align__(16) float s_rq[kM ? kChunk : 1];
   // Fused gating: A_log and dt_bias of the group's first kHeadParams value heads (the rest read at use; the models
-  // of BENCH.md have 2-4 value heads per q/k head).
+  // of docs/benchmarks.md have 2-4 value heads per q/k head).
   constexpr int kHeadParams = 32;
   __shared__ float s_head[2][kHeadParams];
   Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
       constexpr float kLog2e = 1.4426950408889634f;
       const int r = lane >> 2, q2 = (lane & 3) * 2;
       [[maybe_unused]] Op* mout = nullptr;  // M's rows in the workspace (kM; no M region otherwise)
-      if constexpr (kM) mout = static_cast<Op*>(plan.ws_m) + ws * (kChunk * kChunk);
+      if constexpr (kM) mout = static_cast<Op*>(plan.ws_masked_qk) + ws * (kChunk * kChunk);
       float gi[2], fq[2], fa[2];  // per row i = 16 warp + r + 8 half
       // M's causal image (image): element (i, 8 nt + q2) at m_rows.at[half] + ((nt ^ m_rows.swz) << 3)
       [[maybe_unused]] const ImageRows m_rows = kM ? image_rows(warp, lane) : ImageRows{};
@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
         const int i = warp * 16 + r + half * 8;
         gi[half] = gc[i] * kLog2e;
         fa[half] = beta[i] * s_rk[i];
-        // beta in [0, 1] (SPEC.md): beta_i = 0 gives -inf, and A's row 0. (As the exponents <= 0 below, this takes
+        // beta in [0, 1] (docs/semantics.md): beta_i = 0 gives -inf, and A's row 0. (As the exponents <= 0 below, this takes
         // in-spec gates: a negative given beta would make the row NaN here, where the path with M would not.)
         if constexpr (kM)
           fq[half] = s_rq[i];
@@ -299,13 +299,13 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     __syncthreads();
 
     // T = (I + A)^{-1} and T' = T diag(beta) to the workspace (solve.cuh)
-    invert_and_store_t<Op, 0>(Af, beta, L, static_cast<Op*>(plan.ws_t) + ws * (kChunk * kChunk), image, warp, lane,
+    invert_and_store_t<Op, 0>(Af, beta, L, static_cast<Op*>(plan.ws_tprime) + ws * (kChunk * kChunk), image, warp, lane,
                               [] { __syncthreads(); });
     // The state pass reuses gcum and the norms (rq includes the scale), per value head.
-    // (Beside a prep warpgroup forming M, kGc and kRk alone: it forms the others from them.)
+    // (Beside a prep warpgroup forming M, kLog2Gcum and kInvNormK alone: it forms the others from them.)
     if (tid < kChunk)
-      store_token_factors<kM>(plan.ws_f + ws * (kFactorRows<!kM> * kChunk), gc, s_rk, s_rq, L, tid,
-                              plan.aux_prep == kAuxM);
+      store_token_factors<kM>(plan.ws_factors + ws * (kFactorRows<!kM> * kChunk), gc, s_rk, s_rq, L, tid,
+                              plan.m_warpgroup);
     if (warp == 0 && h + 1 < h1)
       store_gates(p, gates, head_params(h + 1), L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
     __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it
@@ -423,19 +423,19 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
                                    (t0 + row) * p.v.token_stride + h * p.v.head_stride + v0 + cv * 8, plan.qkv_vec)
                        : make_uint4(0, 0, 0, 0);
     }
-    const uint4* tsrc = reinterpret_cast<const uint4*>(static_cast<const Op*>(plan.ws_t) + ws * (kChunk * kChunk));
-    const uint4* msrc = reinterpret_cast<const uint4*>(static_cast<const Op*>(plan.ws_m) + ws * (kChunk * kChunk));
+    const uint4* tsrc = reinterpret_cast<const uint4*>(static_cast<const Op*>(plan.ws_tprime) + ws * (kChunk * kChunk));
+    const uint4* msrc = reinterpret_cast<const uint4*>(static_cast<const Op*>(plan.ws_masked_qk) + ws * (kChunk * kChunk));
 #pragma unroll
     for (int u = 0; u < Regs::kT; ++u) {
       f.t[u] = __ldg(tsrc + tid + u * kThreads);
       f.m[u] = __ldg(msrc + tid + u * kThreads);
     }
     if (tid < kChunk) {
-      const float* src = plan.ws_f + ws * (kFactorRows<false> * kChunk);
-      f.ek = src[kEk * kChunk + tid];
-      f.eq = src[kEq * kChunk + tid];
-      f.dd = src[kDd * kChunk + tid];
-      f.eg = src[kEg * kChunk + tid];
+      const float* src = plan.ws_factors + ws * (kFactorRows<false> * kChunk);
+      f.ek = src[kDecayRk * kChunk + tid];
+      f.eq = src[kDecayRq * kChunk + tid];
+      f.dd = src[kTailDecayRk * kChunk + tid];
+      f.eg = src[kChunkDecay * kChunk + tid];
     }
 #pragma unroll
     for (int u = 0; u < Regs::kRow; ++u) {
@@ -632,8 +632,7 @@ void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t st
 
 template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
-  // With a prep warpgroup for everything the head pass prepares the chunks itself (it is the state pass stage).
-  const bool prep = (stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0 && plan.aux_prep != kAuxAll;
+  const bool prep = (stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0;
   if (prep) {
     if (plan.m_in_pass)
       launch_chunk_prep<K, Op, false>(p, plan, stream);
@@ -643,10 +642,7 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
   if (!(stages & kStageStatePass)) return;
   if constexpr (K <= 128) {
     if (is_head_tile(vtile)) {
-      // Programmatic dependent launch behind the prep pays where the pass has few waves (1x2048 6%, 8x1024
-      // 4.5% faster); with many short CTAs each one's griddepcontrol.wait costs more than it saves (8192x32,
-      // 262144 CTAs: 2.4% slower), so there the pass launches after the prep as before.
-      const bool early = prep && int64_t(p.num_seqs) * p.heads.num_v_heads * plan.head_split <= 4 * plan.num_sms;
+      const bool early = prep && plan.early_state_pass;  // PDL behind the chunk prep (heuristics.cpp)
       if (p.heads.head_dim_v == 64)
         launch_state_pass_head<K, 64, Op>(p, plan, early, stream);
       else

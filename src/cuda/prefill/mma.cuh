@@ -2,7 +2,7 @@
 // of cuda/common/mma_sync.cuh.
 #pragma once
 
-#include "cuda/common/mma_sync.cuh"
+#include "cuda/arch/mma_sync.cuh"
 
 namespace gdnkit::cuda::chunked_prefill {
 

@@ -2,9 +2,9 @@
 // value head) CTA, a third warpgroup turns each chunk's staged rows into what the state warpgroups would otherwise
 // read from the chunk prep's workspace, in the chunk's own shared-memory stage, a chunk or two ahead of them (the
 // stages are filled two chunks ahead), so that its work leaves their sequential chain. Two modes:
-//   kAuxM (kSolve false): after the chunk prep kernel without M (T' and the factor rows kGc, kRk arrive with the
+//   kAuxM (kSolve false): after the chunk prep kernel without M (T' and the factor rows kLog2Gcum, kInvNormK arrive with the
 //     rows by TMA), it forms M with rq (q k^T on wgmma, rq from the rows' sums of squares on the FMA pipe) and the
-//     factor rows kEk, kEq, kDd, kEg;
+//     factor rows kDecayRk, kDecayRq, kTailDecayRk, kChunkDecay;
 //   kAuxAll (kSolve true): everything, no chunk prep kernel (the math of chunk_prep_kernel, kernels.cuh): k k^T,
 //     the norms, gates and gcum, A, T' by solve.cuh's invert_and_store_t, M and the factor rows.
 // Per chunk: wait for the state warps' release of the stage's previous chunk and for the stage's TMA; past a partial
@@ -20,8 +20,8 @@
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
 #include "cuda/prefill/solve.cuh"
-#include "cuda/prefill/tma.cuh"
-#include "cuda/prefill/wgmma.cuh"
+#include "cuda/arch/tma.cuh"
+#include "cuda/arch/wgmma.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::chunked_prefill {
@@ -90,9 +90,9 @@ __device__ __forceinline__ void decayed_tile(const float (&acc)[4], const float 
 // this warpgroup's 128 threads arrive on done[c % kStages] (phase parity c / kStages). From chunk kStages on it also
 // waits on done[kStages + c % kStages] (parity c / kStages - 1): every state thread is done with the stage's previous
 // chunk.
-// kSolve: it fills ts (T'), ms (M) and the four factor rows of sc. Else M alone: T' and the factor rows kGc, kRk of
-// the chunk prep kernel arrive with the rows by TMA; this warpgroup fills ms (M with rq) and forms the rows kEk, kEq
-// (with rq), kDd, kEg from kGc and kRk (the state warpgroups then read what the chunk prep with M would have
+// kSolve: it fills ts (T'), ms (M) and the four factor rows of sc. Else M alone: T' and the factor rows kLog2Gcum, kInvNormK of
+// the chunk prep kernel arrive with the rows by TMA; this warpgroup fills ms (M with rq) and forms the rows kDecayRk, kDecayRq
+// (with rq), kTailDecayRk, kChunkDecay from kLog2Gcum and kInvNormK (the state warpgroups then read what the chunk prep with M would have
 // written).
 template <int K, class Op, int kStages, bool kSolve, class Stage>
 __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Plan& plan, PrepSmem& ps, Stage* stage,
@@ -208,16 +208,16 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
     }
     if constexpr (!kSolve) {
       __syncwarp();  // the warp's rq (its own rows are all M's pass reads)
-      // The state warpgroups' factor rows of this warp's 16 tokens from the chunk prep's kGc (gcum log2 e) and kRk
+      // The state warpgroups' factor rows of this warp's 16 tokens from the chunk prep's kLog2Gcum (gcum log2 e) and kInvNormK
       // (store_token_factors' with rq)
       if (lane < 16) {
         const int t = warp * 16 + lane;
-        const float gc2 = b.sc[kGc * kChunk + t], rk = b.sc[kRk * kChunk + t], gl2 = b.sc[kGc * kChunk + kChunk - 1];
+        const float gc2 = b.sc[kLog2Gcum * kChunk + t], rk = b.sc[kInvNormK * kChunk + t], gl2 = b.sc[kLog2Gcum * kChunk + kChunk - 1];
         const float d = exp2f(gc2);
-        b.sc[kEk * kChunk + t] = d * rk;
-        b.sc[kEq * kChunk + t] = d * ps.rq[t];
-        b.sc[kDd * kChunk + t] = t < L ? rk * exp2f(gl2 - gc2) : 0.0f;
-        b.sc[kEg * kChunk + t] = exp2f(gl2);
+        b.sc[kDecayRk * kChunk + t] = d * rk;
+        b.sc[kDecayRq * kChunk + t] = d * ps.rq[t];
+        b.sc[kTailDecayRk * kChunk + t] = t < L ? rk * exp2f(gl2 - gc2) : 0.0f;
+        b.sc[kChunkDecay * kChunk + t] = exp2f(gl2);
       }
     }
     if (kSolve && warp == 0) {
@@ -256,9 +256,9 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
     }
 
     // ---- M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), to the stage as its causal image. gcum
-    // (times log2 e) and rk: this warpgroup's, or without the solve the chunk prep's factor rows kGc, kRk.
-    const float* const gcs = kSolve ? ps.gc : &b.sc[kGc * kChunk];
-    const float* const rks = kSolve ? ps.rk : &b.sc[kRk * kChunk];
+    // (times log2 e) and rk: this warpgroup's, or without the solve the chunk prep's factor rows kLog2Gcum, kInvNormK.
+    const float* const gcs = kSolve ? ps.gc : &b.sc[kLog2Gcum * kChunk];
+    const float* const rks = kSolve ? ps.rk : &b.sc[kInvNormK * kChunk];
     constexpr float kGcScale = kSolve ? kLog2e : 1.0f;
     float fq[2];
 #pragma unroll

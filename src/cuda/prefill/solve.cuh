@@ -14,7 +14,7 @@
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
-#include "cuda/prefill/wgmma.cuh"
+#include "cuda/arch/wgmma.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::chunked_prefill {
@@ -79,24 +79,24 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
 }
 
 // The per-token factors (FactorRow) of token t < 64 of one (chunk, value head) to f, from gcum, rk and (kWithRq) rq
-// in shared memory. Without kWithRq (M is formed in the state pass, which applies rq itself) kEq is e^gcum alone and
-// M's terms kGc, kRk follow; with m_terms_only those two alone (the head pass's prep warpgroup forms the others).
+// in shared memory. Without kWithRq (M is formed in the state pass, which applies rq itself) kDecayRq is e^gcum alone and
+// M's terms kLog2Gcum, kInvNormK follow; with m_terms_only those two alone (the head pass's prep warpgroup forms the others).
 template <bool kWithRq>
 __device__ __forceinline__ void store_token_factors(float* f, const float* gc, const float* rk, const float* rq, int L,
                                                     int t, bool m_terms_only = false) {
   if (!kWithRq && m_terms_only) {
-    f[kGc * kChunk + t] = gc[t] * 1.4426950408889634f;
-    f[kRk * kChunk + t] = rk[t];
+    f[kLog2Gcum * kChunk + t] = gc[t] * 1.4426950408889634f;
+    f[kInvNormK * kChunk + t] = rk[t];
     return;
   }
   const float d = expf(gc[t]), g_last = gc[kChunk - 1];
-  f[kEk * kChunk + t] = d * rk[t];
-  f[kEq * kChunk + t] = kWithRq ? d * rq[t] : d;
-  f[kDd * kChunk + t] = t < L ? rk[t] * expf(g_last - gc[t]) : 0.0f;
-  f[kEg * kChunk + t] = expf(g_last);
+  f[kDecayRk * kChunk + t] = d * rk[t];
+  f[kDecayRq * kChunk + t] = kWithRq ? d * rq[t] : d;
+  f[kTailDecayRk * kChunk + t] = t < L ? rk[t] * expf(g_last - gc[t]) : 0.0f;
+  f[kChunkDecay * kChunk + t] = expf(g_last);
   if constexpr (!kWithRq) {
-    f[kGc * kChunk + t] = gc[t] * 1.4426950408889634f;
-    f[kRk * kChunk + t] = rk[t];
+    f[kLog2Gcum * kChunk + t] = gc[t] * 1.4426950408889634f;
+    f[kInvNormK * kChunk + t] = rk[t];
   }
 }
 

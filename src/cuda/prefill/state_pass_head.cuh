@@ -18,9 +18,9 @@
 // <= 128 and V in {64, 128} (K = 128: 64 accumulator registers of S per thread). The q/k rows are
 // loaded once per chunk for all V columns (state_pass_kernel loads them once per value tile).
 //
-// Two builds of the products (template parameter kWg):
-//   kWg = false: each warp issues mma.sync m16n8k16 with B fragments by ldmatrix from padded rows;
-//   kWg = true:  each group of 4 warps (64 value columns) issues wgmma m64nNk16 (wgmma.cuh): the same
+// Two builds of the products (template parameter kWgmma):
+//   kWgmma = false: each warp issues mma.sync m16n8k16 with B fragments by ldmatrix from padded rows;
+//   kWgmma = true:  each group of 4 warps (64 value columns) issues wgmma m64nNk16 (wgmma.cuh): the same
 //     A fragments from registers, B read by the tensor cores from 128B-swizzled k, q, T', M rows,
 //     asynchronously (the P and Q products overlap the X step, o's product overlaps the S update's).
 //     The chunk's inputs arrive by TMA (tma.cuh: one thread issues the tiles, an mbarrier per stage
@@ -28,7 +28,7 @@
 //     k, q, v rows are zeroed in shared memory, so the full products run there too.
 //     With two warpgroups per CTA (kMInPass, head_pass_forms_m) it forms M itself, and the chunk prep
 //     writes none: q k^T with both operands in shared memory, issued with P and Q (each warpgroup half of
-//     M's token columns), then masked and scaled by the prep's kGc / kRk factors while v_new's
+//     M's token columns), then masked and scaled by the prep's kLog2Gcum / kInvNormK factors while v_new's
 //     product runs, and stored by stmatrix into the stage's M rows, where o's product reads them after one
 //     CTA barrier. It also takes the q norms from the staged q rows while P and Q run (the prep then reads
 //     no q) and scales o's token rows by them at the end: o_i = rq_i (e^gcum_i q_i S + sum_j M'_ij v_new_j),
@@ -48,8 +48,8 @@
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
 #include "cuda/prefill/prep_warpgroup.cuh"
-#include "cuda/prefill/tma.cuh"
-#include "cuda/prefill/wgmma.cuh"
+#include "cuda/arch/tma.cuh"
+#include "cuda/arch/wgmma.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::chunked_prefill {
@@ -79,16 +79,16 @@ struct alignas(1024) HeadStageWg {
   float sc[kFactorRows<head_pass_forms_m(true, kCols)> * kChunk];
 };
 
-template <int K, int kCols, class Op, bool kWg>
-using HeadStageOf = std::conditional_t<kWg, HeadStageWg<K, kCols, Op>, HeadStage<K, kCols, Op>>;
+template <int K, int kCols, class Op, bool kWgmma>
+using HeadStageOf = std::conditional_t<kWgmma, HeadStageWg<K, kCols, Op>, HeadStage<K, kCols, Op>>;
 // Stages in flight: the wgmma build's TMA loads run two chunks ahead (three stages, 197 KB at K = V = 128),
 // the cp.async build's one chunk ahead (its padded stages: two).
-template <bool kWg>
-constexpr int kHeadStages = kWg ? 3 : 2;
-template <int K, int kCols, class Op, bool kWg, bool kFused = false>
+template <bool kWgmma>
+constexpr int kHeadStages = kWgmma ? 3 : 2;
+template <int K, int kCols, class Op, bool kWgmma, bool kFused = false>
 constexpr size_t head_smem_bytes() {
-  return kHeadStages<kWg> * sizeof(HeadStageOf<K, kCols, Op, kWg>) + (kFused ? sizeof(PrepSmem) : 0) +
-         (kWg ? 1024 : 0);  // + alignment slack
+  return kHeadStages<kWgmma> * sizeof(HeadStageOf<K, kCols, Op, kWgmma>) + (kFused ? sizeof(PrepSmem) : 0) +
+         (kWgmma ? 1024 : 0);  // + alignment slack
 }
 
 // v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M), in token halves: tokens
@@ -124,23 +124,23 @@ constexpr int head_pass_threads() {
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
 // kAux (the wgmma build with two state warpgroups): a third warpgroup prepares each chunk in its stage
 // (prep_warpgroup.cuh): M (kAuxM, after the chunk prep kernel without M), or everything (kAuxAll, no chunk prep).
-template <int K, int V, int kSplit, class Op, bool kWg, int kAux>
+template <int K, int V, int kSplit, class Op, bool kWgmma, int kAux>
 __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
   constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;  // the state warps
   constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
-  static_assert(!kWg || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
+  static_assert(!kWgmma || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
   constexpr bool kFused = kAux != kAuxNone;  // a prep warpgroup beside the state warpgroups
-  static_assert(!kFused || (kWg && kCols == 128), "the prep warpgroup: beside two state warpgroups");
+  static_assert(!kFused || (kWgmma && kCols == 128), "the prep warpgroup: beside two state warpgroups");
   // M formed by the state warpgroups, not read from the stage (kFused: the prep warpgroup forms it)
-  constexpr bool kMInPass = !kFused && head_pass_forms_m(kWg, kCols);
+  constexpr bool kMInPass = !kFused && head_pass_forms_m(kWgmma, kCols);
   // the chunk prep's factor rows in the workspace (6: without M, for kMInPass or the prep warpgroup's M)
   constexpr int kFRows = kFactorRows<kMInPass || kAux == kAuxM>;
-  using Stage = HeadStageOf<K, kCols, Op, kWg>;
-  constexpr int kStages = kHeadStages<kWg>;
+  using Stage = HeadStageOf<K, kCols, Op, kWgmma>;
+  constexpr int kStages = kHeadStages<kWgmma>;
   constexpr int LDV = HeadStage<K, kCols, Op>::LDV;  // the warp build's padded v rows
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWg ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
+  Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWgmma ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
 
   // Flat grid, column split fastest, then head: the CTAs that share q/k rows run together.
   const int HV = p.heads.num_v_heads;
@@ -261,20 +261,20 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
   const Op* q_src = q_zero + (start + rk0) * p.q.token_stride + ck * 8;
   const Op* v_src = v_zero + (start + rv0) * p.v.token_stride + v0 + cvv * 8;
   const int64_t ws0 = slot0 * HV + h;
-  const Op* t_src = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk) + tid * 8;
-  const Op* m_src = kWg ? nullptr : static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk) + tid * 8;
-  const float* f_src = plan.ws_f + ws0 * (kFRows * kChunk);
+  const Op* t_src = static_cast<const Op*>(plan.ws_tprime) + ws0 * (kChunk * kChunk) + tid * 8;
+  const Op* m_src = kWgmma ? nullptr : static_cast<const Op*>(plan.ws_masked_qk) + ws0 * (kChunk * kChunk) + tid * 8;
+  const float* f_src = plan.ws_factors + ws0 * (kFRows * kChunk);
   // The wgmma build's T' and M as the prep's causal images (kCausalImageElems of each entry's 64 x 64)
-  [[maybe_unused]] const Op* t_img = static_cast<const Op*>(plan.ws_t) + ws0 * (kChunk * kChunk);
-  [[maybe_unused]] const Op* m_img = kMInPass ? nullptr : static_cast<const Op*>(plan.ws_m) + ws0 * (kChunk * kChunk);
+  [[maybe_unused]] const Op* t_img = static_cast<const Op*>(plan.ws_tprime) + ws0 * (kChunk * kChunk);
+  [[maybe_unused]] const Op* m_img = kMInPass ? nullptr : static_cast<const Op*>(plan.ws_masked_qk) + ws0 * (kChunk * kChunk);
   // The warp build's padded k / q and T' / M rows.
   constexpr int LDK = HeadStage<K, kCols, Op>::LDK, LDT = HeadStage<K, kCols, Op>::LDT;
   // Element offset of (row, col) in the v (then o) buffer of a stage; rows 16 apart are kVRow16 bytes apart.
   auto v_offset = [](int row, int col) {
-    if constexpr (kWg) return sw128_offset<kChunk>(row, col);
+    if constexpr (kWgmma) return sw128_offset<kChunk>(row, col);
     else return row * LDV + col;
   };
-  constexpr uint32_t kVRow16 = kWg ? 16 * 128 : 16 * LDV * 2;
+  constexpr uint32_t kVRow16 = kWgmma ? 16 * 128 : 16 * LDV * 2;
   // o: lane l stores 16-byte piece l & 1 of the warp's columns of rows l / 2 + 16 u of each chunk, staged in
   // its v columns at o_staged (+ 16 rows per u).
   Op* const o_lane = static_cast<Op*>(p.o.data) + (start + (lane >> 1)) * p.o.token_stride + h * p.o.head_stride + vw +
@@ -294,11 +294,11 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
   // mbarrier / in one cp.async group).
   constexpr int kInputs = 1, kWorkspace = 2, kBoth = 3;
   auto issue = [&](int64_t c, Stage& b, int parts) {
-    if constexpr (kWg) {
+    if constexpr (kWgmma) {
       if (tid == 0) {
         uint64_t* bar = &bars[c % kStages];
         if (parts & kInputs) {
-          // both parts' bytes (kAuxAll: the rows alone; kAuxM: the rows, T' and the factor rows kGc, kRk; the prep
+          // both parts' bytes (kAuxAll: the rows alone; kAuxM: the rows, T' and the factor rows kLog2Gcum, kInvNormK; the prep
           // warpgroup forms the rest)
           constexpr uint32_t kBytes =
               uint32_t((2 * K + kCols) * kChunk * 2) +
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
           bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
           if constexpr (!kMInPass && !kFused) bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
           if constexpr (kAux == kAuxM)
-            bulk_load(b.sc + kGc * kChunk, f_src + c * HV * (kFRows * kChunk) + kGc * kChunk, 2 * kChunk * 4, bar);
+            bulk_load(b.sc + kLog2Gcum * kChunk, f_src + c * HV * (kFRows * kChunk) + kLog2Gcum * kChunk, 2 * kChunk * 4, bar);
           else
             bulk_load(b.sc, f_src + c * HV * (kFRows * kChunk), kFRows * kChunk * 4, bar);
         }
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
         cp_async16(&b.vs[row * LDV + cvv * 8], ok ? vc + int64_t(u * kStepV) * p.v.token_stride : v_zero, ok);
       }
     }
-    if constexpr (!kWg) {
+    if constexpr (!kWgmma) {
       if (!(parts & kWorkspace)) return;
       const int64_t wc = c * HV;  // workspace entries per chunk
       const Op* tc = t_src + wc * (kChunk * kChunk);
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
   // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
   const uint32_t off_v = uint32_t(v_offset(((lane >> 4) << 3) + (lane & 7), lw + ((lane >> 3) & 1) * 8)) * 2;
 
-  if constexpr (kWg && !kFused) init_bars();
+  if constexpr (kWgmma && !kFused) init_bars();
   // Launched right behind the chunk prep with programmatic dependent launch (launch_state_pass_head), the
   // CTAs that find a free SM while the prep's last CTAs finish got here early: the state loads above read
   // the pool and cu_seqlens, which the prep does not write (and what ran before the prep finished before
@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
     if constexpr (kFused) {
       // the rows, zeroed past a partial chunk's end, T', M and the factors: the prep warpgroup's
       mbarrier_wait(&prep_bars[c % kStages], uint32_t(c / kStages) & 1);
-    } else if constexpr (kWg) {
+    } else if constexpr (kWgmma) {
       mbarrier_wait(&bars[c % kStages], uint32_t(c / kStages) & 1);
       if (L < kChunk) {
         zero_rows_past<K, Op>(b, L, tid, kThr);
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) mk[nt][e] = 0.0f;
       }
-      if constexpr (kWg) {
+      if constexpr (kWgmma) {
         uint32_t sa[K / 16][4];  // S^T as A fragments, held until both products complete
 #pragma unroll
         for (int kk = 0; kk < K / 16; ++kk) c_to_a<Op>(s[2 * kk], s[2 * kk + 1], sa[kk]);
@@ -499,7 +499,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
         ss += __shfl_xor_sync(0xffffffffu, ss, 2);
         if ((tid & 3) == 0) s_rq[t] = (p.heads.use_qk_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * plan.scale;
       }
-      if constexpr (kWg) {
+      if constexpr (kWgmma) {
         wgmma_wait<kMInPass ? 2 : 1>();  // P^T (Q^T and q k^T may still run)
         wgmma_pin(pk);
       }
@@ -513,7 +513,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int nt = 2 * np + half;
-          const float2 ek = factor(kEk, nt);
+          const float2 ek = factor(kDecayRk, nt);
           const float2 va = unpack2<Op>(vv[2 * half]), vb = unpack2<Op>(vv[2 * half + 1]);
           xa[np][2 * half] = pack2<Op>(va.x - ek.x * pk[nt][0], va.y - ek.y * pk[nt][1]);
           xa[np][2 * half + 1] = pack2<Op>(vb.x - ek.x * pk[nt][2], vb.y - ek.y * pk[nt][3]);
@@ -526,7 +526,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) vn[nt][e] = 0.0f;
-      if constexpr (kWg) {
+      if constexpr (kWgmma) {
         wgmma_pin(vn);
         wgmma_fence();
         const CausalDescs dt = causal_image_descs(b.ts);
@@ -541,12 +541,12 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
         wgmma_pin(mk);
         float gi[2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) gi[half] = b.sc[kGc * kChunk + mrow + 8 * half];
+        for (int half = 0; half < 2; ++half) gi[half] = b.sc[kLog2Gcum * kChunk + mrow + 8 * half];
 #pragma unroll
         for (int nt = 0; nt < kMCols / 8; ++nt) {
           const int j = mj0 + nt * 8 + q2;
-          const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kGc * kChunk + j]);
-          const float2 kj = *reinterpret_cast<const float2*>(&b.sc[kRk * kChunk + j]);
+          const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kLog2Gcum * kChunk + j]);
+          const float2 kj = *reinterpret_cast<const float2*>(&b.sc[kInvNormK * kChunk + j]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
@@ -562,7 +562,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
         }
         fence_proxy_async();  // M is read by the tensor cores
       }
-      if constexpr (kWg) {
+      if constexpr (kWgmma) {
         wgmma_wait<0>();  // v_new^T (and Q^T)
         wgmma_pin(vn);
         wgmma_pin(qo);
@@ -578,7 +578,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int nt = 2 * ks + half;
-          const float2 dd = factor(kDd, nt);
+          const float2 dd = factor(kTailDecayRk, nt);
           da[ks][2 * half] = pack2<Op>(vn[nt][0] * dd.x, vn[nt][1] * dd.y);
           da[ks][2 * half + 1] = pack2<Op>(vn[nt][2] * dd.x, vn[nt][3] * dd.y);
         }
@@ -588,14 +588,14 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
       // diag(rq))
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
-        const float2 eq = factor(kEq, nt);
+        const float2 eq = factor(kDecayRq, nt);
         qo[nt][0] *= eq.x;
         qo[nt][1] *= eq.y;
         qo[nt][2] *= eq.x;
         qo[nt][3] *= eq.y;
       }
-      const float eg = b.sc[kEg * kChunk];
-      if constexpr (kWg) {
+      const float eg = b.sc[kChunkDecay * kChunk];
+      if constexpr (kWgmma) {
         if constexpr (kMInPass) __syncthreads();  // every warpgroup's share of M is stored
         wgmma_pin(qo);
         wgmma_fence();
@@ -650,7 +650,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
         }
       }
 
-      if constexpr (kWg) {
+      if constexpr (kWgmma) {
         wgmma_wait<0>();  // S^T
         wgmma_pin(s);
       } else {
@@ -690,14 +690,14 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kAux>(), 1)
 }
 
 // after_prep: the chunk prep is the previous kernel of the stream (launch_op), so the pass may launch
-// early, with programmatic dependent launch (unless GDNKIT_PDL=0), and wait for the prep inside.
-template <int K, int V, int kSplit, class Op, bool kWg, int kAux = kAuxNone>
+// early, with programmatic dependent launch, and wait for the prep inside.
+template <int K, int V, int kSplit, class Op, bool kWgmma, int kAux = kAuxNone>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
-  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWg, kAux != kAuxNone>();
-  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWg, kAux>;
+  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWgmma, kAux != kAuxNone>();
+  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kAux>;
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
-  const HeadTensorMaps maps = kWg ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
+  const HeadTensorMaps maps = kWgmma ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit);
   cfg.blockDim = dim3(head_pass_threads<V, kSplit, kAux>());
@@ -709,7 +709,7 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
 }
 
 // The wgmma build where the plan says so (Plan::wgmma_pass: the CTA owns whole warpgroups and the TMA
-// coordinates fit), with the prep warpgroup where Plan::aux_prep says so, else the mma.sync build.
+// coordinates fit), with the prep warpgroup where Plan::m_warpgroup says so, else the mma.sync build.
 template <int K, int V, class Op>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   if (plan.head_split == 2) {
@@ -718,8 +718,7 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
     launch_state_pass_head<K, V, 2, Op, false>(p, plan, after_prep, stream);
   } else {
     if constexpr (V == 128 && K % 64 == 0) {
-      if (plan.aux_prep == kAuxAll) return launch_state_pass_head<K, V, 1, Op, true, kAuxAll>(p, plan, false, stream);
-      if (plan.aux_prep == kAuxM) return launch_state_pass_head<K, V, 1, Op, true, kAuxM>(p, plan, after_prep, stream);
+      if (plan.m_warpgroup) return launch_state_pass_head<K, V, 1, Op, true, kAuxM>(p, plan, after_prep, stream);
     }
     if (plan.wgmma_pass) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, after_prep, stream);
     launch_state_pass_head<K, V, 1, Op, false>(p, plan, after_prep, stream);

@@ -1,5 +1,5 @@
 // Verify of chains without an intermediate cache, and commit by recompute, on tensor cores: the chunked
-// (WY) form of SPEC.md's recurrence with chunks of 8 tokens, for K-last pools and bf16 q/k/v. The
+// (WY) form of docs/semantics.md's recurrence with chunks of 8 tokens, for K-last pools and bf16 q/k/v. The
 // scalar warp kernel (warp_kernel.cuh) spends 3-4 fp32 instructions per state value and token (two dot
 // products, the decay, the update) plus a butterfly per token: at T >= 3 it is compute-bound. Here a
 // call reads each state once, and the per-token work on the state is mma.sync (cuda/common/mma_sync.cuh).
@@ -38,10 +38,9 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/check.h"
-#include "cuda/common/dtype.cuh"
-#include "cuda/common/mma_sync.cuh"
-#include "cuda/recurrent/launch.cuh"
+#include "cuda/host/check.h"
+#include "cuda/arch/dtype.cuh"
+#include "cuda/arch/mma_sync.cuh"
 #include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
 #include "cuda/recurrent/warp_tile.cuh"
@@ -53,31 +52,16 @@ constexpr int kChainCols = 8;   // columns of S per warp
 constexpr int kChainWarps = 4;  // warps per CTA: neighbouring column blocks of one head
 constexpr int kChainChunk = 8;  // tokens per chunk
 
-// Whether call p runs the chain kernel, beyond the compile-time choices (K-last, bf16 q/k/v, K <= 128):
-// any replay, and verify of a chain without a cache to store, for T >= 3 draft tokens. Step (verify +
-// replay) at B = 128 on the H100 (results/H100/bench_verify.md, ab_prev_verify.md, verify_ab_chain_t2.md):
-// T = 3 310.0 µs here against 348.1 with the warp kernel; T = 2 308.9 here against 291.2 with the warp
-// kernel, which keeps T = 2. (validate.cpp already asks the CUDA backend for 16-byte aligned q/k/v/o
-// rows, which the kernel's row and pair accesses need.)
-// Prefill's short sequences (kPrefill) are chains without a cache: the same rule on their longest length.
-inline bool chain_mma_fits(const RecurrentParams& p, WarpOp op) {
-  if (p.num_draft_tokens < chain_mma_min_tokens(3)) return false;
-  return op == WarpOp::kReplay || op == WarpOp::kPrefill ||
-         (p.parent == nullptr && (p.intermediate.data == nullptr || p.intermediate_indices == nullptr));
-}
-
 // Resident warps per SM the kernel is built for (ptxas, CUDA 13.0, K = 128: 32 -> 64 registers, 4-12
 // bytes spilled; 24 -> 80 registers, none; the two measured within 1% of each other). Unbounded ptxas
 // takes ~150 registers, and the update loop fully unrolled spilled 44-84 bytes at 80 registers (its pairs
-// hoisted). GDNKIT_CHAIN_MIN_WARPS overrides it at build time (A/B runs).
-#ifndef GDNKIT_CHAIN_MIN_WARPS
-#define GDNKIT_CHAIN_MIN_WARPS 32
-#endif
-template <class TS, int K, int V, WarpOp kOp>
-__global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kChainWarps)
+// hoisted).
+constexpr int kChainMinWarps = 32;
+template <class TState, int K, int V, RecurrentOp kOp>
+__global__ void __launch_bounds__(kChainWarps * 32, kChainMinWarps / kChainWarps)
     chain_mma_kernel(const RecurrentParams p, const bool write_state, const bool prefetch) {
-  static_assert(kOp != WarpOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
-  constexpr bool kReplay = kOp == WarpOp::kReplay, kPrefill = kOp == WarpOp::kPrefill;
+  static_assert(kOp != RecurrentOp::kDecode && K % 32 == 0 && V % (kChainCols * kChainWarps) == 0, "chain kernel tile");
+  constexpr bool kRecompute = kOp == RecurrentOp::kRecompute, kPrefill = kOp == RecurrentOp::kPrefill;
   constexpr int kSteps = K / 16, kPitch = K + 8;  // 16-byte row shift: ldmatrix rows hit distinct banks
   constexpr int kColCtas = V / (kChainCols * kChainWarps);
   constexpr int kN = kChainChunk;
@@ -101,13 +85,13 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
   const int hq = qk_head(p, hv);
   const int T = p.num_draft_tokens;
   const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
-  TS* const head_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
+  TState* const head_block = static_cast<TState*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
 
   // Programmatic dependent launch and prefetch mode: as the warp kernel (warp_kernel.cuh).
   if (prefetch && (!kPrefill || p.state_indices != nullptr)) {  // prefill: initial slots may be absent
     const int spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots)
-      WarpTile<StateLayout::kKLast, TS, K, V>::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);
+      WarpTile<StateLayout::kKLast, TState, K, V>::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
@@ -120,7 +104,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
     if (counter && !kPrefill) atomicAdd(p.error_flag, 1);  // prefill: a sequence of the chunked kernels
     return;
   }
-  if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
+  if (kRecompute && slot < 0) return;  // padding row: commit leaves it alone
   int n_replay, islot;
   const bool bad = row_is_bad<kOp>(p, rl, b, T, len, n_replay, islot);
   const auto out_pair = [&](int64_t tok) {
@@ -131,18 +115,18 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
   // traffic.
   if (bad || (slot < 0 && !kPrefill)) {
     if (bad && counter) atomicAdd(p.error_flag, 1);
-    if (!kReplay && lane < kChainCols / 2)
+    if (!kRecompute && lane < kChainCols / 2)
       for (int t = 0; t < len; ++t) *out_pair(tok0 + t) = __floats2bfloat162_rn(0.0f, 0.0f);
     return;
   }
-  const int n = kReplay ? n_replay : len;
+  const int n = kRecompute ? n_replay : len;
   if (n == 0 && !kPrefill) return;  // nothing to apply: the pool state stays
   // Where the final state goes: the pool slot read (prefill: the final slot, if any).
-  const bool store_final = kPrefill ? rl.fslot >= 0 : (kReplay || write_state);
-  TS* const out_tile = head_block + int64_t(kPrefill ? rl.fslot : slot) * p.state.slot_stride;
+  const bool store_final = kPrefill ? rl.fslot >= 0 : (kRecompute || write_state);
+  TState* const out_tile = head_block + int64_t(kPrefill ? rl.fslot : slot) * p.state.slot_stride;
 
   const auto token_of = [&](int j) -> int64_t {
-    return tok0 + (kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j);
+    return tok0 + (kRecompute && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j);
   };
   const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
   const bool norm = p.heads.use_qk_l2norm;
@@ -163,7 +147,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
     ChunkInputs in;
     in.nc = min(kN, n - c0);
     in.tok_lane = token_of(c0 + min(lane, in.nc - 1));
-    constexpr int kPieces = K / 8, kStaged = (kReplay ? 1 : 2) * kN * kPieces;
+    constexpr int kPieces = K / 8, kStaged = (kRecompute ? 1 : 2) * kN * kPieces;
 #pragma unroll
     for (int i = int(threadIdx.x); i < kStaged; i += kChainWarps * 32) {
       const int row = i / kPieces, piece = i % kPieces, j = row % kN;
@@ -185,22 +169,22 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
 
   // The warp's state columns (contiguous in a K-last pool) into `state`: by cp.async for fp32 pools
   // (no registers held while they travel), through registers (converted) for bf16.
-  TS* const tile = head_block + int64_t(slot) * p.state.slot_stride;
+  TState* const tile = head_block + int64_t(slot) * p.state.slot_stride;
   float(&st)[kChainCols][K + 8] = state[warp];
   {
-    constexpr int kE = 16 / int(sizeof(TS)), kPieces = kChainCols * K / kE;  // 16-byte pieces
+    constexpr int kE = 16 / int(sizeof(TState)), kPieces = kChainCols * K / kE;  // 16-byte pieces
     static_assert(kPieces % 32 == 0, "whole pieces per lane");
     if (kPrefill && slot < 0) {  // prefill from S = 0
 #pragma unroll
       for (int i = lane; i < kPieces; i += 32)
         for (int h = 0; h < kE; h += 4) *reinterpret_cast<float4*>(&st[i * kE / K][i * kE % K + h]) = float4{};
-    } else if constexpr (std::is_same_v<TS, float>) {
+    } else if constexpr (std::is_same_v<TState, float>) {
 #pragma unroll
       for (int i = lane; i < kPieces; i += 32) cp_async16(&st[i * kE / K][i * kE % K], tile + i * kE, true);
     } else {
       float x[kPieces / 32][kE];
 #pragma unroll
-      for (int i = 0; i < kPieces / 32; ++i) load_vec<TS, kE>(tile + (lane + 32 * i) * kE, x[i]);
+      for (int i = 0; i < kPieces / 32; ++i) load_vec<TState, kE>(tile + (lane + 32 * i) * kE, x[i]);
 #pragma unroll
       for (int i = 0; i < kPieces / 32; ++i) {
         const int e = (lane + 32 * i) * kE;
@@ -217,7 +201,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
     __syncwarp();
     if (store_final)
 #pragma unroll 4
-      for (int k = 2 * (lane % 4); k < K; k += 8) store_vec<TS, 2>(out_tile + r * K + k, &pair(k).x);
+      for (int k = 2 * (lane % 4); k < K; k += 8) store_vec<TState, 2>(out_tile + r * K + k, &pair(k).x);
     return;
   }
 
@@ -236,7 +220,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
     // operands are then this lane's state pairs at k = 16 j + c2 and 16 j + 8 + c2.
     // The tf32 products accumulate in two chains (one per half h), summed after: half the dependent latency.
     float pq2[2][4] = {}, kk[4] = {0.0f, 0.0f, 0.0f, 0.0f}, qq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const bf16* arow = &rows[kReplay ? 0 : (lane >> 3) & 1][lane & 7][(lane >> 4) * 8];  // replay: k twice
+    const bf16* arow = &rows[kRecompute ? 0 : (lane >> 3) & 1][lane & 7][(lane >> 4) * 8];  // replay: k twice
 #pragma unroll
     for (int j = 0; j < kSteps; ++j) {
       uint32_t a[4];
@@ -250,7 +234,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
         mma_tf32(pq2[h], at, hi0, hi1);
       }
       mma<bf16>(kk, a, a[0], a[2]);                // B = k^T: column i is token i's k row
-      if (!kReplay) mma<bf16>(qq, a, a[1], a[3]);  // B = q^T
+      if (!kRecompute) mma<bf16>(qq, a, a[1], a[3]);  // B = q^T
     }
     float pq[4];
 #pragma unroll
@@ -309,7 +293,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
     __syncwarp();
 
     // ---- o of token r, columns c2, c2 + 1 ---------------------------------------------------------
-    if constexpr (!kReplay) {
+    if constexpr (!kRecompute) {
       float y0 = pq[2], y1 = pq[3];
 #pragma unroll
       for (int i = 0; i < kN; ++i) {
@@ -340,7 +324,7 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
           float c[4] = {decay * e.x, decay * e.y, 0.0f, 0.0f};
           mma<bf16>(c, ua, kt[m], kt[m]);
           if (last)  // the final state: straight to the pool
-            store_vec<TS, 2>(out_tile + r * K + k, c);
+            store_vec<TState, 2>(out_tile + r * K + k, c);
           else
             e = make_float2(c[0], c[1]);
         }
@@ -351,19 +335,6 @@ __global__ void __launch_bounds__(kChainWarps * 32, GDNKIT_CHAIN_MIN_WARPS / kCh
       in = issue_inputs(c0 + kN);
     }
   }
-}
-
-template <class TS, int K, int V, WarpOp kOp>
-void launch_chain_mma(const RecurrentParams& p, bool write_state, Stream stream) {
-  const auto kernel = chain_mma_kernel<TS, K, V, kOp>;
-  constexpr int kColCtas = V / (kChainCols * kChainWarps);
-  static const int prefetch_ctas = [&] {  // 24 KB of shared memory per CTA: ask for the largest carveout
-    GDNKIT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           int(cudaSharedmemCarveoutMaxShared)));
-    return prefetch_limit(reinterpret_cast<const void*>(kernel), kChainWarps * 32, 2);
-  }();
-  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), kChainWarps * 32,
-                   prefetch_ctas, stream, p, write_state);
 }
 
 }  // namespace gdnkit::cuda::recurrent

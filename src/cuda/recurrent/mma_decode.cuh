@@ -33,9 +33,8 @@
 
 #include <cstdint>
 
-#include "cuda/common/dtype.cuh"
-#include "cuda/common/mma_sync.cuh"
-#include "cuda/recurrent/launch.cuh"
+#include "cuda/arch/dtype.cuh"
+#include "cuda/arch/mma_sync.cuh"
 #include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
 #include "gdnkit/params.h"
@@ -62,8 +61,8 @@ __device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
 template <int K, int V>
 __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDecodeTile<K, V>::kWarps)
     mma_decode_kernel(const RecurrentParams p, const bool prefetch) {
-  using TS = __nv_bfloat16;
-  using TI = __nv_bfloat16;
+  using TState = __nv_bfloat16;
+  using TInput = __nv_bfloat16;
   using Tile = MmaDecodeTile<K, V>;
   constexpr int kCols = Tile::kCols, kChunks = Tile::kChunks, kSteps = Tile::kSteps;
   constexpr int kColCtas = V / Tile::kCtaCols;
@@ -75,7 +74,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   const int hq = qk_head(p, hv);  // GVA
   const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
   // The warp's first column, and this lane's first element in it (column r, chunk 0).
-  TS* const warp_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
+  TState* const warp_block = static_cast<TState*>(p.state.data) + int64_t(hv) * kHeadElems + int64_t(v0) * K;
   const int lane_elem = r * K + 8 * c;
 
   // Before the wait: prefetch mode as in warp_kernel.cuh (the warp's 16 columns are one contiguous run).
@@ -83,11 +82,11 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   if (prefetch) {
     spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots) {
-      if (lane == 0) prefetch_l2(warp_block + int64_t(spec) * p.state.slot_stride, unsigned(kCols * K * sizeof(TS)));
+      if (lane == 0) prefetch_l2(warp_block + int64_t(spec) * p.state.slot_stride, unsigned(kCols * K * sizeof(TState)));
     } else {
       spec = -1;
     }
-    prefetch_token_inputs<TI>(p, b, hq, hv, v0, K, kCols, lane);
+    prefetch_token_inputs<TInput>(p, b, hq, hv, v0, K, kCols, lane);
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
@@ -95,7 +94,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   const int slot = p.state_indices[b];
   uint4 s[2][kChunks];  // [column r / r + 8][chunk]
   const auto load = [&](int sl) {
-    const TS* t = warp_block + int64_t(sl) * p.state.slot_stride + lane_elem;
+    const TState* t = warp_block + int64_t(sl) * p.state.slot_stride + lane_elem;
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -104,29 +103,29 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   if (spec >= 0) load(spec);  // beside the index; replaced below if the index differs
 
   // Token b's inputs. For the norms lane l holds k and q at kPer l .. kPer l + kPer - 1 (kPer = K / 32).
-  const TI* kp = static_cast<const TI*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
-  const TI* qp = static_cast<const TI*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
-  const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
+  const TInput* kp = static_cast<const TInput*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
+  const TInput* qp = static_cast<const TInput*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
+  const TInput* vp = static_cast<const TInput*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
   constexpr int kPer = K / 32;
-  RawVec<TI, kPer> kn, qn;
+  RawVec<TInput, kPer> kn, qn;
   kn.load(kp + kPer * lane), qn.load(qp + kPer * lane);
   // The B fragment's chunks: k in lanes 0-3, q in lanes 4-7, zero elsewhere.
   uint4 bf[kChunks];
   {
-    const TI* src = r == 0 ? kp : qp;
+    const TInput* src = r == 0 ? kp : qp;
 #pragma unroll
     for (int j = 0; j < kChunks; ++j)
       bf[j] = r < 2 ? *reinterpret_cast<const uint4*>(src + 32 * j + 8 * c) : make_uint4(0u, 0u, 0u, 0u);
   }
-  const TI v_lo = vp[r], v_hi = vp[r + 8];
+  const TInput v_lo = vp[r], v_hi = vp[r + 8];
   const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
   const HeadGates hg = head_gates(p.gating, hv);
 
-  TI* const o = static_cast<TI*>(p.o.data) + int64_t(b) * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
+  TInput* const o = static_cast<TInput*>(p.o.data) + int64_t(b) * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
   const bool bad = slot >= p.state.num_slots;
   if (bad || slot < 0) {  // padding row, or a slot past the pool: o = 0, no state traffic
     if (bad && counter) atomicAdd(p.error_flag, 1);
-    if (lane < kCols) o[lane] = from_float<TI>(0.0f);
+    if (lane < kCols) o[lane] = from_float<TInput>(0.0f);
     return;
   }
   if (spec != slot) load(slot);
@@ -153,15 +152,15 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   const float u_lo = beta * (to_float(v_lo) - decay * (d[0] * rk));
   const float u_hi = beta * (to_float(v_hi) - decay * (d[2] * rk));
   if (c == 0) {
-    o[r] = from_float<TI>(fmaf(kq_n, u_lo, decay * (d[1] * rq)));
-    o[r + 8] = from_float<TI>(fmaf(kq_n, u_hi, decay * (d[3] * rq)));
+    o[r] = from_float<TInput>(fmaf(kq_n, u_lo, decay * (d[1] * rq)));
+    o[r + 8] = from_float<TInput>(fmaf(kq_n, u_hi, decay * (d[3] * rq)));
   }
   const float uk[2] = {__shfl_sync(0xffffffffu, u_lo * rk, lane & ~3), __shfl_sync(0xffffffffu, u_hi * rk, lane & ~3)};
 
   // S_new = exp(g) S + k (u rk), per value in fp32, rounded once to bf16. k at this lane's chunks is loaded again
   // (lanes 0-3 just read it: L1) rather than kept from the B fragment, chunk by chunk between the stores (loaded
   // together ahead of the o stores, B = 1 took 2.51 -> 2.62 µs: H100, RUN.md "Nineteenth session").
-  TS* const t = warp_block + int64_t(slot) * p.state.slot_stride + lane_elem;
+  TState* const t = warp_block + int64_t(slot) * p.state.slot_stride + lane_elem;
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
     const uint4 kcj = *reinterpret_cast<const uint4*>(kp + 32 * j + 8 * c);
@@ -179,26 +178,5 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
     }
   }
 }
-
-// The kernel and the CTAs the GPU holds of it (its grid runs in prefetch mode when it fits them, share 1).
-template <int K, int V>
-struct MmaDecodeLaunch {
-  static constexpr auto kernel = mma_decode_kernel<K, V>;
-  static int resident() {
-    static const int ctas = resident_ctas(reinterpret_cast<const void*>(kernel), MmaDecodeTile<K, V>::kWarps * 32);
-    return ctas;
-  }
-  static dim3 grid(const RecurrentParams& p) {
-    return dim3(unsigned(p.heads.num_v_heads) * (V / MmaDecodeTile<K, V>::kCtaCols), unsigned(p.batch));
-  }
-  // Where the launcher takes it: grids of at most half the resident CTAs (the next call's fit beside them).
-  static bool fits(const RecurrentParams& p) {
-    const dim3 g = grid(p);
-    return decode_mma_enabled() && 2 * int64_t(g.x) * g.y <= resident() && prefetch_mode(g, resident());
-  }
-  static void launch(const RecurrentParams& p, Stream stream) {
-    launch_recurrent(kernel, grid(p), MmaDecodeTile<K, V>::kWarps * 32, resident(), stream, p);
-  }
-};
 
 }  // namespace gdnkit::cuda::recurrent

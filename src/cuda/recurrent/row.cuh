@@ -6,18 +6,12 @@
 
 #include <cstdint>
 
-#include "cuda/common/sequence.cuh"
+#include "cuda/prefill/short_sequence.h"
+#include "cuda/recurrent/heuristics.h"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::recurrent {
 
-enum class WarpOp : int32_t {
-  kDecode = 0,   // one token per sequence (token b), o, state written back
-  kVerify = 1,   // T tokens (fixed or varlen, chain or tree): o per token, intermediate states when asked
-  kReplay = 2,   // commit by recompute: replay the kept tokens (no q, no o) and store the state
-  kPrefill = 3,  // prefill's short sequences (cuda/common/sequence.cuh): a chain from the initial slot
-                 // (or zero) to the final slot (when one), o per token
-};
 
 // What the kernels read: the op's parameters, and for kPrefill what a prefill call adds to a chain.
 // Prefill rows: state_indices = the initial slots (nullptr: every row starts from zero), num_draft_tokens
@@ -37,6 +31,10 @@ struct RecurrentParams : CommitParams {
   uint32_t gva_magic = 0;
 };
 
+// The launcher of every recurrent op (launcher.cuh; instantiated per layout and state dtype in launch_*.cu).
+template <StateLayout kLayout, class TState, class TInput, int K, int V, RecurrentOp kOp>
+void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stream);
+
 // The q/k head of value head hv.
 __device__ __forceinline__ int qk_head(const RecurrentParams& p, int hv) {
   if (p.gva_group == 1) return hv;
@@ -53,9 +51,9 @@ struct RowLoads {
   int fslot, cslot;  // prefill: final and checkpoint slots (-1: none)
 };
 // pin_slot (decode): the slot index as a volatile load, which ptxas issues ahead of the state loads after it.
-template <WarpOp kOp>
+template <RecurrentOp kOp>
 __device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b, bool pin_slot = false) {
-  if constexpr (kOp == WarpOp::kPrefill) {
+  if constexpr (kOp == RecurrentOp::kPrefill) {
     RowLoads r{p.state_indices != nullptr ? p.state_indices[b] : -1, 0, 0, 0, -1, -1};
     if (p.seq_cu64) {
       r.cs0 = static_cast<const int64_t*>(p.seq_cu)[b], r.cs1 = static_cast<const int64_t*>(p.seq_cu)[b + 1];
@@ -67,15 +65,15 @@ __device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b, bo
     return r;
   }
   RowLoads r{0, 0, 0, 0, -1, -1};
-  if (kOp == WarpOp::kDecode && pin_slot) {
+  if (kOp == RecurrentOp::kDecode && pin_slot) {
     uint32_t w;
     ld_volatile(reinterpret_cast<const uint32_t*>(p.state_indices + b), w);
     r.slot = int(w);
   } else {
     r.slot = p.state_indices[b];
   }
-  if (kOp != WarpOp::kDecode && p.cu_seqlens != nullptr) r.cs0 = p.cu_seqlens[b], r.cs1 = p.cu_seqlens[b + 1];
-  if constexpr (kOp == WarpOp::kReplay) r.accepted = p.accepted[b];
+  if (kOp != RecurrentOp::kDecode && p.cu_seqlens != nullptr) r.cs0 = p.cu_seqlens[b], r.cs1 = p.cu_seqlens[b + 1];
+  if constexpr (kOp == RecurrentOp::kRecompute) r.accepted = p.accepted[b];
   return r;
 }
 
@@ -83,10 +81,10 @@ __device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b, bo
 // cu_seqlens). False for a row the kernels cannot place (a length outside 0..T): counted, nothing
 // written. Prefill: false for every sequence the chunked kernels take (not short, or a bad span, which
 // they count): the kernel leaves it alone.
-template <WarpOp kOp>
+template <RecurrentOp kOp>
 __device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLoads& rl, int b, int T, int64_t& tok0,
                                            int& len) {
-  if constexpr (kOp == WarpOp::kPrefill) {
+  if constexpr (kOp == RecurrentOp::kPrefill) {
     tok0 = rl.cs0;
     len = int(rl.cs1 - rl.cs0);
     return short_prefill_sequence(rl.cs0, rl.cs1, p.total_tokens, T);
@@ -101,21 +99,21 @@ __device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLo
 // and for verify a cache slot past the buffer or a parent out of range, for replay a kept count past the
 // row's tokens or a path entry out of range, for prefill a final or checkpoint slot past its buffer. Sets
 // n_replay (replay: the kept count) and islot (verify: the row's cache slot, -1 without a cache).
-template <WarpOp kOp>
+template <RecurrentOp kOp>
 __device__ __forceinline__ bool row_is_bad(const RecurrentParams& p, const RowLoads& rl, int b, int T, int len,
                                            int& n_replay, int& islot) {
   bool bad = rl.slot >= p.state.num_slots;
   n_replay = 0, islot = -1;
-  if constexpr (kOp == WarpOp::kPrefill) {
+  if constexpr (kOp == RecurrentOp::kPrefill) {
     bad = bad || rl.fslot >= p.state.num_slots || (p.checkpoint_indices != nullptr && rl.cslot >= p.checkpoint_slots);
-  } else if constexpr (kOp == WarpOp::kReplay) {
+  } else if constexpr (kOp == RecurrentOp::kRecompute) {
     n_replay = rl.accepted;
     bad = bad || n_replay < 0 || n_replay > len;
     for (int j = 0; j < n_replay && !bad && p.accepted_path != nullptr; ++j) {
       const int x = p.accepted_path[int64_t(b) * T + j];
       bad = x < 0 || x >= len;
     }
-  } else if constexpr (kOp == WarpOp::kVerify) {
+  } else if constexpr (kOp == RecurrentOp::kVerify) {
     if (p.intermediate.data != nullptr && p.intermediate_indices != nullptr) {
       islot = p.intermediate_indices[b];
       bad = bad || islot >= p.intermediate.num_slots;

@@ -1,5 +1,5 @@
 // Per-token inputs shared by the recurrent kernels (warp_kernel.cuh, vlast_decode.cuh, chain_mma.cuh): the
-// gate inputs of a token and their math (SPEC.md "The recurrence"), and decode's L2 prefetch of a token's
+// gate inputs of a token and their math (docs/semantics.md "The recurrence"), and decode's L2 prefetch of a token's
 // inputs.
 #pragma once
 
@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "cuda/common/dtype.cuh"
+#include "cuda/arch/dtype.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::recurrent {
@@ -65,10 +65,10 @@ __device__ __forceinline__ QkNorms qk_norms(const HeadConfig& heads, int K, floa
 
 // Decode's token inputs into L2 (before griddepcontrol.wait): the q and k rows of head hq, the warp's
 // v_elems values of v and the two gate inputs of token b. Lanes take one cache line each.
-template <class TI>
+template <class TInput>
 __device__ __forceinline__ void prefetch_token_inputs(const CommitParams& p, int64_t tok, int hq, int hv, int v0, int K,
                                                       int v_elems, int lane) {
-  constexpr int kE = int(sizeof(TI));
+  constexpr int kE = int(sizeof(TInput));
   int first = 0;  // the first lane of the next span
   const auto span = [&](const void* base, int64_t elem_off, int elem_size, int bytes) {
     const int i = lane - first;  // lines start, start + 128, ..., and the one holding the last byte

@@ -19,17 +19,16 @@
 
 #include <cstdint>
 
-#include "cuda/common/dtype.cuh"
-#include "cuda/recurrent/launch.cuh"
+#include "cuda/arch/dtype.cuh"
 #include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::recurrent {
 
-template <class TS, int K>
+template <class TState, int K>
 struct VLastRows {
-  static constexpr int kVec = 16 / int(sizeof(TS));  // columns per lane and row: 16 bytes
+  static constexpr int kVec = 16 / int(sizeof(TState));  // columns per lane and row: 16 bytes
   static constexpr int kCols = 8 * kVec;               // columns per CTA: one 128-byte line per row
   static constexpr int kRowsPerWarp = 32;              // 8 rows per lane: 32 registers of state as loaded
   static constexpr int kRowsPerLane = kRowsPerWarp / 4;
@@ -65,11 +64,11 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
 // spilled 44-84 bytes and decode measured 7-8% slower from B = 16 up. bf16 state: 20 warps (96 registers;
 // at K = 128 no spills with 16-bit inputs since A_log/dt_bias load early, 16 bytes with fp32 inputs; at 80
 // registers 132-176).
-template <class TS, class TI, int K, int V>
-__global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
-                                  (sizeof(TS) == 4 ? 24 : 20) / VLastRows<TS, K>::kWarps)
+template <class TState, class TInput, int K, int V>
+__global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
+                                  (sizeof(TState) == 4 ? 24 : 20) / VLastRows<TState, K>::kWarps)
     vlast_decode_kernel(const RecurrentParams p, const bool prefetch) {
-  using R = VLastRows<TS, K>;
+  using R = VLastRows<TState, K>;
   constexpr int kVec = R::kVec, kCols = R::kCols, kRowsPerLane = R::kRowsPerLane, kWarps = R::kWarps;
   constexpr int kColCtas = V / kCols;
   constexpr int64_t kHeadElems = int64_t(K) * V;
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   const int row0 = w * R::kRowsPerWarp + ro;                     // this lane's rows: row0 + 4 i
   const int hq = qk_head(p, hv);  // GVA
   const bool counter = hv == 0 && c0 == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
-  TS* const head = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems;  // + slot * slot_stride
+  TState* const head = static_cast<TState*>(p.state.data) + int64_t(hv) * kHeadElems;  // + slot * slot_stride
 
   // Before the wait: prefetch mode as in warp_kernel.cuh (one row's line per thread).
   int spec = -1;
@@ -91,20 +90,20 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
     spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots) {
       for (int r = int(threadIdx.x); r < K; r += kWarps * 32)
-        prefetch_l2(head + int64_t(spec) * p.state.slot_stride + int64_t(r) * V + c0, unsigned(kCols * sizeof(TS)));
+        prefetch_l2(head + int64_t(spec) * p.state.slot_stride + int64_t(r) * V + c0, unsigned(kCols * sizeof(TState)));
     } else {
       spec = -1;
     }
-    if (w == 0) prefetch_token_inputs<TI>(p, b, hq, hv, c0, K, kCols, lane);
+    if (w == 0) prefetch_token_inputs<TInput>(p, b, hq, hv, c0, K, kCols, lane);
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 
   const int slot = p.state_indices[b];
   // The lane's rows as loaded (bf16: two values a register), converted to fp32 where used.
-  RawVec<TS, kVec> s[kRowsPerLane];
+  RawVec<TState, kVec> s[kRowsPerLane];
   const auto load = [&](int sl) {
-    const TS* t = head + int64_t(sl) * p.state.slot_stride + int64_t(row0) * V + col;
+    const TState* t = head + int64_t(sl) * p.state.slot_stride + int64_t(row0) * V + col;
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) s[i].load(t + int64_t(4 * i) * V);
   };
@@ -113,16 +112,16 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
   // Token b: the q/k norms and k . q (each warp over all K entries), the gates, then the k and q entries
   // of this lane's rows and v of its columns. Reduced as they arrive, so that only what the step needs
   // stays live beside the state.
-  const TI* kp = static_cast<const TI*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
-  const TI* qp = static_cast<const TI*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
-  const TI* vp = static_cast<const TI*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride;
+  const TInput* kp = static_cast<const TInput*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
+  const TInput* qp = static_cast<const TInput*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
+  const TInput* vp = static_cast<const TInput*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride;
   // The gate inputs go out with k and q, not after their reductions; with bf16 state A_log and dt_bias too
   // (B = 1 2.93 -> 2.62 µs in the A/B; with fp32 state that spilled at 80 registers, so fp32 loads them at the math).
-  constexpr bool kEarlyHeadGates = sizeof(TS) == 2;
+  constexpr bool kEarlyHeadGates = sizeof(TState) == 2;
   const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
   HeadGates hg{0.0f, 0.0f};
   if constexpr (kEarlyHeadGates) hg = head_gates(p.gating, hv);
-  TI kl[K / 32], ql[K / 32];
+  TInput kl[K / 32], ql[K / 32];
 #pragma unroll
   for (int j = 0; j < K / 32; ++j) kl[j] = kp[lane + 32 * j], ql[j] = qp[lane + 32 * j];
   // The state's loads wait for the norms (issued earlier, the state live across the reductions spilled:
@@ -152,11 +151,11 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
 #pragma unroll
   for (int c = 0; c < kVec; ++c) v[c] = to_float(vp[col + c]);
 
-  TI* const o = static_cast<TI*>(p.o.data) + int64_t(b) * p.o.token_stride + int64_t(hv) * p.o.head_stride;
+  TInput* const o = static_cast<TInput*>(p.o.data) + int64_t(b) * p.o.token_stride + int64_t(hv) * p.o.head_stride;
   const bool bad = slot >= p.state.num_slots;
   if (bad || slot < 0) {  // padding row, or a slot past the pool: o = 0, no state traffic
     if (bad && counter) atomicAdd(p.error_flag, 1);
-    if (int(threadIdx.x) < kCols) o[c0 + int(threadIdx.x)] = from_float<TI>(0.0f);
+    if (int(threadIdx.x) < kCols) o[c0 + int(threadIdx.x)] = from_float<TInput>(0.0f);
     return;
   }
   if (spec != slot) load(slot);
@@ -193,10 +192,10 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
       float dq = 0.0f;
 #pragma unroll
       for (int ww = 0; ww < kWarps; ++ww) dq += partial[1][ww][cg * kVec + c];
-      o[col + c] = from_float<TI>(fmaf(kq_n, u[c], decay * (dq * rq)));
+      o[col + c] = from_float<TInput>(fmaf(kq_n, u[c], decay * (dq * rq)));
     }
   }
-  TS* const t = head + int64_t(slot) * p.state.slot_stride + int64_t(row0) * V + col;
+  TState* const t = head + int64_t(slot) * p.state.slot_stride + int64_t(row0) * V + col;
 #pragma unroll
   for (int i = 0; i < kRowsPerLane; ++i) {
     float si[kVec];
@@ -204,19 +203,8 @@ __global__ void __launch_bounds__(VLastRows<TS, K>::kWarps * 32,
     s[i].to_floats(si);
 #pragma unroll
     for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, decay * si[c]);
-    store_vec<TS, kVec>(t + int64_t(4 * i) * V, si);
+    store_vec<TState, kVec>(t + int64_t(4 * i) * V, si);
   }
-}
-
-template <class TS, class TI, int K, int V>
-void launch_vlast_decode(const RecurrentParams& p, Stream stream) {
-  using R = VLastRows<TS, K>;
-  constexpr int kColCtas = V / R::kCols;
-  static_assert(V % R::kCols == 0, "V-last decode: V must be a multiple of the CTA's columns");
-  const auto kernel = vlast_decode_kernel<TS, TI, K, V>;
-  static const int prefetch_ctas = prefetch_limit(reinterpret_cast<const void*>(kernel), R::kWarps * 32, 1);
-  launch_recurrent(kernel, dim3(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch)), R::kWarps * 32,
-                   prefetch_ctas, stream, p);
 }
 
 }  // namespace gdnkit::cuda::recurrent

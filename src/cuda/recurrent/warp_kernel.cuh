@@ -5,7 +5,7 @@
 // the SM wait on memory. The state stays in fp32 registers across the tokens (decode's wide tile: bf16 pairs,
 // warp_tile.cuh StateRegs): one state read, one write, plus the intermediate states verify is asked to store.
 //
-// One token (SPEC.md "The recurrence"), q and k normalized (q also scaled) in registers, per column v:
+// One token (docs/semantics.md "The recurrence"), q and k normalized (q also scaled) in registers, per column v:
 //   d_k = S[:, v] . k      d_q = S[:, v] . q          (before the decay, reduced together)
 //   u_v = beta * (v_v - exp(g) * d_k)
 //   o_v = exp(g) * d_q + (k . q) * u_v               (= S_new[:, v] . q)
@@ -32,57 +32,45 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/check.h"
-#include "cuda/common/dtype.cuh"
-#include "cuda/recurrent/chain_mma.cuh"
-#include "cuda/recurrent/launch.cuh"
-#include "cuda/recurrent/mma_decode.cuh"
+#include "cuda/host/check.h"
+#include "cuda/arch/dtype.cuh"
 #include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
-#include "cuda/recurrent/vlast_decode.cuh"
 #include "cuda/recurrent/warp_tile.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::recurrent {
 
-// write_state: verify of chains with update_state stores the final state (decode and replay always do).
-// Routed from here: V-last decode with K <= 128 to vlast_decode_kernel (vlast_decode.cuh); K-last verify
-// of chains without a cache and replay, bf16 inputs, K <= 128, to chain_mma_kernel (chain_mma.cuh).
-template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
-void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream stream);
-
-#ifdef GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
-
 // __launch_bounds__ target in warps per SM (ptxas, CUDA 13.0, sm_90a, K = 128). Decode: 32 -> 64 registers, no
 // spills for either layout (K = 256: 28 warps, 72-76 registers). Verify and replay carry the token loop and the
 // row checks: unbounded they take 123 registers; 20 warps (96) is the most that does not spill.
-template <StateLayout kLayout, int K, WarpOp kOp, TileWidth kWidth = TileWidth::kRegular>
+template <StateLayout kLayout, int K, RecurrentOp kOp, TileWidth kWidth = TileWidth::kRegular>
 constexpr int warp_kernel_min_warps() {
   // The wide tile (bf16 decode): 72 registers, no spills; at 32 warps (64 registers) ptxas spilled 68-96 bytes
   // and it measured 5-11% slower (results/H100/decode_ab15_wide.txt).
-  if (kOp == WarpOp::kDecode && kWidth == TileWidth::kWide) return 28;
-  if (kOp == WarpOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
-  if (kOp == WarpOp::kReplay) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
-  if (kOp == WarpOp::kPrefill && kLayout == StateLayout::kVLast) return 16;  // as verify
-  if (kOp != WarpOp::kDecode) return 20;
+  if (kOp == RecurrentOp::kDecode && kWidth == TileWidth::kWide) return 28;
+  if (kOp == RecurrentOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // 20 spilled 124 bytes (staged stores)
+  if (kOp == RecurrentOp::kRecompute) return 24;  // ncu: replay at 20 warps (85 registers) was latency-bound
+  if (kOp == RecurrentOp::kPrefill && kLayout == StateLayout::kVLast) return 16;  // as verify
+  if (kOp != RecurrentOp::kDecode) return 20;
   return K <= 128 ? 32 : 28;
 }
 
 // kWidth: the tile's columns per warp (warp_tile.cuh). kPinSlot: decode reads the slot index as a volatile load
 // (below).
-template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp,
+template <StateLayout kLayout, class TState, class TInput, int K, int V, RecurrentOp kOp,
           TileWidth kWidth = TileWidth::kRegular, bool kPinSlot = false>
-__global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps * 32,
+__global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaWarps * 32,
                                   warp_kernel_min_warps<kLayout, K, kOp, kWidth>() /
-                                      WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps)
+                                      WarpTile<kLayout, TState, K, V, kWidth>::kCtaWarps)
     warp_recurrent_kernel(const RecurrentParams p, const bool write_state, const bool prefetch) {
-  using Tile = WarpTile<kLayout, TS, K, V, kWidth>;
+  using Tile = WarpTile<kLayout, TState, K, V, kWidth>;
   constexpr int kRows = Tile::kRows, kKPer = Tile::kKPer;
-  constexpr bool kDecode = kOp == WarpOp::kDecode, kReplay = kOp == WarpOp::kReplay;
-  constexpr bool kPrefill = kOp == WarpOp::kPrefill;
+  constexpr bool kDecode = kOp == RecurrentOp::kDecode, kRecompute = kOp == RecurrentOp::kRecompute;
+  constexpr bool kPrefill = kOp == RecurrentOp::kPrefill;
   // Dot products per token: d_k of each column, and d_q unless replaying; each lands in kLanesPerSum lanes.
-  constexpr int kSums = kReplay ? kRows : 2 * kRows, kLanesPerSum = 32 / kSums;
-  static_assert(kReplay || kRows * kLanesPerSum == 16, "d_q of column i sits 16 lanes above its d_k");
+  constexpr int kSums = kRecompute ? kRows : 2 * kRows, kLanesPerSum = 32 / kSums;
+  static_assert(kRecompute || kRows * kLanesPerSum == 16, "d_q of column i sits 16 lanes above its d_k");
   constexpr int kColBlocks = V / kRows;  // column blocks per head
   constexpr int kCtaWarps = Tile::kCtaWarps;
   __shared__ typename Tile::Stage stage;
@@ -103,7 +91,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
   // Errors of a sequence are counted once: by lane 0 of the warp owning columns 0.. of head 0.
   const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
 
-  TS* const head_block = static_cast<TS*>(p.state.data) + int64_t(hv) * kHeadElems + Tile::origin(v0);
+  TState* const head_block = static_cast<TState*>(p.state.data) + int64_t(hv) * kHeadElems + Tile::origin(v0);
   // Programmatic dependent launch (the launcher asks for it): this kernel's CTAs may start before the
   // previous kernel of the stream finished, and wait (griddepcontrol.wait) before any read whose
   // result they use. Before the wait they only ask L2 for what they will read (`prefetch`, on unless
@@ -119,7 +107,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
       Tile::prefetch(head_block + int64_t(spec) * p.state.slot_stride, lane);
     else
       spec = -1;
-    if (kDecode) prefetch_token_inputs<TI>(p, b, hq, hv, v0, K, kRows, lane);
+    if (kDecode) prefetch_token_inputs<TInput>(p, b, hq, hv, v0, K, kRows, lane);
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
@@ -141,7 +129,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
   int len;
   const bool placed = row_tokens<kOp>(p, rl, b, T, tok0, len);  // decode: T = 1, token b
   const auto out_ptr = [&](int64_t tok) {
-    return static_cast<TI*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
+    return static_cast<TInput*>(p.o.data) + tok * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
   };
   const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
   const Gating& gt = p.gating;
@@ -166,32 +154,32 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
   constexpr int kVec = Tile::kVec;
   struct Token {
     int x;  // local token index (o row)
-    RawVec<TI, kVec> k[kKPer / kVec], q[kKPer / kVec];  // this lane's k entries: runs of kVec (warp_tile.cuh)
-    TI v_lane;   // v of the column whose sums this lane ends with (see apply)
+    RawVec<TInput, kVec> k[kKPer / kVec], q[kKPer / kVec];  // this lane's k entries: runs of kVec (warp_tile.cuh)
+    TInput v_lane;   // v of the column whose sums this lane ends with (see apply)
     GateBits g;  // decode: raw gate inputs
   };
   const auto load_token = [&](int x) {
     const int64_t tok = tok0 + x;
-    const TI* kp = static_cast<const TI*>(p.k.data) + tok * p.k.token_stride + int64_t(hq) * p.k.head_stride;
-    const TI* qp = static_cast<const TI*>(p.q.data) + tok * p.q.token_stride + int64_t(hq) * p.q.head_stride;
-    const TI* vp = static_cast<const TI*>(p.v.data) + tok * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
+    const TInput* kp = static_cast<const TInput*>(p.k.data) + tok * p.k.token_stride + int64_t(hq) * p.k.head_stride;
+    const TInput* qp = static_cast<const TInput*>(p.q.data) + tok * p.q.token_stride + int64_t(hq) * p.q.head_stride;
+    const TInput* vp = static_cast<const TInput*>(p.v.data) + tok * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
     Token d;
     d.x = x;
     // fp32-state decode's loads are pinned (volatile): as plain loads ptxas sank them under the slot checks
     // below, which wait for the index, one more L2 or DRAM round trip before the math (B = 1 3.155 -> 3.08
     // µs). With bf16 state pinning measured B = 1 unchanged and B = 2-4 2% slower (strong loads skip L1).
-    constexpr bool kPin = kDecode && sizeof(TS) == 4;
+    constexpr bool kPin = kDecode && sizeof(TState) == 4;
 #pragma unroll
     for (int j = 0; j < kKPer; j += kVec) {
       if (kPin) {
         d.k[j / kVec].load_pinned(kp + Tile::k_of(lane, j)), d.q[j / kVec].load_pinned(qp + Tile::k_of(lane, j));
       } else {
         d.k[j / kVec].load(kp + Tile::k_of(lane, j));
-        if (!kReplay) d.q[j / kVec].load(qp + Tile::k_of(lane, j));
+        if (!kRecompute) d.q[j / kVec].load(qp + Tile::k_of(lane, j));
       }
     }
     if (kPin) {
-      RawVec<TI, 1> v;
+      RawVec<TInput, 1> v;
       v.load_pinned(vp + (lane / kLanesPerSum) % kRows);
       d.v_lane = v.element(0);
     } else {
@@ -205,7 +193,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
 #pragma unroll
     for (int j = 0; j < kKPer; j += kVec) {
       d.k[j / kVec].to_floats(&k[j]);
-      if (!kReplay) d.q[j / kVec].to_floats(&q[j]);
+      if (!kRecompute) d.q[j / kVec].to_floats(&q[j]);
     }
     // q, k: L2 norms (eps inside the root), scale; k . q of the normalized vectors. The norms scale the
     // sums, not the vectors (S^T (rk k) = rk (S^T k); the update k_n u = k (rk u)), so their reduction
@@ -214,10 +202,10 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
 #pragma unroll
     for (int j = 0; j < kKPer; ++j) {
       kk = fmaf(k[j], k[j], kk);
-      if (!kReplay) qq = fmaf(q[j], q[j], qq), kq = fmaf(k[j], q[j], kq);
+      if (!kRecompute) qq = fmaf(q[j], q[j], qq), kq = fmaf(k[j], q[j], kq);
     }
     kk = warp_sum(kk);
-    if (!kReplay) qq = warp_sum(qq), kq = warp_sum(kq);
+    if (!kRecompute) qq = warp_sum(qq), kq = warp_sum(kq);
     // rsqrtf (MUFU.RSQ, ~1 ulp) instead of an IEEE sqrt and divide: ~30 fewer instructions a token.
     const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
     const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
@@ -243,25 +231,25 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
 #pragma unroll
       for (int j = 0; j < kKPer; ++j) {
         dk = fmaf(s.get(i, j), k[j], dk);
-        if (!kReplay) dq = fmaf(s.get(i, j), q[j], dq);
+        if (!kRecompute) dq = fmaf(s.get(i, j), q[j], dq);
       }
-      if (kReplay) {
+      if (kRecompute) {
         x[i] = dk;
       } else {
         const bool upper = (lane & 16) != 0;
         x[i] = (upper ? dq : dk) + __shfl_xor_sync(0xffffffffu, upper ? dk : dq, 16);
       }
     }
-    const int mine = kReplay ? transpose_group_sum<kRows, 32>(x, lane)
+    const int mine = kRecompute ? transpose_group_sum<kRows, 32>(x, lane)
                              : (lane & 16 ? kRows : 0) + transpose_group_sum<kRows, 16>(x, lane);
     // Lanes holding a d_k: u of that column (v_lane is that column's v).
     const float u_mine = beta * (to_float(d.v_lane) - decay * (x[0] * rk));
-    if (!kReplay && write_o) {
+    if (!kRecompute && write_o) {
       // Lanes holding a d_q take u from the lane holding the same column's d_k (kRows * kLanesPerSum = 16
       // lanes below) and one lane per column writes o.
       const float u_col = __shfl_xor_sync(0xffffffffu, u_mine, 16);
       if (mine >= kRows && lane % kLanesPerSum == 0)
-        out_ptr(tok0 + d.x)[mine - kRows] = from_float<TI>(fmaf(kq_n, u_col, decay * (x[0] * rq)));
+        out_ptr(tok0 + d.x)[mine - kRows] = from_float<TInput>(fmaf(kq_n, u_col, decay * (x[0] * rq)));
     }
     const float uk_mine = u_mine * rk;
     s.opaque();  // packed bf16 state: unpacked again for the update (StateRegs)
@@ -285,7 +273,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
     if (counter && !kPrefill) atomicAdd(p.error_flag, 1);
     return;
   }
-  if (kReplay && slot < 0) return;  // padding row: commit leaves it alone
+  if (kRecompute && slot < 0) return;  // padding row: commit leaves it alone
   int n_replay, islot;
   const bool bad = row_is_bad<kOp>(p, rl, b, T, len, n_replay, islot);
 
@@ -293,26 +281,26 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
   // traffic.
   if (bad || (slot < 0 && !kPrefill)) {
     if (bad && counter) atomicAdd(p.error_flag, 1);
-    if (!kReplay && lane < kRows)
-      for (int t = 0; t < len; ++t) out_ptr(tok0 + t)[lane] = from_float<TI>(0.0f);
+    if (!kRecompute && lane < kRows)
+      for (int t = 0; t < len; ++t) out_ptr(tok0 + t)[lane] = from_float<TInput>(0.0f);
     return;
   }
-  if (kReplay && n_replay == 0) return;  // nothing kept: the pool state stays
+  if (kRecompute && n_replay == 0) return;  // nothing kept: the pool state stays
 
   // ---- the tokens -------------------------------------------------------------------------------
   // Chains (decode, replay, verify without parent) run their tokens in order with the next token's
   // loads issued before the current token's math, so only the first token's load latency is exposed
   // (and that one overlaps the state loads). Trees take `step` (loads, then math) per token.
-  const int n_tokens = kDecode ? 1 : (kReplay ? n_replay : len);
-  const bool chain = kOp != WarpOp::kVerify || p.parent == nullptr;  // prefill: a chain
+  const int n_tokens = kDecode ? 1 : (kRecompute ? n_replay : len);
+  const bool chain = kOp != RecurrentOp::kVerify || p.parent == nullptr;  // prefill: a chain
   const auto token_index = [&](int j) {
-    return kReplay && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j;
+    return kRecompute && p.accepted_path != nullptr ? p.accepted_path[int64_t(b) * T + j] : j;
   };
   GateBits lane_g{0u, 0u};  // raw gate inputs of token `lane`, loaded before the state
   if (!kDecode && lane < len) lane_g = gate_inputs(lane);
   if (!kDecode && chain && n_tokens > 0) cur = load_token(token_index(0));
 
-  TS* const tile = head_block + int64_t(slot) * p.state.slot_stride;
+  TState* const tile = head_block + int64_t(slot) * p.state.slot_stride;
   if (kPrefill && slot < 0) {  // prefill from S = 0
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
@@ -325,7 +313,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
 
   // Verify's intermediate state after token t.
   const auto store_intermediate = [&](int t) {
-    if (kOp != WarpOp::kVerify || islot < 0 || t >= p.intermediate.num_steps) return;
+    if (kOp != RecurrentOp::kVerify || islot < 0 || t >= p.intermediate.num_steps) return;
     const int64_t off = int64_t(islot) * p.intermediate.slot_stride + (int64_t(t) * HV + hv) * kHeadElems +
                         Tile::origin(v0);
     if (p.intermediate.dtype == DType::kFloat32)
@@ -339,18 +327,18 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
     for (int j = 0; j < n_tokens; ++j) {
       Token next;
       if (j + 1 < n_tokens) next = load_token(token_index(j + 1));
-      apply(cur, !kReplay);
+      apply(cur, !kRecompute);
       store_intermediate(j);
       cur = next;
     }
     if constexpr (kPrefill) {
       if (rl.fslot >= 0) Tile::store(head_block + int64_t(rl.fslot) * p.state.slot_stride, s, lane, stage);
-    } else if (kOp != WarpOp::kVerify || write_state) {
+    } else if (kOp != RecurrentOp::kVerify || write_state) {
       Tile::store(tile, s, lane, stage);
     }
     return;
   }
-  if constexpr (kOp == WarpOp::kVerify) {  // tree
+  if constexpr (kOp == RecurrentOp::kVerify) {  // tree
     const int32_t* par = p.parent + int64_t(b) * T;  // checked above: -1 <= par[t] < t
     int held = -1;  // the token whose state the registers hold; -1: the pool state
 #pragma unroll 1
@@ -372,101 +360,5 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TS, K, V, kWidth>::kCtaWarps
     }
   }
 }
-
-template <StateLayout kLayout, class TS, class TI, int K, int V, WarpOp kOp>
-void launch_warp_recurrent(const RecurrentParams& p, bool write_state, Stream stream) {
-  constexpr int kRows = WarpTile<kLayout, TS, K, V>::kRows;
-  if (p.batch <= 0 || p.heads.num_v_heads <= 0) return;
-  constexpr int kCtaWarps = WarpTile<kLayout, TS, K, V>::kCtaWarps;
-  constexpr int kColCtas = V / kRows / kCtaWarps;  // exact: kCtaWarps divides V / kRows
-  if (p.batch > 65535 || int64_t(p.heads.num_v_heads) * kColCtas > int64_t(INT32_MAX))
-    throw Error(ErrorCode::kNotImplemented, "cuda recurrent: B = " + std::to_string(p.batch) + ", HV = " +
-                                                std::to_string(p.heads.num_v_heads) + " exceed the grid (B <= 65535, HV * " +
-                                                std::to_string(kColCtas) + " < 2^31)");
-  if constexpr (kLayout == StateLayout::kKLast && std::is_same_v<TI, __nv_bfloat16> && K <= 128 &&
-                kOp != WarpOp::kDecode) {
-    if (chain_mma_fits(p, kOp))
-      return launch_chain_mma<TS, K, V, kOp>(p, write_state, stream);  // chain_mma.cuh: tensor cores
-  }
-  if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && std::is_same_v<TS, __nv_bfloat16> &&
-                std::is_same_v<TI, __nv_bfloat16> && K <= 128 && V % 64 == 0) {
-    // bf16 state and inputs, grids that fit the GPU twice over (qwen3-next: B <= 6): the dot products on tensor
-    // cores (mma_decode.cuh), 7-14% faster there than the tiles below; slower on larger grids.
-    if (MmaDecodeLaunch<K, V>::fits(p)) return MmaDecodeLaunch<K, V>::launch(p, stream);
-  }
-  if constexpr (kLayout == StateLayout::kVLast && kOp == WarpOp::kDecode && K <= 128) {
-    launch_vlast_decode<TS, TI, K, V>(p, stream);  // vlast_decode.cuh: no shared-memory stage
-  } else {
-    const auto kernel = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp>;
-    constexpr int kShare =
-        kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && std::is_same_v<TS, __nv_bfloat16> ? 8 : 2;
-    static const int prefetch_ctas = prefetch_limit(reinterpret_cast<const void*>(kernel), kCtaWarps * 32, kShare);
-    const dim3 grid(unsigned(p.heads.num_v_heads) * kColCtas, unsigned(p.batch));
-    if constexpr (kLayout == StateLayout::kKLast && kOp == WarpOp::kDecode && K == 128) {
-      if constexpr (sizeof(TS) == 2) {
-        // bf16 state, B = 2..12 where the grid is in prefetch mode: the wide tile (warp_tile.cuh), half the CTAs,
-        // each warp moving the 4 KB an fp32-state warp of the regular tile moves, its state held as bf16 pairs
-        // (72 registers), so that grids up to B = 14 fit the GPU at once (share 1; the regular tile prefetches
-        // bf16 only at share 8, B = 1). H100, qwen3-next, against the regular / narrow tile, two interleaved
-        // rounds: B = 2 / 3 / 4 / 5 / 6 / 7 / 8 / 12 3.90 / 4.41 / 5.01 / 5.91 / 6.73 / 7.45 / 8.26 / 11.36 -> 3.62 /
-        // 4.18 / 4.84 / 5.35 / 6.08 / 6.66 / 7.83 / 11.13 µs; B = 1 and 16 unchanged. Held as fp32 (127
-        // registers, prefetch mode to B = 4) it was 2-3% faster at B = 2..4, 3-5% slower at B = 1 and from B = 8
-        // (results/H100/decode_ab15_wide.txt). GDNKIT_DECODE_WIDE=<n> moves the upper bound, 0 turns it off; so does
-        // GDNKIT_PREFETCH=0 (no grid is then in prefetch mode), which A/Bs of prefetch mode should keep in mind.
-        using Wide = WarpTile<kLayout, TS, K, V, TileWidth::kWide>;
-        static_assert(Wide::kCtaWarps == kCtaWarps, "the wide tile's CTAs have the regular tile's warps");
-        constexpr int kWideCols = V / Wide::kRows / kCtaWarps;
-        const auto wide = warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, TileWidth::kWide>;
-        static const int wide_prefetch = prefetch_limit(reinterpret_cast<const void*>(wide), kCtaWarps * 32, 1);
-        const dim3 wide_grid(unsigned(p.heads.num_v_heads) * kWideCols, unsigned(p.batch));
-        if (p.batch >= 2 && p.batch <= decode_wide_batches(12) && prefetch_mode(wide_grid, wide_prefetch))
-          return launch_recurrent(wide, wide_grid, kCtaWarps * 32, wide_prefetch, stream, p, write_state);
-        // bf16 state, B = 3..16 outside prefetch mode (qwen3-next: B = 13..16, the wide tile takes 2..12): the
-        // narrow tile (warp_tile.cuh), twice the CTAs. H100, qwen3-next, against the regular tile: B = 3 / 4 / 8 /
-        // 16 3.6 / 5.7 / 1.3 / 1.8% faster, B = 32..128 within 1% (0.8% slower at 32). In prefetch mode (B = 1, 2)
-        // it was 34-58% slower, and with fp32 state 6% slower at B = 8 (results/H100/RUN.md, thirteenth session).
-        using Narrow = WarpTile<kLayout, TS, K, V, TileWidth::kNarrow>;
-        static_assert(Narrow::kCtaWarps == kCtaWarps, "the narrow tile's CTAs have the regular tile's warps");
-        constexpr int kNarrowCols = V / Narrow::kRows / kCtaWarps;
-        if (p.batch >= 3 && p.batch <= decode_narrow_batches(16) && !prefetch_mode(grid, prefetch_ctas) &&
-            int64_t(p.heads.num_v_heads) * kNarrowCols <= int64_t(INT32_MAX))
-          return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, TileWidth::kNarrow>,
-                                  dim3(unsigned(p.heads.num_v_heads) * kNarrowCols, unsigned(p.batch)),
-                                  kCtaWarps * 32, 0, stream, p, write_state);
-      } else {
-        // fp32 state in prefetch mode: the slot index pinned first (kPinSlot; the same registers, so the same
-        // prefetch limit). H100, qwen3-next, same run: B = 1 / 2 / 4 3.08 / 4.76 / 7.63 -> 3.04 / 4.47 /
-        // 7.31 µs; outside prefetch mode (B = 8: +3.7%) and with bf16 state (B = 1: +1.4%) it was slower
-        // (results/H100/RUN.md, thirteenth session).
-        if (prefetch_mode(grid, prefetch_ctas))
-          return launch_recurrent(warp_recurrent_kernel<kLayout, TS, TI, K, V, kOp, TileWidth::kRegular, true>, grid,
-                                  kCtaWarps * 32, prefetch_ctas, stream, p, write_state);
-      }
-    }
-    launch_recurrent(kernel, grid, kCtaWarps * 32, prefetch_ctas, stream, p, write_state);
-  }
-}
-
-// Explicit instantiations: one translation unit per (layout, state dtype); all ops, input dtypes, dims.
-#define GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, D)                                                        \
-  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kDecode>(const RecurrentParams&, bool, Stream); \
-  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kVerify>(const RecurrentParams&, bool, Stream); \
-  template void launch_warp_recurrent<L, TS, TI, D, D, WarpOp::kReplay>(const RecurrentParams&, bool, Stream);
-#define GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, TI) \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 64)    \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 128)   \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_OPS(L, TS, TI, 256)
-// Prefill's short sequences: 16-bit inputs, K = V in {64, 128} (prefill_short_supported, recurrent.cu).
-#define GDNKIT_WARP_RECURRENT_INSTANTIATE_PREFILL(L, TS, TI)                                                 \
-  template void launch_warp_recurrent<L, TS, TI, 64, 64, WarpOp::kPrefill>(const RecurrentParams&, bool, Stream); \
-  template void launch_warp_recurrent<L, TS, TI, 128, 128, WarpOp::kPrefill>(const RecurrentParams&, bool, Stream);
-#define GDNKIT_WARP_RECURRENT_INSTANTIATE(L, TS)                 \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, float)           \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, __nv_bfloat16)   \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_DIMS(L, TS, __half)          \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_PREFILL(L, TS, __nv_bfloat16) \
-  GDNKIT_WARP_RECURRENT_INSTANTIATE_PREFILL(L, TS, __half)
-
-#endif  // GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
 
 }  // namespace gdnkit::cuda::recurrent

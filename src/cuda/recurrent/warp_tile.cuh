@@ -24,7 +24,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/common/dtype.cuh"
+#include "cuda/arch/dtype.cuh"
 #include "gdnkit/types.h"
 
 namespace gdnkit::cuda::recurrent {
@@ -69,18 +69,18 @@ struct StateRegs<kRows, kKPer, true> {
   }
 };
 
-template <StateLayout kLayout, class TS, int K, int V, TileWidth kWidth = TileWidth::kRegular>
+template <StateLayout kLayout, class TState, int K, int V, TileWidth kWidth = TileWidth::kRegular>
 struct WarpTile;
 
-template <class TS, int K, int V, TileWidth kWidth>
-struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
+template <class TState, int K, int V, TileWidth kWidth>
+struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
   static_assert(kWidth != TileWidth::kWide || K <= 128, "the wide tile is built for K <= 128 only");
   static constexpr int kRows = kWidth == TileWidth::kWide     ? 16
                                : kWidth == TileWidth::kNarrow ? 4
                                : K <= 128                     ? 8
                                                               : 4;  // columns per warp
   static constexpr int kKPer = K / 32;
-  static constexpr int kVec = kKPer * int(sizeof(TS)) > 16 ? 16 / int(sizeof(TS)) : kKPer;  // k per run
+  static constexpr int kVec = kKPer * int(sizeof(TState)) > 16 ? 16 / int(sizeof(TState)) : kKPer;  // k per run
   // Warps per CTA: neighbouring columns of one head. 4 since the sixteenth session: against 2, fp32 decode at
   // B = 1 / 2 / 4 1.3 / 2 / 1.5% faster (3.01-3.03 -> 2.97-2.98 µs at B = 1), every other decode and verify row
   // within noise; 1 was 1-6% slower at B <= 4 (results/H100/decode_ab16_cta.txt).
@@ -88,7 +88,7 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
   static_assert(K % 32 == 0 && kKPer % kVec == 0 && V % (kRows * kCtaWarps) == 0, "tile does not divide the head");
   // The wide tile holds bf16 pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
   static constexpr bool kPacked = kWidth == TileWidth::kWide;
-  static_assert(!kPacked || (std::is_same_v<TS, __nv_bfloat16> && kVec % 2 == 0), "the wide tile is for bf16 pools");
+  static_assert(!kPacked || (std::is_same_v<TState, __nv_bfloat16> && kVec % 2 == 0), "the wide tile is for bf16 pools");
   using Regs = StateRegs<kRows, kKPer, kPacked>;
   struct Stage {};  // loads go straight to registers
 
@@ -97,22 +97,22 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
   __device__ static int64_t origin(int v0) { return int64_t(v0) * K; }
 
   // L2 prefetch of what load() will read: the warp's columns are one contiguous run.
-  __device__ static void prefetch(const TS* tile, int lane) {
-    if (lane == 0) prefetch_l2(tile, unsigned(kRows * K * sizeof(TS)));
+  __device__ static void prefetch(const TState* tile, int lane) {
+    if (lane == 0) prefetch_l2(tile, unsigned(kRows * K * sizeof(TState)));
   }
   // s <- the pool state at `tile` (head block + origin). Every warp of the CTA calls it together.
-  __device__ static void load(const TS* tile, Regs& s, int lane, Stage&) {
+  __device__ static void load(const TState* tile, Regs& s, int lane, Stage&) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
       for (int j = 0; j < kKPer; j += kVec) {
         if constexpr (kPacked) {
-          RawVec<TS, kVec> raw;
+          RawVec<TState, kVec> raw;
           raw.load(tile + i * K + k_of(lane, j));
           static_assert(sizeof(raw) == kVec / 2 * 4, "kVec / 2 words");
           __builtin_memcpy(&s.v[i][j / 2], &raw, sizeof(raw));
         } else {
-          load_vec<TS, kVec>(tile + i * K + k_of(lane, j), &s.v[i][j]);
+          load_vec<TState, kVec>(tile + i * K + k_of(lane, j), &s.v[i][j]);
         }
       }
   }
@@ -123,10 +123,10 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
       for (int j = 0; j < kKPer; j += kVec) {
-        if constexpr (kPacked && std::is_same_v<E, TS>) {  // the pairs as they are
-          RawVec<TS, kVec> raw;
+        if constexpr (kPacked && std::is_same_v<E, TState>) {  // the pairs as they are
+          RawVec<TState, kVec> raw;
           __builtin_memcpy(&raw, &s.v[i][j / 2], sizeof(raw));
-          *reinterpret_cast<RawVec<TS, kVec>*>(tile + i * K + k_of(lane, j)) = raw;
+          *reinterpret_cast<RawVec<TState, kVec>*>(tile + i * K + k_of(lane, j)) = raw;
         } else if constexpr (kPacked) {
           float run[kVec];
 #pragma unroll
@@ -139,15 +139,15 @@ struct WarpTile<StateLayout::kKLast, TS, K, V, kWidth> {
   }
 };
 
-template <class TS, int K, int V, TileWidth kWidth>
-struct WarpTile<StateLayout::kVLast, TS, K, V, kWidth> {
+template <class TState, int K, int V, TileWidth kWidth>
+struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
   static_assert(kWidth == TileWidth::kRegular, "V-last tiles are whole 128-byte row pieces per CTA");
   static constexpr int kRows = K <= 128 ? 8 : 4;
   static constexpr int kKPer = K / 32;
   static constexpr int kVec = 1;  // k per run: a lane's k are 32 apart
   // Columns per CTA: 128-byte row pieces (32 fp32, 64 bf16: 4 or 8 warps); at K = 256 (correct, not the
   // fast path) 32 columns, so that the stage stays within 48 KB of static shared memory.
-  static constexpr int kCtaCols = K <= 128 ? 128 / int(sizeof(TS)) : 32;
+  static constexpr int kCtaCols = K <= 128 ? 128 / int(sizeof(TState)) : 32;
   static constexpr int kCtaWarps = kCtaCols / kRows;
   static_assert(K % 32 == 0 && V % kCtaCols == 0, "tile does not divide the head");
   static constexpr bool kPacked = false;
@@ -164,22 +164,22 @@ struct WarpTile<StateLayout::kVLast, TS, K, V, kWidth> {
   __device__ static int64_t origin(int v0) { return v0; }
 
   // L2 prefetch of what load() will read: the CTA's row pieces, one row per thread.
-  __device__ static void prefetch(const TS* tile, int) {
-    const TS* cta = tile - int(threadIdx.x) / 32 * kRows;
+  __device__ static void prefetch(const TState* tile, int) {
+    const TState* cta = tile - int(threadIdx.x) / 32 * kRows;
     for (int r = int(threadIdx.x); r < K; r += kCtaWarps * 32)
-      prefetch_l2(cta + int64_t(r) * V, unsigned(kCtaCols * sizeof(TS)));
+      prefetch_l2(cta + int64_t(r) * V, unsigned(kCtaCols * sizeof(TState)));
   }
   // Every warp of the CTA calls load and store together (barriers inside).
-  __device__ static void load(const TS* tile, Regs& regs, int lane, Stage& st) {
+  __device__ static void load(const TState* tile, Regs& regs, int lane, Stage& st) {
     float(&s)[kRows][kKPer] = regs.v;
-    constexpr int kChunk = 16 / int(sizeof(TS)), kChunksPerRow = kCtaCols / kChunk;
+    constexpr int kChunk = 16 / int(sizeof(TState)), kChunksPerRow = kCtaCols / kChunk;
     const int warp = int(threadIdx.x) / 32;
-    const TS* cta = tile - warp * kRows;  // the CTA's first column: its warps take consecutive column blocks
+    const TState* cta = tile - warp * kRows;  // the CTA's first column: its warps take consecutive column blocks
     __syncthreads();  // every warp is done with the stage's previous contents
 #pragma unroll 4
     for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<TS*>(&st.e[r][0]) + col));
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<TState*>(&st.e[r][0]) + col));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(cta + int64_t(r) * V + col) : "memory");
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -187,7 +187,7 @@ struct WarpTile<StateLayout::kVLast, TS, K, V, kWidth> {
 #pragma unroll
     for (int j = 0; j < kKPer; ++j) {
       float run[kRows];
-      load_vec<TS, kRows>(reinterpret_cast<const TS*>(&st.e[k_of(lane, j)][0]) + warp * kRows, run);
+      load_vec<TState, kRows>(reinterpret_cast<const TState*>(&st.e[k_of(lane, j)][0]) + warp * kRows, run);
 #pragma unroll
       for (int i = 0; i < kRows; ++i) s[i][j] = run[i];
     }

@@ -1,0 +1,182 @@
+// gdnkit bench: shared pieces of the CPU and CUDA benchmark paths (method: docs/benchmarks.md).
+//
+// The bench calls only the public API (gdnkit::decode / verify / commit / prefill), so it measures
+// whatever kernels the library ships, independent of their internals. A backend that does not
+// implement an op yet (ErrorCode::kNotImplemented) yields a row that says so.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gdnkit/gdnkit.h"
+
+namespace gdnkit::bench {
+
+// A model's per-layer GDN shape (docs/benchmarks.md "Shapes").
+struct Shape {
+  std::string name;
+  int32_t H = 0;   // q/k heads
+  int32_t HV = 0;  // value heads
+  int32_t K = 128;
+  int32_t V = 128;
+};
+const std::vector<Shape>& known_shapes();
+const Shape* find_shape(const std::string& name);  // nullptr if unknown
+
+// A prefill sequence set: "1x2048" (N sequences of L tokens) or "1024+7168" (explicit lengths).
+struct SeqSet {
+  std::string name;
+  std::vector<int64_t> lengths;
+  int64_t total() const;
+};
+SeqSet parse_seqset(const std::string& text);  // throws gdnkit::Error on bad text
+
+enum class VerifyMode {
+  kCache,          // verify writing fp32 intermediate states (update_state off)
+  kCommitRecompute,  // verify without cache, then commit by recompute from the pool
+  kCommitCache,    // verify with the fp32 cache, then commit from the cache
+};
+const char* verify_mode_name(VerifyMode mode);
+
+struct Options {
+  std::vector<std::string> ops;  // decode, verify, prefill (in this order)
+  std::vector<Shape> shapes;     // empty: per-op default (decode/verify qwen3-next; prefill + qwen3.5-397b-tp8)
+  std::vector<DType> states;     // empty: per-op default
+  std::vector<StateLayout> layouts;  // empty: per-op default
+  std::vector<int32_t> batches;  // empty: per-op default
+  std::vector<int32_t> drafts;   // verify T; empty: default
+  std::vector<SeqSet> seqsets;   // prefill; empty: default
+  std::string json_path, markdown_path;
+  DType input = DType::kBFloat16;  // q, k, v, a, b (and o)
+  int32_t dim = 0;               // > 0: K = V = dim in every shape (name gets "-d<dim>")
+  bool quick = false;
+  bool cpu = false;
+  int replays = 20;              // decode/verify graph replays (>= 15)
+  int prefill_iters = 12;        // prefill timed runs (>= 10)
+  std::string command_line;
+};
+
+// The shapes with --dim applied.
+std::vector<Shape> with_dim(const Options& o, std::vector<Shape> shapes);
+// The sweep each op runs, after defaults and --quick are applied.
+std::vector<Shape> shapes_for(const Options& o, const std::string& op);
+std::vector<DType> states_for(const Options& o, const std::string& op);
+std::vector<StateLayout> layouts_for(const Options& o, const std::string& op);
+std::vector<int32_t> batches_for(const Options& o, const std::string& op);
+std::vector<int32_t> drafts_for(const Options& o);
+std::vector<SeqSet> seqsets_for(const Options& o);
+std::vector<VerifyMode> verify_modes();
+
+// One measured configuration. Fields that do not apply to the op stay at their defaults and are
+// written as null in the JSON.
+struct Row {
+  std::string op;    // decode | verify | prefill
+  std::string mode;  // verify: cache | commit-recompute | commit-cache; prefill on CPU: the algorithm
+  std::string backend;
+  Shape shape;
+  DType input_dtype = DType::kBFloat16;
+  DType state_dtype = DType::kFloat32;
+  StateLayout layout = StateLayout::kKLast;
+  int32_t batch = 0;            // decode/verify B
+  int32_t draft_tokens = 0;     // verify T
+  std::string seqset;           // prefill
+  int32_t num_seqs = 0;         // prefill N
+  int64_t total_tokens = 0;     // tokens processed per call
+  double accepted_mean = -1;    // commit modes: mean accepted tokens per sequence
+  std::string status = "ok";    // ok | not implemented | error
+  std::string message;          // the library's message when status != ok
+
+  // Timing. Decode/verify: per call (one call = one op, or verify + commit for the commit modes).
+  double time_us = -1, time_us_min = -1, time_us_max = -1;
+  int samples = 0;              // replays (decode/verify) or timed runs (prefill)
+  int calls_per_replay = 0;
+  int slot_sets = 0;            // cold L2: distinct slot sets the calls rotate through
+  int64_t pool_slots = 0;
+  double state_bytes_per_replay = -1;  // state bytes read by one replay (>= 4x L2 on the GPU)
+
+  // Bytes model (docs/benchmarks.md): state read + written (+ intermediate written) + q, k, v, o, gates.
+  double bytes = -1;
+  double tbps = -1;             // achieved, bytes / time
+  double pct_copy = -1;         // tbps / copy ceiling * 100
+  // Prefill.
+  double flops = -1, tflops = -1;   // nominal 4 * T_total * HV * K * V
+  double floor_bytes = -1;      // q, k, v read once, o written once, gates, states
+  double floor_us = -1;         // floor_bytes / copy ceiling
+  double pct_floor = -1;        // floor_us / time_us * 100
+  // Sanity of the result the timing ran on.
+  int64_t nonfinite_outputs = -1;  // o entries that are NaN/inf after the runs (o is NaN-poisoned first)
+  int64_t error_flag = -1;         // the op's device error counter (out-of-range slots); must be 0
+};
+
+struct RunInfo {
+  std::string command;        // the command line that produced the run
+  std::string backend;        // cuda | cpu
+  std::string device;         // GPU name or "host CPU"
+  std::string build_info;
+  std::string note;           // e.g. why the CPU path ran
+  int sms = 0;
+  int64_t l2_bytes = 0;
+  int64_t memory_bytes = 0;
+  std::string sm_clock_start, sm_clock_end, sm_clock_max;  // MHz as nvidia-smi reports; empty if unknown
+  double copy_ceiling_tbps = -1;  // device-to-device copy, bytes read + written / time
+  double copy_ceiling_gib = 0;
+  // CUDA: µs per call of an empty kernel launched as decode is (programmatic dependent launch, the grid of
+  // decode at B = 1 for the qwen3-next heads), timed like the decode rows: the per-call time no decode or
+  // verify call goes below, whatever its bytes. -1 when not measured.
+  double launch_floor_us = -1;
+  int launch_floor_ctas = 0;
+  double wall_seconds = 0;
+};
+
+// Receives rows as they are measured: prints progress and rewrites the output files, so that a run
+// killed half way still leaves the rows it measured.
+using RowSink = std::function<void(const Row&)>;
+
+// Token-major inputs/outputs of one problem, contiguous: q, k [tokens, H, K], v, o [tokens, HV, V],
+// a, b [tokens, HV] (all in the input dtype), A_log, dt_bias [HV] fp32. Host or device pointers.
+struct TokenBuffers {
+  void* q = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+  void* o = nullptr;
+  void* a = nullptr;
+  void* b = nullptr;
+  float* A_log = nullptr;
+  float* dt_bias = nullptr;
+};
+// The token rows [first_token, ...) of `t` as op inputs, fused gating, q/k L2 norm on.
+HeadConfig head_config(const Shape& s);
+void set_token_views(const Shape& s, DType in, const TokenBuffers& t, int64_t first_token, InView& q, InView& k,
+                     InView& v, OutView& o, Gating& gating);
+StatePool make_pool(const Shape& s, void* data, DType dtype, StateLayout layout, int64_t slots);
+
+// Byte and FLOP models (shared by both backends).
+double decode_bytes(const Shape& s, int32_t B, DType in, DType state);
+double verify_bytes(const Shape& s, int32_t B, int32_t T, DType in, DType state, VerifyMode mode,
+                    int64_t accepted_total);
+double prefill_floor_bytes(const Shape& s, const SeqSet& set, DType in, DType state);
+double prefill_flops(const Shape& s, int64_t total_tokens);
+// A row with the fields every op fills the same way.
+Row make_row(const std::string& backend, const std::string& op, const Shape& s, DType input, DType state,
+             StateLayout layout);
+void finish_row(Row& r, double copy_ceiling_tbps);  // fills tbps / pct / tflops / floor from time_us
+
+double median(std::vector<double> v);
+
+// Output.
+std::string to_json(const RunInfo& info, const std::vector<Row>& rows);
+std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows);
+std::string progress_line(const Row& r);
+
+// Backends. Each measures the sweep of `o` and hands rows to `sink`; fills `info`.
+void run_cpu(const Options& o, RunInfo& info, const RowSink& sink);
+#ifdef GDNKIT_WITH_CUDA
+void run_cuda(const Options& o, RunInfo& info, const RowSink& sink);
+std::string cuda_device_summary();  // for `gdnkit info`: clocks, L2, memory per device
+std::string cuda_op_probe();        // for `gdnkit info`: "decode ok, verify not implemented, ..."; "" without a GPU
+#endif
+
+}  // namespace gdnkit::bench

@@ -1,0 +1,739 @@
+// gdnkit bench, CUDA path: device inputs, cold-L2 CUDA-graph timing, the copy ceiling (docs/benchmarks.md).
+// Calls only the public API with Backend::kCUDA.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "bench.h"
+#include "cuda_util.cuh"
+#include "gdnkit/gdnkit.h"
+
+namespace gdnkit::bench {
+namespace {
+
+// ---- random device inputs ----------------------------------------------------------------------
+// Counter-based: element i of a fill is a function of (seed, i) only, so fills are reproducible and
+// need no RNG state. Never zeros (the spec's rule for test and bench inputs).
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {  // splitmix64 finalizer
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Uniform in (0, 1): 24 random bits, offset by half a step so log(u) is finite.
+__device__ __forceinline__ float uniform_open(uint64_t seed, uint64_t i, uint64_t lane) {
+  const uint64_t h = mix64(seed + mix64(2 * i + lane));
+  return (float(h >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+enum class Fill : int { kNormal, kLogUniform };
+
+// kNormal: x0 + x1 * N(0,1) (Box-Muller); kLogUniform: log(U(x0, x1)).
+template <class T>
+__global__ void fill_kernel(T* __restrict__ p, int64_t n, uint64_t seed, Fill kind, float x0, float x1) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float u1 = uniform_open(seed, i, 0);
+    float x;
+    if (kind == Fill::kNormal) {
+      const float u2 = uniform_open(seed, i, 1);
+      x = x0 + x1 * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    } else {
+      x = logf(x0 + (x1 - x0) * u1);
+    }
+    p[i] = from_float<T>(x);
+  }
+}
+
+template <class T>
+__global__ void count_nonfinite_kernel(const T* __restrict__ p, int64_t n, unsigned long long* count) {
+  unsigned long long c = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    c += !isfinite(to_float(p[i]));
+  if (c) atomicAdd(count, c);
+}
+
+constexpr int kFillThreads = 256;
+int fill_blocks(int64_t n) { return int(std::min<int64_t>((n + kFillThreads - 1) / kFillThreads, 4096)); }  // grid-stride: enough CTAs to fill any GPU
+
+void fill(void* p, DType dtype, int64_t n, uint64_t seed, Fill kind, float x0, float x1, cudaStream_t st) {
+  if (n <= 0) return;
+  const int blocks = fill_blocks(n);
+  switch (dtype) {
+    case DType::kFloat32:
+      fill_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<float*>(p), n, seed, kind, x0, x1);
+      break;
+    case DType::kBFloat16:
+      fill_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<__nv_bfloat16*>(p), n, seed, kind, x0, x1);
+      break;
+    case DType::kFloat16:
+      fill_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<__half*>(p), n, seed, kind, x0, x1);
+      break;
+    default: throw Error(ErrorCode::kInvalidArgument, std::string("fill: not a float dtype: ") + dtype_name(dtype));
+  }
+  BENCH_CUDA_CHECK_LAUNCH();
+}
+
+int64_t count_nonfinite(const void* p, DType dtype, int64_t n, cudaStream_t st) {
+  unsigned long long* d_count = nullptr;
+  BENCH_CUDA_CHECK(cudaMallocAsync(&d_count, sizeof *d_count, st));
+  BENCH_CUDA_CHECK(cudaMemsetAsync(d_count, 0, sizeof *d_count, st));
+  const int blocks = fill_blocks(n);
+  if (dtype == DType::kFloat32)
+    count_nonfinite_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<const float*>(p), n, d_count);
+  else if (dtype == DType::kBFloat16)
+    count_nonfinite_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<const __nv_bfloat16*>(p), n, d_count);
+  else
+    count_nonfinite_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<const __half*>(p), n, d_count);
+  BENCH_CUDA_CHECK_LAUNCH();
+  unsigned long long h = 0;
+  BENCH_CUDA_CHECK(cudaMemcpyAsync(&h, d_count, sizeof h, cudaMemcpyDeviceToHost, st));
+  BENCH_CUDA_CHECK(cudaFreeAsync(d_count, st));
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(st));
+  return int64_t(h);
+}
+
+// ---- device memory and timing ------------------------------------------------------------------
+
+// The rows' device memory: one cudaMalloc at the first use (the free memory less 2 GiB, for the library and
+// the runtime), handed out as a stack; a row's buffers are released in reverse order when it returns, and
+// every use is ordered on the bench's stream. With a cudaMalloc / cudaFree per buffer, a row that followed
+// a row of larger footprint measured up to 9% slower (prefill 8x8192 1.41 ms right after 8192x32, 1.28-1.29
+// after smaller sets or alone: results/H100/prefill_bench_order12.txt); serving engines allocate their
+// state pools and workspaces once.
+class Arena {
+ public:
+  static Arena& get() {
+    static Arena a;
+    return a;
+  }
+  void* alloc(size_t bytes) {
+    const size_t align = bytes >= (size_t(1) << 20) ? size_t(2) << 20 : 256;
+    const size_t at = (top_ + align - 1) / align * align;
+    if (at + bytes > cap_)
+      throw Error(ErrorCode::kCudaError, "bench: " + std::to_string(bytes) + " bytes of device memory wanted, " +
+                                             std::to_string(cap_ - std::min(cap_, at)) + " left in its arena");
+    blocks_.push_back({top_, at, false});
+    top_ = at + bytes;
+    return base_ + at;
+  }
+  void release(void* p) {
+    for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
+      if (base_ + it->at == p) {
+        it->freed = true;
+        break;
+      }
+    while (!blocks_.empty() && blocks_.back().freed) {
+      top_ = blocks_.back().prev_top;
+      blocks_.pop_back();
+    }
+  }
+
+ private:
+  struct Block {
+    size_t prev_top, at;
+    bool freed;
+  };
+  Arena() {
+    size_t free_b = 0, total_b = 0;
+    BENCH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const size_t reserve = size_t(2) << 30;
+    cap_ = free_b > 2 * reserve ? free_b - reserve : free_b / 2;
+    BENCH_CUDA_CHECK(cudaMalloc(&base_, cap_));
+  }
+  char* base_ = nullptr;
+  size_t cap_ = 0, top_ = 0;
+  std::vector<Block> blocks_;
+};
+
+class DevBuf {
+ public:
+  explicit DevBuf(size_t bytes) : bytes_(bytes) { p_ = Arena::get().alloc(std::max<size_t>(bytes, 16)); }
+  ~DevBuf() { Arena::get().release(p_); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T = void>
+  T* get() const { return static_cast<T*>(p_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct Device {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  int64_t l2_bytes = 0;
+  double ceiling_tbps = -1;
+  Device() {
+    BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    BENCH_CUDA_CHECK(cudaEventCreate(&start));
+    BENCH_CUDA_CHECK(cudaEventCreate(&stop));
+  }
+  ~Device() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    cudaStreamDestroy(stream);
+  }
+  Context ctx() const { return Context{Backend::kCUDA, stream}; }
+  float elapsed_ms() const {
+    BENCH_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return ms;
+  }
+};
+
+// Captures what `enqueue` launches into one CUDA graph, replays it (2 warm-up + `replays` timed, each
+// between two events) and returns the milliseconds of each timed replay.
+template <class Enqueue>
+std::vector<double> time_graph(const Device& d, Enqueue&& enqueue, int replays) {
+  BENCH_CUDA_CHECK(cudaStreamBeginCapture(d.stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue();
+  } catch (...) {
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(d.stream, &broken);  // leave capture mode before reporting
+    if (broken) cudaGraphDestroy(broken);
+    cudaGetLastError();
+    throw;
+  }
+  cudaGraph_t graph = nullptr;
+  BENCH_CUDA_CHECK(cudaStreamEndCapture(d.stream, &graph));
+  std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> graph_guard(graph, cudaGraphDestroy);
+  cudaGraphExec_t exec = nullptr;
+  BENCH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, decltype(&cudaGraphExecDestroy)> exec_guard(exec, cudaGraphExecDestroy);
+  for (int i = 0; i < 2; ++i) BENCH_CUDA_CHECK(cudaGraphLaunch(exec, d.stream));
+  std::vector<double> ms;
+  for (int r = 0; r < replays; ++r) {
+    BENCH_CUDA_CHECK(cudaEventRecord(d.start, d.stream));
+    BENCH_CUDA_CHECK(cudaGraphLaunch(exec, d.stream));
+    BENCH_CUDA_CHECK(cudaEventRecord(d.stop, d.stream));
+    ms.push_back(d.elapsed_ms());
+  }
+  return ms;
+}
+
+// The launch floor (RunInfo::launch_floor_us): an empty kernel launched as the recurrent kernels are
+// (programmatic dependent launch: it waits for the previous grid, then lets the next one launch).
+__global__ void empty_dependent_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+}
+
+double launch_floor_us(const Device& d, int ctas, int calls) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(ctas));
+  cfg.blockDim = dim3(64);
+  cfg.stream = d.stream;
+  cudaLaunchAttribute pdl;  // programmatic dependent launch, as the recurrent kernels
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = 1;
+  const auto ms = time_graph(
+      d, [&] { for (int j = 0; j < calls; ++j) BENCH_CUDA_CHECK(cudaLaunchKernelEx(&cfg, empty_dependent_kernel)); },
+      20);
+  return median(ms) * 1e3 / calls;
+}
+
+// Device-to-device copy of 1 GiB; bytes read + written per second (the ceiling the op rows are compared to).
+double copy_ceiling_tbps(const Device& d, double gib) {
+  const size_t bytes = size_t(gib * (1ull << 30));
+  DevBuf src(bytes), dst(bytes);
+  fill(src.get(), DType::kFloat32, int64_t(bytes / 4), 7, Fill::kNormal, 0.f, 1.f, d.stream);
+  for (int i = 0; i < 2; ++i)
+    BENCH_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, d.stream));
+  std::vector<double> ms;
+  for (int i = 0; i < 10; ++i) {
+    BENCH_CUDA_CHECK(cudaEventRecord(d.start, d.stream));
+    BENCH_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, d.stream));
+    BENCH_CUDA_CHECK(cudaEventRecord(d.stop, d.stream));
+    ms.push_back(d.elapsed_ms());
+  }
+  return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e12;
+}
+
+std::string nvidia_smi(const char* query) {
+  std::string cmd = std::string("nvidia-smi --query-gpu=") + query + " --format=csv,noheader,nounits -i 0 2>/dev/null";
+  FILE* f = popen(cmd.c_str(), "r");
+  if (!f) return "";
+  char buf[256] = {};
+  std::string s;
+  while (fgets(buf, sizeof buf, f)) s += buf;
+  pclose(f);
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) s.pop_back();
+  if (s.find("N/A") != std::string::npos || s.find("rror") != std::string::npos) return "";
+  return s;
+}
+
+// A random permutation of 0..pool-1 (slots are never 0..B-1 in order), first `count` taken.
+std::vector<int32_t> random_slots(int64_t pool, int64_t count, uint64_t seed) {
+  std::vector<int32_t> perm(static_cast<size_t>(pool));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  perm.resize(static_cast<size_t>(count));
+  return perm;
+}
+
+void upload(void* dst, const void* src, size_t bytes, cudaStream_t st) {
+  BENCH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, st));
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(st));  // src is a host temporary
+}
+
+// q, k, v, a, b, A_log, dt_bias for `tokens` tokens with the spec's distributions; o NaN-poisoned.
+struct DeviceTokens {
+  DevBuf q, k, v, o, a, b, A_log, dt_bias;
+  TokenBuffers views;
+  DeviceTokens(const Shape& s, DType in, int64_t tokens, uint64_t seed, cudaStream_t st)
+      : q(size_t(tokens) * s.H * s.K * dtype_size(in)),
+        k(q.bytes()),
+        v(size_t(tokens) * s.HV * s.V * dtype_size(in)),
+        o(v.bytes()),
+        a(size_t(tokens) * s.HV * dtype_size(in)),
+        b(a.bytes()),
+        A_log(size_t(s.HV) * 4),
+        dt_bias(size_t(s.HV) * 4) {
+    const int64_t nqk = tokens * s.H * s.K, nv = tokens * s.HV * s.V, ng = tokens * s.HV;
+    fill(q.get(), in, nqk, seed + 1, Fill::kNormal, 0.f, 1.f, st);
+    fill(k.get(), in, nqk, seed + 2, Fill::kNormal, 0.f, 1.f, st);
+    fill(v.get(), in, nv, seed + 3, Fill::kNormal, 0.f, 1.f, st);
+    fill(a.get(), in, ng, seed + 4, Fill::kNormal, 0.f, 1.f, st);
+    fill(b.get(), in, ng, seed + 5, Fill::kNormal, 0.f, 1.f, st);
+    fill(A_log.get(), DType::kFloat32, s.HV, seed + 6, Fill::kLogUniform, 1.f, 16.f, st);
+    fill(dt_bias.get(), DType::kFloat32, s.HV, seed + 7, Fill::kNormal, 0.f, 0.5f, st);
+    BENCH_CUDA_CHECK(cudaMemsetAsync(o.get(), 0xff, o.bytes(), st));  // all-ones bits: NaN in bf16/fp16/fp32
+    views = {q.get(), k.get(), v.get(), o.get(), a.get(), b.get(), A_log.get<float>(), dt_bias.get<float>()};
+  }
+};
+
+// q, k, v, a, b dtype of this run (--input); set once by run_cpu / run_cuda.
+DType g_input = DType::kBFloat16;
+constexpr int kMinCallsPerReplay = 8;
+
+Row base_row(const std::string& op, const Shape& s, DType state, StateLayout layout) {
+  return make_row("cuda", op, s, g_input, state, layout);
+}
+
+// Cold L2: slot sets such that one replay reads >= 4x L2 of state; at least 2, so that two consecutive
+// calls never hit the same slots.
+int slot_sets_for(const Device& d, double state_bytes_per_call) {
+  return std::max(2, int(std::ceil(4.0 * double(d.l2_bytes) / state_bytes_per_call)));
+}
+
+void not_ok(Row& r, const Error& e) {
+  r.status = e.code() == ErrorCode::kNotImplemented ? "not implemented" : "error";
+  r.message = e.what();
+}
+
+void fill_timing(Row& r, const std::vector<double>& replay_ms, int calls) {
+  std::vector<double> us;
+  for (double ms : replay_ms) us.push_back(ms * 1e3 / calls);
+  r.time_us = median(us);
+  r.time_us_min = *std::min_element(us.begin(), us.end());
+  r.time_us_max = *std::max_element(us.begin(), us.end());
+  r.samples = int(us.size());
+  r.calls_per_replay = calls;
+}
+
+int64_t read_flag(const DevBuf& flag) {
+  int32_t h = 0;
+  BENCH_CUDA_CHECK(cudaMemcpy(&h, flag.get(), 4, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// ---- decode ------------------------------------------------------------------------------------
+
+Row bench_decode(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout, int32_t B) {
+  Row r = base_row("decode", s, state, layout);
+  r.batch = B;
+  r.total_tokens = B;
+  const double slot_bytes = double(s.HV) * s.K * s.V * dtype_size(state);
+  const int sets = slot_sets_for(d, B * slot_bytes);
+  const int calls = std::max(sets, kMinCallsPerReplay);
+  const int64_t pool_slots = int64_t(sets) * B + 8;
+  r.slot_sets = sets;
+  r.pool_slots = pool_slots;
+  r.state_bytes_per_replay = double(calls) * B * slot_bytes;
+  r.bytes = decode_bytes(s, B, g_input, state);
+
+  const uint64_t seed = 1000003ull * B + 17 * int(state) + int(layout);
+  DevBuf pool(size_t(pool_slots * slot_bytes)), indices(size_t(sets) * B * 4), flag(4);
+  fill(pool.get(), state, int64_t(pool_slots) * s.HV * s.K * s.V, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  DeviceTokens tok(s, g_input, int64_t(sets) * B, seed, d.stream);
+  upload(indices.get(), random_slots(pool_slots, int64_t(sets) * B, seed).data(), indices.bytes(), d.stream);
+  BENCH_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
+
+  std::vector<DecodeParams> params(static_cast<size_t>(sets));
+  for (int i = 0; i < sets; ++i) {
+    DecodeParams& p = params[size_t(i)];
+    p.heads = head_config(s);
+    p.batch = B;
+    set_token_views(s, g_input, tok.views, int64_t(i) * B, p.q, p.k, p.v, p.o, p.gating);
+    p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+    p.state_indices = indices.get<int32_t>() + int64_t(i) * B;
+    p.error_flag = flag.get<int32_t>();
+  }
+  const Context ctx = d.ctx();
+  try {
+    for (const auto& p : params) decode(p, ctx);  // eager: validation, lazy setup, every output row written
+  } catch (const Error& e) {
+    not_ok(r, e);
+    cudaStreamSynchronize(d.stream);
+    return r;
+  }
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+  const auto ms = time_graph(d, [&] { for (int j = 0; j < calls; ++j) decode(params[size_t(j % sets)], ctx); },
+                             o.replays);
+  fill_timing(r, ms, calls);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, int64_t(sets) * B * s.HV * s.V, d.stream);
+  r.error_flag = read_flag(flag);
+  return r;
+}
+
+// ---- verify (+ commit) -------------------------------------------------------------------------
+
+Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout, VerifyMode mode,
+                 int32_t T, int32_t B) {
+  Row r = base_row("verify", s, state, layout);
+  r.mode = verify_mode_name(mode);
+  r.batch = B;
+  r.draft_tokens = T;
+  r.total_tokens = int64_t(B) * T;
+  const int64_t slot_elems = int64_t(s.HV) * s.K * s.V;
+  const double slot_bytes = double(slot_elems) * dtype_size(state);
+  const int sets = slot_sets_for(d, B * slot_bytes);
+  const int calls = std::max(sets, kMinCallsPerReplay);
+  const int64_t pool_slots = int64_t(sets) * B + 8;
+  const bool cache = mode != VerifyMode::kCommitRecompute;
+  const bool commit_after = mode != VerifyMode::kCache;
+  r.slot_sets = sets;
+  r.pool_slots = pool_slots;
+  r.state_bytes_per_replay = double(calls) * B * slot_bytes;
+
+  // accepted[b] in 1..T: every sequence keeps at least one token, so every commit moves a state.
+  std::mt19937 rng(uint32_t(B * 131 + T));
+  std::vector<int32_t> accepted(static_cast<size_t>(B));
+  int64_t accepted_total = 0;
+  for (auto& a : accepted) accepted_total += (a = int32_t(1 + rng() % uint32_t(T)));
+  if (commit_after) r.accepted_mean = double(accepted_total) / B;
+  r.bytes = verify_bytes(s, B, T, g_input, state, mode, accepted_total);
+
+  const uint64_t seed = 7000003ull * B + 101 * T + 17 * int(state) + int(layout) + 3 * int(mode);
+  const int64_t cache_slots = cache ? int64_t(sets) * B : 0;
+  DevBuf pool(size_t(pool_slots * slot_bytes)), indices(size_t(sets) * B * 4), flag(4);
+  DevBuf inter(size_t(cache_slots) * T * slot_elems * 4), inter_indices(size_t(std::max<int64_t>(cache_slots, 1)) * 4);
+  DevBuf d_accepted(size_t(B) * 4);
+  fill(pool.get(), state, pool_slots * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  DeviceTokens tok(s, g_input, int64_t(sets) * B * T, seed, d.stream);
+  upload(indices.get(), random_slots(pool_slots, int64_t(sets) * B, seed).data(), indices.bytes(), d.stream);
+  if (cache)
+    upload(inter_indices.get(), random_slots(cache_slots, cache_slots, seed + 1).data(), inter_indices.bytes(),
+           d.stream);
+  upload(d_accepted.get(), accepted.data(), d_accepted.bytes(), d.stream);
+  BENCH_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
+
+  std::vector<CommitParams> params(static_cast<size_t>(sets));  // CommitParams extends VerifyParams
+  for (int i = 0; i < sets; ++i) {
+    CommitParams& p = params[size_t(i)];
+    p.heads = head_config(s);
+    p.batch = B;
+    p.num_draft_tokens = T;
+    set_token_views(s, g_input, tok.views, int64_t(i) * B * T, p.q, p.k, p.v, p.o, p.gating);
+    p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+    p.state_indices = indices.get<int32_t>() + int64_t(i) * B;
+    p.error_flag = flag.get<int32_t>();
+    p.update_state = false;
+    if (cache) {
+      p.intermediate.data = inter.get();
+      p.intermediate.dtype = DType::kFloat32;
+      p.intermediate.layout = layout;
+      p.intermediate.num_slots = cache_slots;
+      p.intermediate.num_steps = T;
+      p.intermediate.slot_stride = int64_t(T) * slot_elems;
+      p.intermediate_indices = inter_indices.get<int32_t>() + int64_t(i) * B;
+    }
+    p.source = mode == VerifyMode::kCommitRecompute ? CommitSource::kRecompute : CommitSource::kCache;
+    p.accepted = d_accepted.get<int32_t>();
+  }
+  const Context ctx = d.ctx();
+  auto one_call = [&](const CommitParams& p) {
+    verify(static_cast<const VerifyParams&>(p), ctx);
+    if (commit_after) commit(p, ctx);
+  };
+  try {
+    for (const auto& p : params) one_call(p);
+  } catch (const Error& e) {
+    not_ok(r, e);
+    cudaStreamSynchronize(d.stream);
+    return r;
+  }
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+  const auto ms = time_graph(d, [&] { for (int j = 0; j < calls; ++j) one_call(params[size_t(j % sets)]); },
+                             o.replays);
+  fill_timing(r, ms, calls);
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, int64_t(sets) * B * T * s.HV * s.V, d.stream);
+  r.error_flag = read_flag(flag);
+  return r;
+}
+
+// ---- prefill -----------------------------------------------------------------------------------
+
+Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout,
+                  const SeqSet& set) {
+  Row r = base_row("prefill", s, state, layout);
+  r.seqset = set.name;
+  const int32_t N = int32_t(set.lengths.size());
+  const int64_t T = set.total();
+  r.num_seqs = N;
+  r.total_tokens = T;
+  r.flops = prefill_flops(s, T);
+  r.floor_bytes = prefill_floor_bytes(s, set, g_input, state);
+  const int64_t slot_elems = int64_t(s.HV) * s.K * s.V;
+  // Spare slots so that the N slots are a random subset; a quarter more (a set like 8192x32 has 8192 sequences,
+  // 16 GiB of fp32 qwen3-next states).
+  const int64_t pool_slots = int64_t(N) + std::max<int64_t>(8, N / 4);
+  r.pool_slots = pool_slots;
+
+  std::vector<int64_t> cu_host(size_t(N) + 1, 0);
+  for (int32_t i = 0; i < N; ++i) cu_host[size_t(i) + 1] = cu_host[size_t(i)] + set.lengths[size_t(i)];
+  std::vector<int32_t> cu32(cu_host.begin(), cu_host.end());
+
+  const uint64_t seed = 90000049ull + uint64_t(T) * 7 + uint64_t(N) + 17 * int(state) + int(layout);
+  DevBuf pool(size_t(pool_slots * slot_elems * dtype_size(state))), cu(cu32.size() * 4), slots(size_t(N) * 4),
+      flag(4);
+  fill(pool.get(), state, pool_slots * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  DeviceTokens tok(s, g_input, T, seed, d.stream);
+  upload(cu.get(), cu32.data(), cu.bytes(), d.stream);
+  upload(slots.get(), random_slots(pool_slots, N, seed).data(), slots.bytes(), d.stream);
+  BENCH_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
+
+  PrefillParams p;
+  p.heads = head_config(s);
+  p.num_seqs = N;
+  p.total_tokens = T;
+  set_token_views(s, g_input, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+  p.cu_seqlens = cu.get();
+  p.cu_seqlens_dtype = DType::kInt32;
+  p.cu_seqlens_host = cu_host.data();
+  p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+  // In place: each sequence starts from its slot and stores its final state there (read before write).
+  p.initial_indices = slots.get<int32_t>();
+  p.final_indices = slots.get<int32_t>();
+  p.error_flag = flag.get<int32_t>();
+  // The path the library takes: sequences of at most short_max_len tokens on the recurrent kernels, the others
+  // on the chunked kernels.
+  const int short_len = prefill_path(p).short_max_len;
+  const auto n_short = std::count_if(set.lengths.begin(), set.lengths.end(), [&](auto L) { return L <= short_len; });
+  r.mode = n_short == N ? "short" : n_short == 0 ? "chunked" : "short+chunked";
+  std::unique_ptr<DevBuf> workspace;
+  const Context ctx = d.ctx();
+  try {
+    const size_t ws = prefill_workspace_bytes(p);
+    if (ws > 0) {
+      workspace = std::make_unique<DevBuf>(ws);
+      p.workspace = workspace->get();
+      p.workspace_bytes = ws;
+    }
+    for (int i = 0; i < 2; ++i) prefill(p, ctx);  // warm-up
+  } catch (const Error& e) {
+    not_ok(r, e);
+    cudaStreamSynchronize(d.stream);
+    return r;
+  }
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+  std::vector<double> us;
+  for (int i = 0; i < o.prefill_iters; ++i) {
+    BENCH_CUDA_CHECK(cudaEventRecord(d.start, d.stream));
+    prefill(p, ctx);
+    BENCH_CUDA_CHECK(cudaEventRecord(d.stop, d.stream));
+    us.push_back(d.elapsed_ms() * 1e3);
+  }
+  r.time_us = median(us);
+  r.time_us_min = *std::min_element(us.begin(), us.end());
+  r.time_us_max = *std::max_element(us.begin(), us.end());
+  r.samples = int(us.size());
+  r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, T * s.HV * s.V, d.stream);
+  r.error_flag = read_flag(flag);
+  return r;
+}
+
+// Runs one configuration; failures of the harness itself (allocation, CUDA errors) become error rows.
+template <class Fn>
+void guarded(Row fallback, const RowSink& sink, double ceiling, Fn&& fn) {
+  Row r;
+  try {
+    r = fn();
+  } catch (const std::exception& e) {
+    r = std::move(fallback);
+    r.status = "error";
+    r.message = e.what();
+    cudaGetLastError();  // clear a non-sticky error (e.g. out of memory) so the next row can run
+  }
+  finish_row(r, ceiling);
+  sink(r);
+}
+
+}  // namespace
+
+std::string cuda_op_probe() {
+  if (!cuda_available()) return "";
+  // One tiny problem per op (H=1, HV=2, K=V=128, two tokens): tells which CUDA entries are implemented.
+  const Shape s{"probe", 1, 2, 128, 128};
+  const int64_t slot = int64_t(s.HV) * s.K * s.V;
+  Device d;
+  const Context ctx = d.ctx();
+  DeviceTokens tok(s, DType::kBFloat16, 2, 5, d.stream);
+  DevBuf pool(size_t(2 * slot * 4)), other(size_t(2 * slot * 4)), inter(size_t(2 * slot * 4)), ints(64);
+  fill(pool.get(), DType::kFloat32, 2 * slot, 9, Fill::kNormal, 0.f, 0.05f, d.stream);
+  const int32_t host_ints[8] = {1, 0, 1, 0, 2, 0, 0, 0};  // slot, islot, accepted, cu_seqlens {0, 2}, flag
+  upload(ints.get(), host_ints, sizeof host_ints, d.stream);
+  int32_t* di = ints.get<int32_t>();
+  std::string out;
+  auto attempt = [&](const char* name, auto&& call) {
+    std::string st = "ok";
+    try {
+      call();
+      BENCH_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+    } catch (const Error& e) {
+      st = e.code() == ErrorCode::kNotImplemented ? "not implemented" : std::string("error (") + e.what() + ")";
+    }
+    out += std::string(out.empty() ? "" : ", ") + name + " " + st;
+  };
+  CommitParams p;
+  p.heads = head_config(s);
+  p.batch = 1;
+  p.num_draft_tokens = 2;
+  set_token_views(s, DType::kBFloat16, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+  p.state = make_pool(s, pool.get(), DType::kFloat32, StateLayout::kKLast, 2);
+  p.state_indices = di;
+  p.error_flag = di + 7;
+  p.intermediate = {inter.get(), DType::kFloat32, StateLayout::kKLast, 1, 2, 2 * slot};
+  p.intermediate_indices = di + 1;
+  p.accepted = di + 2;
+  attempt("decode", [&] { decode(static_cast<const DecodeParams&>(p), ctx); });
+  attempt("verify", [&] { verify(static_cast<const VerifyParams&>(p), ctx); });
+  attempt("commit", [&] { commit(p, ctx); });
+  PrefillParams pf;
+  pf.heads = head_config(s);
+  pf.num_seqs = 1;
+  pf.total_tokens = 2;
+  set_token_views(s, DType::kBFloat16, tok.views, 0, pf.q, pf.k, pf.v, pf.o, pf.gating);
+  pf.cu_seqlens = di + 3;
+  pf.state = p.state;
+  pf.initial_indices = di;
+  pf.final_indices = di;
+  attempt("prefill", [&] { prefill(pf, ctx); });
+  LayoutParams lp;
+  lp.num_v_heads = s.HV;
+  lp.head_dim_k = s.K;
+  lp.head_dim_v = s.V;
+  lp.src = p.state;
+  lp.dst = make_pool(s, other.get(), DType::kFloat32, StateLayout::kVLast, 2);
+  attempt("convert_layout", [&] { convert_layout(lp, ctx); });
+  return out;
+}
+
+std::string cuda_device_summary() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return "no CUDA device\n";
+  }
+  std::string s;
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
+    char buf[512];
+    std::snprintf(buf, sizeof buf, "  %d: %s, sm_%d%d, %d SMs, %.1f GiB, L2 %d MiB, smem/block opt-in %zu KiB\n", i,
+                  prop.name, prop.major, prop.minor, prop.multiProcessorCount, double(prop.totalGlobalMem) / (1 << 30),
+                  prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin >> 10);
+    s += buf;
+  }
+  const std::string clocks = nvidia_smi("clocks.sm,clocks.max.sm,clocks.mem");
+  if (!clocks.empty()) s += "  device 0 clocks (SM, max SM, memory; MHz): " + clocks + "\n";
+  return s;
+}
+
+void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
+  g_input = o.input;
+  Device d;
+  int dev = 0;
+  BENCH_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+  info.backend = "cuda";
+  info.device = prop.name;
+  info.sms = prop.multiProcessorCount;
+  info.l2_bytes = prop.l2CacheSize;
+  info.memory_bytes = int64_t(prop.totalGlobalMem);
+  d.l2_bytes = prop.l2CacheSize;
+  info.copy_ceiling_gib = 1.0;
+  info.copy_ceiling_tbps = copy_ceiling_tbps(d, info.copy_ceiling_gib);
+  // Sampled right after GPU work: an idle GPU reports its idle clock, which says nothing about the run.
+  info.sm_clock_start = nvidia_smi("clocks.sm");
+  info.sm_clock_max = nvidia_smi("clocks.max.sm");
+  std::fprintf(stderr, "copy ceiling: %.3f TB/s (device-to-device copy of 1 GiB, read + write)\n",
+               info.copy_ceiling_tbps);
+  // qwen3-next's decode grid at B = 1: 32 value heads x 8 CTAs (K-last: 2 warps of 8 columns each).
+  info.launch_floor_ctas = 256;
+  info.launch_floor_us = launch_floor_us(d, info.launch_floor_ctas, 64);
+  std::fprintf(stderr, "launch floor: %.2f µs per call (empty kernel, %d CTAs, PDL, CUDA graph)\n",
+               info.launch_floor_us, info.launch_floor_ctas);
+  const double ceiling = info.copy_ceiling_tbps;
+
+  for (const std::string& op : o.ops) {
+    for (const Shape& s : shapes_for(o, op)) {
+      for (DType st : states_for(o, op)) {
+        for (StateLayout ly : layouts_for(o, op)) {
+          if (op == "decode") {
+            for (int32_t B : batches_for(o, op)) {
+              Row fb = base_row(op, s, st, ly);
+              fb.batch = B;
+              guarded(fb, sink, ceiling, [&] { return bench_decode(d, o, s, st, ly, B); });
+            }
+          } else if (op == "verify") {
+            for (VerifyMode m : verify_modes()) {
+              for (int32_t T : drafts_for(o)) {
+                for (int32_t B : batches_for(o, op)) {
+                  Row fb = base_row(op, s, st, ly);
+                  fb.mode = verify_mode_name(m);
+                  fb.batch = B;
+                  fb.draft_tokens = T;
+                  guarded(fb, sink, ceiling, [&] { return bench_verify(d, o, s, st, ly, m, T, B); });
+                }
+              }
+            }
+          } else {
+            for (const SeqSet& set : seqsets_for(o)) {
+              Row fb = base_row(op, s, st, ly);
+              fb.seqset = set.name;
+              fb.total_tokens = set.total();
+              fb.num_seqs = int32_t(set.lengths.size());
+              guarded(fb, sink, ceiling, [&] { return bench_prefill(d, o, s, st, ly, set); });
+            }
+          }
+        }
+      }
+    }
+    info.sm_clock_end = nvidia_smi("clocks.sm");  // after each op's rows, while the GPU is still clocked up
+  }
+}
+
+}  // namespace gdnkit::bench

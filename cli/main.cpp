@@ -1,0 +1,272 @@
+// gdnkit: command-line tool.
+//   gdnkit info                 build, devices, supported configurations
+//   gdnkit bench [op] [flags]   the benchmark (method: docs/benchmarks.md; see `gdnkit help`)
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "gdnkit/gdnkit.h"
+
+namespace {
+
+using namespace gdnkit;
+using namespace gdnkit::bench;
+
+constexpr const char* kUsage = R"(usage: gdnkit <command> [options]
+
+commands:
+  info                       build information, devices, supported configurations
+  bench [decode|verify|prefill|all]   benchmark (default: all), method of docs/benchmarks.md
+  help                       this text
+
+bench options:
+  --shape NAME[,NAME]|all    qwen3-next | qwen3.5-397b-tp8 | qwen3.5-27b | qwen3.5-397b
+                             (default: qwen3-next; prefill also qwen3.5-397b-tp8)
+  --state fp32|bf16|both     state dtype (default: decode both, verify/prefill fp32)
+  --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
+  --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
+  --dim 64|128|256           K = V for every shape (default 128)
+  --batches 1,2,...          decode/verify batch sizes
+                             (default: decode 1,2,4,...,512; verify 1,8,32,64,128,256)
+  --draft 2,3,...            verify draft tokens T (default: 2,3,4,8)
+  --seqs SET[,SET]           prefill sequence sets: NxL = N sequences of L tokens, A+B = lengths A and B
+                             (default: the 10 standard sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
+  --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
+                             prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
+  --replays N                decode/verify graph replays, median taken (default 20, >= 15)
+  --prefill-iters N          prefill timed runs, median taken (default 12, >= 10)
+  --json FILE                write every row and the device/ceiling info as JSON
+  --markdown FILE            write the Markdown table (also printed to stdout)
+  --cpu                      run the CPU reference backend (small shapes) even if a GPU is present
+
+Without a usable CUDA device the bench runs the CPU reference backend on a small default shape
+(H=2, HV=4, K=V=64): its numbers are CPU timings, not GPU numbers.
+)";
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::fprintf(stderr, "gdnkit: %s\n(run `gdnkit help` for the options)\n", msg.c_str());
+  std::exit(2);
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string part;
+  while (std::getline(ss, part, sep))
+    if (!part.empty()) out.push_back(part);
+  return out;
+}
+
+std::vector<int32_t> int_list(const std::string& flag, const std::string& text, int lo, int hi) {
+  std::vector<int32_t> out;
+  for (const auto& p : split(text, ',')) {
+    char* end = nullptr;
+    const long v = std::strtol(p.c_str(), &end, 10);
+    if (*end != '\0' || v < lo || v > hi)
+      usage_error(flag + ": '" + p + "' is not an integer in " + std::to_string(lo) + ".." + std::to_string(hi));
+    out.push_back(int32_t(v));
+  }
+  if (out.empty()) usage_error(flag + ": empty list");
+  return out;
+}
+
+Options parse_bench(int argc, char** argv, int first) {
+  Options o;
+  for (int i = 0; i < argc; ++i) o.command_line += (i ? " " : "") + std::string(argv[i]);
+  std::string op = "all";
+  auto value = [&](int& i) -> std::string {
+    if (i + 1 >= argc) usage_error(std::string(argv[i]) + " needs a value");
+    return argv[++i];
+  };
+  for (int i = first; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "decode" || a == "verify" || a == "prefill" || a == "all") {
+      op = a;
+    } else if (a == "--shape") {
+      const std::string v = value(i);
+      if (v == "all") {
+        o.shapes = known_shapes();
+      } else {
+        for (const auto& n : split(v, ',')) {
+          const Shape* s = find_shape(n);
+          if (!s) usage_error("--shape: unknown shape '" + n + "' (qwen3-next, qwen3.5-397b-tp8, qwen3.5-27b, qwen3.5-397b, all)");
+          o.shapes.push_back(*s);
+        }
+      }
+    } else if (a == "--state") {
+      const std::string v = value(i);
+      if (v == "fp32") o.states = {DType::kFloat32};
+      else if (v == "bf16") o.states = {DType::kBFloat16};
+      else if (v == "both") o.states = {DType::kFloat32, DType::kBFloat16};
+      else usage_error("--state: expected fp32, bf16 or both, got '" + v + "'");
+    } else if (a == "--layout") {
+      const std::string v = value(i);
+      if (v == "klast") o.layouts = {StateLayout::kKLast};
+      else if (v == "vlast") o.layouts = {StateLayout::kVLast};
+      else if (v == "both") o.layouts = {StateLayout::kKLast, StateLayout::kVLast};
+      else usage_error("--layout: expected klast, vlast or both, got '" + v + "'");
+    } else if (a == "--input") {
+      const std::string v = value(i);
+      if (v == "bf16") o.input = DType::kBFloat16;
+      else if (v == "fp16") o.input = DType::kFloat16;
+      else if (v == "fp32") o.input = DType::kFloat32;
+      else usage_error("--input: expected bf16, fp16 or fp32, got '" + v + "'");
+    } else if (a == "--dim") {
+      const int32_t d = int_list(a, value(i), 1, 1024).front();
+      if (d != 64 && d != 128 && d != 256) usage_error("--dim: expected 64, 128 or 256, got " + std::to_string(d));
+      o.dim = d;
+    } else if (a == "--batches") {
+      o.batches = int_list(a, value(i), 1, 65536);
+    } else if (a == "--draft") {
+      o.drafts = int_list(a, value(i), 1, 64);
+    } else if (a == "--seqs") {
+      try {
+        for (const auto& s : split(value(i), ',')) o.seqsets.push_back(parse_seqset(s));
+      } catch (const Error& e) {
+        usage_error(e.what());
+      }
+    } else if (a == "--replays") {
+      o.replays = int_list(a, value(i), 15, 10000).front();
+    } else if (a == "--prefill-iters") {
+      o.prefill_iters = int_list(a, value(i), 10, 10000).front();
+    } else if (a == "--json") {
+      o.json_path = value(i);
+    } else if (a == "--markdown") {
+      o.markdown_path = value(i);
+    } else if (a == "--quick") {
+      o.quick = true;
+    } else if (a == "--cpu") {
+      o.cpu = true;
+    } else if (a == "--help" || a == "-h") {
+      std::printf("%s", kUsage);
+      std::exit(0);
+    } else {
+      usage_error("bench: unknown argument '" + a + "'");
+    }
+  }
+  o.ops = op == "all" ? std::vector<std::string>{"decode", "verify", "prefill"} : std::vector<std::string>{op};
+  return o;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  if (path.empty()) return;
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+  if (!f) std::fprintf(stderr, "gdnkit bench: cannot write %s\n", path.c_str());
+}
+
+int run_bench(int argc, char** argv) {
+  const Options o = parse_bench(argc, argv, 2);
+  RunInfo info;
+  info.command = o.command_line;
+  info.build_info = build_info();
+  // The CPU path is announced on the first line printed, so nobody mistakes its numbers for GPU ones.
+  bool use_cuda = false;
+  if (o.cpu) {
+    info.note = "gdnkit bench: --cpu given — running the CPU reference backend on a small default "
+                "(numbers are CPU timings, not GPU)";
+  } else if (!cuda_compiled()) {
+    info.note = "gdnkit bench: gdnkit was built without CUDA — running the CPU reference backend on a small "
+                "default (numbers are CPU timings, not GPU)";
+  } else if (!cuda_available()) {
+    info.note = "gdnkit bench: no CUDA device found — running the CPU reference backend on a small default "
+                "(numbers are CPU timings, not GPU)";
+  } else {
+    use_cuda = true;
+  }
+  if (!use_cuda) std::printf("%s\n", info.note.c_str());
+  std::fflush(stdout);
+
+  std::vector<Row> rows;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto wall = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  auto flush_files = [&] {
+    info.wall_seconds = wall();
+    write_file(o.json_path, to_json(info, rows));
+    write_file(o.markdown_path, to_markdown(info, rows));
+  };
+  const RowSink sink = [&](const Row& r) {
+    rows.push_back(r);
+    std::fprintf(stderr, "%s\n", progress_line(r).c_str());
+    flush_files();
+  };
+  try {
+    if (use_cuda) {
+#ifdef GDNKIT_WITH_CUDA
+      run_cuda(o, info, sink);
+#endif
+    } else {
+      run_cpu(o, info, sink);
+    }
+  } catch (const std::exception& e) {
+    flush_files();
+    std::fprintf(stderr, "gdnkit bench: %s\n", e.what());
+    return 1;
+  }
+  flush_files();
+  std::printf("%s", to_markdown(info, rows).c_str());
+  std::printf("(%zu rows in %.1f s)\n", rows.size(), info.wall_seconds);
+
+  // Exit status 1 when a configuration failed or produced garbage; "not implemented" rows are not failures.
+  int failed = 0;
+  for (const Row& r : rows) failed += r.status == "error" || r.nonfinite_outputs > 0 || r.error_flag > 0;
+  if (failed) std::fprintf(stderr, "gdnkit bench: %d configuration(s) failed (see the status column)\n", failed);
+  return failed ? 1 : 0;
+}
+
+int info() {
+  std::printf("%s", build_info().c_str());
+  std::printf("cuda backend: %s, usable device: %s\n", cuda_compiled() ? "compiled" : "not compiled",
+              cuda_available() ? "yes" : "no");
+#ifdef GDNKIT_WITH_CUDA
+  std::printf("cuda devices:\n%s", cuda_device_summary().c_str());
+  try {
+    const std::string ops = cuda_op_probe();
+    if (!ops.empty()) std::printf("cuda ops (one tiny call each): %s\n", ops.c_str());
+  } catch (const std::exception& e) {
+    std::printf("cuda ops: probe failed: %s\n", e.what());
+  }
+#endif
+  std::printf(
+      "\nsupported configurations (docs/semantics.md):\n"
+      "  ops:         decode; verify (chain or tree parents, fixed T or varlen, fp32/bf16 intermediate cache,\n"
+      "               update_state); commit (from cache or by recompute); prefill (chunk 64, cu_seqlens int32/int64,\n"
+      "               checkpoints every C tokens, C a multiple of 64); convert_layout (K-last <-> V-last)\n"
+      "  heads:       H q/k heads, HV value heads, HV %% H == 0\n"
+      "  head dims:   K, V in {64, 128, 256} (128 is the tuned path)\n"
+      "  inputs:      q, k, v, a, b: bfloat16, float16, float32; o has v's dtype; A_log, dt_bias, g: float32;\n"
+      "               beta: float32, bfloat16, float16\n"
+      "  gating:      fused (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)) or given (g, beta)\n"
+      "  state:       float32 or bfloat16, accumulated in float32; layouts K-last [V,K] and V-last [K,V];\n"
+      "               pool-indexed by int32 slots (negative = padding), int64 slot stride\n"
+      "  backends:    cpu (reference, always), cuda (sm_90a%s)\n",
+      cuda_compiled() ? "" : ", not in this build");
+  std::printf("\nbench shapes (d = K = V):\n");
+  for (const Shape& s : known_shapes())
+    std::printf("  %-18s H=%-3d HV=%-3d K=%d V=%d\n", s.name.c_str(), s.H, s.HV, s.K, s.V);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string cmd = argc > 1 ? argv[1] : "help";
+  try {
+    if (cmd == "info") return info();
+    if (cmd == "bench") return run_bench(argc, argv);
+    if (cmd == "help" || cmd == "--help" || cmd == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gdnkit: %s\n", e.what());
+    return 1;
+  }
+  usage_error("unknown command '" + cmd + "'");
+}

@@ -1,0 +1,19 @@
+// The CUDA backend's entries (defined only when the library is built with CUDA: GDNKIT_WITH_CUDA).
+// Params arrive validated (src/api/validate.cpp); every entry enqueues on `stream` without host sync.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda {
+void decode(const DecodeParams& p, Stream stream);
+void verify(const VerifyParams& p, Stream stream);
+void commit(const CommitParams& p, Stream stream);
+void prefill(const PrefillParams& p, Stream stream);
+void convert_layout(const LayoutParams& p, Stream stream);
+size_t prefill_workspace_bytes(const PrefillParams& p);
+bool device_usable();       // an sm_90 device is present and the runtime works
+std::string device_info();  // one line per device
+}  // namespace gdnkit::cuda

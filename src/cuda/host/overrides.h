@@ -1,0 +1,40 @@
+// Internal switches of the CUDA backend for the tests and the benchmark's A/B runs. Every field's default
+// lets the heuristics (recurrent/heuristics.h, prefill/heuristics.h) choose; nothing here is public API and
+// the library reads no environment variable to set it. Pure C++: the CPU suite tests the heuristics with it.
+#pragma once
+
+namespace gdnkit::cuda {
+
+struct Overrides {
+  bool programmatic_launch = true;  // PDL for the kernels that support it
+  bool state_prefetch = true;       // the recurrent kernels' prefetch mode (design/decode.md)
+  // Recurrent kernel choice; -1: the heuristic.
+  int chain_mma_min_tokens = -1;    // fewest draft tokens on the tensor-core chain kernel (0: never)
+  int decode_wide_max_batch = -1;   // largest batch on the wide tile (0: never)
+  int decode_narrow_max_batch = -1;  // largest batch on the narrow tile (0: never)
+  bool decode_mma = true;           // the tensor-core bf16 decode kernel where the heuristic takes it
+  // Prefill choice; -1 / 0: the heuristic.
+  int prefill_short_max_len = -1;   // longest sequence on the short-sequence path (0: off)
+  int prefill_m_warpgroup = -1;     // the prep warpgroup that forms M: 0 off, 1 wherever it can run
+  int prefill_vtile = 0;            // state pass value tile: kVTileHead, kVTileHeadWarp, 16, 32 or 64
+  int prefill_head_split = 0;       // head pass CTAs per (sequence, value head): 1 or 2
+  int prefill_stages = 3;           // kernels a call launches: 1 chunk prep, 2 state pass, 3 both (timing)
+};
+
+// The process-wide overrides the backend reads on every call (host/device.cpp). Tests and the bench set them
+// through ScopedOverrides; nothing else writes them.
+Overrides& overrides();
+
+// Sets the overrides for a scope and restores the previous ones at its end.
+class ScopedOverrides {
+ public:
+  explicit ScopedOverrides(const Overrides& o) : saved_(overrides()) { overrides() = o; }
+  ~ScopedOverrides() { overrides() = saved_; }
+  ScopedOverrides(const ScopedOverrides&) = delete;
+  ScopedOverrides& operator=(const ScopedOverrides&) = delete;
+
+ private:
+  Overrides saved_;
+};
+
+}  // namespace gdnkit::cuda

@@ -1,0 +1,102 @@
+// CUDA pool layout conversion K-last <-> V-last: a tiled transpose of every (slot, head) block.
+// Out of place: tile (r, c) of the source [R, C] goes, transposed through shared memory, to tile
+// (c, r) of the destination [C, R]. In place (same buffer, K == V): one CTA swaps the tile pair
+// (r, c) / (c, r) with r <= c, both read before either is written. Bits are moved, not converted.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/backend.h"
+#include "cuda/host/check.h"
+
+namespace gdnkit::cuda {
+namespace {
+
+constexpr int kTile = 32;
+constexpr int kRowsPerPass = 8;  // a CTA is kTile x kRowsPerPass threads
+
+// Grid-stride over (slot, head, tile) so any pool size fits the grid; offsets are int64.
+template <class E, bool kInPlace>
+__global__ void __launch_bounds__(kTile* kRowsPerPass)
+    transpose_kernel(const E* src, E* dst, int64_t src_stride, int64_t dst_stride, int64_t slots, int heads,
+                     int R, int C) {
+  __shared__ E a[kTile][kTile + 1];
+  __shared__ E bt[kInPlace ? kTile : 1][kTile + 1];
+  const int tr_n = R / kTile, tc_n = C / kTile;
+  // In place: the upper-triangular tile pairs (r <= c) only.
+  const int64_t tiles = kInPlace ? int64_t(tr_n) * (tr_n + 1) / 2 : int64_t(tr_n) * tc_n;
+  const int64_t total = slots * heads * tiles;
+  const int x = threadIdx.x, y = threadIdx.y;
+  const int64_t head_elems = int64_t(R) * C;
+  for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
+    const int64_t slot = w / (heads * tiles);
+    const int head = int((w / tiles) % heads);
+    int64_t t = w % tiles;
+    int tr, tc;
+    if (kInPlace) {  // t -> (tr, tc), tr <= tc, row by row of the upper triangle
+      tr = 0;
+      while (t >= tr_n - tr) t -= tr_n - tr, ++tr;
+      tc = tr + int(t);
+    } else {
+      tr = int(t / tc_n), tc = int(t % tc_n);
+    }
+    const E* s = src + slot * src_stride + head * head_elems;
+    E* d = dst + slot * dst_stride + head * head_elems;
+    // source [R, C] -> destination [C, R]
+    for (int i = y; i < kTile; i += kRowsPerPass) {
+      a[i][x] = s[int64_t(tr * kTile + i) * C + tc * kTile + x];
+      if (kInPlace) bt[i][x] = s[int64_t(tc * kTile + i) * C + tr * kTile + x];
+    }
+    __syncthreads();
+    for (int i = y; i < kTile; i += kRowsPerPass) {
+      d[int64_t(tc * kTile + i) * R + tr * kTile + x] = a[x][i];
+      if (kInPlace) d[int64_t(tr * kTile + i) * R + tc * kTile + x] = bt[x][i];
+    }
+    __syncthreads();
+  }
+}
+
+template <class E>
+void launch_transpose(const LayoutParams& p, bool in_place, Stream stream) {
+  // Source rows: K-last [V, K], V-last [K, V].
+  const int R = p.src.layout == StateLayout::kKLast ? p.head_dim_v : p.head_dim_k;
+  const int C = p.src.layout == StateLayout::kKLast ? p.head_dim_k : p.head_dim_v;
+  const int64_t tiles = in_place ? int64_t(R / kTile) * (R / kTile + 1) / 2 : int64_t(R / kTile) * (C / kTile);
+  const int64_t total = p.src.num_slots * p.num_v_heads * tiles;
+  if (total == 0) return;
+  const unsigned grid = unsigned(total < 132 * 16 ? total : 132 * 16);
+  const dim3 block(kTile, kRowsPerPass);
+  const E* src = static_cast<const E*>(p.src.data);
+  E* dst = static_cast<E*>(p.dst.data);
+  if (in_place)
+    transpose_kernel<E, true><<<grid, block, 0, stream>>>(src, dst, p.src.slot_stride, p.dst.slot_stride,
+                                                          p.src.num_slots, p.num_v_heads, R, C);
+  else
+    transpose_kernel<E, false><<<grid, block, 0, stream>>>(src, dst, p.src.slot_stride, p.dst.slot_stride,
+                                                           p.src.num_slots, p.num_v_heads, R, C);
+  GDNKIT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void convert_layout(const LayoutParams& p, Stream stream) {
+  const bool in_place = p.src.data == p.dst.data;
+  if (in_place && (p.head_dim_k != p.head_dim_v || p.src.slot_stride != p.dst.slot_stride))
+    throw Error(ErrorCode::kInvalidArgument,
+                "dst: in-place layout conversion needs K == V and equal slot strides (K=" +
+                    std::to_string(p.head_dim_k) + ", V=" + std::to_string(p.head_dim_v) + ", slot strides " +
+                    std::to_string(p.src.slot_stride) + " and " + std::to_string(p.dst.slot_stride) + ")");
+  if (p.head_dim_k % kTile != 0 || p.head_dim_v % kTile != 0)
+    throw Error(ErrorCode::kNotImplemented, "cuda convert_layout: K and V must be multiples of 32, got K=" +
+                                                std::to_string(p.head_dim_k) + ", V=" + std::to_string(p.head_dim_v));
+  switch (dtype_size(p.src.dtype)) {  // bits move unchanged: only the element size matters
+    case 4: return launch_transpose<uint32_t>(p, in_place, stream);
+    case 2: return launch_transpose<uint16_t>(p, in_place, stream);
+    default:
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("src: expected dtype float32 or bfloat16, got ") + dtype_name(p.src.dtype));
+  }
+}
+
+}  // namespace gdnkit::cuda

@@ -1,0 +1,142 @@
+// The CUDA prefill's choices (heuristics.h). The thresholds are H100 measurements on the qwen3-next heads;
+// docs/design/prefill.md gives them.
+#include "cuda/prefill/heuristics.h"
+
+#include <algorithm>
+#include <string>
+
+#include "cuda/prefill/short_sequence.h"
+
+namespace gdnkit::cuda::chunked_prefill {
+namespace {
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// 16-byte loads of 8 contiguous elements need the base and both strides in whole 16-byte units.
+template <class View>
+bool vec_ok(const View& v) {
+  const int64_t per = 16 / dtype_size(v.dtype);
+  return aligned(v.data, 16) && v.token_stride % per == 0 && v.head_stride % per == 0;
+}
+
+// The prep warpgroup that forms M pays from a mean of 4 chunks per sequence (one chunk each: nothing to
+// overlap its work with).
+constexpr int kMWarpgroupMinChunks = 4;
+// The state pass launches behind the chunk prep with PDL while the grid is at most this many CTAs per SM:
+// with many short CTAs each one's wait costs more than the overlap saves.
+constexpr int kEarlyPassMaxCtasPerSm = 4;
+
+bool has_checkpoints(const PrefillParams& p) {
+  return p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoint_indices != nullptr;
+}
+
+}  // namespace
+
+bool vtile_supported(int K, int vtile) {
+  return vtile == 16 || vtile == 32 || (vtile == 64 && K <= 128) || (is_head_tile(vtile) && K <= 128);
+}
+
+bool head_split_supported(int V, int split) { return split == 1 || (split == 2 && V / 2 >= 32); }
+
+bool qkv_vectorized(const PrefillParams& p) { return vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v); }
+
+bool head_pass_ok(const PrefillParams& p) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  const DType dt = p.q.dtype;
+  return K <= 128 && (V == 64 || V == 128) && (dt == DType::kBFloat16 || dt == DType::kFloat16) &&
+         p.k.dtype == dt && p.v.dtype == dt && p.o.dtype == dt && vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v) &&
+         vec_ok(p.o);
+}
+
+bool short_path_supported(const PrefillParams& p) {
+  const int K = p.heads.head_dim_k;
+  const int64_t slot_bytes = p.state.slot_stride * dtype_size(p.state.dtype);
+  return head_pass_ok(p) && K == p.heads.head_dim_v && (K == 64 || K == 128) && aligned(p.state.data, 16) &&
+         slot_bytes % 16 == 0 && p.num_seqs > 0 && p.num_seqs <= 65535 && p.heads.num_v_heads > 0;
+}
+
+bool head_tensor_maps_ok(const PrefillParams& p) {
+  constexpr int64_t kMax = int64_t(1) << 31;  // TMA coordinates are signed 32-bit
+  return p.num_seqs > 0 && p.total_tokens > 0 && p.total_tokens + kChunk < kMax;
+}
+
+// The longest sequence on which the recurrent kernels beat the chunked ones (1024 sequences of L tokens): their
+// math grows with the tokens, the chunked kernels' state I/O does not. The chain kernel on tensor cores (K-last,
+// bf16 inputs) reaches further than the warp kernel, and a bf16 pool (half the state bytes) further than fp32.
+int short_len_default(const PrefillParams& p) {
+  const bool bf16_pool = p.state.dtype == DType::kBFloat16;
+  if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return bf16_pool ? 32 : 24;
+  return bf16_pool ? 16 : 8;
+}
+
+int32_t count_short(const PrefillParams& p, int len) {
+  int32_t count = 0;
+  for (int32_t n = 0; n < p.num_seqs; ++n)
+    count += short_prefill_sequence(p.cu_seqlens_host[n], p.cu_seqlens_host[n + 1], p.total_tokens, len);
+  return count;
+}
+
+int choose_short_len(const PrefillParams& p, const Overrides& o) {
+  if (o.prefill_short_max_len >= 0) return short_path_supported(p) ? o.prefill_short_max_len : 0;
+  const int len = short_len_default(p);
+  if (!short_path_supported(p)) return 0;
+  if (p.cu_seqlens_host != nullptr) return count_short(p, len) > 0 ? len : 0;
+  return p.total_tokens <= int64_t(p.num_seqs) * len ? len : 0;
+}
+
+// The head pass when it can run. Otherwise the tiled pass, whose parallelism is N * HV * (V / VT) CTAs: the
+// widest tile (least recomputation of the per-chunk q k^T and fewest q/k reloads) that still gives about two
+// CTAs per SM, else the narrowest.
+int choose_vtile(const PrefillParams& p, int num_sms) {
+  if (head_pass_ok(p)) return kVTileHead;
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  const int64_t rows = int64_t(p.num_seqs) * p.heads.num_v_heads;
+  for (int vt : {64, 32, 16})
+    if (vtile_supported(K, vt) && vt <= V && rows * (V / vt) >= 2 * int64_t(num_sms)) return vt;
+  return 16;
+}
+
+// Two CTAs per (sequence, value head) while that still gives at most one CTA per SM: a sequential chain per CTA
+// gains nothing from sharing an SM, and halving each CTA's columns shortens the chain's products.
+int choose_head_split(const PrefillParams& p, int num_sms) {
+  const int64_t heads = int64_t(p.num_seqs) * p.heads.num_v_heads;
+  return head_split_supported(p.heads.head_dim_v, 2) && heads * 2 <= num_sms ? 2 : 1;
+}
+
+PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Overrides& o) {
+  PrefillChoice c;
+  c.stages = o.prefill_stages;
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  // Short sequences run on the recurrent kernels (the chunked kernels skip them). The short path stores no
+  // checkpoint: it takes only sequences shorter than the interval.
+  if (c.stages == kStagesAll) {
+    c.short_len = choose_short_len(p, o);
+    if (has_checkpoints(p)) c.short_len = std::min(c.short_len, p.checkpoint_interval - 1);
+    c.short_len = std::max(c.short_len, 0);
+  }
+  c.only_short = c.short_len > 0 && p.cu_seqlens_host != nullptr && count_short(p, c.short_len) == p.num_seqs;
+  if (c.only_short) return c;
+
+  c.vtile = o.prefill_vtile != 0 ? o.prefill_vtile : choose_vtile(p, num_sms);
+  c.head_split = o.prefill_head_split != 0 ? o.prefill_head_split : choose_head_split(p, num_sms);
+  if (is_head_tile(c.vtile) && !head_split_supported(V, c.head_split))
+    throw Error(ErrorCode::kInvalidArgument, "prefill: head split " + std::to_string(c.head_split) +
+                                                 " is not supported for V=" + std::to_string(V));
+  if (!vtile_supported(K, c.vtile) || c.vtile > V || (is_head_tile(c.vtile) && !head_pass_ok(p)))
+    throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(c.vtile) +
+                                                 " is not supported for K=" + std::to_string(K) +
+                                                 ", V=" + std::to_string(V));
+  c.wgmma_pass = c.vtile == kVTileHead && K <= 128 && (V / c.head_split) % 64 == 0 && head_tensor_maps_ok(p);
+  const bool m_warpgroup_possible = c.wgmma_pass && c.head_split == 1 && V == 128 && K % 64 == 0;
+  if (m_warpgroup_possible)
+    c.m_warpgroup = o.prefill_m_warpgroup >= 0
+                        ? o.prefill_m_warpgroup > 0
+                        : p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs;
+  c.m_in_pass = c.m_warpgroup || head_pass_forms_m(c.wgmma_pass, V / c.head_split);
+  const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
+  c.early_state_pass =
+      prep && int64_t(p.num_seqs) * p.heads.num_v_heads * c.head_split <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
+  return c;
+}
+
+}  // namespace gdnkit::cuda::chunked_prefill

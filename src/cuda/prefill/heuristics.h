@@ -1,0 +1,73 @@
+// How a CUDA prefill call runs: which sequences take the short-sequence path, the state pass's value tile
+// and head split, its wgmma build, who forms M, and whether the pass launches behind the chunk prep with
+// programmatic dependent launch. Pure host code (no CUDA headers): a function of the params, the device's SM
+// count and the overrides, tested in the CPU suite. docs/design/prefill.md explains each rule.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/host/overrides.h"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::chunked_prefill {
+
+constexpr int kChunk = 64;  // tokens per chunk (the WY block)
+
+// Workspace chunk slots. Chunk c of sequence n lives in slot floor(cu[n]/64) + n + c: unique for
+// non-decreasing cu_seqlens (floor(cu[n]/64) + n is strictly increasing and a sequence with
+// ceil(len/64) chunks never reaches the next sequence's first slot), and < T_total/64 + N + 1, so the
+// host sizes it without reading cu_seqlens, and the chunk prep maps slot -> (n, c) by a binary search.
+inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens / kChunk + p.num_seqs + 1; }
+
+// The value "tiles" of the state pass. The head pass (state_pass_head_kernel) has one CTA per (sequence,
+// value head) (or two: the head split) over all V columns, on wgmma where the CTA owns a multiple of 64
+// value columns (kVTileHead), else on warp mma.sync (kVTileHeadWarp). The positive tiles (16, 32, 64) run
+// the tiled pass (state_pass_kernel), for the calls the head pass cannot take.
+constexpr int kVTileHead = -1, kVTileHeadWarp = -2;
+inline bool is_head_tile(int vtile) { return vtile == kVTileHead || vtile == kVTileHeadWarp; }
+
+// Kernels of one call: bit 0 the chunk prep, bit 1 the state pass (both: the op; one alone: timing).
+constexpr int kStagePrep = 1, kStageStatePass = 2, kStagesAll = 3;
+
+struct PrefillChoice {
+  int short_len = 0;          // sequences of at most short_len tokens take the short-sequence path (0: none)
+  bool only_short = false;    // the host copy of cu_seqlens shows only such sequences: nothing else runs
+  int vtile = kVTileHead;     // the state pass's value tile
+  int head_split = 1;         // head pass CTAs per (sequence, value head)
+  bool wgmma_pass = false;    // the head pass's wgmma build (TMA loads)
+  bool m_warpgroup = false;   // a third warpgroup forms M and the factor rows beside two state warpgroups
+  bool m_in_pass = false;     // the chunk prep leaves M to the state pass (its state or third warpgroup)
+  bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep
+  int stages = kStagesAll;
+};
+
+// Value tiles the state pass is built for, per head dim K (the head tiles also need head_pass_ok).
+bool vtile_supported(int K, int vtile);
+bool head_split_supported(int V, int split);
+// The head pass can run this call: K <= 128, V in {64, 128}, q/k/v/o 16-bit of one dtype with 16-byte
+// aligned rows (they are copied to shared memory as they are).
+bool head_pass_ok(const PrefillParams& p);
+// q, k and v allow 16-byte loads of 8 contiguous elements.
+bool qkv_vectorized(const PrefillParams& p);
+// The short-sequence path is built for this call: the head pass's conditions, K = V in {64, 128}, 16-byte
+// aligned state slots, and a grid of N rows.
+bool short_path_supported(const PrefillParams& p);
+// The TMA maps of the wgmma build can be made: tokens, and coordinates below 2^31.
+bool head_tensor_maps_ok(const PrefillParams& p);
+// The wgmma build with `cols` value columns per CTA forms M itself (two warpgroups each form half of it
+// beside their own products); with one warpgroup per CTA M stays in the workspace.
+constexpr bool head_pass_forms_m(bool wgmma, int cols) { return wgmma && cols == 128; }
+
+// The longest sequence the short-sequence path takes by default, per layout, input and pool dtype.
+int short_len_default(const PrefillParams& p);
+// Sequences of at most len tokens, by the host copy of cu_seqlens (which must be given).
+int32_t count_short(const PrefillParams& p, int len);
+int choose_short_len(const PrefillParams& p, const Overrides& o);
+int choose_vtile(const PrefillParams& p, int num_sms);
+int choose_head_split(const PrefillParams& p, int num_sms);
+
+// The whole choice for a call; throws gdnkit::Error (kInvalidArgument) when the overrides force a tile or
+// split the call cannot take.
+PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Overrides& o);
+
+}  // namespace gdnkit::cuda::chunked_prefill

@@ -1,0 +1,202 @@
+// CUDA chunked prefill, host side: the choice (heuristics.h) turned into a plan, the workspace (the caller's or
+// the library-owned one), the TMA descriptors, and the dispatch on the head dim K. Kernels: kernels.cuh.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <cudaTypedefs.h>
+
+#include "cuda/backend.h"
+#include "cuda/host/check.h"
+#include "cuda/prefill/plan.h"
+
+namespace gdnkit::cuda {
+namespace chunked_prefill {
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t round_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+size_t t_bytes(const PrefillParams& p) {
+  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * kChunk * 2);
+}
+size_t f_bytes(const PrefillParams& p) {
+  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRowsMax * kChunk * 4);
+}
+
+// The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
+// growing frees the old buffer (cudaFree waits for the device, so kernels still using it finish
+// first) and is refused while the stream is capturing a graph: make one eager call first.
+struct OwnedWorkspace {
+  std::mutex mutex;
+  std::vector<std::pair<void*, size_t>> per_device;
+};
+OwnedWorkspace& owned() {
+  static OwnedWorkspace w;  // never destroyed before exit; the driver reclaims the memory
+  return w;
+}
+
+void* owned_workspace(size_t bytes, cudaStream_t stream) {
+  int dev = 0;
+  GDNKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  OwnedWorkspace& w = owned();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  if (w.per_device.size() <= size_t(dev)) w.per_device.resize(size_t(dev) + 1, {nullptr, 0});
+  auto& [ptr, size] = w.per_device[size_t(dev)];
+  if (size >= bytes) return ptr;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  GDNKIT_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone)
+    throw Error(ErrorCode::kInvalidArgument,
+                "workspace: the library-owned prefill workspace must grow to " + std::to_string(bytes) +
+                    " bytes (has " + std::to_string(size) +
+                    ") while the stream is capturing a CUDA graph; make one eager prefill call with the largest "
+                    "sizes before capture, or pass PrefillParams::workspace (prefill_workspace_bytes)");
+  if (ptr != nullptr) GDNKIT_CUDA_CHECK(cudaFree(ptr));
+  ptr = nullptr;
+  size = 0;
+  GDNKIT_CUDA_CHECK(cudaMalloc(&ptr, bytes));
+  size = bytes;
+  return ptr;
+}
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+}  // namespace
+
+// T', M and the token factors, M's region also where the call's pass forms M (then it is not used): so
+// the size grows with the tokens and the sequences alone, and a buffer sized for the largest call serves
+// every smaller one, whose pass may read M (one or two sequences: the column split).
+size_t workspace_bytes(const PrefillParams& p) {
+  if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
+  return 2 * t_bytes(p) + f_bytes(p);
+}
+
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
+  if (base == nullptr) {  // no workspace (no tokens, or no chunk prep kernel: kAuxAll)
+    plan.ws_tprime = plan.ws_masked_qk = nullptr;
+    plan.ws_factors = nullptr;
+    return;
+  }
+  char* at = static_cast<char*>(base);
+  plan.ws_tprime = at;
+  plan.ws_masked_qk = plan.m_in_pass ? nullptr : at + t_bytes(p);
+  plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
+}
+
+namespace {
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    GDNKIT_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw Error(ErrorCode::kCudaError, "cuTensorMapEncodeTiled: not found in the CUDA driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A 128B-swizzled tiled map over `rank` dims (dims[0] innermost, 16-bit elements), byte strides of the
+// outer dims, boxes of 64 x (1 x) 64.
+CUtensorMap encode_map(const char* name, const void* data, bool fp16, int rank, const cuuint64_t* dims,
+                       const cuuint64_t* strides, const cuuint32_t* box) {
+  CUtensorMap map;
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank),
+      const_cast<void*>(data), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw Error(ErrorCode::kCudaError, std::string("cuTensorMapEncodeTiled(") + name + ") failed: error " +
+                                           std::to_string(int(r)));
+  return map;
+}
+}  // namespace
+
+HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
+  const cuuint64_t T = cuuint64_t(p.total_tokens);
+  const cuuint32_t box3[3] = {64, 1, kChunk};
+  auto rows3 = [&](const char* name, const auto& view, int heads, int dim) {
+    const cuuint64_t dims[3] = {cuuint64_t(dim), cuuint64_t(heads), T};
+    // one head: its stride is never stepped (any multiple of 16 bytes will do)
+    const cuuint64_t head_bytes = heads > 1 ? cuuint64_t(view.head_stride) * 2 : cuuint64_t(dim) * 2;
+    const cuuint64_t strides[2] = {head_bytes, cuuint64_t(view.token_stride) * 2};
+    return encode_map(name, view.data, plan.fp16_operands, 3, dims, strides, box3);
+  };
+  HeadTensorMaps m;
+  m.k = rows3("k", p.k, p.heads.num_qk_heads, p.heads.head_dim_k);
+  m.q = rows3("q", p.q, p.heads.num_qk_heads, p.heads.head_dim_k);
+  m.v = rows3("v", p.v, p.heads.num_v_heads, p.heads.head_dim_v);
+  return m;
+}
+
+void run(const PrefillParams& p_in, cudaStream_t stream) {
+  if (p_in.num_seqs <= 0) return;
+  PrefillParams p = p_in;
+  const int num_sms = device_sms();
+  const PrefillChoice choice = choose_prefill(p, num_sms, overrides());
+  if (choice.only_short) return prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
+
+  const int K = p.heads.head_dim_k;
+  if (K != 64 && K != 128 && K != 256)
+    throw Error(ErrorCode::kInvalidArgument,
+                "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
+  Plan plan;
+  plan.num_sms = num_sms;
+  plan.scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / std::sqrt(float(K));
+  plan.qkv_vec = qkv_vectorized(p);
+  plan.fp16_operands = p.q.dtype != DType::kBFloat16;
+  const int64_t oes = dtype_size(p.o.dtype);
+  plan.o_pair = aligned(p.o.data, size_t(2 * oes)) && p.o.token_stride % 2 == 0 && p.o.head_stride % 2 == 0;
+  // Without checkpoint indices no checkpoint is stored: interval 0 tells the kernel so.
+  if (p.checkpoint_indices == nullptr || p.checkpoints.data == nullptr) p.checkpoint_interval = 0;
+  // Pairs (k, k+1) of a K-last state are adjacent; every offset the kernels form is even when the
+  // slot stride is (heads and value rows are K elements apart, K even).
+  const bool klast = p.state.layout == StateLayout::kKLast;
+  plan.state_pairs = klast && aligned(p.state.data, 2 * dtype_size(p.state.dtype)) && p.state.slot_stride % 2 == 0;
+  plan.checkpoint_pairs = klast && p.checkpoints.data != nullptr &&
+                          aligned(p.checkpoints.data, 2 * dtype_size(p.checkpoints.dtype)) &&
+                          p.checkpoints.slot_stride % 2 == 0;
+  plan.num_slots = p.total_tokens > 0 ? num_chunk_slots(p) : 0;
+  plan.head_split = choice.head_split;
+  plan.wgmma_pass = choice.wgmma_pass;
+  plan.m_in_pass = choice.m_in_pass;
+  plan.m_warpgroup = choice.m_warpgroup;
+  plan.early_state_pass = choice.early_state_pass;
+  plan.short_len = choice.short_len;
+
+  const size_t need = workspace_bytes(p);
+  void* ws = nullptr;
+  if (need > 0) {
+    if (p.workspace != nullptr) {
+      if (p.workspace_bytes < need)
+        throw Error(ErrorCode::kInvalidArgument, "workspace: expected at least " + std::to_string(need) +
+                                                     " bytes (prefill_workspace_bytes), got " +
+                                                     std::to_string(p.workspace_bytes));
+      ws = p.workspace;
+    } else {
+      ws = owned_workspace(need, stream);
+    }
+  }
+  carve_workspace(p, ws, plan);
+  if (choice.short_len > 0) prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
+  if (K == 64) launch<64>(p, plan, choice.vtile, stream, choice.stages);
+  if (K == 128) launch<128>(p, plan, choice.vtile, stream, choice.stages);
+  if (K == 256) launch<256>(p, plan, choice.vtile, stream, choice.stages);
+}
+
+}  // namespace chunked_prefill
+
+void prefill(const PrefillParams& p, Stream stream) {
+  chunked_prefill::run(p, reinterpret_cast<cudaStream_t>(stream));
+}
+
+size_t prefill_workspace_bytes(const PrefillParams& p) { return chunked_prefill::workspace_bytes(p); }
+
+}  // namespace gdnkit::cuda

@@ -1,0 +1,98 @@
+// The recurrent ops' kernel choice (heuristics.h). The thresholds are H100 measurements on the qwen3-next
+// heads; docs/design/decode.md gives them.
+#include "cuda/recurrent/heuristics.h"
+
+namespace gdnkit::cuda::recurrent {
+namespace {
+
+constexpr int kChainMinTokens = 3;      // the chain kernel from T = 3 (T = 2 is faster on the warp kernel)
+constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefetch mode
+constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
+
+bool klast_decode_k128(const RecurrentCall& c) {
+  return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.head_dim_k == 128;
+}
+
+int or_default(int override_value, int fallback) { return override_value >= 0 ? override_value : fallback; }
+
+}  // namespace
+
+const char* kernel_name(RecurrentKernel k) {
+  switch (k) {
+    case RecurrentKernel::kWarpRegular: return "warp (regular tile)";
+    case RecurrentKernel::kWarpPinned: return "warp (regular tile, pinned slot)";
+    case RecurrentKernel::kWarpWide: return "warp (wide tile)";
+    case RecurrentKernel::kWarpNarrow: return "warp (narrow tile)";
+    case RecurrentKernel::kVLastDecode: return "V-last decode";
+    case RecurrentKernel::kMmaDecode: return "tensor-core decode";
+    case RecurrentKernel::kChainMma: return "tensor-core chain";
+  }
+  return "?";
+}
+
+bool chain_mma_built(const RecurrentCall& c) {
+  return c.layout == StateLayout::kKLast && c.input_dtype == DType::kBFloat16 && c.head_dim_k <= 128 &&
+         c.op != RecurrentOp::kDecode;
+}
+
+bool mma_decode_built(const RecurrentCall& c) {
+  return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.state_dtype == DType::kBFloat16 &&
+         c.input_dtype == DType::kBFloat16 && c.head_dim_k <= 128 && c.head_dim_v % 64 == 0;
+}
+
+bool vlast_decode_built(const RecurrentCall& c) {
+  return c.layout == StateLayout::kVLast && c.op == RecurrentOp::kDecode && c.head_dim_k <= 128;
+}
+
+bool tile_widths_built(const RecurrentCall& c) { return klast_decode_k128(c); }
+
+int prefetch_share(const RecurrentCall& c, RecurrentKernel k) {
+  switch (k) {
+    case RecurrentKernel::kWarpWide:
+    case RecurrentKernel::kVLastDecode:
+    case RecurrentKernel::kMmaDecode: return 1;
+    case RecurrentKernel::kWarpRegular:
+    case RecurrentKernel::kWarpPinned:
+      return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.state_dtype == DType::kBFloat16 ? 8
+                                                                                                                : 2;
+    default: return 2;
+  }
+}
+
+bool prefetch_mode(const KernelFit& fit, int share, const Overrides& o) {
+  return o.state_prefetch && fit.grid_ctas > 0 && fit.grid_ctas <= fit.resident_ctas / share;
+}
+
+RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates& k, const Overrides& o) {
+  using K = RecurrentKernel;
+  auto take = [&](K kernel, const KernelFit& fit) {
+    return RecurrentChoice{kernel, prefetch_mode(fit, prefetch_share(c, kernel), o)};
+  };
+  // Chains on tensor cores: any recompute or short prefill, and verify of a chain that caches nothing.
+  if (chain_mma_built(c) && k.chain_mma.grid_ctas > 0) {
+    const int min_tokens = o.chain_mma_min_tokens == 0 ? -1 : or_default(o.chain_mma_min_tokens, kChainMinTokens);
+    const bool chain = c.op == RecurrentOp::kRecompute || c.op == RecurrentOp::kPrefill || (!c.tree && !c.caches_states);
+    if (min_tokens > 0 && c.num_draft_tokens >= min_tokens && chain) return take(K::kChainMma, k.chain_mma);
+  }
+  // bf16 decode on tensor cores where this grid and the next fit the GPU together.
+  if (mma_decode_built(c) && o.decode_mma && k.mma_decode.grid_ctas > 0 &&
+      2 * k.mma_decode.grid_ctas <= k.mma_decode.resident_ctas && prefetch_mode(k.mma_decode, 1, o))
+    return take(K::kMmaDecode, k.mma_decode);
+  if (vlast_decode_built(c)) return take(K::kVLastDecode, k.vlast_decode);
+  if (tile_widths_built(c)) {
+    const bool regular_prefetch = prefetch_mode(k.regular, prefetch_share(c, K::kWarpRegular), o);
+    if (c.state_dtype == DType::kBFloat16) {
+      if (c.batch >= 2 && c.batch <= or_default(o.decode_wide_max_batch, kWideMaxBatch) &&
+          prefetch_mode(k.wide, 1, o))
+        return take(K::kWarpWide, k.wide);
+      if (c.batch >= 3 && c.batch <= or_default(o.decode_narrow_max_batch, kNarrowMaxBatch) && !regular_prefetch &&
+          k.narrow.grid_ctas > 0)
+        return RecurrentChoice{K::kWarpNarrow, false};
+    } else if (regular_prefetch) {
+      return RecurrentChoice{K::kWarpPinned, true};
+    }
+  }
+  return take(K::kWarpRegular, k.regular);
+}
+
+}  // namespace gdnkit::cuda::recurrent

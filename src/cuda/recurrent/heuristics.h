@@ -1,0 +1,75 @@
+// Which kernel runs a decode, verify, commit-by-recompute or short-prefill call, and whether its grid
+// launches in prefetch mode: pure host code (no CUDA headers), a function of the call, of each candidate
+// kernel's grid and residency on the device, and of the overrides. The CPU suite tests it; dispatch.cu
+// launches what it returns. docs/design/decode.md explains each rule.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/host/overrides.h"
+#include "gdnkit/types.h"
+
+namespace gdnkit::cuda::recurrent {
+
+enum class RecurrentOp : int32_t {
+  kDecode = 0,     // one token per sequence (token b), o, state written back
+  kVerify = 1,     // T tokens (fixed or varlen, chain or tree): o per token, intermediate states when asked
+  kRecompute = 2,  // commit by recompute: the kept tokens again (no q, no o), the state stored
+  kPrefill = 3,    // prefill's short sequences (prefill/short_sequence.h): a chain from the initial slot
+                   // (or zero) to the final slot (when one), o per token
+};
+
+enum class RecurrentKernel {
+  kWarpRegular,  // warp_recurrent_kernel, regular tile (warp_tile.cuh)
+  kWarpPinned,   // ... regular tile, the slot index loaded first (fp32 K-last decode in prefetch mode)
+  kWarpWide,     // ... wide tile: bf16 K-last decode, K = 128, grids in prefetch mode
+  kWarpNarrow,   // ... narrow tile: bf16 K-last decode, K = 128, small grids outside prefetch mode
+  kVLastDecode,  // vlast_decode_kernel (vlast_decode.cuh)
+  kMmaDecode,    // mma_decode_kernel: bf16 K-last state and inputs, dot products on tensor cores
+  kChainMma,     // chain_mma_kernel: K-last chains of bf16 inputs on tensor cores
+};
+const char* kernel_name(RecurrentKernel k);
+
+// The facts of a call the choice depends on.
+struct RecurrentCall {
+  RecurrentOp op = RecurrentOp::kDecode;
+  StateLayout layout = StateLayout::kKLast;
+  DType state_dtype = DType::kFloat32;
+  DType input_dtype = DType::kFloat32;  // q, k, v
+  int head_dim_k = 128, head_dim_v = 128;
+  int64_t batch = 0;
+  int num_draft_tokens = 1;  // T (prefill: the longest sequence the path takes)
+  bool tree = false;         // verify with parent indices
+  bool caches_states = false;  // verify stores intermediate states
+};
+
+// A candidate kernel's grid for this call (CTAs) and the CTAs of it the device holds at once (occupancy
+// times SMs); grid_ctas 0: the kernel is not built for the call.
+struct KernelFit {
+  int64_t grid_ctas = 0;
+  int64_t resident_ctas = 0;
+};
+struct Candidates {
+  KernelFit regular, wide, narrow, vlast_decode, mma_decode, chain_mma;
+};
+
+struct RecurrentChoice {
+  RecurrentKernel kernel = RecurrentKernel::kWarpRegular;
+  bool prefetch = false;  // loads the slot index and prefetches the state before griddepcontrol.wait
+};
+
+// Which kernels exist for a call (the template conditions of dispatch.cu, as values).
+bool chain_mma_built(const RecurrentCall& c);
+bool mma_decode_built(const RecurrentCall& c);
+bool vlast_decode_built(const RecurrentCall& c);
+bool tile_widths_built(const RecurrentCall& c);  // the wide and narrow tiles, and the pinned slot
+
+// The largest grid in prefetch mode: resident / share, share 2 so that this grid and the next of its size
+// are resident together (1 where the next needs only to start beside this one; 8 for the regular tile with
+// bf16 K-last decode, whose small grids run the wide or tensor-core kernels instead).
+int prefetch_share(const RecurrentCall& c, RecurrentKernel k);
+bool prefetch_mode(const KernelFit& fit, int share, const Overrides& o);
+
+RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates& k, const Overrides& o);
+
+}  // namespace gdnkit::cuda::recurrent

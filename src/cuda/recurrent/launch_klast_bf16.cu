@@ -1,0 +1,7 @@
+// The recurrent ops' kernels and launcher for K-last pools of bf16 states (one translation unit each:
+// parallel builds).
+#include "cuda/recurrent/launcher.cuh"
+
+namespace gdnkit::cuda::recurrent {
+GDNKIT_RECURRENT_INSTANTIATE(StateLayout::kKLast, __nv_bfloat16)
+}  // namespace gdnkit::cuda::recurrent

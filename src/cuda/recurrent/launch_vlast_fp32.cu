@@ -1,0 +1,7 @@
+// The recurrent ops' kernels and launcher for V-last pools of fp32 states (one translation unit each:
+// parallel builds).
+#include "cuda/recurrent/launcher.cuh"
+
+namespace gdnkit::cuda::recurrent {
+GDNKIT_RECURRENT_INSTANTIATE(StateLayout::kVLast, float)
+}  // namespace gdnkit::cuda::recurrent

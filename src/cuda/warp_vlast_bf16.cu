@@ -1,7 +1,0 @@
-// Warp-independent recurrent kernels (decode / verify / commit by recompute) for vlast pools of bf16 states.
-#define GDNKIT_WARP_RECURRENT_DEFINE_KERNELS
-#include "cuda/recurrent/warp_kernel.cuh"
-
-namespace gdnkit::cuda::recurrent {
-GDNKIT_WARP_RECURRENT_INSTANTIATE(StateLayout::kVLast, __nv_bfloat16)
-}  // namespace gdnkit::cuda::recurrent

@@ -1,0 +1,311 @@
+// The CUDA backend's kernel choice as pure host code (src/cuda/recurrent/heuristics.h,
+// src/cuda/prefill/heuristics.h): every rule of the choice, on an H100's SM count and residencies, without a GPU.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/host/overrides.h"
+#include "cuda/prefill/heuristics.h"
+#include "cuda/recurrent/heuristics.h"
+#include "gdnkit/gdnkit.h"
+
+namespace gdnkit::cuda {
+namespace {
+
+using recurrent::Candidates;
+using recurrent::RecurrentCall;
+using recurrent::RecurrentKernel;
+using recurrent::RecurrentOp;
+
+constexpr int kSms = 132;  // H100 SXM
+
+// qwen3-next (HV = 32, K = V = 128) on an H100: each candidate's grid for B sequences and its residency
+// (CTAs per SM x SMs) as the launcher would measure them.
+Candidates h100_candidates(int64_t B) {
+  Candidates c;
+  c.regular = {32 * 4 * B, 8 * kSms};      // 4 CTAs per head, 32 warps per SM
+  c.wide = {32 * 2 * B, 7 * kSms};         // 2 CTAs per head, 28 warps per SM
+  c.narrow = {32 * 8 * B, 0};
+  c.vlast_decode = {32 * 4 * B, 8 * kSms};
+  c.mma_decode = {32 * 2 * B, 6 * kSms};   // 24 warps per SM
+  c.chain_mma = {32 * 4 * B, 8 * kSms};
+  return c;
+}
+
+RecurrentCall decode_call(DType state, DType input, int64_t B, StateLayout layout = StateLayout::kKLast) {
+  RecurrentCall c;
+  c.op = RecurrentOp::kDecode;
+  c.layout = layout;
+  c.state_dtype = state;
+  c.input_dtype = input;
+  c.batch = B;
+  return c;
+}
+
+RecurrentKernel kernel_at(const RecurrentCall& c, const Overrides& o = {}) {
+  return recurrent::choose_recurrent_kernel(c, h100_candidates(c.batch), o).kernel;
+}
+
+TEST(RecurrentHeuristics, Bf16DecodeBySize) {
+  // bf16 state and inputs: tensor cores while this grid and the next fit together (B <= 6), then the wide tile in
+  // prefetch mode (B <= 12), the narrow tile (B <= 16), the regular tile.
+  for (int64_t B : {1, 2, 6}) {
+    const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
+                                                      h100_candidates(B), {});
+    EXPECT_EQ(r.kernel, RecurrentKernel::kMmaDecode) << "B=" << B;
+    EXPECT_TRUE(r.prefetch) << "B=" << B;
+  }
+  for (int64_t B : {7, 12}) EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, B)), RecurrentKernel::kWarpWide);
+  for (int64_t B : {13, 16}) {
+    const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
+                                                      h100_candidates(B), {});
+    EXPECT_EQ(r.kernel, RecurrentKernel::kWarpNarrow) << "B=" << B;
+    EXPECT_FALSE(r.prefetch);
+  }
+  for (int64_t B : {17, 32, 512}) {
+    const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
+                                                      h100_candidates(B), {});
+    EXPECT_EQ(r.kernel, RecurrentKernel::kWarpRegular) << "B=" << B;
+    EXPECT_FALSE(r.prefetch) << "B=" << B;
+  }
+  // fp16 inputs have no tensor-core decode against bf16 state: the tiles from B = 1.
+  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kFloat16, 1)), RecurrentKernel::kWarpRegular);
+  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kFloat16, 4)), RecurrentKernel::kWarpWide);
+}
+
+TEST(RecurrentHeuristics, Fp32DecodePinsTheSlotInPrefetchMode) {
+  // fp32 K-last decode: prefetch mode while the grid is at most half the resident CTAs (B <= 4 here).
+  for (int64_t B : {1, 4}) {
+    const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kFloat32, DType::kBFloat16, B),
+                                                      h100_candidates(B), {});
+    EXPECT_EQ(r.kernel, RecurrentKernel::kWarpPinned) << "B=" << B;
+    EXPECT_TRUE(r.prefetch);
+  }
+  const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kFloat32, DType::kBFloat16, 5),
+                                                    h100_candidates(5), {});
+  EXPECT_EQ(r.kernel, RecurrentKernel::kWarpRegular);
+  EXPECT_FALSE(r.prefetch);
+  // K = 256 has no tile widths: the regular tile.
+  auto c = decode_call(DType::kFloat32, DType::kBFloat16, 1);
+  c.head_dim_k = c.head_dim_v = 256;
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kWarpRegular);
+}
+
+TEST(RecurrentHeuristics, VLastDecodeHasItsKernel) {
+  for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+    const auto r = recurrent::choose_recurrent_kernel(decode_call(state, DType::kBFloat16, 8, StateLayout::kVLast),
+                                                      h100_candidates(8), {});
+    EXPECT_EQ(r.kernel, RecurrentKernel::kVLastDecode);
+    EXPECT_TRUE(r.prefetch);  // 1024 CTAs <= 1056 resident, share 1
+    EXPECT_FALSE(recurrent::choose_recurrent_kernel(decode_call(state, DType::kBFloat16, 9, StateLayout::kVLast),
+                                                    h100_candidates(9), {})
+                     .prefetch);
+  }
+  auto c = decode_call(DType::kFloat32, DType::kBFloat16, 1, StateLayout::kVLast);
+  c.head_dim_k = c.head_dim_v = 256;
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kWarpRegular);
+}
+
+TEST(RecurrentHeuristics, ChainsOnTensorCoresFromThreeTokens) {
+  RecurrentCall c = decode_call(DType::kFloat32, DType::kBFloat16, 128);
+  c.op = RecurrentOp::kVerify;
+  c.num_draft_tokens = 4;
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kChainMma);
+  c.num_draft_tokens = 2;
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kWarpRegular);
+  c.num_draft_tokens = 4;
+  c.caches_states = true;  // the chain kernel stores no intermediate states
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kWarpRegular);
+  c.caches_states = false;
+  c.tree = true;
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kWarpRegular);
+  c.tree = false;
+  c.input_dtype = DType::kFloat16;  // built for bf16 inputs only
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kWarpRegular);
+  c.input_dtype = DType::kBFloat16;
+  c.layout = StateLayout::kVLast;
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kWarpRegular);
+  // Commit by recompute and prefill's short sequences are chains.
+  for (RecurrentOp op : {RecurrentOp::kRecompute, RecurrentOp::kPrefill}) {
+    RecurrentCall r = decode_call(DType::kBFloat16, DType::kBFloat16, 64);
+    r.op = op;
+    r.num_draft_tokens = 8;
+    EXPECT_EQ(kernel_at(r), RecurrentKernel::kChainMma);
+  }
+}
+
+TEST(RecurrentHeuristics, OverridesMoveTheChoice) {
+  RecurrentCall verify = decode_call(DType::kFloat32, DType::kBFloat16, 128);
+  verify.op = RecurrentOp::kVerify;
+  verify.num_draft_tokens = 2;
+  Overrides o;
+  o.chain_mma_min_tokens = 2;
+  EXPECT_EQ(kernel_at(verify, o), RecurrentKernel::kChainMma);
+  verify.num_draft_tokens = 8;
+  o.chain_mma_min_tokens = 0;  // never
+  EXPECT_EQ(kernel_at(verify, o), RecurrentKernel::kWarpRegular);
+
+  Overrides no_mma;
+  no_mma.decode_mma = false;
+  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, 4), no_mma), RecurrentKernel::kWarpWide);
+  Overrides no_wide = no_mma;
+  no_wide.decode_wide_max_batch = 0;
+  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, 4), no_wide), RecurrentKernel::kWarpNarrow);
+  no_wide.decode_narrow_max_batch = 0;
+  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, 4), no_wide), RecurrentKernel::kWarpRegular);
+
+  // Without prefetch mode no grid prefetches, and the kernels that need it are not taken.
+  Overrides no_prefetch;
+  no_prefetch.state_prefetch = false;
+  const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, 4),
+                                                    h100_candidates(4), no_prefetch);
+  EXPECT_EQ(r.kernel, RecurrentKernel::kWarpNarrow);
+  EXPECT_FALSE(r.prefetch);
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 1), no_prefetch), RecurrentKernel::kWarpRegular);
+}
+
+// ---- prefill ------------------------------------------------------------------------------------
+
+// A qwen3-next prefill of the given sequence lengths: bf16 inputs in [T, heads, 128] rows, fp32 K-last pool. The
+// heuristics read pointers only for alignment and the host copy of cu_seqlens.
+struct PrefillCall {
+  std::vector<int64_t> cu;
+  PrefillParams p;
+  explicit PrefillCall(const std::vector<int64_t>& lengths, int H = 16, int HV = 32, DType input = DType::kBFloat16) {
+    cu.push_back(0);
+    for (int64_t L : lengths) cu.push_back(cu.back() + L);
+    auto* base = reinterpret_cast<char*>(uintptr_t(1) << 20);  // 16-byte aligned, never dereferenced
+    p.heads = {.num_qk_heads = H, .num_v_heads = HV, .head_dim_k = 128, .head_dim_v = 128};
+    p.num_seqs = int32_t(lengths.size());
+    p.total_tokens = cu.back();
+    p.q = {base, input, H * 128, 128};
+    p.k = {base, input, H * 128, 128};
+    p.v = {base, input, HV * 128, 128};
+    p.o = {base, input, HV * 128, 128};
+    p.state = {base, DType::kFloat32, StateLayout::kKLast, 64, int64_t(HV) * 128 * 128};
+    p.cu_seqlens_host = cu.data();
+  }
+};
+
+TEST(PrefillHeuristics, HeadPassWithPrepWarpgroupOnLongSequences) {
+  PrefillCall call({8192, 8192, 8192, 8192, 8192, 8192, 8192, 8192});
+  const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});
+  EXPECT_EQ(c.short_len, 0);
+  EXPECT_FALSE(c.only_short);
+  EXPECT_EQ(c.vtile, chunked_prefill::kVTileHead);
+  EXPECT_EQ(c.head_split, 1);  // 256 (sequence, head) pairs: more than one CTA per SM already
+  EXPECT_TRUE(c.wgmma_pass);
+  EXPECT_TRUE(c.m_warpgroup);
+  EXPECT_TRUE(c.m_in_pass);
+  EXPECT_TRUE(c.early_state_pass);  // 256 CTAs <= 4 per SM
+}
+
+TEST(PrefillHeuristics, FewHeadsSplitTheHead) {
+  // One sequence with 32 value heads: 64 CTAs of half a head each still fit the SMs once.
+  PrefillCall call({8192});
+  const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});
+  EXPECT_EQ(c.head_split, 2);
+  EXPECT_TRUE(c.wgmma_pass);   // 64 columns per CTA: one warpgroup
+  EXPECT_FALSE(c.m_warpgroup);  // needs two state warpgroups
+  EXPECT_FALSE(c.m_in_pass);    // one warpgroup per CTA reads M from the workspace
+  PrefillCall three({8192, 8192, 8192});  // 96 heads: 192 CTAs would not fit once
+  EXPECT_EQ(chunked_prefill::choose_prefill(three.p, kSms, {}).head_split, 1);
+}
+
+TEST(PrefillHeuristics, PrepWarpgroupFromFourChunksPerSequence) {
+  PrefillCall short_chunks(std::vector<int64_t>(64, 192));  // 3 chunks per sequence
+  const auto a = chunked_prefill::choose_prefill(short_chunks.p, kSms, {});
+  EXPECT_FALSE(a.m_warpgroup);
+  EXPECT_TRUE(a.m_in_pass);  // two state warpgroups form M themselves
+  PrefillCall four(std::vector<int64_t>(64, 256));
+  EXPECT_TRUE(chunked_prefill::choose_prefill(four.p, kSms, {}).m_warpgroup);
+  Overrides off;
+  off.prefill_m_warpgroup = 0;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(four.p, kSms, off).m_warpgroup);
+  Overrides on;
+  on.prefill_m_warpgroup = 1;
+  EXPECT_TRUE(chunked_prefill::choose_prefill(short_chunks.p, kSms, on).m_warpgroup);
+}
+
+TEST(PrefillHeuristics, ManyCtasLaunchAfterThePrep) {
+  PrefillCall call(std::vector<int64_t>(8192, 32));  // 262144 (sequence, head) CTAs
+  const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});
+  EXPECT_FALSE(c.early_state_pass);
+  EXPECT_EQ(c.short_len, 0);  // 32 tokens is past the fp32 pool's reach (24)
+}
+
+TEST(PrefillHeuristics, ShortSequencesOnTheRecurrentKernels) {
+  PrefillCall all_short(std::vector<int64_t>(1024, 8));
+  auto c = chunked_prefill::choose_prefill(all_short.p, kSms, {});
+  EXPECT_EQ(c.short_len, 24);  // K-last, bf16 inputs, fp32 pool
+  EXPECT_TRUE(c.only_short);
+  PrefillCall mixed({8, 4096, 20});
+  c = chunked_prefill::choose_prefill(mixed.p, kSms, {});
+  EXPECT_EQ(c.short_len, 24);
+  EXPECT_FALSE(c.only_short);
+  // The reach per layout and pool dtype.
+  all_short.p.state.dtype = DType::kBFloat16;
+  EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 32);
+  all_short.p.state.layout = StateLayout::kVLast;
+  EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 16);
+  all_short.p.state.dtype = DType::kFloat32;
+  EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 8);
+  // Without a host copy of cu_seqlens: by the mean length.
+  PrefillCall no_host(std::vector<int64_t>(16, 10));
+  no_host.p.cu_seqlens_host = nullptr;
+  c = chunked_prefill::choose_prefill(no_host.p, kSms, {});
+  EXPECT_EQ(c.short_len, 24);
+  EXPECT_FALSE(c.only_short);  // the kernels skip per sequence on the device
+  // The short path stores no checkpoints: only sequences shorter than the interval take it.
+  PrefillCall ckpt(std::vector<int64_t>(8, 8));
+  int32_t dummy = 0;
+  ckpt.p.checkpoint_interval = 64;
+  ckpt.p.checkpoints.data = &dummy;
+  ckpt.p.checkpoint_indices = &dummy;
+  EXPECT_EQ(chunked_prefill::choose_prefill(ckpt.p, kSms, {}).short_len, 24);
+  Overrides reach;
+  reach.prefill_short_max_len = 100;
+  EXPECT_EQ(chunked_prefill::choose_prefill(ckpt.p, kSms, reach).short_len, 63);
+  reach.prefill_short_max_len = 0;
+  EXPECT_EQ(chunked_prefill::choose_prefill(all_short.p, kSms, reach).short_len, 0);
+  // fp32 inputs have no short path, nor a head pass.
+  PrefillCall fp32(std::vector<int64_t>(1024, 8), 16, 32, DType::kFloat32);
+  c = chunked_prefill::choose_prefill(fp32.p, kSms, {});
+  EXPECT_EQ(c.short_len, 0);
+  EXPECT_EQ(c.vtile, 64);  // 32768 rows: the widest tile
+}
+
+TEST(PrefillHeuristics, TiledPassWidestTileWithTwoCtasPerSm) {
+  PrefillCall one(std::vector<int64_t>{4096}, 2, 2, DType::kFloat32);  // 2 rows
+  EXPECT_EQ(chunked_prefill::choose_vtile(one.p, kSms), 16);
+  PrefillCall many(std::vector<int64_t>(4, 4096), 8, 32, DType::kFloat32);  // 128 rows x 2 tiles of 64 < 264
+  EXPECT_EQ(chunked_prefill::choose_vtile(many.p, kSms), 32);
+}
+
+TEST(PrefillHeuristics, ForcedChoicesAreChecked) {
+  PrefillCall call({4096});
+  Overrides o;
+  o.prefill_vtile = chunked_prefill::kVTileHeadWarp;
+  o.prefill_head_split = 1;
+  const auto c = chunked_prefill::choose_prefill(call.p, kSms, o);
+  EXPECT_EQ(c.vtile, chunked_prefill::kVTileHeadWarp);
+  EXPECT_FALSE(c.wgmma_pass);
+  o.prefill_head_split = 4;
+  EXPECT_THROW(chunked_prefill::choose_prefill(call.p, kSms, o), Error);
+  o.prefill_head_split = 0;
+  o.prefill_vtile = 48;
+  EXPECT_THROW(chunked_prefill::choose_prefill(call.p, kSms, o), Error);
+}
+
+TEST(PrefillHeuristics, PublicPrefillPathReportsTheShortReach) {
+  PrefillCall call(std::vector<int64_t>(4, 8));
+  int32_t idx[4] = {0, 1, 2, 3};
+  call.p.initial_indices = idx;
+  call.p.cu_seqlens = call.cu.data();
+  call.p.cu_seqlens_dtype = DType::kInt64;
+  EXPECT_EQ(prefill_path(call.p).short_max_len, 24);
+}
+
+}  // namespace
+}  // namespace gdnkit::cuda
