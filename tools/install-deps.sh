@@ -9,8 +9,8 @@
 # built as well, without it the build is CPU-only (GDNKIT_CUDA=AUTO).
 #   bash tools/install-deps.sh          what the build, the tests and the Python package need
 #   bash tools/install-deps.sh build    only what building the library and the CLI needs (tools/bench.sh)
-# GDNKIT_SKIP_PYTHON=1 skips the Python packages. GoogleTest copied into carry/gtest (tools/carry-gtest.sh,
-# for machines without it and without a package mirror) counts as installed.
+# GDNKIT_SKIP_PYTHON=1 skips the Python packages. A GoogleTest install named by GTEST_ROOT (for machines
+# without a package mirror) counts as installed.
 set -euo pipefail
 mode=${1:-all}
 export DEBIAN_FRONTEND=noninteractive
@@ -32,8 +32,7 @@ need_pkg() {  # need_pkg PACKAGE TEST-COMMAND...
 need_pkg cmake       command -v cmake
 need_pkg ninja-build command -v ninja
 need_pkg g++         command -v g++
-here=$(cd "$(dirname "$0")/.." && pwd)
-if [ "$mode" = all ] && [ ! -f "$here/carry/gtest/include/gtest/gtest.h" ]; then
+if [ "$mode" = all ] && [ ! -f "${GTEST_ROOT:-/nonexistent}/include/gtest/gtest.h" ]; then
   need_pkg libgtest-dev test -f /usr/include/gtest/gtest.h
 fi
 [ "$mode" = all ] && need_pkg python3 command -v python3
@@ -44,7 +43,7 @@ fi
 # libgtest-dev ships the static libraries on Debian 12; older ones shipped only the sources.
 have_gtest_lib=0
 for f in /usr/lib/*/libgtest.a /usr/lib/libgtest.a; do [ -f "$f" ] && have_gtest_lib=1; done
-if [ "$mode" = all ] && [ -f /usr/include/gtest/gtest.h ] && [ $have_gtest_lib = 0 ] && [[ ! " ${missing[*]} " =~ " libgtest-dev " ]]; then
+if [ "$mode" = all ] && [ -z "${GTEST_ROOT:-}" ] && [ -f /usr/include/gtest/gtest.h ] && [ $have_gtest_lib = 0 ] && [[ ! " ${missing[*]} " =~ " libgtest-dev " ]]; then
   missing+=(libgtest-dev)
 fi
 

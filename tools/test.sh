@@ -11,6 +11,7 @@
 #   GDNKIT_CUDA=ON|OFF|AUTO   CUDA backend of the C++ build (default AUTO: built when nvcc is found)
 #   GDNKIT_PY_CUDA=ON|OFF     CUDA backend of the Python build (default OFF: its tests run on the CPU)
 #   GDNKIT_SKIP_PYTHON=1      skip the Python package and its tests
+#   GTEST_ROOT=<prefix>       a GoogleTest install (include/, lib/) to use where the system has none
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -40,10 +41,9 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=/usr/local/cuda/bin:$PATH
 fi
 
-# GoogleTest from carry/gtest where the system has none (tools/carry-gtest.sh: the GPU machine).
 gtest_root=()
-if [ ! -f /usr/include/gtest/gtest.h ] && [ -f carry/gtest/include/gtest/gtest.h ]; then
-  gtest_root=(-DGTEST_ROOT="$root/carry/gtest")
+if [ -n "${GTEST_ROOT:-}" ]; then
+  gtest_root=(-DGTEST_ROOT="$GTEST_ROOT")
 fi
 configure() {
   cmake -G Ninja -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGDNKIT_CUDA="${GDNKIT_CUDA:-AUTO}" \

@@ -12,8 +12,8 @@ With PyTorch installed, ``import gdnkit.torch_ops`` registers ``torch.ops.gdnkit
 signatures of FLA's and SGLang's kernels.
 """
 
-from . import _gdnkit
-from ._gdnkit import GdnkitError, GdnkitNotImplementedError, GdnkitRuntimeError, build_info, cuda_available, cuda_compiled
+from ._gdnkit import (GdnkitError, GdnkitNotImplementedError, GdnkitRuntimeError, build_info, cuda_available,
+                      cuda_compiled)
 from .ops import commit, convert_layout, decode, prefill, verify
 
 __version__ = "0.1.0"

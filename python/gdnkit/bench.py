@@ -1,17 +1,18 @@
 """gdnkit vs FLA on identical inputs: ``python -m gdnkit.bench --out DIR``.
 
 Decode: FLA's ``fused_recurrent_gated_delta_rule`` (one token, initial state in, final state out) vs
-gdnkit's ``decode`` (pool-indexed, in place, slots a random permutation), the heads of a BENCH.md shape
-(``--shape``, default qwen3-next: H=16, HV=32, K=V=128), bf16 q/k/v, fp32 state, gating and q/k L2 norm in the kernel for both. Each
-timed CUDA-graph replay runs one call per input set, rotating through enough sets that the replay
-touches at least 4x the L2 size of state (cold L2, as in serving); the median of the replays over the
-number of calls is reported in microseconds per call.
+gdnkit's ``decode`` (pool-indexed, in place, slots a random permutation), the heads of one of the shapes
+of docs/benchmarks.md (``--shape``, default qwen3-next: H=16, HV=32, K=V=128), bf16 q/k/v, fp32 state,
+gating and q/k L2 norm in the kernel for both. Each timed CUDA-graph replay runs one call per input set,
+rotating through enough sets that the replay touches at least 4x the L2 size of state (cold L2, as in
+serving); the median of the replays over the number of calls is reported in microseconds per call.
 
 Verify: FLA's ``fused_recurrent_gated_delta_rule`` on T tokens per sequence vs gdnkit's ``verify`` of a
 T-token chain storing the final state in the pool (no intermediate cache), timed like decode.
 
-Prefill: FLA's ``chunk_gated_delta_rule`` vs gdnkit's ``prefill`` on the sequence sets of BENCH.md, same
-heads and dtypes, fused gating and L2 norm in the kernel, initial states read and final states written.
+Prefill: FLA's ``chunk_gated_delta_rule`` vs gdnkit's ``prefill`` on the sequence sets of
+docs/benchmarks.md, same heads and dtypes, fused gating and L2 norm in the kernel, initial states read
+and final states written.
 CUDA events around each call, warm-up first, median of >= 10 calls (5 for the largest sets); the timed
 calls are queued behind a GPU spin, so the host's time to issue them is not counted as GPU time.
 
@@ -30,19 +31,20 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-# BENCH.md's shapes: (H q/k heads, HV value heads), K = V = 128. The functions below read the module's H and HV,
-# which main() sets from --shape.
+# The shapes of docs/benchmarks.md: (H q/k heads, HV value heads), K = V = 128. The functions below read the
+# module's H and HV, which main() sets from --shape.
 SHAPES = {"qwen3-next": (16, 32), "qwen3.5-397b-tp8": (2, 8), "qwen3.5-27b": (16, 48), "qwen3.5-397b": (16, 64)}
 H, HV, K, V = 16, 32, 128, 128
 
 DECODE_BATCHES = [1, 4, 16, 64, 128, 256, 512]
 VERIFY_ROWS = [(8, 2), (8, 4), (64, 2), (64, 4), (256, 4)]
-# NxL = N sequences of L tokens (BENCH.md's notation, as `gdnkit bench`); A+B = two sequences. The peers'
-# "1024x8"-style names are also read as 8 sequences of 1024 (4x2048, 8x1024, 8x8192, 32x8192); read literally,
-# 2048x4 and 1024x8 are thousands of short sequences (gdnkit's short-sequence path). 8192x8 and 8192x32 read
-# literally are left to `gdnkit bench`: 8192 fp32 states are 16 GiB, and the comparison holds four copies.
+# NxL = N sequences of L tokens (as `gdnkit bench` and docs/benchmarks.md name them); A+B = two sequences.
+# Other benchmarks' "1024x8"-style names are also read as 8 sequences of 1024 (4x2048, 8x1024, 8x8192,
+# 32x8192); read literally, 2048x4 and 1024x8 are thousands of short sequences (gdnkit's short-sequence
+# path). 8192x8 and 8192x32 read literally are left to `gdnkit bench`: 8192 fp32 states are 16 GiB, and the
+# comparison holds four copies.
 PREFILL_SETS = {
     "1x2048": [2048], "1x8192": [8192], "1x32768": [32768], "1x65536": [65536],
     "4096+4096": [4096, 4096], "1024+7168": [1024, 7168], "4x2048": [2048] * 4, "8x1024": [1024] * 8,
@@ -106,9 +108,9 @@ def _event_time_ms(fn: Callable[[], None], warmup: int, reps: int) -> float:
     """Median GPU time of one fn() call, each between its own pair of events.
 
     The timed calls are queued behind a GPU spin (torch.cuda._sleep, where PyTorch has it, after at least
-    one warm-up call) long enough for the host to issue all of them, so
-    the host's time to issue a call (Python, argument conversion) overlaps the GPU's work instead of
-    showing up as idle GPU time between the events (40-65 us per prefill call on the H100 machine).
+    one warm-up call) long enough for the host to issue all of them, so the host's time to issue a call
+    (Python, argument conversion) overlaps the GPU's work instead of showing up as idle GPU time between
+    the events.
     """
     torch = _torch()
     issue_s = math.inf  # the host's time to issue one call (the quickest warm-up call: the first may compile)
@@ -142,7 +144,7 @@ def copy_ceiling_tbps() -> float:
 
 
 def _gdnkit_call(fn: Callable[[], object]):
-    """Run fn; a kernel that has not landed yet becomes a note instead of a failure."""
+    """Run fn; an op the CUDA backend does not implement becomes a note instead of a failure."""
     import gdnkit
 
     try:
@@ -205,8 +207,8 @@ def bench_decode(B: int, layout: str, fla_recurrent, l2_bytes: int, replays: int
         for s in range(sets):
             fla_recurrent(q[s], k[s], v[s], g=a[s], beta=b[s], initial_state=h0[s], **fla_kw)
 
-    row = dict(op="decode" if T == 1 else "verify", name=f"B={B}" if T == 1 else f"B={B},T={T}", B=B, T=T,
-               layout=layout, calls_per_replay=sets)
+    row: Dict[str, Any] = dict(op="decode" if T == 1 else "verify", name=f"B={B}" if T == 1 else f"B={B},T={T}",
+                               B=B, T=T, layout=layout, calls_per_replay=sets)
     bytes_per_call = 2 * state_bytes + T * (2 * B * H * K * 2 + 2 * B * HV * V * 2 + 2 * B * HV * 2)
     row["bytes_per_call"] = bytes_per_call
     note = _gdnkit_call(gdn_all)
@@ -274,7 +276,7 @@ def bench_prefill(name: str, lens: List[int], layout: str, fla_chunk, reps: int)
             return fla_chunk(q, k, v, a, b, **fla_kw)
 
     flops = 4.0 * T * HV * K * V
-    row = dict(op="prefill", name=name, T=T, N=N, layout=layout)
+    row: Dict[str, Any] = dict(op="prefill", name=name, T=T, N=N, layout=layout)
     note = _gdnkit_call(gdn)
     if note is None:
         row["gdnkit_ms"] = _event_time_ms(gdn, 2, reps)
@@ -340,13 +342,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gdnkit.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench-out", help="folder for fla_compare.json and fla_compare.md")
     ap.add_argument("--ops", default="decode,verify,prefill", help="comma list of decode, verify, prefill")
-    ap.add_argument("--shape", default="qwen3-next", choices=list(SHAPES), help="heads (BENCH.md's shapes)")
+    ap.add_argument("--shape", default="qwen3-next", choices=list(SHAPES), help="heads (docs/benchmarks.md)")
     ap.add_argument("--layout", default="k_last", choices=["k_last", "v_last"],
                     help="state layout for both (FLA: state_v_first = layout == k_last)")
     ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
     ap.add_argument("--verify", default=",".join(f"{b}x{t}" for b, t in VERIFY_ROWS),
                     help="verify rows BxT (B sequences of T draft tokens)")
-    ap.add_argument("--sets", default=",".join(PREFILL_SETS), help="prefill sequence sets (BENCH.md names)")
+    ap.add_argument("--sets", default=",".join(PREFILL_SETS), help="prefill sequence sets (docs/benchmarks.md)")
     ap.add_argument("--replays", type=int, default=20, help="decode graph replays (median)")
     ap.add_argument("--reps", type=int, default=10, help="prefill timed calls (median)")
     args = ap.parse_args(argv)

@@ -1,27 +1,66 @@
 """The gdnkit ops over DLPack arrays: allocate outputs, pick the caller's stream, call the extension.
 
-Shapes use the spec's names (H q/k heads, HV value heads, K, V head dims, B sequences, T tokens, P pool
-slots). Token arrays are ``[T_total, heads, dim]`` or ``[B, T, heads, dim]`` with the last dim
-contiguous; the token and head strides are read from the arrays, so views of one fused projection
-work without copies. State pools are ``[P, HV, V, K]`` (``layout="k_last"``) or ``[P, HV, K, V]``
-(``layout="v_last"``), fp32 or bf16, updated in place. Index arrays are int32 and live on the same
-device as the data.
+Shapes use the names of docs/semantics.md: ``H`` q/k heads, ``HV`` value heads (a multiple of ``H``;
+value head ``h`` reads q/k head ``h // (HV // H)``), ``K``, ``V`` head dims (64, 128 or 256), ``B``
+sequences, ``T`` tokens per sequence, ``T_total`` packed tokens, ``N`` prefill sequences, ``P`` pool
+slots, ``Q`` cache slots.
 
-Gates: either ``g`` (log-space decay, fp32) and ``beta``, or the fused path ``a``, ``b`` (raw
-projections) with ``A_log`` and ``dt_bias`` ([HV] fp32):
+Arrays: any object that exports DLPack (``torch.Tensor``, ``cupy.ndarray``, ``numpy.ndarray``, JAX
+arrays as read-only inputs). CPU arrays run the CPU reference backend, CUDA arrays the CUDA backend;
+all arrays of one call must be on one device.
+
+- Token arrays are ``[T_total, heads, dim]`` or ``[B, T, heads, dim]`` with the last dim contiguous;
+  the token and head strides are read from the arrays, so views of one fused projection work without
+  copies. q, k and v share one dtype: float32, bfloat16 or float16.
+- Per-head gates are ``[T_total, HV]`` (or ``[B, T, HV]``), any strides.
+- State pools are ``[P, HV, V, K]`` (``layout="k_last"``) or ``[P, HV, K, V]`` (``layout="v_last"``),
+  float32 or bfloat16, updated in place. The last three dims are contiguous; the slot stride may be
+  larger than ``HV*K*V`` (strided views).
+- Index arrays are int32 (prefill's ``cu_seqlens`` may be int64) on the device of the data.
+
+Gates: either ``g`` (log-space decay, float32) and ``beta``, or the fused path ``a``, ``b`` (raw
+projections) with ``A_log`` and ``dt_bias`` (``[HV]`` float32):
 ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``.
 
 CUDA arrays run on ``stream`` (an integer ``cudaStream_t``); by default on the current stream of the
-arrays' framework (torch / CuPy), else the legacy default stream. No call synchronizes the host.
+arrays' framework (torch / CuPy), else the legacy default stream. No call synchronizes the host, so the
+ops can be captured in CUDA graphs.
+
+Errors: every op validates its arguments before it writes anything and raises
+:class:`gdnkit.GdnkitError` (a ``ValueError``) for invalid arguments,
+:class:`gdnkit.GdnkitNotImplementedError` (a ``NotImplementedError``) for a valid request the backend
+does not implement, :class:`gdnkit.GdnkitRuntimeError` (a ``RuntimeError``) when no usable CUDA device
+is present or a CUDA runtime call fails. The messages name the offending argument.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from . import _gdnkit as _C
 
-__all__ = ["decode", "verify", "commit", "prefill", "convert_layout"]
+__all__ = ["decode", "verify", "commit", "prefill", "convert_layout", "DLPackArray"]
+
+
+class DLPackArray(Protocol):
+    """What the ops read from an array: DLPack export, a shape and a dtype.
+
+    ``torch.Tensor``, ``cupy.ndarray``, ``numpy.ndarray`` and JAX arrays all qualify.
+    """
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+
+# The array type of v (src for convert_layout): an output the op allocates is of that type.
+ArrayT = TypeVar("ArrayT", bound=DLPackArray)
 
 
 # ---- arrays crossing into the extension --------------------------------------------------------
@@ -78,7 +117,7 @@ def _stream(stream: Optional[int], ref: Any) -> int:
     return 0
 
 
-def _empty(like: Any, shape, dtype=None, name: str = "o") -> Any:
+def _empty(like: Any, shape: Sequence[int], dtype: Any = None, name: str = "o") -> Any:
     """A new array of ``shape`` (dtype of ``like`` unless given) in like's framework and device."""
     fw = _framework(like)
     dtype = like.dtype if dtype is None else dtype
@@ -101,6 +140,7 @@ def _empty(like: Any, shape, dtype=None, name: str = "o") -> Any:
 
 
 def _arange(like: Any, stop: int, step: int = 1, dtype: str = "int32") -> Any:
+    """``[0, step, 2*step, ...)`` below ``stop`` in like's framework and device."""
     fw = _framework(like)
     if fw == "torch":
         import torch
@@ -118,20 +158,70 @@ def _arange(like: Any, stop: int, step: int = 1, dtype: str = "int32") -> Any:
     raise _C.GdnkitError(f"cu_seqlens: cannot build one for arrays of type {type(like).__name__}; pass it")
 
 
-def _gates(g, beta, a, b, A_log, dt_bias) -> dict:
+def _gates(g: Any, beta: Any, a: Any, b: Any, A_log: Any, dt_bias: Any) -> Dict[str, Any]:
     return dict(g=_dl(g), beta=_dl(beta), a=_dl(a), b=_dl(b), A_log=_dl(A_log), dt_bias=_dl(dt_bias))
 
 
 # ---- ops ----------------------------------------------------------------------------------------
 
-def decode(q, k, v, state, state_indices, *, layout: str = "k_last", g=None, beta=None, a=None, b=None,
-           A_log=None, dt_bias=None, scale: Optional[float] = None, use_qk_l2norm: bool = True, o=None,
-           error_flag=None, stream: Optional[int] = None):
-    """One token per sequence: ``S = state[state_indices[i]]``, one step of the recurrence, S stored back.
+def decode(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_indices: DLPackArray, *,
+           layout: str = "k_last", g: Optional[DLPackArray] = None, beta: Optional[DLPackArray] = None,
+           a: Optional[DLPackArray] = None, b: Optional[DLPackArray] = None, A_log: Optional[DLPackArray] = None,
+           dt_bias: Optional[DLPackArray] = None, scale: Optional[float] = None, use_qk_l2norm: bool = True,
+           o: Optional[ArrayT] = None, error_flag: Optional[DLPackArray] = None,
+           stream: Optional[int] = None) -> ArrayT:
+    """One token per sequence: one step of the recurrence from and back into the state pool.
 
-    q, k ``[B, H, K]`` (or ``[B, 1, H, K]``), v ``[B, HV, V]``, gates ``[B, HV]``, state_indices ``[B]``
-    int32 (negative: padding row, o = 0, no state I/O). Returns o (v's shape and dtype; written into
-    ``o`` when given). ``error_flag``: optional int32 ``[1]``, incremented per slot >= P.
+    For each sequence ``i``: ``S = state[state_indices[i]]``, then the token's update of ``S`` and its
+    output ``o[i]``, then ``S`` is stored back into the same slot.
+
+    Parameters
+    ----------
+    q : array, [B, H, K] or [B, 1, H, K]
+        Queries: float32, bfloat16 or float16, last dim contiguous.
+    k : array, [B, H, K] or [B, 1, H, K]
+        Keys, q's dtype.
+    v : array, [B, HV, V] or [B, 1, HV, V]
+        Values, q's dtype.
+    state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
+        The state pool, float32 or bfloat16; the slots named in ``state_indices`` are updated in place.
+    state_indices : array, [B], int32
+        Pool slot of each sequence. Negative: a padding row (its output is 0, no state is read or
+        written). Slots ``>= P`` are skipped (output 0) and counted in ``error_flag``.
+    layout : {"k_last", "v_last"}, default "k_last"
+        Layout of ``state``.
+    g : array, [B, HV], float32, optional
+        Given gates: log-space decay. Pass with ``beta``, not with the fused gating arguments.
+    beta : array, [B, HV], optional
+        Given gates: update strength, float32, bfloat16 or float16.
+    a, b : array, [B, HV], optional
+        Fused gating: the raw decay and beta projections, float32, bfloat16 or float16.
+    A_log, dt_bias : array, [HV], float32, optional
+        Fused gating: ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``.
+    scale : float, optional
+        Query scale, > 0; None: ``1 / sqrt(K)``.
+    use_qk_l2norm : bool, default True
+        L2-normalize q and k per head (``x / sqrt(sum(x^2) + 1e-6)``) before scaling q.
+    o : array, [B, HV, V] or v's shape, optional
+        Output in v's dtype; None: a new array like ``v`` (same framework, device, shape and dtype).
+    error_flag : array, [1], int32, optional
+        Incremented once per slot ``>= P``.
+    stream : int, optional
+        ``cudaStream_t`` for CUDA arrays; None: the current stream of the arrays' framework.
+
+    Returns
+    -------
+    array
+        ``o``: the outputs, ``[B, HV, V]`` (v's shape and dtype); the array passed as ``o`` if any.
+
+    Raises
+    ------
+    GdnkitError
+        Invalid arguments (nothing is written).
+    GdnkitNotImplementedError
+        A valid request the backend does not implement.
+    GdnkitRuntimeError
+        No usable CUDA device, or a CUDA runtime call failed.
     """
     if o is None:
         o = _empty(v, v.shape)
@@ -141,17 +231,79 @@ def decode(q, k, v, state, state_indices, *, layout: str = "k_last", g=None, bet
     return o
 
 
-def verify(q, k, v, state, state_indices, *, layout: str = "k_last", g=None, beta=None, a=None, b=None,
-           A_log=None, dt_bias=None, scale: Optional[float] = None, use_qk_l2norm: bool = True,
-           cu_seqlens=None, parent=None, intermediate=None, intermediate_indices=None,
-           update_state: bool = False, num_draft_tokens: Optional[int] = None, o=None, error_flag=None,
-           stream: Optional[int] = None):
-    """Speculative verify: T draft tokens per sequence scored at once; returns o for every token.
+def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_indices: DLPackArray, *,
+           layout: str = "k_last", g: Optional[DLPackArray] = None, beta: Optional[DLPackArray] = None,
+           a: Optional[DLPackArray] = None, b: Optional[DLPackArray] = None, A_log: Optional[DLPackArray] = None,
+           dt_bias: Optional[DLPackArray] = None, scale: Optional[float] = None, use_qk_l2norm: bool = True,
+           cu_seqlens: Optional[DLPackArray] = None, parent: Optional[DLPackArray] = None,
+           intermediate: Optional[DLPackArray] = None, intermediate_indices: Optional[DLPackArray] = None,
+           update_state: bool = False, num_draft_tokens: Optional[int] = None, o: Optional[ArrayT] = None,
+           error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None) -> ArrayT:
+    """Speculative verify: score the draft tokens of every sequence at once.
 
-    Tokens are ``[B*T, ...]`` or ``[B, T, ...]`` (fixed T), or packed by ``cu_seqlens`` ``[B+1]`` int32
-    with every length <= ``num_draft_tokens``. ``parent`` ``[B, T]`` int32: tree drafts (-1 = pool
-    state). ``intermediate`` ``[Q, T, HV, <layout>]`` + ``intermediate_indices`` ``[B]``: the state after
-    every token. ``update_state`` (chains only): store the state after the last token in the pool.
+    Sequence ``b`` starts from ``state[state_indices[b]]`` and runs its tokens in order (a chain), or
+    along ``parent`` (a tree). The pool is not written unless ``update_state``; the state after every
+    token can be kept in ``intermediate`` for :func:`commit`.
+
+    Parameters
+    ----------
+    q : array, [B*T, H, K] or [B, T, H, K]; [T_total, H, K] with cu_seqlens
+        Queries: float32, bfloat16 or float16, last dim contiguous. Without ``cu_seqlens`` every
+        sequence has ``T = T_total / B`` tokens (rows ``b*T .. b*T+T-1``).
+    k : array, q's shape
+        Keys, q's dtype.
+    v : array, [B*T, HV, V] or [B, T, HV, V]; [T_total, HV, V] with cu_seqlens
+        Values, q's dtype.
+    state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
+        The state pool, float32 or bfloat16.
+    state_indices : array, [B], int32
+        Pool slot of each sequence; negative: padding (outputs 0, no state I/O); ``>= P``: skipped and
+        counted in ``error_flag``.
+    layout : {"k_last", "v_last"}, default "k_last"
+        Layout of ``state`` and ``intermediate``.
+    g, beta, a, b, A_log, dt_bias : array, optional
+        Gates as in :func:`decode`, per token: ``[T_total, HV]`` (or ``[B, T, HV]``); A_log and
+        dt_bias ``[HV]`` float32.
+    scale : float, optional
+        Query scale, > 0; None: ``1 / sqrt(K)``.
+    use_qk_l2norm : bool, default True
+        L2-normalize q and k per head before scaling q.
+    cu_seqlens : array, [B+1], int32, optional
+        Varlen drafts: sequence ``b`` owns rows ``cu_seqlens[b] .. cu_seqlens[b+1]-1``, every length
+        ``<= num_draft_tokens``.
+    parent : array, [B, T], int32, optional
+        Tree drafts: token ``t`` continues from the state after token ``parent[b, t]`` (``< t``; -1:
+        the pool state). None: chains.
+    intermediate : array, [Q, S, HV, V, K] (k_last) or [Q, S, HV, K, V] (v_last), optional
+        Cache of the state after every token (``S >= T``), float32 or bfloat16: the state after token
+        ``t`` of sequence ``b`` is written to ``intermediate[intermediate_indices[b], t]``.
+    intermediate_indices : array, [B], int32, optional
+        Cache slot of each sequence, required with ``intermediate``; negative: not stored.
+    update_state : bool, default False
+        Chains only: store the state after the last token of each sequence in its pool slot.
+    num_draft_tokens : int, optional
+        ``T`` (the longest draft with ``cu_seqlens``, where it is required unless ``parent`` gives it).
+        Without ``cu_seqlens`` it is ``T_total / B`` and, when given, must equal it.
+    o : array, v's shape, optional
+        Output in v's dtype; None: a new array like ``v``.
+    error_flag : array, [1], int32, optional
+        Incremented once per slot ``>= P``.
+    stream : int, optional
+        ``cudaStream_t`` for CUDA arrays; None: the current stream of the arrays' framework.
+
+    Returns
+    -------
+    array
+        ``o``: the output of every token (v's shape and dtype).
+
+    Raises
+    ------
+    GdnkitError
+        Invalid arguments (nothing is written), e.g. ``update_state`` with ``parent``.
+    GdnkitNotImplementedError
+        A valid request the backend does not implement.
+    GdnkitRuntimeError
+        No usable CUDA device, or a CUDA runtime call failed.
     """
     if o is None:
         o = _empty(v, v.shape)
@@ -164,16 +316,71 @@ def verify(q, k, v, state, state_indices, *, layout: str = "k_last", g=None, bet
     return o
 
 
-def commit(k, v, state, state_indices, accepted, *, source: str = "cache", layout: str = "k_last", q=None,
-           g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None, scale: Optional[float] = None,
-           use_qk_l2norm: bool = True, cu_seqlens=None, parent=None, intermediate=None,
-           intermediate_indices=None, accepted_path=None, num_draft_tokens: Optional[int] = None,
-           error_flag=None, stream: Optional[int] = None) -> None:
-    """After verification ``accepted[b]`` (0..T) draft tokens were kept; update the pool in place.
+def commit(k: DLPackArray, v: DLPackArray, state: DLPackArray, state_indices: DLPackArray,
+           accepted: DLPackArray, *, source: str = "cache", layout: str = "k_last", q: Optional[DLPackArray] = None,
+           g: Optional[DLPackArray] = None, beta: Optional[DLPackArray] = None, a: Optional[DLPackArray] = None,
+           b: Optional[DLPackArray] = None, A_log: Optional[DLPackArray] = None,
+           dt_bias: Optional[DLPackArray] = None, scale: Optional[float] = None, use_qk_l2norm: bool = True,
+           cu_seqlens: Optional[DLPackArray] = None, parent: Optional[DLPackArray] = None,
+           intermediate: Optional[DLPackArray] = None, intermediate_indices: Optional[DLPackArray] = None,
+           accepted_path: Optional[DLPackArray] = None, num_draft_tokens: Optional[int] = None,
+           error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None) -> None:
+    """After verification, keep the first ``accepted[b]`` draft tokens of each sequence in the pool.
 
-    ``source="cache"``: ``state[slot] = intermediate[islot, accepted-1]``; ``source="recompute"``: replay
-    the kept tokens (k, v, gates of the verify call) from ``state[slot]``. Trees: ``accepted_path``
-    ``[B, T]`` lists the kept token indices in order. Arguments are those of the verify call.
+    The arguments are those of the :func:`verify` call whose drafts were judged. Sequences with
+    ``accepted[b] == 0`` keep their pool state unchanged.
+
+    Parameters
+    ----------
+    k : array, [B*T, H, K] or [B, T, H, K]; [T_total, H, K] with cu_seqlens
+        Keys of the verify call (read by ``source="recompute"``).
+    v : array, [B*T, HV, V] or [B, T, HV, V]; [T_total, HV, V] with cu_seqlens
+        Values of the verify call.
+    state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
+        The state pool, float32 or bfloat16, updated in place.
+    state_indices : array, [B], int32
+        Pool slot of each sequence (negative: padding, skipped).
+    accepted : array, [B], int32
+        Number of kept tokens of each sequence, ``0 .. T``.
+    source : {"cache", "recompute"}, default "cache"
+        ``"cache"``: ``state[slot] = intermediate[islot, last kept token]`` (needs ``intermediate``).
+        ``"recompute"``: replay the kept tokens (k, v and gates) from ``state[slot]``.
+    layout : {"k_last", "v_last"}, default "k_last"
+        Layout of ``state`` and ``intermediate``.
+    q : array, optional
+        Queries of the verify call; not read (commit computes no outputs).
+    g, beta, a, b, A_log, dt_bias : array, optional
+        Gates of the verify call, as in :func:`verify`.
+    scale : float, optional
+        As in the verify call.
+    use_qk_l2norm : bool, default True
+        As in the verify call.
+    cu_seqlens : array, [B+1], int32, optional
+        As in the verify call.
+    parent : array, [B, T], int32, optional
+        As in the verify call (trees).
+    intermediate : array, [Q, S, HV, V, K] (k_last) or [Q, S, HV, K, V] (v_last), optional
+        The cache the verify call wrote; required with ``source="cache"``.
+    intermediate_indices : array, [B], int32, optional
+        Cache slot of each sequence, as in the verify call.
+    accepted_path : array, [B, T], int32, optional
+        The kept token indices of each sequence in order (a root-to-node path); required for trees,
+        optional for chains (where it is ``0 .. accepted[b]-1``).
+    num_draft_tokens : int, optional
+        As in the verify call.
+    error_flag : array, [1], int32, optional
+        Incremented once per slot ``>= P``.
+    stream : int, optional
+        ``cudaStream_t`` for CUDA arrays; None: the current stream of the arrays' framework.
+
+    Raises
+    ------
+    GdnkitError
+        Invalid arguments (nothing is written), e.g. ``source="cache"`` without ``intermediate``.
+    GdnkitNotImplementedError
+        A valid request the backend does not implement.
+    GdnkitRuntimeError
+        No usable CUDA device, or a CUDA runtime call failed.
     """
     _C.commit(_dl(k), _dl(v), _dl(state), _dl(state_indices), _dl(accepted), layout=layout, source=source,
               q=_dl(q), **_gates(g, beta, a, b, A_log, dt_bias), scale=scale, use_qk_l2norm=use_qk_l2norm,
@@ -183,20 +390,87 @@ def commit(k, v, state, state_indices, accepted, *, source: str = "cache", layou
               stream=_stream(stream, v))
 
 
-def prefill(q, k, v, cu_seqlens=None, *, state=None, initial_indices=None, final_indices=None,
-            layout: str = "k_last", g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
-            scale: Optional[float] = None, use_qk_l2norm: bool = True, checkpoints=None,
-            checkpoint_interval: int = 0, checkpoint_indices=None, cu_seqlens_cpu=None,
-            cpu_algorithm: str = "auto", workspace=None, o=None, error_flag=None,
-            stream: Optional[int] = None):
-    """Chunked prefill of N sequences packed by ``cu_seqlens`` ``[N+1]`` (int32 or int64).
+def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPackArray] = None, *,
+            state: Optional[DLPackArray] = None, initial_indices: Optional[DLPackArray] = None,
+            final_indices: Optional[DLPackArray] = None, layout: str = "k_last", g: Optional[DLPackArray] = None,
+            beta: Optional[DLPackArray] = None, a: Optional[DLPackArray] = None, b: Optional[DLPackArray] = None,
+            A_log: Optional[DLPackArray] = None, dt_bias: Optional[DLPackArray] = None,
+            scale: Optional[float] = None, use_qk_l2norm: bool = True, checkpoints: Optional[DLPackArray] = None,
+            checkpoint_interval: int = 0, checkpoint_indices: Optional[DLPackArray] = None,
+            cu_seqlens_cpu: Optional[DLPackArray] = None, cpu_algorithm: str = "auto",
+            workspace: Optional[DLPackArray] = None, o: Optional[ArrayT] = None,
+            error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None) -> ArrayT:
+    """Chunked prefill of ``N`` sequences packed along the token axis.
 
-    Without cu_seqlens, a ``[B, T, ...]`` q is B sequences of T tokens and a ``[T, ...]`` q one sequence
-    (a small index array is then allocated: pass cu_seqlens inside CUDA-graph capture).
-    ``initial_indices`` / ``final_indices`` ``[N]`` int32: pool slots to start from (negative: S = 0)
-    and to store the final state in (negative: not stored). ``checkpoints`` ``[Q, S, HV, <layout>]``:
-    the state after every ``checkpoint_interval``-th token (a multiple of 64) at ``checkpoint_indices``.
-    ``cu_seqlens_cpu``: an optional host copy, validated before launch. Returns o.
+    Sequence ``n`` owns tokens ``cu_seqlens[n] .. cu_seqlens[n+1]-1`` (any length, 0 too). It starts
+    from ``state[initial_indices[n]]`` (or from ``S = 0``), and its final state is stored in
+    ``state[final_indices[n]]`` when asked.
+
+    Parameters
+    ----------
+    q : array, [T_total, H, K] or [B, T, H, K]
+        Queries: float32, bfloat16 or float16, last dim contiguous.
+    k : array, q's shape
+        Keys, q's dtype.
+    v : array, [T_total, HV, V] or [B, T, HV, V]
+        Values, q's dtype.
+    cu_seqlens : array, [N+1], int32 or int64, optional
+        Sequence offsets: ``cu_seqlens[0] = 0``, non-decreasing, ``cu_seqlens[N] = T_total``. None: a
+        ``[B, T, ...]`` q is B sequences of T tokens and a ``[T, ...]`` q one sequence; a small index
+        array is then allocated, so pass ``cu_seqlens`` inside CUDA-graph capture.
+    state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last), optional
+        The state pool, float32 or bfloat16; required with ``initial_indices`` or ``final_indices``.
+    initial_indices : array, [N], int32, optional
+        Slot each sequence starts from; negative (or None): ``S = 0``.
+    final_indices : array, [N], int32, optional
+        Slot each final state is stored in (may equal the initial slot); negative (or None): not stored.
+    layout : {"k_last", "v_last"}, default "k_last"
+        Layout of ``state`` and ``checkpoints``.
+    g, beta, a, b, A_log, dt_bias : array, optional
+        Gates as in :func:`decode`, per token: ``[T_total, HV]`` (or ``[B, T, HV]``); A_log and
+        dt_bias ``[HV]`` float32.
+    scale : float, optional
+        Query scale, > 0; None: ``1 / sqrt(K)``.
+    use_qk_l2norm : bool, default True
+        L2-normalize q and k per head before scaling q.
+    checkpoints : array, [Q, S, HV, V, K] (k_last) or [Q, S, HV, K, V] (v_last), optional
+        States for prefix caching, float32 or bfloat16: entry ``j`` of sequence n's slot
+        ``checkpoint_indices[n]`` receives the state after token ``(j+1) * checkpoint_interval``, for
+        ``j < min(S, len_n // checkpoint_interval)``.
+    checkpoint_interval : int, default 0
+        Tokens between checkpoints, a multiple of 64; required (> 0) with ``checkpoints``.
+    checkpoint_indices : array, [N], int32, optional
+        Checkpoint slot of each sequence; negative: none stored.
+    cu_seqlens_cpu : array, [N+1], int32 or int64, optional
+        A host copy of ``cu_seqlens``: validated before launch; on the CUDA backend it also lets the
+        library launch only the kernels the batch needs.
+    cpu_algorithm : {"auto", "recurrent", "chunked"}, default "auto"
+        The CPU backend's prefill algorithm (ignored on CUDA).
+    workspace : array, optional
+        CUDA scratch memory (contiguous bytes, at least what the C++ ``gdnkit::prefill_workspace_bytes``
+        reports). None: a buffer the library owns per device, allocated on its first use (make one eager
+        call before capturing a CUDA graph) and shared by every call on that device, so calls on
+        different streams that may overlap need their own workspace.
+    o : array, v's shape, optional
+        Output in v's dtype; None: a new array like ``v``.
+    error_flag : array, [1], int32, optional
+        Incremented once per out-of-range slot or invalid sequence found on the device.
+    stream : int, optional
+        ``cudaStream_t`` for CUDA arrays; None: the current stream of the arrays' framework.
+
+    Returns
+    -------
+    array
+        ``o``: the output of every token (v's shape and dtype).
+
+    Raises
+    ------
+    GdnkitError
+        Invalid arguments (nothing is written), e.g. a decreasing ``cu_seqlens``.
+    GdnkitNotImplementedError
+        A valid request the backend does not implement.
+    GdnkitRuntimeError
+        No usable CUDA device, or a CUDA runtime call failed.
     """
     if cu_seqlens is None:
         shape = tuple(q.shape)
@@ -215,10 +489,33 @@ def prefill(q, k, v, cu_seqlens=None, *, state=None, initial_indices=None, final
     return o
 
 
-def convert_layout(src, *, src_layout: str, dst=None, stream: Optional[int] = None):
-    """Convert a pool between K-last ``[P, HV, V, K]`` and V-last ``[P, HV, K, V]``; returns dst.
+def convert_layout(src: ArrayT, *, src_layout: str, dst: Optional[ArrayT] = None,
+                   stream: Optional[int] = None) -> ArrayT:
+    """Convert a state pool between the K-last and the V-last layout.
 
-    ``dst`` may be ``src`` itself when K == V (in place).
+    Parameters
+    ----------
+    src : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
+        The pool to convert, float32 or bfloat16; the last three dims contiguous.
+    src_layout : {"k_last", "v_last"}
+        Layout of ``src``; ``dst`` has the other one.
+    dst : array, src's shape with the last two dims swapped, optional
+        The converted pool (src's dtype and ``P``). May be ``src`` itself when ``K == V`` (in place);
+        otherwise the two must not overlap. None: a new array like ``src``.
+    stream : int, optional
+        ``cudaStream_t`` for CUDA arrays; None: the current stream of the arrays' framework.
+
+    Returns
+    -------
+    array
+        ``dst``.
+
+    Raises
+    ------
+    GdnkitError
+        Invalid arguments (nothing is written).
+    GdnkitRuntimeError
+        No usable CUDA device, or a CUDA runtime call failed.
     """
     if dst is None:
         shape = tuple(src.shape)

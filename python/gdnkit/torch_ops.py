@@ -3,7 +3,8 @@
 Importing this module registers them. Each op declares what it mutates (the state pool, the verify
 cache, prefill checkpoints, the error flag) and has a fake (meta) implementation, so torch.compile
 traces them without running them and CUDA graphs capture them (CUDA ops run on the current stream and
-never synchronize). Outputs are new contiguous tensors of v's shape and dtype.
+never synchronize). Outputs are new contiguous tensors of v's shape and dtype. Shapes, dtypes and the
+meaning of every argument are those of the functions of :mod:`gdnkit.ops`.
 
 The mutated optional arguments (``error_flag``, verify's ``intermediate``, prefill's ``state`` and
 ``checkpoints``) are positional without defaults (pass None when unused): torch before 2.15 drops
@@ -37,15 +38,33 @@ def decode(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor
            g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
            b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
            layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True) -> Tensor:
-    """gdnkit.decode as a custom op; returns o."""
+    """:func:`gdnkit.ops.decode` as a custom op: one token per sequence, the pool updated in place.
+
+    Args:
+        q, k: ``[B, H, K]`` (or ``[B, 1, H, K]``), float32, bfloat16 or float16.
+        v: ``[B, HV, V]`` (or ``[B, 1, HV, V]``), q's dtype.
+        state: ``[P, HV, V, K]`` (k_last) or ``[P, HV, K, V]`` (v_last), float32 or bfloat16; mutated.
+        state_indices: ``[B]`` int32 pool slots (negative: padding row).
+        error_flag: ``[1]`` int32 or None; mutated (+1 per slot >= P).
+        g, beta: given gates ``[B, HV]`` (g float32), or
+        a, b, A_log, dt_bias: fused gating (``[B, HV]``; ``[HV]`` float32).
+        layout: ``"k_last"`` or ``"v_last"``.
+        scale: query scale; None: ``1 / sqrt(K)``.
+        use_qk_l2norm: L2-normalize q and k per head.
+
+    Returns:
+        o, a new tensor of v's shape and dtype.
+    """
     return ops.decode(q, k, v, state, state_indices, layout=layout, g=g, beta=beta, a=a, b=b, A_log=A_log,
                       dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, error_flag=error_flag,
                       stream=_stream(v))
 
 
 @decode.register_fake
-def _(q, k, v, state, state_indices, error_flag, g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
-      layout="k_last", scale=None, use_qk_l2norm=True):
+def _(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor, error_flag: Optional[Tensor],
+      g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
+      b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+      layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True) -> Tensor:
     return v.new_empty(v.shape)
 
 
@@ -57,7 +76,27 @@ def verify(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor
            use_qk_l2norm: bool = True, cu_seqlens: Optional[Tensor] = None, parent: Optional[Tensor] = None,
            intermediate_indices: Optional[Tensor] = None, update_state: bool = False,
            num_draft_tokens: int = 0) -> Tensor:
-    """gdnkit.verify as a custom op; returns o."""
+    """:func:`gdnkit.ops.verify` as a custom op: score T draft tokens per sequence.
+
+    Args:
+        q, k: ``[B*T, H, K]`` or ``[B, T, H, K]`` (``[T_total, H, K]`` with cu_seqlens).
+        v: ``[B*T, HV, V]`` or ``[B, T, HV, V]`` (``[T_total, HV, V]`` with cu_seqlens), q's dtype.
+        state: the pool, ``[P, HV, V, K]`` (k_last) or ``[P, HV, K, V]`` (v_last); mutated (written only
+            with update_state).
+        state_indices: ``[B]`` int32 pool slots.
+        intermediate: ``[Q, S, HV, <layout>]`` cache of the state after every token, or None; mutated.
+        error_flag: ``[1]`` int32 or None; mutated.
+        g, beta, a, b, A_log, dt_bias: gates per token, as in decode.
+        layout, scale, use_qk_l2norm: as in decode.
+        cu_seqlens: ``[B+1]`` int32 for varlen drafts, or None.
+        parent: ``[B, T]`` int32 tree parents (-1: the pool state), or None for chains.
+        intermediate_indices: ``[B]`` int32 cache slots (required with intermediate).
+        update_state: chains only: store the state after the last token in the pool.
+        num_draft_tokens: T (the longest draft with cu_seqlens); 0: from the shapes or parent.
+
+    Returns:
+        o, a new tensor of v's shape and dtype.
+    """
     return ops.verify(q, k, v, state, state_indices, layout=layout, g=g, beta=beta, a=a, b=b, A_log=A_log,
                       dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
                       parent=parent, intermediate=intermediate, intermediate_indices=intermediate_indices,
@@ -66,21 +105,36 @@ def verify(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor
 
 
 @verify.register_fake
-def _(q, k, v, state, state_indices, intermediate, error_flag, g=None, beta=None, a=None, b=None, A_log=None,
-      dt_bias=None, layout="k_last", scale=None, use_qk_l2norm=True, cu_seqlens=None, parent=None,
-      intermediate_indices=None, update_state=False, num_draft_tokens=0):
+def _(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor, intermediate: Optional[Tensor],
+      error_flag: Optional[Tensor], g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+      a: Optional[Tensor] = None, b: Optional[Tensor] = None, A_log: Optional[Tensor] = None,
+      dt_bias: Optional[Tensor] = None, layout: str = "k_last", scale: Optional[float] = None,
+      use_qk_l2norm: bool = True, cu_seqlens: Optional[Tensor] = None, parent: Optional[Tensor] = None,
+      intermediate_indices: Optional[Tensor] = None, update_state: bool = False,
+      num_draft_tokens: int = 0) -> Tensor:
     return v.new_empty(v.shape)
 
 
 @torch.library.custom_op("gdnkit::commit", mutates_args=("state", "error_flag"))
 def commit(k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor, accepted: Tensor,
-           error_flag: Optional[Tensor], source: str = "cache", q: Optional[Tensor] = None, g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
-           a: Optional[Tensor] = None, b: Optional[Tensor] = None, A_log: Optional[Tensor] = None,
-           dt_bias: Optional[Tensor] = None, layout: str = "k_last", scale: Optional[float] = None,
-           use_qk_l2norm: bool = True, cu_seqlens: Optional[Tensor] = None, parent: Optional[Tensor] = None,
+           error_flag: Optional[Tensor], source: str = "cache", q: Optional[Tensor] = None,
+           g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
+           b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+           layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True,
+           cu_seqlens: Optional[Tensor] = None, parent: Optional[Tensor] = None,
            intermediate: Optional[Tensor] = None, intermediate_indices: Optional[Tensor] = None,
            accepted_path: Optional[Tensor] = None, num_draft_tokens: int = 0) -> None:
-    """gdnkit.commit as a custom op (updates the pool in place)."""
+    """:func:`gdnkit.ops.commit` as a custom op: keep ``accepted[b]`` draft tokens in the pool.
+
+    Args:
+        k, v, state, state_indices: those of the verify call; state is mutated.
+        accepted: ``[B]`` int32, the number of kept tokens of each sequence (0..T).
+        error_flag: ``[1]`` int32 or None; mutated.
+        source: ``"cache"`` (copy from intermediate) or ``"recompute"`` (replay the kept tokens).
+        q, g, beta, a, b, A_log, dt_bias, layout, scale, use_qk_l2norm, cu_seqlens, parent, intermediate,
+            intermediate_indices, num_draft_tokens: those of the verify call.
+        accepted_path: ``[B, T]`` int32 kept token indices in order (required for trees), or None.
+    """
     ops.commit(k, v, state, state_indices, accepted, source=source, layout=layout, q=q, g=g, beta=beta, a=a, b=b,
                A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
                parent=parent, intermediate=intermediate, intermediate_indices=intermediate_indices,
@@ -89,21 +143,45 @@ def commit(k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor, accepted:
 
 
 @commit.register_fake
-def _(k, v, state, state_indices, accepted, error_flag, source="cache", q=None, g=None, beta=None, a=None, b=None,
-      A_log=None, dt_bias=None, layout="k_last", scale=None, use_qk_l2norm=True, cu_seqlens=None, parent=None,
-      intermediate=None, intermediate_indices=None, accepted_path=None, num_draft_tokens=0):
+def _(k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor, accepted: Tensor, error_flag: Optional[Tensor],
+      source: str = "cache", q: Optional[Tensor] = None, g: Optional[Tensor] = None,
+      beta: Optional[Tensor] = None, a: Optional[Tensor] = None, b: Optional[Tensor] = None,
+      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, layout: str = "k_last",
+      scale: Optional[float] = None, use_qk_l2norm: bool = True, cu_seqlens: Optional[Tensor] = None,
+      parent: Optional[Tensor] = None, intermediate: Optional[Tensor] = None,
+      intermediate_indices: Optional[Tensor] = None, accepted_path: Optional[Tensor] = None,
+      num_draft_tokens: int = 0) -> None:
     return None
 
 
 @torch.library.custom_op("gdnkit::prefill", mutates_args=("state", "checkpoints", "error_flag"))
 def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, state: Optional[Tensor],
-            checkpoints: Optional[Tensor], error_flag: Optional[Tensor], initial_indices: Optional[Tensor] = None, final_indices: Optional[Tensor] = None,
-            g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
-            b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
-            layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True,
-            checkpoint_interval: int = 0, checkpoint_indices: Optional[Tensor] = None,
+            checkpoints: Optional[Tensor], error_flag: Optional[Tensor], initial_indices: Optional[Tensor] = None,
+            final_indices: Optional[Tensor] = None, g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+            a: Optional[Tensor] = None, b: Optional[Tensor] = None, A_log: Optional[Tensor] = None,
+            dt_bias: Optional[Tensor] = None, layout: str = "k_last", scale: Optional[float] = None,
+            use_qk_l2norm: bool = True, checkpoint_interval: int = 0, checkpoint_indices: Optional[Tensor] = None,
             cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
-    """gdnkit.prefill as a custom op; returns o."""
+    """:func:`gdnkit.ops.prefill` as a custom op: chunked prefill of N packed sequences.
+
+    Args:
+        q, k: ``[T_total, H, K]`` (or ``[B, T, H, K]``), float32, bfloat16 or float16.
+        v: ``[T_total, HV, V]`` (or ``[B, T, HV, V]``), q's dtype.
+        cu_seqlens: ``[N+1]`` int32 or int64 sequence offsets (required here).
+        state: the pool, ``[P, HV, V, K]`` (k_last) or ``[P, HV, K, V]`` (v_last), or None; mutated.
+        checkpoints: ``[Q, S, HV, <layout>]`` states every checkpoint_interval tokens, or None; mutated.
+        error_flag: ``[1]`` int32 or None; mutated.
+        initial_indices: ``[N]`` int32 start slots (negative: S = 0), or None.
+        final_indices: ``[N]`` int32 slots for the final states (negative: not stored), or None.
+        g, beta, a, b, A_log, dt_bias: gates per token, as in decode.
+        layout, scale, use_qk_l2norm: as in decode.
+        checkpoint_interval: tokens between checkpoints, a multiple of 64 (0: none).
+        checkpoint_indices: ``[N]`` int32 checkpoint slots, or None.
+        cu_seqlens_cpu: a host copy of cu_seqlens, validated before launch, or None.
+
+    Returns:
+        o, a new tensor of v's shape and dtype.
+    """
     return ops.prefill(q, k, v, cu_seqlens, state=state, initial_indices=initial_indices,
                        final_indices=final_indices, layout=layout, g=g, beta=beta, a=a, b=b, A_log=A_log,
                        dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, checkpoints=checkpoints,
@@ -112,18 +190,30 @@ def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, state: Optional
 
 
 @prefill.register_fake
-def _(q, k, v, cu_seqlens, state, checkpoints, error_flag, initial_indices=None, final_indices=None, g=None,
-      beta=None, a=None, b=None, A_log=None, dt_bias=None, layout="k_last", scale=None, use_qk_l2norm=True,
-      checkpoint_interval=0, checkpoint_indices=None, cu_seqlens_cpu=None):
+def _(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, state: Optional[Tensor], checkpoints: Optional[Tensor],
+      error_flag: Optional[Tensor], initial_indices: Optional[Tensor] = None,
+      final_indices: Optional[Tensor] = None, g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+      a: Optional[Tensor] = None, b: Optional[Tensor] = None, A_log: Optional[Tensor] = None,
+      dt_bias: Optional[Tensor] = None, layout: str = "k_last", scale: Optional[float] = None,
+      use_qk_l2norm: bool = True, checkpoint_interval: int = 0, checkpoint_indices: Optional[Tensor] = None,
+      cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
     return v.new_empty(v.shape)
 
 
 @torch.library.custom_op("gdnkit::convert_layout", mutates_args=())
 def convert_layout(src: Tensor, src_layout: str) -> Tensor:
-    """gdnkit.convert_layout out of place: returns the pool in the other layout."""
+    """:func:`gdnkit.ops.convert_layout` out of place.
+
+    Args:
+        src: ``[P, HV, V, K]`` (k_last) or ``[P, HV, K, V]`` (v_last), float32 or bfloat16.
+        src_layout: ``"k_last"`` or ``"v_last"``, the layout of src.
+
+    Returns:
+        The pool in the other layout: a new tensor of src's dtype with the last two dims swapped.
+    """
     return ops.convert_layout(src, src_layout=src_layout, stream=_stream(src))
 
 
 @convert_layout.register_fake
-def _(src, src_layout):
+def _(src: Tensor, src_layout: str) -> Tensor:
     return src.new_empty((src.shape[0], src.shape[1], src.shape[3], src.shape[2]))

@@ -382,11 +382,8 @@ struct Dims {
 
 // ---- ops --------------------------------------------------------------------------------------
 
-// Runs one library entry with the GIL held and rethrows a gdnkit::Error from this module.
-// NOTES: a SIGSEGV seen on the GPU machine when a library error reached Python was the std::ostringstream
-// that formatted numbers into the message (a backtrace put it in std::ostream::_M_insert<long>); messages
-// are now built without iostreams (src/common/message.h). Holding the GIL costs nothing that matters: CUDA
-// calls only enqueue work, and the CPU backend is a reference.
+// Runs one library entry with the GIL held and rethrows a gdnkit::Error from this module. Holding the GIL
+// costs nothing that matters: CUDA calls only enqueue work, and the CPU backend is a reference.
 template <class Fn>
 void call_library(Fn&& fn) {
   ErrorCode code = ErrorCode::kInvalidArgument;
@@ -401,10 +398,11 @@ void call_library(Fn&& fn) {
   throw Error(code, message);
 }
 
-// Internal: which way of raising a library error reaches Python on this machine (diagnosis only).
+// Test hook (_gdnkit._testing.raise_error, wrapped by gdnkit._testing): raises a gdnkit::Error along one of
+// the ways an error can reach Python, so the tests check each of them:
 //   0: Error thrown here with the GIL released      1: library error, GIL held, not caught here
 //   2: library error through call_library            3: library error, GIL released, not caught here
-void debug_throw(int mode) {
+void raise_error(int mode) {
   DecodeParams p;
   p.heads.num_qk_heads = 3;  // does not divide HV: validate() throws "q: H=3 does not divide HV=4"
   p.heads.num_v_heads = 4;
@@ -418,6 +416,7 @@ void debug_throw(int mode) {
     nb::gil_scoped_release release;
     validate(p, Backend::kCPU);
   }
+  fail("mode: expected 0, 1, 2 or 3, got ", mode);
 }
 
 // Fills the fields decode, verify and commit share. q and o may be absent (commit).
@@ -751,8 +750,11 @@ NB_MODULE(_gdnkit, m) {
         "checkpoint_interval"_a = 0, "checkpoint_indices"_a = nb::none(), "cu_seqlens_cpu"_a = nb::none(),
         "cpu_algorithm"_a = "auto", "workspace"_a = nb::none(), "error_flag"_a = nb::none(), "stream"_a = 0);
   m.def("convert_layout", &convert_layout_op, "src"_a, "dst"_a, nb::kw_only(), "src_layout"_a, "stream"_a = 0);
-  m.def("_debug_throw", &debug_throw, "mode"_a);
   m.def("cuda_compiled", &g::cuda_compiled);
   m.def("cuda_available", &g::cuda_available);
   m.def("build_info", &g::build_info);
+
+  // Hooks for the tests only (gdnkit/_testing.py); not part of the API.
+  nb::module_ testing = m.def_submodule("_testing", "Test hooks of the gdnkit binding (not part of the API).");
+  testing.def("raise_error", &raise_error, "mode"_a);
 }

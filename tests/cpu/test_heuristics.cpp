@@ -3,12 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "cuda/host/overrides.h"
 #include "cuda/prefill/heuristics.h"
 #include "cuda/recurrent/heuristics.h"
 #include "gdnkit/gdnkit.h"
+#include "support/problem.h"
 
 namespace gdnkit::cuda {
 namespace {
@@ -298,14 +300,129 @@ TEST(PrefillHeuristics, ForcedChoicesAreChecked) {
   EXPECT_THROW(chunked_prefill::choose_prefill(call.p, kSms, o), Error);
 }
 
-TEST(PrefillHeuristics, PublicPrefillPathReportsTheShortReach) {
-  PrefillCall call(std::vector<int64_t>(4, 8));
-  int32_t idx[4] = {0, 1, 2, 3};
-  call.p.initial_indices = idx;
-  call.p.cu_seqlens = call.cu.data();
-  call.p.cu_seqlens_dtype = DType::kInt64;
-  EXPECT_EQ(prefill_path(call.p).short_max_len, 24);
+}  // namespace
+}  // namespace gdnkit::cuda
+
+// The prefill plan's host rules on the tests' random problems.
+namespace gdnkit::test {
+namespace {
+
+ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
+  ProblemConfig c;
+  c.op = OpKind::kPrefill;
+  c.seq_lens = std::move(lens);
+  c.H = H, c.HV = HV, c.K = K, c.V = V;
+  c.zero_initial_rows = 1;
+  return c;
+}
+
+// Host-side planning, no kernel: chunk c of sequence n owns workspace slot floor(cu[n]/64) + n + c;
+// the slots of all chunks are distinct and below num_chunk_slots for any non-decreasing cu_seqlens
+// (the host sizes the workspace without reading them).
+TEST(PrefillPlan, ChunkSlotsDistinctAndBounded) {
+  std::mt19937_64 gen(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int N = 1 + int(gen() % 40);
+    std::vector<int64_t> cu(N + 1, 0);
+    for (int n = 0; n < N; ++n) {
+      const uint64_t kind = gen() % 4;  // empty, short, around the chunk, long
+      const int64_t len = kind == 0   ? 0
+                          : kind == 1 ? int64_t(gen() % 8)
+                          : kind == 2 ? 60 + int64_t(gen() % 10)
+                                      : int64_t(gen() % 700);
+      cu[n + 1] = cu[n] + len;
+    }
+    PrefillParams p;
+    p.num_seqs = N;
+    p.total_tokens = cu[N];
+    const int64_t slots = cuda::chunked_prefill::num_chunk_slots(p);
+    std::vector<char> used(size_t(slots), 0);
+    for (int n = 0; n < N; ++n)
+      for (int64_t c = 0; c * 64 < cu[n + 1] - cu[n]; ++c) {
+        const int64_t s = cu[n] / 64 + n + c;
+        ASSERT_LT(s, slots) << "trial " << trial << " n " << n << " c " << c;
+        ASSERT_FALSE(used[size_t(s)]) << "slot " << s << " taken twice (trial " << trial << ")";
+        used[size_t(s)] = 1;
+      }
+  }
+}
+
+// The state pass: the head pass where it can run, else the widest tile that still gives ~2 CTAs per
+// SM (64 is not built for K = 256).
+// The short path's reach per pool layout and dtype, and when it is taken: with a host copy of cu_seqlens
+// whenever a sequence is short, without it when the mean length is within the reach.
+TEST(PrefillPlan, ShortPathChoice) {
+  auto choose = [](std::vector<int32_t> lens, StateLayout layout, DType state, DType in, bool host) {
+    ProblemConfig c = base(std::move(lens), 2, 4);
+    c.layout = layout, c.state_dtype = state, c.in_dtype = in, c.pass_cu_seqlens_host = host;
+    Problem p(c);
+    const PrefillParams pp = p.prefill_params(PrefillAlgorithm::kAuto);
+    EXPECT_TRUE(cuda::chunked_prefill::short_path_supported(pp));
+    return cuda::chunked_prefill::choose_short_len(pp, {});
+  };
+  const auto kl = StateLayout::kKLast, vl = StateLayout::kVLast;
+  const auto f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
+  const std::vector<int32_t> mixed = {3, 200, 17, 64}, all_short = {3, 8, 0, 20}, all_long = {100, 64};
+  EXPECT_EQ(choose(mixed, kl, f32, bf16, true), 24);  // chain kernel, fp32 pool
+  EXPECT_EQ(choose(mixed, kl, bf16, bf16, true), 32);
+  EXPECT_EQ(choose(mixed, vl, f32, bf16, true), 8);  // warp kernel
+  EXPECT_EQ(choose(mixed, vl, bf16, bf16, true), 16);
+  EXPECT_EQ(choose(mixed, kl, f32, f16, true), 8);
+  EXPECT_EQ(choose(all_long, kl, f32, bf16, true), 0);
+  EXPECT_EQ(choose(mixed, kl, f32, bf16, false), 0);  // mean 71 > 24
+  EXPECT_EQ(choose(all_short, kl, f32, bf16, false), 24);
+}
+
+TEST(PrefillPlan, ValueTileHeuristic) {
+  auto tile = [](int N, int HV, int K, int V, DType dt) {
+    PrefillParams p;
+    p.q.dtype = p.k.dtype = p.v.dtype = p.o.dtype = dt;
+    p.num_seqs = N;
+    p.heads.num_qk_heads = 1, p.heads.num_v_heads = HV, p.heads.head_dim_k = K, p.heads.head_dim_v = V;
+    return cuda::chunked_prefill::choose_vtile(p, 132);
+  };
+  constexpr int kHead = cuda::chunked_prefill::kVTileHead;
+  // 16-bit inputs (the default view dtype), K <= 128, V in {64, 128}: the head state pass.
+  EXPECT_EQ(tile(8, 32, 128, 128, DType::kBFloat16), kHead);
+  EXPECT_EQ(tile(1, 32, 128, 128, DType::kFloat16), kHead);
+  EXPECT_EQ(tile(1, 2, 64, 64, DType::kBFloat16), kHead);
+  // fp32 inputs (converted on load) and K or V = 256: the tiled state pass.
+  EXPECT_EQ(tile(8, 32, 128, 128, DType::kFloat32), 64);     // 8x8192: 512 CTAs at VT=64 (fastest measured)
+  EXPECT_EQ(tile(1024, 32, 128, 128, DType::kFloat32), 64);  // 1024x8
+  EXPECT_EQ(tile(1, 32, 128, 128, DType::kFloat32), 16);     // 1x32768, 1x8192: 256 CTAs at VT=16
+  EXPECT_EQ(tile(4, 32, 128, 128, DType::kFloat32), 32);
+  EXPECT_EQ(tile(64, 8, 256, 256, DType::kBFloat16), 32);  // K = 256 has no 64 tile
+  EXPECT_EQ(tile(1, 2, 64, 256, DType::kBFloat16), 16);
+  // The head pass splits a head's columns over 2 CTAs while that keeps one CTA per SM.
+  auto split = [](int N, int HV, int V) {
+    PrefillParams p;
+    p.num_seqs = N;
+    p.heads.num_qk_heads = 1, p.heads.num_v_heads = HV, p.heads.head_dim_k = 128, p.heads.head_dim_v = V;
+    return cuda::chunked_prefill::choose_head_split(p, 132);
+  };
+  EXPECT_EQ(split(1, 32, 128), 2);  // 1x32768, 1x8192
+  EXPECT_EQ(split(2, 32, 64), 2);
+  EXPECT_EQ(split(8, 32, 128), 1);  // 8x8192
+  EXPECT_EQ(split(3, 32, 128), 1);
+  for (DType dt : {DType::kBFloat16, DType::kFloat32})
+    for (int K : {64, 128, 256})
+      for (int V : {64, 128, 256})
+        for (int N : {1, 3, 100, 5000}) {
+          const int vt = tile(N, 8, K, V, dt);
+          EXPECT_TRUE(cuda::chunked_prefill::vtile_supported(K, vt) && vt <= V) << K << " " << V << " " << N;
+        }
+}
+
+// The public entry that tools use to label a call: the reach the CUDA backend will use.
+TEST(PrefillPlan, PublicPrefillPathReportsTheShortReach) {
+  ProblemConfig c = base({8, 8, 300, 0}, 16, 32);
+  c.in_dtype = DType::kBFloat16;
+  Problem p(c);
+  EXPECT_EQ(prefill_path(p.prefill_params(PrefillAlgorithm::kAuto)).short_max_len, 24);
+  ProblemConfig l = base({300, 500}, 16, 32);
+  Problem q(l);
+  EXPECT_EQ(prefill_path(q.prefill_params(PrefillAlgorithm::kAuto)).short_max_len, 0);
 }
 
 }  // namespace
-}  // namespace gdnkit::cuda
+}  // namespace gdnkit::test

@@ -1,6 +1,6 @@
-"""The spec's recurrence in NumPy float64 (../shared/SPEC.md), and random problems for the tests.
+"""The recurrence of docs/semantics.md in NumPy float64, and random problems for the tests.
 
-Everything here is written from the spec's text, token by token:
+Everything here is written from that definition, token by token:
 
     g_t    = -exp(A_log[h]) * softplus(a_t[h] + dt_bias[h])      (or given)
     beta_t = sigmoid(b_t[h])                                     (or given)
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SPEC_TOL = {
-    # (op kind, what, dtype) -> rel tolerance vs the fp64 reference (SPEC.md "Tolerances")
+TOLERANCES = {
+    # (op kind, what, dtype) -> rel tolerance vs the fp64 reference (docs/semantics.md, "Tolerances")
     ("recurrent", "o", "bf16"): 4e-3,
     ("recurrent", "o", "fp16"): 4e-3,
     ("recurrent", "o", "fp32"): 5e-5,
@@ -106,7 +106,7 @@ def pool_shape(P, HV, K, V, layout):
 # ---- random problems ----------------------------------------------------------------------------
 
 class Problem:
-    """Random inputs per the spec's recipe: q, k, v ~ N(0,1); a, b ~ N(0,1); A_log = log U(1,16);
+    """Random inputs as docs/semantics.md draws them: q, k, v ~ N(0,1); a, b ~ N(0,1); A_log = log U(1,16);
     dt_bias ~ N(0, 0.5) (long_memory: A_log = log U(1e-3, 1e-2))."""
 
     def __init__(self, rng, T, H=2, HV=4, K=64, V=128, dtype=np.float32, gating="fused", long_memory=False,

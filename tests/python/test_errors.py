@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import gdnkit
+from gdnkit import _testing
 from reference import Problem, bits_equal, poison, random_pool
 
 
@@ -17,12 +18,13 @@ def test_exception_classes():
     assert issubclass(gdnkit.GdnkitRuntimeError, RuntimeError)
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
 def test_library_errors_reach_python(mode):
-    """Errors thrown by this module (0) and by the library (1: direct, 2: the path every op takes)."""
+    """Errors thrown by the binding (0) and by the library (1: GIL held, 2: the path every op takes,
+    3: GIL released)."""
     msg = "debug: thrown by the binding" if mode == 0 else "q: H=3 does not divide HV=4"
     with pytest.raises(gdnkit.GdnkitError) as info:
-        gdnkit._gdnkit._debug_throw(mode)
+        _testing.raise_error(mode)
     assert str(info.value) == msg
 
 

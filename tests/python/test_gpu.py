@@ -2,7 +2,7 @@
 vs FLA's own functions (when fla is importable), CUDA-graph capture, torch.compile, side streams.
 
 Skips visibly without torch, without a CUDA device, without a CUDA build, and per test where the CUDA
-kernel of an op has not landed (GdnkitNotImplementedError)."""
+backend does not implement a request (GdnkitNotImplementedError)."""
 
 import zlib
 
@@ -34,7 +34,7 @@ def randn(g, *shape, dtype=torch.float32, device=DEV):
 
 
 def cuda_or_skip(fn, *args, **kwargs):
-    """Run a CUDA call; an op whose kernel has not landed skips the test with the library's message."""
+    """Run a CUDA call; a request the CUDA backend does not implement skips the test with its message."""
     try:
         out = fn(*args, **kwargs)
         torch.cuda.synchronize()

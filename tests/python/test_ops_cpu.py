@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gdnkit
-from reference import (SPEC_TOL, Problem, bits_equal, from_layout, poison, pool_shape, random_pool, rel,
+from reference import (TOLERANCES, Problem, bits_equal, from_layout, poison, pool_shape, random_pool, rel,
                        run_tokens, to_layout)
 
 LAYOUTS = ["k_last", "v_last"]
@@ -22,7 +22,7 @@ def rng_for(*key):
 
 
 def tol(kind, what, dtype_name):
-    return SPEC_TOL[(kind, what, dtype_name)]
+    return TOLERANCES[(kind, what, dtype_name)]
 
 
 def make_pool(rng, P, p, layout, touched):

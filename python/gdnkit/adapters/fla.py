@@ -3,7 +3,7 @@
     # from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     from gdnkit.adapters.fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-Same arguments, same results within the spec's tolerances: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
+Same arguments, same results within the tolerances of docs/semantics.md: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``,
 g, beta ``[B, T, HV]``; with ``cu_seqlens`` (int32 or int64) B must be 1. ``initial_state`` and the
 returned final state are ``[N, HV, K, V]`` (``state_v_first=True``: ``[N, HV, V, K]``); the final state
 is float32 as in FLA, and ``initial_state`` is never modified.
@@ -21,15 +21,15 @@ Not supported (NotImplementedError): autograd, ``gk`` / ``gv`` (per-channel deca
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .._gdnkit import GdnkitError
-from ._common import (arange32, check_heads, fixed_cu_seqlens, fp32, gate_dtype, not_supported, require_no_grad,
-                      state_dtype)
+from ._common import (Device, arange32, check_heads, fixed_cu_seqlens, fp32, gate_dtype, not_supported,
+                      require_no_grad, state_dtype)
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gdn", "fused_recurrent_gdn"]
 
@@ -38,7 +38,7 @@ _RECURRENT_MAX_T = 64
 
 
 def _gates(fn: str, g: Optional[Tensor], beta: Optional[Tensor], v: Tensor, use_gate_in_kernel: bool,
-           A_log: Optional[Tensor], dt_bias: Optional[Tensor], use_beta_sigmoid_in_kernel: bool) -> dict:
+           A_log: Optional[Tensor], dt_bias: Optional[Tensor], use_beta_sigmoid_in_kernel: bool) -> Dict[str, Tensor]:
     """gdnkit gate arguments for FLA's gate options."""
     B, T, HV = v.shape[0], v.shape[1], v.shape[2]
     if beta is None:
@@ -64,7 +64,7 @@ def _gates(fn: str, g: Optional[Tensor], beta: Optional[Tensor], v: Tensor, use_
 
 
 def _state(initial_state: Optional[Tensor], output_final_state: bool, scratch: bool, N: int, HV: int, K: int,
-           V: int, state_v_first: bool, device) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+           V: int, state_v_first: bool, device: Device) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(pool, initial_indices, final_indices). The pool is a fp32 copy when the op writes it, so the
     caller's initial_state is never modified. scratch: the op always writes its pool (decode)."""
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
@@ -80,7 +80,8 @@ def _state(initial_state: Optional[Tensor], output_final_state: bool, scratch: b
     return state_dtype(initial_state).contiguous(), idx, None
 
 
-def _kwargs(fn: str, kwargs: dict, state_v_first: bool) -> bool:
+def _kwargs(fn: str, kwargs: Dict[str, Any], state_v_first: bool) -> bool:
+    """FLA's renamed and removed keyword arguments; returns state_v_first."""
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             raise GdnkitError(f"{fn}: cannot pass both `state_v_first` and the deprecated `transpose_state_layout`")
@@ -97,8 +98,41 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            use_qk_l2norm_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
                            allow_neg_eigval: bool = False, state_v_first: bool = False,
                            cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
-                           chunk_indices: Optional[Tensor] = None, cp_context=None, **kwargs):
-    """FLA's ``chunk_gated_delta_rule`` (forward): returns ``(o, final_state or None)``."""
+                           chunk_indices: Optional[Tensor] = None, cp_context: Optional[Any] = None,
+                           **kwargs: Any) -> Tuple[Tensor, Optional[Tensor]]:
+    """FLA's ``chunk_gated_delta_rule`` (forward only), computed by gdnkit's chunked prefill.
+
+    Args:
+        q, k: ``[B, T, H, K]``, float32, bfloat16 or float16.
+        v: ``[B, T, HV, V]``, q's dtype (HV a multiple of H).
+        g: ``[B, T, HV]`` log-space decay (with ``use_gate_in_kernel``: the raw projection ``a``).
+        beta: ``[B, T, HV]`` (with ``use_beta_sigmoid_in_kernel``: the raw projection ``b``).
+        scale: query scale; None: ``1 / sqrt(K)``.
+        initial_state: ``[N, HV, K, V]`` (``state_v_first``: ``[N, HV, V, K]``) or None (zeros); read,
+            never modified.
+        output_final_state: also return the final states.
+        use_qk_l2norm_in_kernel: L2-normalize q and k per head.
+        use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)``.
+        allow_neg_eigval: not supported (must be False).
+        state_v_first: states are ``[.., HV, V, K]`` (gdnkit's K-last) instead of ``[.., HV, K, V]``.
+        cu_seqlens: ``[N+1]`` sequence offsets (int32 or int64) for varlen input with B = 1, or None.
+        cu_seqlens_cpu: a host copy of ``cu_seqlens``, or None.
+        chunk_indices: accepted and ignored (gdnkit chunks internally).
+        cp_context: not supported (must be None).
+        **kwargs: ``use_gate_in_kernel`` with ``A_log``, ``dt_bias`` ``[HV]`` (gating in the kernel:
+            ``g = -exp(A_log) * softplus(g + dt_bias)``); ``chunk_size`` (16, 32 or 64; gdnkit always uses
+            64); the deprecated ``transpose_state_layout``.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state float32 in the layout of
+        ``initial_state`` (``[N, HV, K, V]``, or ``[N, HV, V, K]`` with ``state_v_first``), or None
+        without ``output_final_state``.
+
+    Raises:
+        NotImplementedError: autograd (an input requires grad), ``allow_neg_eigval``, head-wise beta,
+            ``cp_context``.
+        gdnkit.GdnkitError: invalid arguments (a ValueError), with FLA's messages where FLA checks them.
+    """
     fn = "chunk_gated_delta_rule"
     state_v_first = _kwargs(fn, kwargs, state_v_first)
     if cp_context is not None:
@@ -116,8 +150,12 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                     state_v_first, cu_seqlens, cu_seqlens_cpu)
 
 
-def _prefill(fn, q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, use_gate_in_kernel, A_log,
-             dt_bias, use_beta_sigmoid_in_kernel, state_v_first, cu_seqlens, cu_seqlens_cpu):
+def _prefill(fn: str, q: Tensor, k: Tensor, v: Tensor, g: Optional[Tensor], beta: Optional[Tensor],
+             scale: Optional[float], initial_state: Optional[Tensor], output_final_state: bool, l2norm: bool,
+             use_gate_in_kernel: bool, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+             use_beta_sigmoid_in_kernel: bool, state_v_first: bool, cu_seqlens: Optional[Tensor],
+             cu_seqlens_cpu: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Both FLA functions on gdnkit's prefill: (o, final state or None)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is not None:
@@ -149,8 +187,43 @@ def fused_recurrent_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Optiona
                                      use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
                                      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
                                      use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
-                                     state_v_first: bool = False, cu_seqlens: Optional[Tensor] = None, **kwargs):
-    """FLA's ``fused_recurrent_gated_delta_rule`` (forward): returns ``(o, final_state or None)``."""
+                                     state_v_first: bool = False, cu_seqlens: Optional[Tensor] = None,
+                                     **kwargs: Any) -> Tuple[Tensor, Optional[Tensor]]:
+    """FLA's ``fused_recurrent_gated_delta_rule`` (forward only), computed by gdnkit.
+
+    One token per sequence runs gdnkit's decode, fixed-length batches of up to 64 tokens its verify
+    recurrence (a chain, state updated), anything else (``cu_seqlens``, longer sequences) its prefill.
+
+    Args:
+        q, k: ``[B, T, H, K]``, float32, bfloat16 or float16.
+        v: ``[B, T, HV, V]``, q's dtype (HV a multiple of H).
+        g: ``[B, T, HV]`` log-space decay (with ``use_gate_in_kernel``: the raw projection ``a``), or
+            None (no decay).
+        gk, gv: not supported (must be None).
+        beta: ``[B, T, HV]`` (with ``use_beta_sigmoid_in_kernel``: the raw projection ``b``), or None
+            (ones).
+        scale: query scale; None: ``1 / sqrt(K)``.
+        initial_state: ``[N, HV, K, V]`` (``state_v_first``: ``[N, HV, V, K]``) or None (zeros); read,
+            never modified.
+        output_final_state: also return the final states.
+        use_qk_l2norm_in_kernel: L2-normalize q and k per head.
+        use_gate_in_kernel: ``g = -exp(A_log) * softplus(g + dt_bias)`` computed in the kernel.
+        A_log, dt_bias: ``[HV]`` gating parameters for ``use_gate_in_kernel`` (dt_bias None: zeros).
+        use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)``.
+        allow_neg_eigval: not supported (must be False).
+        state_v_first: states are ``[.., HV, V, K]`` (gdnkit's K-last) instead of ``[.., HV, K, V]``.
+        cu_seqlens: ``[N+1]`` sequence offsets (int32 or int64) for varlen input with B = 1, or None.
+        **kwargs: the deprecated ``transpose_state_layout``.
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state float32 in the layout of
+        ``initial_state``, or None without ``output_final_state``.
+
+    Raises:
+        NotImplementedError: autograd (an input requires grad), ``gk`` / ``gv``, ``allow_neg_eigval``,
+            head-wise beta.
+        gdnkit.GdnkitError: invalid arguments (a ValueError), with FLA's messages where FLA checks them.
+    """
     fn = "fused_recurrent_gated_delta_rule"
     state_v_first = _kwargs(fn, kwargs, state_v_first)
     if gk is not None or gv is not None:

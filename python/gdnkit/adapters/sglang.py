@@ -46,6 +46,37 @@ def fused_sigmoid_gating_delta_rule_update(A_log: Tensor, a: Tensor, dt_bias: Te
                                            intermediate_state_indices: Optional[Tensor] = None,
                                            cache_steps: Optional[int] = None,
                                            retrieve_parent_token: Optional[Tensor] = None) -> Tensor:
+    """SGLang's ``fused_sigmoid_gating_delta_rule_update`` (decode and target verify), computed by gdnkit.
+
+    Args:
+        A_log, dt_bias: ``[HV]`` gating parameters: ``g = -exp(A_log) * softplus(a + dt_bias)``.
+        a: ``[B*T, HV]`` or ``[B, T, HV]`` raw decay projection.
+        softplus_beta, softplus_threshold: must be 1 and 20 (gdnkit's softplus).
+        q, k: ``[B, T, H, K]`` (B = 1 with ``cu_seqlens``), float32, bfloat16 or float16.
+        v: ``[B, T, HV, V]``, q's dtype.
+        b: ``[B*T, HV]`` or ``[B, T, HV]`` raw beta projection: ``beta = sigmoid(b)``.
+        initial_state_source: the pool ``[P, HV, V, K]`` (K-last), updated in place at
+            ``initial_state_indices`` unless ``disable_state_update``; None: start from zeros, store nothing.
+        initial_state_indices: ``[N]`` (or longer: the first N are used) pool slots; negative: padding
+            (output 0, no state I/O).
+        scale: query scale; None: ``1 / sqrt(K)``.
+        use_qk_l2norm_in_kernel: L2-normalize q and k per head.
+        cu_seqlens: ``[N+1]`` sequence offsets (int32 or int64), or None (B sequences of T tokens).
+        is_kda: not supported (must be False).
+        disable_state_update: leave the pool unchanged.
+        intermediate_states_buffer: ``[Q, cache_steps, HV, V, K]`` (or a view of it), receives the state
+            after every token at ``intermediate_state_indices``; or None.
+        intermediate_state_indices: ``[N]`` slots in the intermediate buffer (required with it).
+        cache_steps: steps per slot of the intermediate buffer (required with it and ``cu_seqlens``).
+        retrieve_parent_token: ``[N, T]`` tree parents (entry 0 of every row is ignored), or None for chains.
+
+    Returns:
+        o: ``[B, T, HV, V]`` (v's shape and dtype).
+
+    Raises:
+        NotImplementedError: ``is_kda``, other softplus parameters, autograd (an input requires grad).
+        gdnkit.GdnkitError: invalid arguments (a ValueError).
+    """
     fn = "fused_sigmoid_gating_delta_rule_update"
     if is_kda:
         raise not_supported(fn, "is_kda", "per-channel (KDA) gating")

@@ -57,6 +57,8 @@ __global__ void __launch_bounds__(kTile* kRowsPerPass)
   }
 }
 
+constexpr int kCtasPerSm = 16;
+
 template <class E>
 void launch_transpose(const LayoutParams& p, bool in_place, Stream stream) {
   // Source rows: K-last [V, K], V-last [K, V].
@@ -65,7 +67,9 @@ void launch_transpose(const LayoutParams& p, bool in_place, Stream stream) {
   const int64_t tiles = in_place ? int64_t(R / kTile) * (R / kTile + 1) / 2 : int64_t(R / kTile) * (C / kTile);
   const int64_t total = p.src.num_slots * p.num_v_heads * tiles;
   if (total == 0) return;
-  const unsigned grid = unsigned(total < 132 * 16 ? total : 132 * 16);
+  // A grid-stride loop over the tiles: kCtasPerSm CTAs per SM keep every SM busy without a CTA per tile.
+  const int64_t max_ctas = int64_t(device_sms()) * kCtasPerSm;
+  const unsigned grid = unsigned(total < max_ctas ? total : max_ctas);
   const dim3 block(kTile, kRowsPerPass);
   const E* src = static_cast<const E*>(p.src.data);
   E* dst = static_cast<E*>(p.dst.data);

@@ -26,6 +26,8 @@ constexpr int kMWarpgroupMinChunks = 4;
 // with many short CTAs each one's wait costs more than the overlap saves.
 constexpr int kEarlyPassMaxCtasPerSm = 4;
 
+constexpr int32_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the short path has one row per sequence
+
 bool has_checkpoints(const PrefillParams& p) {
   return p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoint_indices != nullptr;
 }
@@ -52,7 +54,7 @@ bool short_path_supported(const PrefillParams& p) {
   const int K = p.heads.head_dim_k;
   const int64_t slot_bytes = p.state.slot_stride * dtype_size(p.state.dtype);
   return head_pass_ok(p) && K == p.heads.head_dim_v && (K == 64 || K == 128) && aligned(p.state.data, 16) &&
-         slot_bytes % 16 == 0 && p.num_seqs > 0 && p.num_seqs <= 65535 && p.heads.num_v_heads > 0;
+         slot_bytes % 16 == 0 && p.num_seqs > 0 && p.num_seqs <= kMaxGridY && p.heads.num_v_heads > 0;
 }
 
 bool head_tensor_maps_ok(const PrefillParams& p) {

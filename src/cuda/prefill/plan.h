@@ -63,7 +63,6 @@ struct Plan {
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
-  int32_t num_sms = 132;
   // Sequences of at most short_len tokens (prefill/short_sequence.h) run on the short-sequence path
   // instead: both kernels skip them. 0: the chunked kernels run every sequence.
   int32_t short_len = 0;

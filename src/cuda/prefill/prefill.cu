@@ -139,8 +139,7 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
 void run(const PrefillParams& p_in, cudaStream_t stream) {
   if (p_in.num_seqs <= 0) return;
   PrefillParams p = p_in;
-  const int num_sms = device_sms();
-  const PrefillChoice choice = choose_prefill(p, num_sms, overrides());
+  const PrefillChoice choice = choose_prefill(p, device_sms(), overrides());
   if (choice.only_short) return prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
 
   const int K = p.heads.head_dim_k;
@@ -148,7 +147,6 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
     throw Error(ErrorCode::kInvalidArgument,
                 "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
   Plan plan;
-  plan.num_sms = num_sms;
   plan.scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / std::sqrt(float(K));
   plan.qkv_vec = qkv_vectorized(p);
   plan.fp16_operands = p.q.dtype != DType::kBFloat16;

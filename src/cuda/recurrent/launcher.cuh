@@ -59,8 +59,9 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
   constexpr int kCtaWarps = Regular::kCtaWarps;
   constexpr int kThreads = kCtaWarps * 32;
   constexpr int kRegularCols = V / Regular::kRows / kCtaWarps;  // exact: kCtaWarps divides V / kRows
+  constexpr int64_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y: one row per sequence
   if (p.batch <= 0 || p.heads.num_v_heads <= 0) return;
-  if (p.batch > 65535 || int64_t(p.heads.num_v_heads) * kRegularCols > int64_t(INT32_MAX))
+  if (p.batch > kMaxGridY || int64_t(p.heads.num_v_heads) * kRegularCols > int64_t(INT32_MAX))
     throw Error(ErrorCode::kNotImplemented, "cuda recurrent: B = " + std::to_string(p.batch) + ", HV = " +
                                                 std::to_string(p.heads.num_v_heads) + " exceed the grid (B <= 65535, HV * " +
                                                 std::to_string(kRegularCols) + " < 2^31)");
