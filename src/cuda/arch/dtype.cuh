@@ -1,6 +1,7 @@
 // Device element helpers shared by every CUDA kernel: L2 prefetch and cp.async, fp32 / bf16 / fp16 loads
 // and stores with conversion to fp32, 16-byte vector loads of contiguous runs, warp reductions, and the
-// spec's gating math. Accumulation is always fp32; rounding to a storage dtype happens only in store().
+// gating math (docs/semantics.md "The recurrence"). Accumulation is always fp32; rounding to a storage dtype
+// happens only in a store.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -207,8 +208,8 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
 __device__ __forceinline__ float fused_decay(float A_log, float a, float dt_bias) {
   return -expf(A_log) * softplus(a + dt_bias);
 }
-// The same with the SFU's exp2 / log2 / reciprocal (a few ulp; for kernels with 16-bit outputs): about 60 fewer
-// instructions on a decode warp's dependent chain. softplus(x) for x < -15 (1 + e^x rounds to 1) is 0 instead of
+// The same with the SFU's exp2 / log2 / reciprocal (a few ulp; for kernels with 16-bit outputs): a much shorter
+// dependent chain for a decode warp than the IEEE forms. softplus(x) for x < -15 (1 + e^x rounds to 1) is 0 instead of
 // e^x < 3.1e-7, so g is off by at most 3.1e-7 exp(A_log).
 __device__ __forceinline__ float softplus_fast(float x) { return x > 20.0f ? x : __logf(1.0f + __expf(x)); }
 __device__ __forceinline__ float sigmoid_fast(float x) { return __frcp_rn(1.0f + __expf(-x)); }

@@ -1,11 +1,11 @@
 // Decode of K-last bf16 pools with bf16 inputs: the dot products on tensor cores.
 //
 // The warp kernel (warp_kernel.cuh) forms S^T k and S^T q of a warp's columns as per-lane FMAs plus a
-// cross-lane reduction: with bf16 state a decode warp issues ~720 instructions for 2 KB of state, and at small B a
-// call is one chain of dependent steps per warp (docs/decode-profile.md). Here the two products are one
-// mma.sync m16n8k16 per 16 rows of k: A = 16 columns of S (the warp's columns, as loaded from a K-last
-// pool), B = [k q 0 ... 0] (n = 0: k, n = 1: q), accumulated in fp32 (bf16 x bf16 products are exact, as in
-// the warp kernel, which converts both to fp32 before its FMAs; only the order of the additions differs).
+// cross-lane reduction: with bf16 state a decode warp issues ~720 instructions for 2 KB of state, and at small B
+// a call is one chain of dependent steps per warp (docs/design/decode.md "Tensor-core decode"). Here the two
+// products are one mma.sync m16n8k16 per 16 rows of k: A = 16 columns of S (the warp's columns, as loaded from
+// a K-last pool), B = [k q 0 ... 0] (n = 0: k, n = 1: q), accumulated in fp32 (bf16 x bf16 products are exact,
+// as in the warp kernel, which converts both to fp32 before its FMAs; only the order of the additions differs).
 //
 // Lane l = 4 r + c holds columns v0 + r and v0 + r + 8, each as kChunks 16-byte chunks of k: chunk j covers
 // k = 32 j + 8 c .. + 7 (a warp's load instruction reads 64 contiguous bytes of each of 8 columns). A dot
@@ -19,13 +19,10 @@
 // shares its helpers (row.cuh, token.cuh); the gates use the SFU forms (dtype.cuh, fused_decay_fast: the outputs
 // and the state are bf16 here).
 //
-// Where it runs (warp_kernel.cuh's launcher): grids that fit the GPU twice over, i.e. in prefetch mode with the next
-// call's CTAs resident beside them (qwen3-next: B <= 6). There it shortens each warp's dependent chain: H100, against
-// the warp kernel, B = 1 / 2 / 3 / 4 / 6 2.79-2.81 / 3.58-3.60 / 4.18-4.22 / 4.85-4.87 / 6.06-6.08 -> 2.48 / 3.16-3.18
-// / 3.60-3.62 / 4.46 / 5.85-5.89 µs. On larger grids it measured 1-4% slower than the warp kernel's tiles from B = 16
-// (B = 32-256 at 24 warps per SM: +1.0-1.6%), and at B = 8 and 12 (grids past half the GPU) 10-24% slower
-// (results/H100/RUN.md, "Nineteenth session", calls 4-7): there the time is the per-call ramp and drain and the
-// memory system, not the instructions.
+// Where it runs (heuristics.cpp chooses): grids that fit the GPU twice over, i.e. in prefetch mode with the next
+// call's CTAs resident beside them. There it shortens each warp's dependent chain; on larger grids the time is
+// the per-call ramp and drain and the memory system, not the instructions, and the warp kernel's tiles are
+// faster (docs/design/decode.md "Tensor-core decode").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,8 +40,8 @@ namespace gdnkit::cuda::recurrent {
 
 template <int K, int V>
 struct MmaDecodeTile {
-  static constexpr int kCols = 16;             // columns per warp: the mma's M (8 columns with rows 8-15 zero,
-                                               // twice the CTAs: 5-30% slower at B <= 6)
+  static constexpr int kCols = 16;             // columns per warp: the mma's M (8 columns with rows 8-15 zero
+                                               // would take twice the CTAs, and run slower)
   static constexpr int kWarps = 4;             // warps per CTA: neighbouring columns of one head
   static constexpr int kCtaCols = kCols * kWarps;
   static constexpr int kChunks = K / 32;       // 16-byte chunks per lane and column
@@ -56,8 +53,7 @@ __device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 
-// 24 warps per SM (80 registers, no spills). At 28 (72 registers) ptxas spilled 12-20 bytes: B = 1 2.48 -> 2.52 µs,
-// B = 2 3.17 -> 3.30 (H100, with the SFU gates).
+// 24 warps per SM (80 registers, no spills; at 72 registers ptxas spills and the calls run slower).
 template <int K, int V>
 __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDecodeTile<K, V>::kWarps)
     mma_decode_kernel(const RecurrentParams p, const bool prefetch) {
@@ -88,8 +84,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
     }
     prefetch_token_inputs<TInput>(p, b, hq, hv, v0, K, kCols, lane);
   }
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
+  pdl_wait_and_launch_dependents();
 
   const int slot = p.state_indices[b];
   uint4 s[2][kChunks];  // [column r / r + 8][chunk]
@@ -158,8 +153,8 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   const float uk[2] = {__shfl_sync(0xffffffffu, u_lo * rk, lane & ~3), __shfl_sync(0xffffffffu, u_hi * rk, lane & ~3)};
 
   // S_new = exp(g) S + k (u rk), per value in fp32, rounded once to bf16. k at this lane's chunks is loaded again
-  // (lanes 0-3 just read it: L1) rather than kept from the B fragment, chunk by chunk between the stores (loaded
-  // together ahead of the o stores, B = 1 took 2.51 -> 2.62 µs: H100, RUN.md "Nineteenth session").
+  // (lanes 0-3 just read it: L1) rather than kept from the B fragment, chunk by chunk between the stores: loaded
+  // together ahead of the o stores, they would delay them.
   TState* const t = warp_block + int64_t(slot) * p.state.slot_stride + lane_elem;
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {

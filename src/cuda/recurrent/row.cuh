@@ -1,5 +1,6 @@
-// What every recurrent kernel (warp_kernel.cuh, chain_mma.cuh) shares about a row (one sequence of the
-// batch): the op, the parameters, the row's tokens, and the row's checks in the CPU reference's order.
+// What every recurrent kernel (warp_kernel.cuh, chain_mma.cuh, vlast_decode.cuh, mma_decode.cuh) shares: the
+// parameters, programmatic dependent launch, and about a row (one sequence of the batch) its slots, its tokens
+// and its checks in the CPU reference's order (docs/design/decode.md "The warp kernel", "Rows").
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,7 +12,6 @@
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::recurrent {
-
 
 // What the kernels read: the op's parameters, and for kPrefill what a prefill call adds to a chain.
 // Prefill rows: state_indices = the initial slots (nullptr: every row starts from zero), num_draft_tokens
@@ -25,8 +25,8 @@ struct RecurrentParams : CommitParams {
   int64_t checkpoint_slots = 0;                 //   sequence stores no checkpoint); nullptr: no checkpoints
   // GVA: value head hv reads q/k head hv / group, group = HV / H. gva_magic = ceil(2^32 / group) when
   // 1 < group and HV < 2^16 (then the quotient is one multiply-high, exact for hv, group < 2^16), else 0
-  // (group 1: hv; otherwise a division). set_gva (recurrent.cu) fills them; a runtime division was ~50 of a
-  // decode warp's ~720 instructions (ncu, K-last bf16 decode at B = 32).
+  // (group 1: hv; otherwise a division, which would cost decode a sizeable share of its instructions).
+  // set_gva (dispatch.cu) fills them.
   int32_t gva_group = 0;
   uint32_t gva_magic = 0;
 };
@@ -34,6 +34,14 @@ struct RecurrentParams : CommitParams {
 // The launcher of every recurrent op (launcher.cuh; instantiated per layout and state dtype in launch_*.cu).
 template <StateLayout kLayout, class TState, class TInput, int K, int V, RecurrentOp kOp>
 void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stream);
+
+// Programmatic dependent launch (docs/design/decode.md "Launch"): waits for the previous kernel of the
+// stream (every read whose value is used comes after), then lets the next kernel launch, so that the next
+// one may start once every CTA of this one is past its wait: at most one kernel ahead.
+__device__ __forceinline__ void pdl_wait_and_launch_dependents() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+}
 
 // The q/k head of value head hv.
 __device__ __forceinline__ int qk_head(const RecurrentParams& p, int hv) {
@@ -45,10 +53,10 @@ __device__ __forceinline__ int qk_head(const RecurrentParams& p, int hv) {
 // The values of row b that place it, loaded together (all issued before the first is used): its pool
 // slot, its cu_seqlens span and, for replay, its kept count; for prefill its final and checkpoint slots.
 struct RowLoads {
-  int slot;          // state_indices[b] (prefill: the initial slot, -1 without)
-  int64_t cs0, cs1;  // cu_seqlens[b], cu_seqlens[b + 1] (0, 0 without cu_seqlens)
-  int accepted;      // replay: accepted[b]
-  int fslot, cslot;  // prefill: final and checkpoint slots (-1: none)
+  int slot;                         // state_indices[b] (prefill: the initial slot, -1 without)
+  int64_t span_begin, span_end;     // cu_seqlens[b], cu_seqlens[b + 1] (0, 0 without cu_seqlens)
+  int accepted;                     // replay: accepted[b]
+  int final_slot, checkpoint_slot;  // prefill: final and checkpoint slots (-1: none)
 };
 // pin_slot (decode): the slot index as a volatile load, which ptxas issues ahead of the state loads after it.
 template <RecurrentOp kOp>
@@ -56,12 +64,14 @@ __device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b, bo
   if constexpr (kOp == RecurrentOp::kPrefill) {
     RowLoads r{p.state_indices != nullptr ? p.state_indices[b] : -1, 0, 0, 0, -1, -1};
     if (p.seq_cu64) {
-      r.cs0 = static_cast<const int64_t*>(p.seq_cu)[b], r.cs1 = static_cast<const int64_t*>(p.seq_cu)[b + 1];
+      r.span_begin = static_cast<const int64_t*>(p.seq_cu)[b];
+      r.span_end = static_cast<const int64_t*>(p.seq_cu)[b + 1];
     } else {
-      r.cs0 = static_cast<const int32_t*>(p.seq_cu)[b], r.cs1 = static_cast<const int32_t*>(p.seq_cu)[b + 1];
+      r.span_begin = static_cast<const int32_t*>(p.seq_cu)[b];
+      r.span_end = static_cast<const int32_t*>(p.seq_cu)[b + 1];
     }
-    if (p.final_indices != nullptr) r.fslot = p.final_indices[b];
-    if (p.checkpoint_indices != nullptr) r.cslot = p.checkpoint_indices[b];
+    if (p.final_indices != nullptr) r.final_slot = p.final_indices[b];
+    if (p.checkpoint_indices != nullptr) r.checkpoint_slot = p.checkpoint_indices[b];
     return r;
   }
   RowLoads r{0, 0, 0, 0, -1, -1};
@@ -72,7 +82,8 @@ __device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b, bo
   } else {
     r.slot = p.state_indices[b];
   }
-  if (kOp != RecurrentOp::kDecode && p.cu_seqlens != nullptr) r.cs0 = p.cu_seqlens[b], r.cs1 = p.cu_seqlens[b + 1];
+  if (kOp != RecurrentOp::kDecode && p.cu_seqlens != nullptr)
+    r.span_begin = p.cu_seqlens[b], r.span_end = p.cu_seqlens[b + 1];
   if constexpr (kOp == RecurrentOp::kRecompute) r.accepted = p.accepted[b];
   return r;
 }
@@ -85,27 +96,29 @@ template <RecurrentOp kOp>
 __device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLoads& rl, int b, int T, int64_t& tok0,
                                            int& len) {
   if constexpr (kOp == RecurrentOp::kPrefill) {
-    tok0 = rl.cs0;
-    len = int(rl.cs1 - rl.cs0);
-    return short_prefill_sequence(rl.cs0, rl.cs1, p.total_tokens, T);
+    tok0 = rl.span_begin;
+    len = int(rl.span_end - rl.span_begin);
+    return short_prefill_sequence(rl.span_begin, rl.span_end, p.total_tokens, T);
   }
   tok0 = int64_t(b) * T;
   len = T;
-  if (p.cu_seqlens != nullptr) tok0 = rl.cs0, len = int(rl.cs1 - rl.cs0);
+  if (p.cu_seqlens != nullptr) tok0 = rl.span_begin, len = int(rl.span_end - rl.span_begin);
   return len >= 0 && len <= T;
 }
 
 // Whether row b (len tokens placed, pool slot rl.slot) must be skipped and counted: a slot past the pool,
 // and for verify a cache slot past the buffer or a parent out of range, for replay a kept count past the
 // row's tokens or a path entry out of range, for prefill a final or checkpoint slot past its buffer. Sets
-// n_replay (replay: the kept count) and islot (verify: the row's cache slot, -1 without a cache).
+// n_replay (replay: the kept count) and cache_slot (verify: the row's intermediate cache slot, -1 without a
+// cache).
 template <RecurrentOp kOp>
 __device__ __forceinline__ bool row_is_bad(const RecurrentParams& p, const RowLoads& rl, int b, int T, int len,
-                                           int& n_replay, int& islot) {
+                                           int& n_replay, int& cache_slot) {
   bool bad = rl.slot >= p.state.num_slots;
-  n_replay = 0, islot = -1;
+  n_replay = 0, cache_slot = -1;
   if constexpr (kOp == RecurrentOp::kPrefill) {
-    bad = bad || rl.fslot >= p.state.num_slots || (p.checkpoint_indices != nullptr && rl.cslot >= p.checkpoint_slots);
+    bad = bad || rl.final_slot >= p.state.num_slots ||
+          (p.checkpoint_indices != nullptr && rl.checkpoint_slot >= p.checkpoint_slots);
   } else if constexpr (kOp == RecurrentOp::kRecompute) {
     n_replay = rl.accepted;
     bad = bad || n_replay < 0 || n_replay > len;
@@ -115,8 +128,8 @@ __device__ __forceinline__ bool row_is_bad(const RecurrentParams& p, const RowLo
     }
   } else if constexpr (kOp == RecurrentOp::kVerify) {
     if (p.intermediate.data != nullptr && p.intermediate_indices != nullptr) {
-      islot = p.intermediate_indices[b];
-      bad = bad || islot >= p.intermediate.num_slots;
+      cache_slot = p.intermediate_indices[b];
+      bad = bad || cache_slot >= p.intermediate.num_slots;
     }
     for (int t = 0; t < len && !bad && p.parent != nullptr; ++t) {
       const int x = p.parent[int64_t(b) * T + t];

@@ -1,15 +1,14 @@
-// Decode for V-last pools ([K][V] per head, rows k contiguous in v) without a shared-memory stage.
+// Decode for V-last pools ([K][V] per head, rows k contiguous in v) without a shared-memory stage
+// (docs/design/decode.md "V-last decode").
 //
 // The warp kernel (warp_kernel.cuh) gives each warp 8 columns and every row, which in V-last are 32-byte
-// pieces of each row: it stages them through shared memory to move whole 128-byte lines, and measured
-// 9-12% (fp32) and 23-31% (bf16) slower than K-last. Here a CTA owns one 128-byte piece of every row
-// (kCols = 32 fp32 or 64 bf16 columns) and its warps split the rows:
+// pieces of each row: it stages them through shared memory to move whole 128-byte lines. Here a CTA owns
+// one 128-byte piece of every row (kCols = 32 fp32 or 64 bf16 columns) and its warps split the rows:
 //   lane l: column group cg = l / 4 (kVec = 16 bytes of columns: 4 fp32 or 8 bf16), row phase ro = l % 4;
 //   warp w: rows w * 32 + 4 i + ro, i < 8;
 // so each load or store instruction of a warp covers 4 whole lines, straight from and to registers, and
 // a lane holds its 8 rows as loaded (32 registers: 32 fp32 or 64 bf16 values), converted to fp32 where
-// used: a bf16 warp moves 4 KB like an fp32 one (with 16 rows per warp and the values in fp32 it moved
-// 2 KB, in 8-warp CTAs, at 70-76% of the copy ceiling). The sums over k (S^T k and S^T q of the CTA's
+// used: a bf16 warp moves 4 KB like an fp32 one. The sums over k (S^T k and S^T q of the CTA's
 // columns) are reduced over the 4 lanes of a column group (a halving butterfly) and then over the warps
 // through shared memory: one barrier. Every lane then has u of its columns; warp 0 writes o.
 // The math and rounding per value are the warp kernel's (norms scale the sums, rsqrtf, fp32 state).
@@ -37,7 +36,7 @@ struct VLastRows {
 };
 
 // N values over aligned groups of kLanes consecutive lanes (N >= kLanes, powers of two; dtype.cuh's
-// transpose_group_sum covers N <= kLanes; folding both into it made ptxas branch here, bf16 8% slower): halving
+// transpose_group_sum covers N <= kLanes, and one function for both makes ptxas branch here): halving
 // butterflies, log2(kLanes) steps of N/2, N/4, ... shuffles. Afterwards x[0 .. N/kLanes - 1] of lane l
 // are the group sums of values index .. index + N/kLanes - 1; returns index.
 template <int N, int kLanes>
@@ -60,10 +59,9 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
   return index;
 }
 
-// fp32 state: 24 warps per SM (80 registers, no spills at K = 128): at 32 warps (64 registers) ptxas
-// spilled 44-84 bytes and decode measured 7-8% slower from B = 16 up. bf16 state: 20 warps (96 registers;
-// at K = 128 no spills with 16-bit inputs since A_log/dt_bias load early, 16 bytes with fp32 inputs; at 80
-// registers 132-176).
+// Resident warps per SM: fp32 state 24 (80 registers; at 64 ptxas spills and decode runs slower), bf16
+// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills). docs/design/decode.md
+// "V-last decode".
 template <class TState, class TInput, int K, int V>
 __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
                                   (sizeof(TState) == 4 ? 24 : 20) / VLastRows<TState, K>::kWarps)
@@ -84,7 +82,7 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
   const bool counter = hv == 0 && c0 == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
   TState* const head = static_cast<TState*>(p.state.data) + int64_t(hv) * kHeadElems;  // + slot * slot_stride
 
-  // Before the wait: prefetch mode as in warp_kernel.cuh (one row's line per thread).
+  // Before the wait: prefetch mode as in warp_kernel.cuh (one row's piece per thread).
   int spec = -1;
   if (prefetch) {
     spec = __ldcg(p.state_indices + b);
@@ -96,8 +94,7 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
     }
     if (w == 0) prefetch_token_inputs<TInput>(p, b, hq, hv, c0, K, kCols, lane);
   }
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
+  pdl_wait_and_launch_dependents();
 
   const int slot = p.state_indices[b];
   // The lane's rows as loaded (bf16: two values a register), converted to fp32 where used.
@@ -116,7 +113,7 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
   const TInput* qp = static_cast<const TInput*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
   const TInput* vp = static_cast<const TInput*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride;
   // The gate inputs go out with k and q, not after their reductions; with bf16 state A_log and dt_bias too
-  // (B = 1 2.93 -> 2.62 µs in the A/B; with fp32 state that spilled at 80 registers, so fp32 loads them at the math).
+  // (with fp32 state that spills at 80 registers, so fp32 loads them at the math).
   constexpr bool kEarlyHeadGates = sizeof(TState) == 2;
   const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
   HeadGates hg{0.0f, 0.0f};
@@ -124,11 +121,10 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
   TInput kl[K / 32], ql[K / 32];
 #pragma unroll
   for (int j = 0; j < K / 32; ++j) kl[j] = kp[lane + 32 * j], ql[j] = qp[lane + 32 * j];
-  // The state's loads wait for the norms (issued earlier, the state live across the reductions spilled:
-  // 1-12% slower). Outside prefetch mode its lines are asked of L2 here, once the index arrives (each
-  // thread one row's 128-byte piece), so the loads below find them in L2 or on their way: fp32 3-4% faster
-  // from B = 8, bf16 2% from B = 32 (H100, tenth session). Prefetch mode skips the block as a whole (a
-  // condition on `slot` there made the norms wait for the index: B = 1-4 3-10% slower).
+  // The state's loads wait for the norms (issued earlier, the state would be live across the reductions and
+  // spill). Outside prefetch mode its lines are asked of L2 here, once the index arrives (each thread one
+  // row's 128-byte piece), so the loads below find them in L2 or on their way. Prefetch mode skips the block
+  // as a whole: a condition on `slot` there would make the norms wait for the index.
   static_assert(kWarps * 32 == K, "one row per thread");
   if (!prefetch) {
     if (slot >= 0 && slot < p.state.num_slots)

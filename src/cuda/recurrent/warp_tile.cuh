@@ -1,22 +1,22 @@
-// Where a warp's share of one value head's state sits in its lanes, for both pool layouts.
+// Where a warp's share of one value head's state sits in its lanes, for both pool layouts
+// (docs/design/decode.md "The warp kernel").
 //
 // A warp owns kRows consecutive columns v0 .. v0+kRows-1 of S (S in R^{K x V}, column v = the k-vector
-// S[:, v]) and all K rows k. Lane l holds s[i][j] = S[k_of(l, j)][v0 + i] in fp32 registers (bf16 pairs on the
-// wide tile: StateRegs), for all
-// i < kRows columns and j < kKPer = K/32 rows: kRows * K / 32 values (32 at K = 128, 256; 16 at K = 64
-// and on the narrow tile at K = 128, 64 on the wide tile).
+// S[:, v]) and all K rows k. Lane l holds s[i][j] = S[k_of(l, j)][v0 + i] in fp32 registers (bf16 pairs on
+// the wide tile: StateRegs), for all i < kRows columns and j < kKPerLane = K/32 rows: kRows * K / 32 values
+// (32 at K = 128, 256; 16 at K = 64 and on the narrow tile at K = 128, 64 on the wide tile).
 // Each k sits in exactly one lane, so every dot product over k (and the q/k norms) is a per-lane sum
 // plus a warp reduction.
 //
-//   K-last ([V][K], column v contiguous in k): a lane's K/32 k of each column are runs of kVec contiguous k: k = (j / kVec) * 32 * kVec + l * kVec + j % kVec, so one
-//     run instruction of the warp covers 32 * kVec contiguous elements of a column (whole lines).
-//   V-last ([K][V], row k contiguous in v): lane l holds rows k = l + 32 j. A warp's columns are only kRows * sizeof(state) bytes of each row (32 bytes fp32, 16
-//     bf16): loaded straight into registers, such pieces ran at 56% (fp32) and 48-54% (bf16) of the copy
-//     ceiling on the H100 (decode, B >= 32), where whole-line K-last runs reach 97%. So the CTA's warps
-//     (128-byte row pieces: 32 fp32 or 64 bf16 columns) load the state together: cp.async of whole row pieces into shared
-//     memory, one barrier, then each warp reads its values from there (padded rows: no bank conflicts).
-//     Stores take the same way back (registers -> shared memory -> whole row pieces): staging only the
-//     loads changed nothing measurable (57%), so the partial-line stores were what cost.
+//   K-last ([V][K], column v contiguous in k): a lane's K/32 k of each column are runs of kVec contiguous k,
+//     k = (j / kVec) * 32 * kVec + l * kVec + j % kVec, so one run instruction of the warp covers
+//     32 * kVec contiguous elements of a column (whole lines).
+//   V-last ([K][V], row k contiguous in v): lane l holds rows k = l + 32 j. A warp's columns are only
+//     kRows * sizeof(state) bytes of each row (32 bytes fp32, 16 bf16), and partial-line stores run far
+//     below the copy ceiling. So the CTA's warps (128-byte row pieces: 32 fp32 or 64 bf16 columns) load
+//     the state together: cp.async of whole row pieces into shared memory, one barrier, then each warp
+//     reads its values from there (padded rows: no bank conflicts). Stores take the same way back
+//     (registers -> shared memory -> whole row pieces).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,24 +34,31 @@ namespace gdnkit::cuda::recurrent {
 //   kNarrow   4 at every K: twice the warps on the same state, each with half the loads and arithmetic;
 //   kWide     16 at K <= 128, bf16 pools, decode: half the warps, each with twice the loads (a warp then moves
 //             the 4 KB per call that an fp32 warp of the regular tile moves), the values held as bf16 pairs
-//             (StateRegs: 32 registers for 64 values), so that the grids of B <= 14 (qwen3-next) fit the GPU at
-//             once and run in prefetch mode (warp_kernel.cuh's launcher).
+//             (StateRegs: 32 registers for 64 values), so that more grids fit the GPU at once and run in
+//             prefetch mode (heuristics.cpp chooses the width).
 enum class TileWidth : int { kRegular, kNarrow, kWide };
 
-// A lane's state values in registers: fp32 [kRows][kKPer], or bf16 pairs (k_of(l, j), k_of(l, j + 1)), j even,
+// A lane's state values in registers: fp32 [kRows][kKPerLane], or bf16 pairs (k_of(l, j), k_of(l, j + 1)), j even,
 // as they sit in a K-last pool (kPacked: the wide tile, bf16 decode; one token, so rounding the updated value to
 // bf16 in registers is the rounding the store does, bit for bit).
-template <int kRows, int kKPer, bool kPacked>
+template <int kRows, int kKPerLane, bool kPacked>
 struct StateRegs {
-  float v[kRows][kKPer];
+  float v[kRows][kKPerLane];
   __device__ __forceinline__ float get(int i, int j) const { return v[i][j]; }
   __device__ __forceinline__ void set2(int i, int j, float a, float b) { v[i][j] = a, v[i][j + 1] = b; }
   __device__ __forceinline__ void opaque() {}
+  // S = 0 (prefill of a sequence without an initial slot).
+  __device__ __forceinline__ void set_zero() {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPerLane; j += 2) set2(i, j, 0.0f, 0.0f);
+  }
 };
-template <int kRows, int kKPer>
-struct StateRegs<kRows, kKPer, true> {
-  static_assert(kKPer % 2 == 0, "bf16 pairs");
-  uint32_t v[kRows][kKPer / 2];  // the lower k in the low half, as in memory
+template <int kRows, int kKPerLane>
+struct StateRegs<kRows, kKPerLane, true> {
+  static_assert(kKPerLane % 2 == 0, "bf16 pairs");
+  uint32_t v[kRows][kKPerLane / 2];  // the lower k in the low half, as in memory
   __device__ __forceinline__ float get(int i, int j) const {
     const uint32_t u = v[i][j / 2];
     return __uint_as_float(j % 2 ? u & 0xffff0000u : u << 16);
@@ -59,13 +66,20 @@ struct StateRegs<kRows, kKPer, true> {
   __device__ __forceinline__ void set2(int i, int j, float a, float b) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v[i][j / 2]) : "f"(b), "f"(a));  // b: the high half
   }
+  // S = 0 (prefill of a sequence without an initial slot).
+  __device__ __forceinline__ void set_zero() {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPerLane; j += 2) set2(i, j, 0.0f, 0.0f);
+  }
   // Hides the pairs from the compiler, so that a get() after this one unpacks again rather than keeping the
   // earlier get()'s fp32 values alive (64 more registers).
   __device__ __forceinline__ void opaque() {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer / 2; ++j) asm volatile("" : "+r"(v[i][j]));
+      for (int j = 0; j < kKPerLane / 2; ++j) asm volatile("" : "+r"(v[i][j]));
   }
 };
 
@@ -79,17 +93,18 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
                                : kWidth == TileWidth::kNarrow ? 4
                                : K <= 128                     ? 8
                                                               : 4;  // columns per warp
-  static constexpr int kKPer = K / 32;
-  static constexpr int kVec = kKPer * int(sizeof(TState)) > 16 ? 16 / int(sizeof(TState)) : kKPer;  // k per run
-  // Warps per CTA: neighbouring columns of one head. 4 since the sixteenth session: against 2, fp32 decode at
-  // B = 1 / 2 / 4 1.3 / 2 / 1.5% faster (3.01-3.03 -> 2.97-2.98 µs at B = 1), every other decode and verify row
-  // within noise; 1 was 1-6% slower at B <= 4 (results/H100/decode_ab16_cta.txt).
+  static constexpr int kKPerLane = K / 32;
+  // k per run: 16 bytes, or all of a lane's k when they are fewer.
+  static constexpr int kVec = kKPerLane * int(sizeof(TState)) > 16 ? 16 / int(sizeof(TState)) : kKPerLane;
+  // Warps per CTA: neighbouring columns of one head, one contiguous range of the pool (4 beat 2 and 1:
+  // docs/design/decode.md "CTAs and grid").
   static constexpr int kCtaWarps = 4;
-  static_assert(K % 32 == 0 && kKPer % kVec == 0 && V % (kRows * kCtaWarps) == 0, "tile does not divide the head");
+  static_assert(K % 32 == 0 && kKPerLane % kVec == 0 && V % (kRows * kCtaWarps) == 0,
+                "tile does not divide the head");
   // The wide tile holds bf16 pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
   static constexpr bool kPacked = kWidth == TileWidth::kWide;
   static_assert(!kPacked || (std::is_same_v<TState, __nv_bfloat16> && kVec % 2 == 0), "the wide tile is for bf16 pools");
-  using Regs = StateRegs<kRows, kKPer, kPacked>;
+  using Regs = StateRegs<kRows, kKPerLane, kPacked>;
   struct Stage {};  // loads go straight to registers
 
   __device__ static int k_of(int lane, int j) { return (j / kVec) * 32 * kVec + lane * kVec + j % kVec; }
@@ -105,7 +120,7 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) {
+      for (int j = 0; j < kKPerLane; j += kVec) {
         if constexpr (kPacked) {
           RawVec<TState, kVec> raw;
           raw.load(tile + i * K + k_of(lane, j));
@@ -122,7 +137,7 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPer; j += kVec) {
+      for (int j = 0; j < kKPerLane; j += kVec) {
         if constexpr (kPacked && std::is_same_v<E, TState>) {  // the pairs as they are
           RawVec<TState, kVec> raw;
           __builtin_memcpy(&raw, &s.v[i][j / 2], sizeof(raw));
@@ -143,7 +158,7 @@ template <class TState, int K, int V, TileWidth kWidth>
 struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
   static_assert(kWidth == TileWidth::kRegular, "V-last tiles are whole 128-byte row pieces per CTA");
   static constexpr int kRows = K <= 128 ? 8 : 4;
-  static constexpr int kKPer = K / 32;
+  static constexpr int kKPerLane = K / 32;
   static constexpr int kVec = 1;  // k per run: a lane's k are 32 apart
   // Columns per CTA: 128-byte row pieces (32 fp32, 64 bf16: 4 or 8 warps); at K = 256 (correct, not the
   // fast path) 32 columns, so that the stage stays within 48 KB of static shared memory.
@@ -151,7 +166,7 @@ struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
   static constexpr int kCtaWarps = kCtaCols / kRows;
   static_assert(K % 32 == 0 && V % kCtaCols == 0, "tile does not divide the head");
   static constexpr bool kPacked = false;
-  using Regs = StateRegs<kRows, kKPer, false>;
+  using Regs = StateRegs<kRows, kKPerLane, false>;
   // The stage: one fp32 row piece of kCtaCols per k, padded by 16 bytes so that the lanes' reads and
   // writes of 16-byte runs (rows lane + 32 j) fall in distinct bank groups. Loads stage the raw state
   // dtype at the start of each row; stores stage fp32.
@@ -171,7 +186,7 @@ struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
   }
   // Every warp of the CTA calls load and store together (barriers inside).
   __device__ static void load(const TState* tile, Regs& regs, int lane, Stage& st) {
-    float(&s)[kRows][kKPer] = regs.v;
+    float(&s)[kRows][kKPerLane] = regs.v;
     constexpr int kChunk = 16 / int(sizeof(TState)), kChunksPerRow = kCtaCols / kChunk;
     const int warp = int(threadIdx.x) / 32;
     const TState* cta = tile - warp * kRows;  // the CTA's first column: its warps take consecutive column blocks
@@ -185,7 +200,7 @@ struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kKPer; ++j) {
+    for (int j = 0; j < kKPerLane; ++j) {
       float run[kRows];
       load_vec<TState, kRows>(reinterpret_cast<const TState*>(&st.e[k_of(lane, j)][0]) + warp * kRows, run);
 #pragma unroll
@@ -194,13 +209,13 @@ struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
   }
   template <class E>
   __device__ static void store(E* tile, const Regs& regs, int lane, Stage& st) {
-    const float(&s)[kRows][kKPer] = regs.v;
+    const float(&s)[kRows][kKPerLane] = regs.v;
     constexpr int kChunk = 16 / int(sizeof(E)), kChunksPerRow = kCtaCols / kChunk;
     const int warp = int(threadIdx.x) / 32;
     E* cta = tile - warp * kRows;
     __syncthreads();
 #pragma unroll
-    for (int j = 0; j < kKPer; ++j)
+    for (int j = 0; j < kKPerLane; ++j)
 #pragma unroll
       for (int i = 0; i < kRows; i += 4)
         *reinterpret_cast<float4*>(&st.e[k_of(lane, j)][warp * kRows + i]) =
