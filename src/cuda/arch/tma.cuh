@@ -1,16 +1,15 @@
-// Tensor memory accelerator (sm_90) primitives for the head state pass's wgmma build: tiles of the q, k,
-// v rows and of the workspace copied to shared memory by cp.async.bulk.tensor (128B-swizzled as the
-// tensor map says, rows past the tensor's end zero-filled), completion counted on an mbarrier.
+// Tensor memory accelerator (sm_90) primitives: tiles of a tensor map, or contiguous bytes, copied to shared
+// memory by cp.async.bulk (128B-swizzled as the tensor map says, rows past the tensor's end zero-filled), their
+// completion counted on an mbarrier; and the mbarrier operations themselves.
 #pragma once
 
 #include <cuda.h>
 
 #include <cstdint>
 
-#include "cuda/prefill/mma.cuh"
-#include "cuda/prefill/plan.h"
+#include "cuda/arch/mma_sync.cuh"
 
-namespace gdnkit::cuda::chunked_prefill {
+namespace gdnkit::cuda {
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
@@ -19,6 +18,10 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
+}
+// One arrival of this thread.
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 // The barriers' initialization visible to the async proxy (then a CTA barrier before their first use).
 __device__ __forceinline__ void fence_mbarrier_init() {
@@ -51,4 +54,4 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
-}  // namespace gdnkit::cuda::chunked_prefill
+}  // namespace gdnkit::cuda

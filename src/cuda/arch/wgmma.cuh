@@ -1,9 +1,9 @@
-// Warpgroup-level tensor-core primitives (sm_90a wgmma) for the head state pass: m64nNk16 with the A
-// operand in registers (wgmma_rs) or in shared memory (wgmma_ss) and B read by the tensor cores from shared
-// memory in the 128-byte swizzled layout, fp32 accumulation.
+// Warpgroup-level tensor-core primitives (sm_90a wgmma): m64nNk16 with the A operand in registers
+// (wgmma_rs) or in shared memory (wgmma_ss) and B read by the tensor cores from shared memory in the
+// 128-byte swizzled layout, fp32 accumulation.
 //
 // Register fragments: warp w of the warpgroup holds rows 16w .. 16w+15 of A and of the accumulator, in
-// exactly the layouts of mma.sync m16n8k16 (mma.cuh): A as c_to_a packs it, the accumulator as N/8
+// exactly the layouts of mma.sync m16n8k16 (mma_sync.cuh): A as c_to_a packs it, the accumulator as N/8
 // consecutive n8 C tiles. So a warp's mma.sync fragments become a warpgroup's wgmma fragments as they are.
 //
 // Shared memory (PTX ISA "Shared Memory Matrix Layout", 128B swizzle): a matrix of 16-bit elements is
@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace gdnkit::cuda::chunked_prefill {
+namespace gdnkit::cuda {
 
 // Element offset of (row, col) in a 128B-swizzled matrix of `rows` rows (see the header).
 template <int kRows>
@@ -37,18 +37,6 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint
 // of 8 rows 512 bytes apart and 512-byte aligned): layout type 2 instead of 1.
 __device__ __forceinline__ uint64_t sw64_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) | (2ull << 62);
-}
-
-// The causal image of a 64 x 64 chunk-causal matrix X (X[i][j] = 0 for j > i: T', M), as the chunk prep writes
-// it to the workspace for the wgmma head pass and that pass copies it to shared memory in one piece: the two
-// B operands of causal_cols_wgmma, without X's upper-right quarter (rows 0..31, columns 32..63: all zero, never
-// read). Rows 0..31, columns 0..31 first, 64B-swizzled (2 KB, SBO 512); then rows 32..63, all 64 columns,
-// 128B-swizzled (4 KB, SBO 1024). So T' and M move 6 of their 8 KB per chunk and head.
-constexpr int kCausalImageElems = 32 * 32 + 32 * 64;
-constexpr int kCausalImageLow = 32 * 32;  // elements before the second part (2 KB: 1024-byte aligned)
-__device__ __forceinline__ int causal_image_offset(int i, int j) {
-  if (i < 32) return i * 32 + ((((j >> 3) & 3) ^ ((i >> 1) & 3)) << 3) + (j & 7);
-  return kCausalImageLow + sw128_offset<32>(i - 32, j);
 }
 
 // The descriptor of the operand `bytes` further on (16-byte aligned) from the one of `desc`: its address
@@ -126,7 +114,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const uint32_t (&a)[
 template <class Op, int N, int J0, int NT>
 __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b) {
   static_assert(J0 + N / 8 <= NT, "accumulator tiles out of range");
-  static_assert(N == 32, "wgmma_ss: built for N = 32 (M's half per warpgroup)");
+  static_assert(N == 32, "wgmma_ss: built for N = 32");
   if constexpr (std::is_same_v<Op, __half>) GDNKIT_WGMMA_SS_N32("f16"); else GDNKIT_WGMMA_SS_N32("bf16");
 }
 
@@ -136,4 +124,4 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uin
 #undef GDNKIT_WGMMA_N64
 #undef GDNKIT_WGMMA_N128
 
-}  // namespace gdnkit::cuda::chunked_prefill
+}  // namespace gdnkit::cuda

@@ -89,7 +89,7 @@ __device__ __forceinline__ float sumsq8(const uint4& x) {
 }
 
 // Loads the 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (Op; rows >= L are zero) and
-// writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as the spec) or mult per row
+// writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as docs/semantics.md) or mult per row
 // (kNorm; else rnorm is not touched).
 // Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma
 // results, so the operand is the input exactly (16-bit inputs) and the L2 norm costs no extra pass.

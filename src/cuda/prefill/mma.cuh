@@ -1,5 +1,5 @@
 // The prefill kernels' block products on tensor cores, over the mma.sync primitives and fragment layouts
-// of cuda/common/mma_sync.cuh.
+// of cuda/arch/mma_sync.cuh.
 #pragma once
 
 #include "cuda/arch/mma_sync.cuh"
@@ -8,9 +8,7 @@ namespace gdnkit::cuda::chunked_prefill {
 
 // ---- fp32 blocks multiplied on tensor cores as fp16 operands, fp32 accumulation (the triangular solve's block
 // products; 11 significant bits per operand, |x| < 65504). T' leaves the prep rounded to the 16-bit operand dtype
-// (8 or 11 bits), so these roundings are of the order of that last one; the split form they replaced (x = hi + lo,
-// three mma per product, ~22 bits) cost the prep 12% of its time for precision the outputs did not show: the
-// same 151 prefill tests passed at the spec's tolerances (fifteenth session, results/H100/prefill_ab15_solve.txt).
+// (8 or 11 bits), so these roundings are of the order of that last one (docs/design/prefill.md "Precision").
 // A fragment of the 16x16 fp32 block at p (row-major, ld floats per row).
 __device__ __forceinline__ void load_a_half(const float* p, int ld, int lane, uint32_t (&a)[4]) {
   const int r = lane >> 2, c = (lane & 3) * 2;

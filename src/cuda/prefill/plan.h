@@ -21,8 +21,6 @@ void prefill_short(const PrefillParams& p, int max_len, Stream stream);
 namespace gdnkit::cuda::chunked_prefill {
 
 constexpr int kThreads = 128;  // 4 warps per CTA in both kernels
-// The head pass's prep warpgroup (a template parameter of state_pass_head_kernel): none, or M and the factor rows.
-constexpr int kAuxNone = 0, kAuxM = 1, kAuxAll = 2;
 
 // Per chunk and value head, the state passes scale rows of their products by these per-token factors,
 // precomputed by the chunk prep (with gcum the within-chunk cumulative log decay, flat past the chunk's
@@ -43,7 +41,7 @@ constexpr int kFactorRowsMax = kFactorRows<true>;
 struct Plan {
   int64_t num_slots = 0;
   // Per chunk and value head, 64 x 64 operand-dtype entries, row-major, or for the wgmma pass the causal image
-  // (wgmma.cuh causal_image_offset: the first 6 KB of each 8 KB entry):
+  // (causal_image.cuh causal_image_offset: the first 6 KB of each 8 KB entry):
   void* ws_tprime = nullptr;        // [num_slots, HV, 64, 64]: T' = (I + A)^{-1} diag(beta)
   void* ws_masked_qk = nullptr;        // [num_slots, HV, 64, 64]: M, the masked decayed q k^T (unless m_in_pass)
   float* ws_factors = nullptr;       // [num_slots, HV, kFactorRows<m_in_pass>, 64] fp32: the per-token factors of the chunk

@@ -78,7 +78,7 @@ size_t workspace_bytes(const PrefillParams& p) {
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
-  if (base == nullptr) {  // no workspace (no tokens, or no chunk prep kernel: kAuxAll)
+  if (base == nullptr) {  // no workspace: no tokens
     plan.ws_tprime = plan.ws_masked_qk = nullptr;
     plan.ws_factors = nullptr;
     return;

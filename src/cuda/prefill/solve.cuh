@@ -1,20 +1,17 @@
-// The chunk prep's per-(chunk, value head) pieces shared by its two homes: the chunk prep kernel
-// (kernels.cuh, one CTA of 4 warps per chunk and q/k head) and the head pass's prep warpgroup
-// (prep_warpgroup.cuh, beside the state warpgroups). Both run them with 4 warps (kThreads), warp w owning
-// token rows 16w .. 16w + 15:
+// The chunk prep's per-(chunk, value head) pieces (chunk_prep.cuh: one CTA of 4 warps per chunk and q/k head,
+// warp w owning token rows 16w .. 16w + 15; docs/design/prefill.md "Kernel 1: the chunk prep"):
 //   the gate inputs of a value head loaded by warp 0 as raw bits, then gcum and beta (store_gates);
 //   the per-token factor rows (store_token_factors);
-//   where a warp's C fragments go in a causal image (image_rows);
 //   T = (I + A)^{-1} of the strictly lower A (fp32 in shared memory, written over A) and T' = T diag(beta) stored
 //   in the operand dtype (invert_and_store_t).
 #pragma once
 
 #include <cstdint>
 
+#include "cuda/prefill/causal_image.cuh"
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
-#include "cuda/arch/wgmma.cuh"
 #include "gdnkit/params.h"
 
 namespace gdnkit::cuda::chunked_prefill {
@@ -24,7 +21,7 @@ constexpr int kSolveLd = 68;  // fp32 A / T rows in shared memory, 16-byte align
 // Raw gate inputs of one value head for warp 0's two tokens (lane, lane + 32): fused a, b (x, y), or given g,
 // beta, held as loaded (bits of their dtypes) and converted in store_gates. Loads only, no math and no
 // conversion: the next head's are issued before this head's M, A and solve, so their latency hides behind them
-// (and the first head's do not hold up warp 0's share of the k rows, which a conversion right behind them did).
+// (and the first head's do not hold up warp 0's share of the k rows behind a conversion).
 struct GateLoads {
   uint32_t x[2] = {0u, 0u}, y[2] = {0u, 0u};
 };
@@ -49,7 +46,7 @@ __device__ __forceinline__ GateLoads load_gates(const PrefillParams& p, int h, i
 // half (the upper half adds the lower half's total). Padding tokens get g = 0 (gcum stays flat, so
 // gcum[63] is g_last) and beta = 0.
 // hp: the head's (A_log, dt_bias) (fused gating; the chunk prep reads them from shared memory, so that they hold no
-// register across its solve; the prep warpgroup keeps them in a register).
+// register across its solve).
 __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLoads& in, float2 hp, int L, int lane,
                                             float* gc, float* beta) {
   float x[2];
@@ -79,8 +76,9 @@ __device__ __forceinline__ void store_gates(const PrefillParams& p, const GateLo
 }
 
 // The per-token factors (FactorRow) of token t < 64 of one (chunk, value head) to f, from gcum, rk and (kWithRq) rq
-// in shared memory. Without kWithRq (M is formed in the state pass, which applies rq itself) kDecayRq is e^gcum alone and
-// M's terms kLog2Gcum, kInvNormK follow; with m_terms_only those two alone (the head pass's prep warpgroup forms the others).
+// in shared memory. Without kWithRq (M is formed in the state pass, which applies rq itself) kDecayRq is e^gcum alone
+// and M's terms kLog2Gcum, kInvNormK follow; with m_terms_only those two alone (the head pass's prep warpgroup forms
+// the others).
 template <bool kWithRq>
 __device__ __forceinline__ void store_token_factors(float* f, const float* gc, const float* rk, const float* rq, int L,
                                                     int t, bool m_terms_only = false) {
@@ -100,34 +98,14 @@ __device__ __forceinline__ void store_token_factors(float* f, const float* gc, c
   }
 }
 
-// Where a warp's C fragments of a 64 x 64 chunk-causal matrix go in its causal image (causal_image_offset): rows
-// i = 16 warp + r + 8 half (r = lane / 4), element (i, 8 nt + 2 (lane % 4)) at at[half] + ((nt ^ swz) << 3), as
-// the swizzle of row i is (i / 2) % 4 in rows 0..31 (warps 0, 1: only nt < 4 is in the image) and i % 8 in rows
-// 32..63. Constant offsets per tile, no address arithmetic per element.
-struct ImageRows {
-  int at[2];
-  int swz;
-};
-__device__ __forceinline__ ImageRows image_rows(int warp, int lane) {
-  const int r = lane >> 2, q2 = (lane & 3) * 2;
-  ImageRows x;
-  x.swz = warp < 2 ? (r >> 1) & 3 : r;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int i = warp * 16 + r + half * 8;
-    x.at[half] = (warp < 2 ? i * 32 : kCausalImageLow + (i - 32) * 64) + q2;
-  }
-  return x;
-}
-
 // T = (I + A)^{-1} over Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them,
 // strictly lower; the blocks above the diagonal zero), then T' = T diag(beta) to `out` in the operand dtype: the
 // wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or past L are written as zero.
-// Called by the 4 warps of a CTA or a warpgroup (kThreads threads, the first of them thread kTidBase); sync()
-// is their barrier. On return this thread's part of T' is stored; Af may be overwritten after the next sync().
-template <class Op, int kTidBase, class Sync>
+// Called by the CTA's 4 warps (kThreads threads). On return this thread's part of T' is stored; Af may be
+// overwritten after the next __syncthreads().
+template <class Op>
 __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta, int L, Op* out, bool image, int warp,
-                                                   int lane, Sync&& sync) {
+                                                   int lane) {
   constexpr int LDA = kSolveLd;
   float* const Tf = Af;
   // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory), written over A:
@@ -202,7 +180,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
 #pragma unroll
   for (int lvl = 1; lvl < 4; ++lvl) {
     if (lvl * 16 >= L) break;
-    sync();  // block rows < lvl of T are final
+    __syncthreads();  // block rows < lvl of T are final
     if (warp == lvl) {
 #pragma unroll
       for (int j = 0; j < lvl; ++j) {
@@ -213,7 +191,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       }
     }
   }
-  sync();
+  __syncthreads();
   // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
   {
     // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero
@@ -231,11 +209,10 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       // the piece's bit 2 (element offset bit 5) of the even u's, and steps by 256. Unrolled from two base
       // pointers, every store and shared load takes a constant offset (no address arithmetic per pair).
       static_assert(kThreads == 128, "the image's per-thread rows");
-      // The thread index read again here (volatile): hoisted out of the head loop, these offsets held registers
-      // across the solve and ptxas spilled.
+      // The thread index read again here (volatile), so that these offsets are not hoisted out of the head loop
+      // to hold registers across the solve.
       int t;
       asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-      t -= kTidBase;
       const int il = t >> 4, cl = (t & 15) * 2, ih = 32 + (t >> 5), ch = (t & 31) * 2;
       const int offh = causal_image_offset(ih, ch);
       Op* const outl = out + causal_image_offset(il, cl);
@@ -251,7 +228,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
         put(ih + 4 * u + 4, ch, bh, outh_odd + 256 * u);
       }
     } else {
-      for (int e = int(threadIdx.x) - kTidBase; e < kChunk * kChunk / 2; e += kThreads) {
+      for (int e = int(threadIdx.x); e < kChunk * kChunk / 2; e += kThreads) {
         const int c = (e & 31) * 2;
         put(e >> 5, c, *reinterpret_cast<const float2*>(&beta[c]), out + 2 * e);
       }

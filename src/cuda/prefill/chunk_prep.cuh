@@ -1,0 +1,324 @@
+// Kernel 1, the chunk prep: per (chunk, q/k head) WY preparation of the HV/H value heads of its GVA group
+// (docs/design/prefill.md "Kernel 1: the chunk prep"). One CTA of 4 warps, warp w owning token rows
+// 16w .. 16w + 15: the gram products k k^T (and q k^T) once, then per value head the gates, M and A in one pass,
+// the solve T = (I + A)^{-1} (solve.cuh), and T', M and the factor rows to the workspace.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/prefill/causal_image.cuh"
+#include "cuda/prefill/io.cuh"
+#include "cuda/prefill/mma.cuh"
+#include "cuda/prefill/plan.h"
+#include "cuda/prefill/solve.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::chunked_prefill {
+
+// The k k^T and q k^T accumulators a thread keeps for all value heads of the group: warp w holds
+// the 2(w+1) n8-tiles of its rows' lower blocks, 20 tiles of 32 float4 (one per lane) per product.
+constexpr int kPrepTiles = 20;
+__device__ __forceinline__ int prep_tile(int warp, int nt, int lane) { return (warp * (warp + 1) + nt) * 32 + lane; }
+
+// Dynamic shared memory of kernel 1: raw k and q rows; once they are consumed, their bytes hold the
+// fp32 solve (A, then T in place) and the accumulators of both products (of k k^T alone without kM).
+template <int K, class Op, bool kM>
+constexpr size_t prep_smem_bytes() {
+  constexpr size_t rows = size_t(kM ? 2 : 1) * kChunk * (K + 8) * sizeof(Op);           // k (and q) rows
+  constexpr size_t solve = size_t(kChunk) * kSolveLd * 4;                               // A / T
+  constexpr size_t stash = size_t(kM ? 2 : 1) * kPrepTiles * 32 * sizeof(float4);      // k k^T, q k^T
+  return rows > solve + stash ? rows : solve + stash;
+}
+
+// The CTAs per SM that this shared memory allows on sm_90 (228 KB per SM, 1 KB reserved per CTA, 2 KB for the static
+// arrays: 1.8 KB with M, 1.5 KB without), asked of ptxas as the register budget, so that it does not trade spills
+// for more registers than the occupancy needs.
+template <int K, class Op, bool kM>
+constexpr int prep_ctas_per_sm() {
+  return int(size_t(228) * 1024 / (prep_smem_bytes<K, Op, kM>() + 3 * 1024));
+}
+
+// Fused gating: A_log and dt_bias of the group's first kHeadParams value heads in shared memory (the rest read at
+// use; the models of docs/benchmarks.md have 2-4 value heads per q/k head).
+constexpr int kHeadParams = 32;
+
+// slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot. False for a slot that
+// the kernel leaves alone: a bad sequence (kernel 2 counts it), a short one (the short path's), or no chunk.
+// Else chunk c's first token t0 and its length L.
+__device__ __forceinline__ bool chunk_of_slot(const PrefillParams& p, const Plan& plan, int slot, int64_t& t0,
+                                              int& L) {
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (load_cu(p, mid) / kChunk + mid <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int n = lo;
+  const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
+  if (start < 0 || end < start || end > p.total_tokens) return false;
+  if (short_prefill_sequence(start, end, p.total_tokens, plan.short_len)) return false;
+  const int64_t c = slot - (start / kChunk + n);
+  if (c < 0 || c * kChunk >= end - start) return false;
+  t0 = start + c * kChunk;
+  L = int(min(int64_t(kChunk), end - t0));
+  return true;
+}
+
+// G = k k^T and Mq = q k^T (kM) of warp W's rows, lower blocks only (columns 0..16W+15; the two products share
+// the k fragments), then rk of its rows. Built once per warp index (a compile-time W): the warp's block count is
+// then a constant, so ptxas can issue the next fragments' loads ahead of the products instead of behind a
+// per-block branch.
+template <int W, int K, class Op, bool kM>
+__device__ __forceinline__ void gram_row_block(const PrefillParams& p, const Op* Ks, const Op* Qs, float* s_rk,
+                                               int lane, float (&acc)[8][4], float (&accm)[8][4]) {
+  constexpr int LDK = K + 8;
+#pragma unroll 1
+  for (int kk = 0; kk < K; kk += 16) {
+    uint32_t a[4];
+    [[maybe_unused]] uint32_t aq[4];
+    ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, W * 16, kk, lane));
+    if constexpr (kM) ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, W * 16, kk, lane));
+#pragma unroll
+    for (int np = 0; np <= W; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
+      mma<Op>(acc[2 * np], a, b[0], b[1]);
+      mma<Op>(acc[2 * np + 1], a, b[2], b[3]);
+      if constexpr (kM) {
+        mma<Op>(accm[2 * np], aq, b[0], b[1]);
+        mma<Op>(accm[2 * np + 1], aq, b[2], b[3]);
+      }
+    }
+  }
+  // rk_i = 1 / |k_i| from G_ii (fp32 sums of the exact products of the operand rows: what a pass over the
+  // rows would sum, in another order). Row 16 W + d of the warp's diagonal block sits in tile 2 W + d / 8,
+  // element 2 (d / 8) + d % 2 of the lane with r = d % 8 and (lane & 3) = r / 2: lanes 0, 4, 9, 13, 18, 22,
+  // 27, 31 hold two each (rows r and r + 8). Rows past L are zero: rk = 1 / sqrt(eps) there.
+  const int r = lane >> 2;
+  if ((lane >> 3) == (lane & 3)) {
+    const bool norm = p.heads.use_qk_l2norm;
+    const float d0 = r & 1 ? acc[2 * W][1] : acc[2 * W][0], d1 = r & 1 ? acc[2 * W + 1][3] : acc[2 * W + 1][2];
+    s_rk[W * 16 + r] = norm ? rsqrtf(d0 + 1e-6f) : 1.0f;
+    s_rk[W * 16 + r + 8] = norm ? rsqrtf(d1 + 1e-6f) : 1.0f;
+  }
+}
+
+template <int K, class Op, bool kM>
+__device__ __forceinline__ void gram_products(const PrefillParams& p, const Op* Ks, const Op* Qs, float* s_rk,
+                                              int warp, int lane, float (&acc)[8][4], float (&accm)[8][4]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = accm[i][e] = 0.0f;
+  switch (warp) {
+    case 0: gram_row_block<0, K, Op, kM>(p, Ks, Qs, s_rk, lane, acc, accm); break;
+    case 1: gram_row_block<1, K, Op, kM>(p, Ks, Qs, s_rk, lane, acc, accm); break;
+    case 2: gram_row_block<2, K, Op, kM>(p, Ks, Qs, s_rk, lane, acc, accm); break;
+    default: gram_row_block<3, K, Op, kM>(p, Ks, Qs, s_rk, lane, acc, accm); break;
+  }
+}
+
+// Each thread parks its own accumulators in shared memory (no barrier needed to read them back), with rk_j already
+// applied (column j's factor, the same for every value head), so that they hold no registers through the solves.
+// Then T's blocks above the diagonal are zeroed once: nothing below writes them, so T' is stored without a column
+// mask (warp w zeroes the 3 - w blocks right of its diagonal block).
+template <bool kM>
+__device__ __forceinline__ void park_gram(const float (&acc)[8][4], const float (&accm)[8][4], const float* s_rk,
+                                          float4* Gacc, float4* Macc, float* Af, int warp, int lane) {
+  constexpr int LDA = kSolveLd;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    if (nt < 2 * (warp + 1)) {
+      const float2 kj = *reinterpret_cast<const float2*>(&s_rk[nt * 8 + (lane & 3) * 2]);
+      Gacc[prep_tile(warp, nt, lane)] =
+          make_float4(acc[nt][0] * kj.x, acc[nt][1] * kj.y, acc[nt][2] * kj.x, acc[nt][3] * kj.y);
+      if constexpr (kM)
+        Macc[prep_tile(warp, nt, lane)] =
+            make_float4(accm[nt][0] * kj.x, accm[nt][1] * kj.y, accm[nt][2] * kj.x, accm[nt][3] * kj.y);
+    }
+  }
+#pragma unroll
+  for (int jb = 1; jb < 4; ++jb) {
+    if (jb > warp) {
+      float* blk = Af + warp * 16 * LDA + jb * 16;
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int e = lane + 32 * x;  // 64 float4 per 16 x 16 block
+        *reinterpret_cast<float4*>(blk + (e >> 2) * LDA + (e & 3) * 4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+  }
+}
+
+// One value head's M and A from the parked accumulators (rk_j in them), in one pass:
+// M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), the intra-chunk attention of the output (rq
+// includes the scale), to the workspace at mout (kM; upper blocks written as 0; the causal image where `image`);
+// A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0, to Af.
+// Without M, A's row factor beta_i rk_i rides in the exponent (log2, -inf for beta_i = 0): one ex2 and one multiply
+// per element; with M, both share exp(gcum_i - gcum_j) (its argument is <= 0 wherever it is used).
+template <bool kM, class Op>
+__device__ __forceinline__ void masked_decay_pass(const float* gc, const float* beta, const float* s_rk,
+                                                  const float* s_rq, const float4* Gacc, const float4* Macc, float* Af,
+                                                  [[maybe_unused]] Op* mout, bool image, int warp, int lane) {
+  constexpr int LDA = kSolveLd;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int r = lane >> 2, q2 = (lane & 3) * 2;
+  float gi[2], fq[2], fa[2];  // per row i = 16 warp + r + 8 half
+  // M's causal image (image): element (i, 8 nt + q2) at m_rows.at[half] + ((nt ^ m_rows.swz) << 3)
+  [[maybe_unused]] const ImageRows m_rows = kM ? image_rows(warp, lane) : ImageRows{};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = warp * 16 + r + half * 8;
+    gi[half] = gc[i] * kLog2e;
+    fa[half] = beta[i] * s_rk[i];
+    // beta in [0, 1] (docs/semantics.md): beta_i = 0 gives -inf, and A's row 0. (As the exponents <= 0 below, this
+    // takes in-spec gates: a negative given beta would make the row NaN here, where the path with M would not.)
+    if constexpr (kM)
+      fq[half] = s_rq[i];
+    else
+      gi[half] += __log2f(fa[half]);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int j = nt * 8 + q2;
+    float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (nt < 2 * (warp + 1)) {
+      const float4 m4 = kM ? Macc[prep_tile(warp, nt, lane)] : float4{}, g4 = Gacc[prep_tile(warp, nt, lane)];
+      const float macc[4] = {m4.x, m4.y, m4.z, m4.w}, gacc[4] = {g4.x, g4.y, g4.z, g4.w};
+      const float2 gj = *reinterpret_cast<const float2*>(&gc[j]);
+      // The tiles left of the warp's diagonal block (nt < 2 warp) lie wholly below the diagonal: no mask. The
+      // two of the diagonal block select their elements (j <= i for M, j < i for A) rather than branch per
+      // element; above the diagonal the exponent may be positive (inf), which the select drops.
+      const bool diag = nt >= 2 * warp;
+      float a[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = warp * 16 + r + (e >> 1) * 8, jj = j + (e & 1);
+        const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x) * kLog2e);
+        if constexpr (kM) {
+          m[e] = diag && jj > i ? 0.0f : macc[e] * fq[e >> 1] * d;
+          a[e] = diag && jj >= i ? 0.0f : gacc[e] * fa[e >> 1] * d;
+        } else {
+          a[e] = diag && jj >= i ? 0.0f : gacc[e] * d;
+        }
+      }
+      const int i0 = warp * 16 + r;
+      *reinterpret_cast<float2*>(&Af[i0 * LDA + j]) = make_float2(a[0], a[1]);
+      *reinterpret_cast<float2*>(&Af[(i0 + 8) * LDA + j]) = make_float2(a[2], a[3]);
+    }
+    if constexpr (kM) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t pair = pack2<Op>(m[2 * half], m[2 * half + 1]);
+        if (!image)
+          *reinterpret_cast<uint32_t*>(mout + (warp * 16 + r + half * 8) * kChunk + j) = pair;
+        else if (warp >= 2 || nt < 4)  // the image has no upper-right quarter
+          *reinterpret_cast<uint32_t*>(mout + m_rows.at[half] + ((nt ^ m_rows.swz) << 3)) = pair;
+      }
+    }
+  }
+}
+
+// One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T (kM) are computed
+// once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
+// h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
+// Without kM (the wgmma head pass forms M from the chunk's rows and takes the q norms there, in its state warpgroups
+// or in its prep warpgroup) q is not read, q k^T and M are skipped, kDecayRq is e^gcum alone, and M's per-token terms
+// (kLog2Gcum, kInvNormK) are written with the other factors, or alone beside a prep warpgroup (Plan::m_warpgroup),
+// which forms the others.
+template <int K, class Op, bool kM>
+__global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
+    chunk_prep_kernel(const PrefillParams p, const Plan plan) {
+  constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
+  constexpr int LDA = kSolveLd;  // fp32 A rows (solve.cuh)
+  extern __shared__ __align__(16) unsigned char smem[];
+  // gcum and beta per value head, double-buffered by head parity: warp 0 writes the next head's
+  // while the other warps still store this head's T' and gcum.
+  __shared__ __align__(16) float s_gc[2][kChunk];
+  __shared__ __align__(16) float s_beta[2][kChunk];
+  __shared__ __align__(16) float s_rk[kChunk];
+  __shared__ __align__(16) float s_rq[kM ? kChunk : 1];
+  __shared__ float s_head[2][kHeadParams];
+  Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
+  Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows (kM only)
+  // After Ks, Qs are consumed:
+  float* Af = reinterpret_cast<float*>(smem);              // [64][LDA] A, lower blocks
+  float4* Gacc = reinterpret_cast<float4*>(Af + kChunk * LDA);  // k k^T accumulators (prep_tile)
+  float4* Macc = Gacc + kPrepTiles * 32;                   // q k^T accumulators
+
+  // The head state pass may launch once every CTA of this grid has started (it waits for the grid's end
+  // before reading the workspace): its first CTAs then take the SMs the last wave frees.
+  asm volatile("griddepcontrol.launch_dependents;");
+  const int slot = blockIdx.x, hk = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int HV = p.heads.num_v_heads, group = HV / p.heads.num_qk_heads;
+  const int h0 = hk * group, h1 = h0 + group;  // the value heads of the group
+  // T' and M for the wgmma head pass as causal images (causal_image.cuh; always so without kM), else row-major
+  const bool image = !kM || plan.wgmma_pass;
+
+  int64_t t0;
+  int L;
+  if (!chunk_of_slot(p, plan, slot, t0, L)) return;
+
+  GateLoads gates;  // warp 0: the next value head's gate inputs
+  if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
+  const bool fused = p.gating.mode == GateMode::kFused;  // A_log and dt_bias are then present (api/validate.cpp)
+  if (fused && tid < group && tid < kHeadParams) {
+    s_head[0][tid] = p.gating.A_log[h0 + tid];
+    s_head[1][tid] = p.gating.dt_bias[h0 + tid];
+  }
+  // Value head h's (A_log, dt_bias); zeros for given gates, which do not use them.
+  const auto head_params = [&](int h) {
+    if (!fused) return make_float2(0.0f, 0.0f);
+    if (h - h0 < kHeadParams) return make_float2(s_head[0][h - h0], s_head[1][h - h0]);
+    return make_float2(p.gating.A_log[h], p.gating.dt_bias[h]);
+  };
+  // k's norms come from G's diagonal below (G_ii = |k_i|^2 of the operand rows), not from a pass over the rows.
+  load_rows_with_norm<K, Op, false>(Ks, nullptr, p.k, hk, t0, L, false, 1.0f, plan.qkv_vec);
+  // q's rows and norms serve only M (kM).
+  if constexpr (kM)
+    load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
+  __syncthreads();
+
+  // G = k k^T and Mq = q k^T, reused by every value head of the group.
+  {
+    float acc[8][4], accm[8][4];
+    gram_products<K, Op, kM>(p, Ks, Qs, s_rk, warp, lane, acc, accm);
+    // Warp 0, whose rows have the fewest products, turns the first head's gate loads into gcum and beta
+    // here rather than before the barrier above (the other warps waited for it there; nothing reads them
+    // before the M / A pass).
+    if (warp == 0) store_gates(p, gates, head_params(h0), L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
+    __syncthreads();  // Ks (and Qs) are dead from here on: the accumulators, A and T reuse their bytes
+    park_gram<kM>(acc, accm, s_rk, Gacc, Macc, Af, warp, lane);
+  }
+
+  for (int h = h0; h < h1; ++h) {
+    const float* gc = s_gc[h & 1];  // final: stored before the last barrier
+    const float* beta = s_beta[h & 1];
+    if (warp == 0 && h + 1 < h1) gates = load_gates(p, h + 1, t0, L, lane);  // stored after this head's solve
+
+    const int64_t ws = int64_t(slot) * HV + h;
+    {
+      [[maybe_unused]] Op* mout = nullptr;  // M's rows in the workspace (kM; no M region otherwise)
+      if constexpr (kM) mout = static_cast<Op*>(plan.ws_masked_qk) + ws * (kChunk * kChunk);
+      masked_decay_pass<kM, Op>(gc, beta, s_rk, s_rq, Gacc, Macc, Af, mout, image, warp, lane);
+    }
+    __syncthreads();
+
+    // T = (I + A)^{-1} and T' = T diag(beta) to the workspace (solve.cuh)
+    invert_and_store_t<Op>(Af, beta, L, static_cast<Op*>(plan.ws_tprime) + ws * (kChunk * kChunk), image, warp, lane);
+    // The state pass reuses gcum and the norms (rq includes the scale), per value head.
+    // (Beside a prep warpgroup forming M, kLog2Gcum and kInvNormK alone: it forms the others from them.)
+    if (tid < kChunk)
+      store_token_factors<kM>(plan.ws_factors + ws * (kFactorRows<!kM> * kChunk), gc, s_rk, s_rq, L, tid,
+                              plan.m_warpgroup);
+    if (warp == 0 && h + 1 < h1)
+      store_gates(p, gates, head_params(h + 1), L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
+    __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it
+  }
+}
+
+}  // namespace gdnkit::cuda::chunked_prefill

@@ -1,0 +1,391 @@
+// The head state pass's per-chunk math: what a state warp does with one chunk in its stage (the products listed in
+// state_pass_head.cuh; docs/design/prefill.md "Kernel 2: the head state pass"). Every product's A operand is the
+// previous one's accumulator repacked in registers, so the warps never wait for each other inside a chunk.
+//
+// Fragments: S^T in registers, s[j][e] = S[k][v] with k = 8j + q2 + (e & 1), v = vw + r + 8 (e >> 1). The chunk's
+// C fragments are 16 value rows x 64 token columns: element [nt][e] is value vw + r + 8 (e >> 1), token
+// 8 nt + q2 + (e & 1). The mma.sync build skips token tiles past the chunk's length (zero rows).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/arch/mma_sync.cuh"
+#include "cuda/arch/wgmma.cuh"
+#include "cuda/prefill/causal_image.cuh"
+#include "cuda/prefill/head_loader.cuh"
+#include "cuda/prefill/head_stage.cuh"
+#include "cuda/prefill/io.cuh"
+#include "cuda/prefill/mma.cuh"
+#include "cuda/prefill/plan.h"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::chunked_prefill {
+
+// v_new^T (or o^T) += A B^T over a chunk-causal B (B[n][k] = 0 for k > n: T' or M), in token halves: tokens
+// 0..31 need k-steps 0, 1 (K-major descriptor `lo` of rows 0..31), tokens 32..63 all four (`hi`, rows 32..63):
+// 6 of 8 n32 products. Not one n48/n64 k-step over tokens 16 KS .. 63: its accumulator tiles 2 KS .. 7 are not an
+// aligned register block, and ptxas then serializes the wgmmas. The halves' descriptors: causal_image_descs or
+// full_causal_descs (causal_image.cuh).
+template <class Op, int KS = 0>
+__device__ __forceinline__ void causal_cols_wgmma(float (&acc)[8][4], const uint32_t (&a)[4][4], uint64_t lo,
+                                                  uint64_t hi) {
+  if constexpr (KS < 2) wgmma_rs<Op, 32, 0, false>(acc, a[KS], desc_add(lo, KS * 32));
+  wgmma_rs<Op, 32, 4, false>(acc, a[KS], desc_add(hi, KS * 32));
+  if constexpr (KS < 3) causal_cols_wgmma<Op, KS + 1>(acc, a, lo, hi);
+}
+
+// S *= e^{g_last}, before a chunk's update.
+template <int KT>
+__device__ __forceinline__ void decay_state(float (&s)[KT][4], float eg) {
+#pragma unroll
+  for (int j = 0; j < KT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] *= eg;
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+}
+
+// One state thread's chunk math, for one build of the pass (S: HeadPass).
+template <class S>
+struct HeadStateWarps {
+  using Op = typename S::Op;
+  using Stage = typename S::Stage;
+  static constexpr int K = S::K, KT = S::KT, kStages = S::kStages, kMCols = S::kMCols, LDK = S::LDK, LDT = S::LDT;
+  static constexpr bool kWgmma = S::kWgmma, kMInPass = S::kMInPass;
+  static constexpr uint32_t kVRow16 = S::kVRow16;
+  // wgmma: a 64-column block of the k / q rows is 64 rows of 128 bytes
+  static constexpr uint32_t kBlock = kChunk * 128;
+
+  const PrefillParams& p;
+  const Plan& plan;
+  const HeadCoords& at;
+  // kMInPass: the chunk's rq (scale / ||q||, or the scale), written after the chunk's first barrier, read after the
+  // second (one buffer: every read of chunk c precedes the next chunk's first barrier)
+  float* s_rq;
+  // o: lane l stores 16-byte piece l & 1 of the warp's columns of rows l / 2 + 16 u of each chunk, staged in its
+  // v columns at o_staged (+ 16 rows per u).
+  Op* o_lane;
+  int o_staged;
+  // The wgmma build's share of M: warpgroup g forms token columns mj0 .. mj0 + kMCols - 1 of every row; warp w of
+  // it holds rows mrow, mrow + 8, and stores (stmatrix) rows mst_row of columns mst_col + 16 np.
+  int mj0, mrow, mst_row, mst_col;
+  // Per-lane byte offsets inside a stage of the fragment rows each ldmatrix / stmatrix reads or writes (per chunk
+  // only constants are added: they fold into the instructions' immediates).
+  uint32_t off_k;   // B = rows [n][k] (k, q, T', M): bn_frag_ptr
+  uint32_t off_t;
+  uint32_t off_kt;  // B = k rows as [k][n]: bk_frag_ptr
+  uint32_t off_v;   // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
+
+  __device__ __forceinline__ HeadStateWarps(const PrefillParams& p_, const Plan& plan_, const HeadCoords& at_,
+                                            int64_t start, float* s_rq_)
+      : p(p_), plan(plan_), at(at_), s_rq(s_rq_) {
+    const int lane = at.lane, warp = at.warp;
+    o_lane = static_cast<Op*>(p.o.data) + (start + (lane >> 1)) * p.o.token_stride + at.h * p.o.head_stride + at.vw +
+             (lane & 1) * 8;
+    o_staged = S::v_offset(lane >> 1, at.lw + (lane & 1) * 8);
+    mj0 = (warp / 4) * kMCols, mrow = (warp % 4) * 16 + at.r;
+    mst_row = (warp % 4) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, mst_col = mj0 + (lane >> 4) * 8;
+    const int frag_row = ((lane >> 4) << 3) + (lane & 7), frag_col = ((lane >> 3) & 1) * 8;
+    off_k = uint32_t(frag_row * LDK + frag_col) * 2;
+    off_t = uint32_t(frag_row * LDT + frag_col) * 2;
+    off_kt = uint32_t((lane & 15) * LDK + (lane >> 4) * 8) * 2;
+    off_v = uint32_t(S::v_offset(((lane >> 4) << 3) + (lane & 7), at.lw + ((lane >> 3) & 1) * 8)) * 2;
+  }
+
+  // Chunk c (L tokens) in stage b; issues chunk c + kStages - 1's inputs once its first products are under way.
+  // Built twice: for a full chunk without any length test (one branch-free block that ptxas schedules across the
+  // products), and for the last, partial one. c, L, nchunks and stage by reference: the caller's loop variables.
+  template <bool kFull>
+  __device__ __forceinline__ void chunk(Stage& b, float (&s)[KT][4], const int64_t& c, const int& L,
+                                        const int64_t& nchunks, const HeadLoader<S>& loader,
+                                        Stage* const& stage) const {
+    const uint32_t ks_b = smem_addr(b.ks) + off_k, qs_b = smem_addr(b.qs) + off_k, kt_b = smem_addr(b.ks) + off_kt;
+    const uint32_t ts_b = smem_addr(b.ts) + off_t, ms_b = smem_addr(b.ms) + off_t, vs_b = smem_addr(b.vs) + off_v;
+    // K-major descriptors of the k and q rows, and of the k rows read transposed (MN-major)
+    [[maybe_unused]] const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024),
+                                    dq = sw128_desc(smem_addr(b.qs), 16, 1024),
+                                    dkt = sw128_desc(smem_addr(b.ks), kBlock, 1024);
+
+    float pk[8][4], qo[8][4];
+    [[maybe_unused]] float mk[kMCols / 8][4];
+    pq_products<kFull>(b, s, pk, qo, mk, ks_b, qs_b, dk, dq, L);
+
+    // The inputs of chunk c + kStages - 1 (into the stage chunk c - 1 used: every warp is past it): issued here, so
+    // that the P/Q products above start right after the barrier.
+    if (c + kStages - 1 < nchunks) loader.issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
+    if constexpr (kMInPass) q_norms(b);
+    if constexpr (kWgmma) {
+      wgmma_wait<kMInPass ? 2 : 1>();  // P^T (Q^T and q k^T may still run)
+      wgmma_pin(pk);
+    }
+
+    // ---- X^T = v^T - P^T diag(ek), packed as the A operand of the next product (k-step = 16 tokens)
+    uint32_t xa[4][4];
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t vv[4];  // v^T of token tiles 2np, 2np+1 (value rows r, r + 8)
+      ldmatrix_x4_trans(vv, vs_b + np * kVRow16);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int nt = 2 * np + half;
+        const float2 ek = factor(b, kDecayRk, nt);
+        const float2 va = unpack2<Op>(vv[2 * half]), vb = unpack2<Op>(vv[2 * half + 1]);
+        xa[np][2 * half] = pack2<Op>(va.x - ek.x * pk[nt][0], va.y - ek.y * pk[nt][1]);
+        xa[np][2 * half + 1] = pack2<Op>(vb.x - ek.x * pk[nt][2], vb.y - ek.y * pk[nt][3]);
+      }
+    }
+
+    // ---- v_new^T = X^T T'^T   (T' lower triangular: token tile pair np needs k-steps 0..np)
+    float vn[8][4];
+    zero_acc(vn);
+    if constexpr (kWgmma) {
+      wgmma_pin(vn);
+      wgmma_fence();
+      const CausalDescs dt = causal_image_descs(b.ts);
+      causal_cols_wgmma<Op>(vn, xa, dt.lo, dt.hi);
+      wgmma_commit();
+    }
+    if constexpr (kMInPass) form_m(b, mk);
+    if constexpr (kWgmma) {
+      wgmma_wait<0>();  // v_new^T (and Q^T)
+      wgmma_pin(vn);
+      wgmma_pin(qo);
+    } else {
+      causal_cols_mma<Op, LDT, kFull>(vn, xa, ts_b, L);
+    }
+
+    uint32_t na[4][4], da[4][4];
+    new_value_operands(b, vn, na, da);
+
+    // ---- o^T = Q^T diag(eq) + v_new^T M^T   (M lower triangular; kMInPass: (Q^T diag(e^gcum) + v_new^T M'^T)
+    // diag(rq))
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const float2 eq = factor(b, kDecayRq, nt);
+      qo[nt][0] *= eq.x;
+      qo[nt][1] *= eq.y;
+      qo[nt][2] *= eq.x;
+      qo[nt][3] *= eq.y;
+    }
+    const float eg = b.sc[kChunkDecay * kChunk];
+    if constexpr (kWgmma) {
+      o_and_update_wgmma(b, s, qo, na, da, eg, dkt);
+    } else {
+      causal_cols_mma<Op, LDT, kFull>(qo, na, ms_b, L);
+    }
+
+    store_o<kFull>(b, qo, vs_b, c, L);
+
+    if constexpr (kWgmma) {
+      wgmma_wait<0>();  // S^T
+      wgmma_pin(s);
+    } else {
+      update_state_mma<kFull>(s, da, kt_b, eg, L);
+    }
+  }
+
+ private:
+  // Token factors of this thread's token columns 8 nt + q2 + {0, 1} (FactorRow).
+  __device__ __forceinline__ float2 factor(const Stage& b, int row, int nt) const {
+    return *reinterpret_cast<const float2*>(&b.sc[row * kChunk + nt * 8 + at.q2]);
+  }
+
+  // ---- P^T = S^T k^T and Q^T = S^T q^T (kMInPass: and this warpgroup's q k^T for M); the wgmma build issues them
+  // asynchronously, as two commit groups (and a third), so that X starts while Q still runs.
+  template <bool kFull>
+  __device__ __forceinline__ void pq_products(const Stage& b, float (&s)[KT][4], float (&pk)[8][4], float (&qo)[8][4],
+                                              float (&mk)[kMCols / 8][4], uint32_t ks_b, uint32_t qs_b, uint64_t dk,
+                                              uint64_t dq, int L) const {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
+    if constexpr (kMInPass) zero_acc(mk);
+    if constexpr (kWgmma) {
+      uint32_t sa[K / 16][4];  // S^T as A fragments, held until both products complete
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk) c_to_a<Op>(s[2 * kk], s[2 * kk + 1], sa[kk]);
+      wgmma_pin(pk);  // the zeros are written before the fence
+      wgmma_pin(qo);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk)
+        wgmma_rs<Op, kChunk, 0, false>(pk, sa[kk], desc_add(dk, (kk / 4) * kBlock + (kk % 4) * 32));
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk)
+        wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], desc_add(dq, (kk / 4) * kBlock + (kk % 4) * 32));
+      wgmma_commit();
+      if constexpr (kMInPass) {
+        // M's q k^T: tokens i (rows, A = q rows) x this warpgroup's token columns mj0 .. mj0 + 31 (B = k rows),
+        // both operands in shared memory
+        wgmma_pin(mk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+          const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
+          wgmma_ss<Op, kMCols, 0>(mk, desc_add(dq, koff), desc_add(dk, koff + uint32_t(mj0) * 128));
+        }
+        wgmma_commit();
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t a[4];
+        c_to_a<Op>(s[2 * kk], s[2 * kk + 1], a);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          if (!kFull && np * 16 >= L) continue;
+          uint32_t bk[4], bq[4];
+          ldmatrix_x4(bk, ks_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
+          ldmatrix_x4(bq, qs_b + uint32_t(np * 16 * LDK + kk * 16) * 2);
+          mma<Op>(pk[2 * np], a, bk[0], bk[1]);
+          mma<Op>(pk[2 * np + 1], a, bk[2], bk[3]);
+          mma<Op>(qo[2 * np], a, bq[0], bq[1]);
+          mma<Op>(qo[2 * np + 1], a, bq[2], bq[3]);
+        }
+      }
+    }
+  }
+
+  // kMInPass: rq of token tid / 4 from a quarter of its q row per lane (rows past a partial chunk are zero), while
+  // the products run (docs/design/prefill.md "M formed in the pass").
+  __device__ __forceinline__ void q_norms(const Stage& b) const {
+    const int t = at.tid >> 2, c0 = (at.tid & 3) * (K / 4);
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < K / 32; ++u) ss += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(t, c0 + 8 * u)])));
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    if ((at.tid & 3) == 0) s_rq[t] = (p.heads.use_qk_l2norm ? rsqrtf(ss + 1e-6f) : 1.0f) * plan.scale;
+  }
+
+  // ---- kMInPass: M'[i][j] = mask_{j<=i} exp2(gc_i - gc_j) rk_j (q_i . k_j) (M without rq_i, which o's rows get
+  // at the end) from the chunk prep's factors, stored to the stage's M rows while v_new's product runs (o's product
+  // reads them after a CTA barrier)
+  __device__ __forceinline__ void form_m(Stage& b, float (&mk)[kMCols / 8][4]) const {
+    wgmma_wait<1>();  // Q^T and q k^T (v_new^T may still run)
+    wgmma_pin(mk);
+    float gi[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) gi[half] = b.sc[kLog2Gcum * kChunk + mrow + 8 * half];
+#pragma unroll
+    for (int nt = 0; nt < kMCols / 8; ++nt) {
+      const int j = mj0 + nt * 8 + at.q2;
+      const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kLog2Gcum * kChunk + j]);
+      const float2 kj = *reinterpret_cast<const float2*>(&b.sc[kInvNormK * kChunk + j]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
+        const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
+        mk[nt][e] = jj <= i ? mk[nt][e] * d : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < kMCols / 16; ++np) {
+      uint32_t frag[4];
+      c_to_a<Op>(mk[2 * np], mk[2 * np + 1], frag);
+      stmatrix_x4(smem_addr(b.ms) + 2 * uint32_t(sw128_offset<kChunk>(mst_row, mst_col + 16 * np)), frag);
+    }
+    fence_proxy_async();  // M is read by the tensor cores
+  }
+
+  // ---- A operands: v_new (for o) and vd = v_new diag(dd) (for S; dd is 0 past the chunk)
+  __device__ __forceinline__ void new_value_operands(const Stage& b, const float (&vn)[8][4], uint32_t (&na)[4][4],
+                                                     uint32_t (&da)[4][4]) const {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      c_to_a<Op>(vn[2 * ks], vn[2 * ks + 1], na[ks]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int nt = 2 * ks + half;
+        const float2 dd = factor(b, kTailDecayRk, nt);
+        da[ks][2 * half] = pack2<Op>(vn[nt][0] * dd.x, vn[nt][1] * dd.y);
+        da[ks][2 * half + 1] = pack2<Op>(vn[nt][2] * dd.x, vn[nt][3] * dd.y);
+      }
+    }
+  }
+
+  // The wgmma build: o's product, then S^T = e^{g_last} S^T + vd^T k (B = k rows [token][k]: MN-major) issued right
+  // behind it, so that o's store overlaps the update; o^T complete on return, S^T still running.
+  __device__ __forceinline__ void o_and_update_wgmma(const Stage& b, float (&s)[KT][4], float (&qo)[8][4],
+                                                     const uint32_t (&na)[4][4], const uint32_t (&da)[4][4], float eg,
+                                                     uint64_t dkt) const {
+    if constexpr (kMInPass) __syncthreads();  // every warpgroup's share of M is stored
+    wgmma_pin(qo);
+    wgmma_fence();
+    const CausalDescs dm = kMInPass ? full_causal_descs(b.ms) : causal_image_descs(b.ms);
+    causal_cols_wgmma<Op>(qo, na, dm.lo, dm.hi);
+    wgmma_commit();
+    decay_state(s, eg);
+    wgmma_pin(s);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_rs<Op, K, 0, true>(s, da[ks], desc_add(dkt, ks * 2048));
+    wgmma_commit();
+    [[maybe_unused]] float2 rqv[kMInPass ? 8 : 1];  // o's row factors, read while o's product runs
+    if constexpr (kMInPass) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) rqv[nt] = *reinterpret_cast<const float2*>(&s_rq[nt * 8 + at.q2]);
+    }
+    wgmma_wait<1>();  // o^T
+    wgmma_pin(qo);
+    if constexpr (kMInPass) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float2 rq = rqv[nt];
+        qo[nt][0] *= rq.x;
+        qo[nt][1] *= rq.y;
+        qo[nt][2] *= rq.x;
+        qo[nt][3] *= rq.y;
+      }
+    }
+  }
+
+  // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored as 32-byte row pieces
+  template <bool kFull>
+  __device__ __forceinline__ void store_o(const Stage& b, const float (&qo)[8][4], uint32_t vs_b, int64_t c,
+                                          int L) const {
+    __syncwarp();
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t frag[4];  // the C -> A packing is also stmatrix's fragment order
+      c_to_a<Op>(qo[2 * np], qo[2 * np + 1], frag);
+      stmatrix_x4_trans(vs_b + np * kVRow16, frag);
+    }
+    __syncwarp();
+    Op* const oc = o_lane + c * kChunk * p.o.token_stride;
+#pragma unroll
+    for (int u = 0; u < 2 * kChunk / 32; ++u) {
+      if (kFull || (at.lane >> 1) + 16 * u < L)
+        *reinterpret_cast<uint4*>(oc + 16 * u * p.o.token_stride) =
+            *reinterpret_cast<const uint4*>(&b.vs[o_staged + u * int(kVRow16 / 2)]);
+    }
+  }
+
+  // ---- the mma.sync build: S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)
+  template <bool kFull>
+  __device__ __forceinline__ void update_state_mma(float (&s)[KT][4], const uint32_t (&da)[4][4], uint32_t kt_b,
+                                                   float eg, int L) const {
+    decay_state(s, eg);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      if (!kFull && ks * 16 >= L) continue;
+#pragma unroll
+      for (int np = 0; np < K / 16; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, kt_b + uint32_t(ks * 16 * LDK + np * 16) * 2);
+        mma<Op>(s[2 * np], da[ks], bk[0], bk[1]);
+        mma<Op>(s[2 * np + 1], da[ks], bk[2], bk[3]);
+      }
+    }
+  }
+};
+
+}  // namespace gdnkit::cuda::chunked_prefill
