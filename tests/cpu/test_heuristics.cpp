@@ -253,7 +253,7 @@ TEST(PrefillHeuristics, ShortSequencesOnTheRecurrentKernels) {
   EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 16);
   all_short.p.state.dtype = DType::kFloat32;
   EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 8);
-  // Without a host copy of cu_seqlens: by the mean length.
+  // Without a host copy of cu_seqlens: by the mean length (16 x 32 rows would also be a small grid).
   PrefillCall no_host(std::vector<int64_t>(16, 10));
   no_host.p.cu_seqlens_host = nullptr;
   c = chunked_prefill::choose_prefill(no_host.p, kSms, {});
@@ -350,15 +350,16 @@ TEST(PrefillPlan, ChunkSlotsDistinctAndBounded) {
 // The state pass: the head pass where it can run, else the widest tile that still gives ~2 CTAs per
 // SM (64 is not built for K = 256).
 // The short path's reach per pool layout and dtype, and when it is taken: with a host copy of cu_seqlens
-// whenever a sequence is short, without it when the mean length is within the reach.
+// whenever a sequence is short, without it when the mean length is within the reach or the grid over every
+// sequence is small (on 132 SMs: at most 2112 (sequence, value head) rows).
 TEST(PrefillPlan, ShortPathChoice) {
-  auto choose = [](std::vector<int32_t> lens, StateLayout layout, DType state, DType in, bool host) {
-    ProblemConfig c = base(std::move(lens), 2, 4);
+  auto choose = [](std::vector<int32_t> lens, StateLayout layout, DType state, DType in, bool host, int HV = 4) {
+    ProblemConfig c = base(std::move(lens), 2, HV);
     c.layout = layout, c.state_dtype = state, c.in_dtype = in, c.pass_cu_seqlens_host = host;
     Problem p(c);
     const PrefillParams pp = p.prefill_params(PrefillAlgorithm::kAuto);
     EXPECT_TRUE(cuda::chunked_prefill::short_path_supported(pp));
-    return cuda::chunked_prefill::choose_short_len(pp, {});
+    return cuda::chunked_prefill::choose_short_len(pp, {}, 132);
   };
   const auto kl = StateLayout::kKLast, vl = StateLayout::kVLast;
   const auto f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
@@ -369,8 +370,13 @@ TEST(PrefillPlan, ShortPathChoice) {
   EXPECT_EQ(choose(mixed, vl, bf16, bf16, true), 16);
   EXPECT_EQ(choose(mixed, kl, f32, f16, true), 8);
   EXPECT_EQ(choose(all_long, kl, f32, bf16, true), 0);
-  EXPECT_EQ(choose(mixed, kl, f32, bf16, false), 0);  // mean 71 > 24
+  EXPECT_EQ(choose(mixed, kl, f32, bf16, false), 24);  // mean 71 > 24, but 16 rows
   EXPECT_EQ(choose(all_short, kl, f32, bf16, false), 24);
+  const std::vector<int32_t> many_long(80, 100);  // 80 x 32 = 2560 rows, mean 100
+  EXPECT_EQ(choose(many_long, kl, f32, bf16, false, 32), 0);
+  EXPECT_EQ(choose(many_long, kl, f32, bf16, true, 32), 0);
+  const std::vector<int32_t> many_short(80, 10);
+  EXPECT_EQ(choose(many_short, kl, f32, bf16, false, 32), 24);
 }
 
 TEST(PrefillPlan, ValueTileHeuristic) {

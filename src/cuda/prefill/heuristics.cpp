@@ -26,7 +26,10 @@ constexpr int kMWarpgroupMinChunks = 4;
 // with many short CTAs each one's wait costs more than the overlap saves.
 constexpr int kEarlyPassMaxCtasPerSm = 4;
 
-constexpr int32_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y: the short path has one row per sequence
+constexpr int32_t kMaxGridY = 65535;
+// Without a host copy of cu_seqlens, the short path's grid may cover every sequence while at most this many
+// (sequence, value head) rows per SM: its CTAs of long sequences exit at once, a few microseconds in all.
+constexpr int kShortSkipRowsPerSm = 16;  // CUDA's limit on gridDim.y: the short path has one row per sequence
 
 bool has_checkpoints(const PrefillParams& p) {
   return p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoint_indices != nullptr;
@@ -78,12 +81,17 @@ int32_t count_short(const PrefillParams& p, int len) {
   return count;
 }
 
-int choose_short_len(const PrefillParams& p, const Overrides& o) {
+// Without a host copy of cu_seqlens the short path launches a grid over every sequence, whose CTAs of long
+// sequences only read their span and exit. It runs when the mean length is within the reach, or when that grid
+// is small (a few waves): then a short sequence of a mixed batch still takes it, and the precision of a sequence
+// of a few tokens is the recurrence's, not that of a chunk's 16-bit operands (docs/design/prefill.md).
+int choose_short_len(const PrefillParams& p, const Overrides& o, int num_sms) {
   if (o.prefill_short_max_len >= 0) return short_path_supported(p) ? o.prefill_short_max_len : 0;
   const int len = short_len_default(p);
   if (!short_path_supported(p)) return 0;
   if (p.cu_seqlens_host != nullptr) return count_short(p, len) > 0 ? len : 0;
-  return p.total_tokens <= int64_t(p.num_seqs) * len ? len : 0;
+  const bool small_grid = int64_t(p.num_seqs) * p.heads.num_v_heads <= int64_t(kShortSkipRowsPerSm) * num_sms;
+  return small_grid || p.total_tokens <= int64_t(p.num_seqs) * len ? len : 0;
 }
 
 // The head pass when it can run. Otherwise the tiled pass, whose parallelism is N * HV * (V / VT) CTAs: the
@@ -112,7 +120,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   // Short sequences run on the recurrent kernels (the chunked kernels skip them). The short path stores no
   // checkpoint: it takes only sequences shorter than the interval.
   if (c.stages == kStagesAll) {
-    c.short_len = choose_short_len(p, o);
+    c.short_len = choose_short_len(p, o, num_sms);
     if (has_checkpoints(p)) c.short_len = std::min(c.short_len, p.checkpoint_interval - 1);
     c.short_len = std::max(c.short_len, 0);
   }

@@ -62,7 +62,7 @@ constexpr bool head_pass_forms_m(bool wgmma, int cols) { return wgmma && cols ==
 int short_len_default(const PrefillParams& p);
 // Sequences of at most len tokens, by the host copy of cu_seqlens (which must be given).
 int32_t count_short(const PrefillParams& p, int len);
-int choose_short_len(const PrefillParams& p, const Overrides& o);
+int choose_short_len(const PrefillParams& p, const Overrides& o, int num_sms);
 int choose_vtile(const PrefillParams& p, int num_sms);
 int choose_head_split(const PrefillParams& p, int num_sms);
 
