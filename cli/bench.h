@@ -132,8 +132,23 @@ struct RunInfo {
 };
 
 // Receives rows as they are measured: prints progress and rewrites the output files, so that a run
-// killed half way still leaves the rows it measured.
-using RowSink = std::function<void(const Row&)>;
+// killed half way still leaves the rows it measured. A backend calls plan() once, with the number of rows
+// it is going to measure, before the first row (the progress line's "row i/N" and its time estimate).
+struct RowSink {
+  std::function<void(size_t total)> plan;
+  std::function<void(const Row&)> row;
+  void operator()(const Row& r) const { row(r); }
+};
+
+// One configuration of a sweep: the row to report if measuring fails, and the measurement. Each backend
+// lists its sweep as jobs first, so the number of rows is known before the first one runs.
+struct Job {
+  Row fallback;
+  std::function<Row()> measure;
+};
+
+// "row 12/40, 0:35 elapsed, about 1:20 left" (no estimate before the first row finished).
+std::string progress_prefix(size_t done, size_t total, double elapsed_seconds);
 
 // Token-major inputs/outputs of one problem, contiguous: q, k [tokens, H, K], v, o [tokens, HV, V],
 // a, b [tokens, HV] (all in the input dtype), A_log, dt_bias [HV] fp32. Host or device pointers.

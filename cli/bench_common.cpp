@@ -463,6 +463,24 @@ std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
   return s;
 }
 
+namespace {
+std::string clock_time(double seconds) {
+  const long s = seconds > 0 ? long(seconds + 0.5) : 0;
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", s / 3600, s / 60 % 60, s % 60);
+  else std::snprintf(buf, sizeof buf, "%ld:%02ld", s / 60, s % 60);
+  return buf;
+}
+}  // namespace
+
+std::string progress_prefix(size_t done, size_t total, double elapsed) {
+  std::string s = "row " + std::to_string(done) + "/" + std::to_string(total) + ", " + clock_time(elapsed) + " elapsed";
+  // The mean time per row so far times the rows left: rough (rows of one sweep differ in cost), but it
+  // says whether a run takes minutes or hours.
+  if (done > 0 && done < total) s += ", about " + clock_time(elapsed / double(done) * double(total - done)) + " left";
+  return s;
+}
+
 std::string progress_line(const Row& r) {
   char buf[256];
   std::string what;

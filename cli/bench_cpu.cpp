@@ -251,6 +251,7 @@ void run_cpu(const Options& o, RunInfo& info, const RowSink& sink) {
       o.states.empty() ? std::vector<DType>{DType::kFloat32, DType::kBFloat16} : o.states;
   const std::vector<StateLayout> layouts =
       o.layouts.empty() ? std::vector<StateLayout>{StateLayout::kKLast, StateLayout::kVLast} : o.layouts;
+  std::vector<Job> jobs;
   for (const std::string& op : o.ops) {
     for (const Shape& s : shapes) {
       if (op == "decode") {
@@ -259,7 +260,7 @@ void run_cpu(const Options& o, RunInfo& info, const RowSink& sink) {
             for (int32_t B : o.batches.empty() ? std::vector<int32_t>{1, 4} : o.batches) {
               Row fb = base_row(op, s, st, ly);
               fb.batch = B;
-              guarded(fb, sink, ceiling, [&] { return cpu_decode(s, st, ly, B); });
+              jobs.push_back({fb, [=] { return cpu_decode(s, st, ly, B); }});
             }
       } else if (op == "verify") {
         const DType st = states.front();
@@ -271,7 +272,7 @@ void run_cpu(const Options& o, RunInfo& info, const RowSink& sink) {
               fb.mode = verify_mode_name(m);
               fb.batch = B;
               fb.draft_tokens = T;
-              guarded(fb, sink, ceiling, [&] { return cpu_verify(s, st, ly, m, T, B); });
+              jobs.push_back({fb, [=] { return cpu_verify(s, st, ly, m, T, B); }});
             }
       } else {
         const std::vector<SeqSet> sets = o.seqsets.empty() ? std::vector<SeqSet>{parse_seqset("2x128")} : o.seqsets;
@@ -280,11 +281,15 @@ void run_cpu(const Options& o, RunInfo& info, const RowSink& sink) {
             Row fb = base_row(op, s, states.front(), layouts.front());
             fb.seqset = set.name;
             fb.mode = algo == PrefillAlgorithm::kRecurrent ? "recurrent" : "chunked";
-            guarded(fb, sink, ceiling, [&] { return cpu_prefill(s, states.front(), layouts.front(), set, algo); });
+            const DType st = states.front();
+            const StateLayout ly = layouts.front();
+            jobs.push_back({fb, [=] { return cpu_prefill(s, st, ly, set, algo); }});
           }
       }
     }
   }
+  sink.plan(jobs.size());
+  for (const Job& j : jobs) guarded(j.fallback, sink, ceiling, j.measure);
 }
 
 }  // namespace gdnkit::bench

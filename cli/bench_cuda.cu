@@ -698,6 +698,7 @@ void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
                info.launch_floor_us, info.launch_floor_ctas);
   const double ceiling = info.copy_ceiling_tbps;
 
+  std::vector<Job> jobs;
   for (const std::string& op : o.ops) {
     for (const Shape& s : shapes_for(o, op)) {
       for (DType st : states_for(o, op)) {
@@ -706,7 +707,7 @@ void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
             for (int32_t B : batches_for(o, op)) {
               Row fb = base_row(op, s, st, ly);
               fb.batch = B;
-              guarded(fb, sink, ceiling, [&] { return bench_decode(d, o, s, st, ly, B); });
+              jobs.push_back({fb, [=, &d, &o] { return bench_decode(d, o, s, st, ly, B); }});
             }
           } else if (op == "verify") {
             for (VerifyMode m : verify_modes()) {
@@ -716,7 +717,7 @@ void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
                   fb.mode = verify_mode_name(m);
                   fb.batch = B;
                   fb.draft_tokens = T;
-                  guarded(fb, sink, ceiling, [&] { return bench_verify(d, o, s, st, ly, m, T, B); });
+                  jobs.push_back({fb, [=, &d, &o] { return bench_verify(d, o, s, st, ly, m, T, B); }});
                 }
               }
             }
@@ -726,13 +727,19 @@ void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
               fb.seqset = set.name;
               fb.total_tokens = set.total();
               fb.num_seqs = int32_t(set.lengths.size());
-              guarded(fb, sink, ceiling, [&] { return bench_prefill(d, o, s, st, ly, set); });
+              jobs.push_back({fb, [=, &d, &o] { return bench_prefill(d, o, s, st, ly, set); }});
             }
           }
         }
       }
     }
-    info.sm_clock_end = nvidia_smi("clocks.sm");  // after each op's rows, while the GPU is still clocked up
+  }
+  sink.plan(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    guarded(jobs[i].fallback, sink, ceiling, jobs[i].measure);
+    // After each op's rows, while the GPU is still clocked up.
+    if (i + 1 == jobs.size() || jobs[i + 1].fallback.op != jobs[i].fallback.op)
+      info.sm_clock_end = nvidia_smi("clocks.sm");
   }
 }
 

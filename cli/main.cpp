@@ -1,11 +1,16 @@
 // gdnkit: command-line tool.
 //   gdnkit info                 build, devices, supported configurations
 //   gdnkit bench [op] [flags]   the benchmark (method: docs/benchmarks.md; see `gdnkit help`)
+//   gdnkit --version            "gdnkit MAJOR.MINOR.PATCH" (include/gdnkit/version.h)
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -24,6 +29,7 @@ commands:
   info                       build information, devices, supported configurations
   bench [decode|verify|prefill|all]   benchmark (default: all), method of docs/benchmarks.md
   help                       this text
+  --version                  the version ("gdnkit 0.1.0")
 
 bench options:
   --shape NAME[,NAME]|all    qwen3-next | qwen3.5-397b-tp8 | qwen3.5-27b | qwen3.5-397b
@@ -43,10 +49,14 @@ bench options:
   --prefill-iters N          prefill timed runs, median taken (default 12, >= 10)
   --json FILE                write every row and the device/ceiling info as JSON
   --markdown FILE            write the Markdown table (also printed to stdout)
+                             (both are checked for writing before the run, and rewritten after every row)
   --cpu                      run the CPU reference backend (small shapes) even if a GPU is present
 
 Without a usable CUDA device the bench runs the CPU reference backend on a small default shape
 (H=2, HV=4, K=V=64): its numbers are CPU timings, not GPU numbers.
+Progress goes to stderr: one line per row, "row i/N", the time elapsed and an estimate of the time left.
+Exit status: 0 when every row ran, 1 when a row failed or an output file could not be written, 2 for bad
+arguments (an output file that cannot be created included: checked before any work).
 )";
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -151,18 +161,45 @@ Options parse_bench(int argc, char** argv, int first) {
     }
   }
   o.ops = op == "all" ? std::vector<std::string>{"decode", "verify", "prefill"} : std::vector<std::string>{op};
+  if (!o.json_path.empty() && o.json_path == o.markdown_path)
+    usage_error("--json and --markdown name the same file '" + o.json_path + "'");
   return o;
 }
 
+// Fails fast, before any work, when an output file cannot be written: opens it for appending (which
+// creates a missing file and leaves an existing one as it is), then removes it again if it was not there.
+void check_writable(const char* flag, const std::string& path) {
+  if (path.empty()) return;
+  std::error_code ec;
+  const bool existed = std::filesystem::exists(path, ec);
+  std::FILE* f = std::fopen(path.c_str(), "ab");
+  if (f == nullptr) {
+    const int err = errno;
+    std::fprintf(stderr, "gdnkit bench: %s: cannot write %s: %s\n", flag, path.c_str(), std::strerror(err));
+    std::exit(2);
+  }
+  std::fclose(f);
+  if (!existed) std::filesystem::remove(path, ec);
+}
+
+// A failed write of an output file during the run: the run stops (exit status 1), once.
+struct OutputError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 void write_file(const std::string& path, const std::string& text) {
   if (path.empty()) return;
+  errno = 0;
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f << text;
-  if (!f) std::fprintf(stderr, "gdnkit bench: cannot write %s\n", path.c_str());
+  f.close();
+  if (!f) throw OutputError("cannot write " + path + (errno ? std::string(": ") + std::strerror(errno) : ""));
 }
 
 int run_bench(int argc, char** argv) {
   const Options o = parse_bench(argc, argv, 2);
+  check_writable("--json", o.json_path);
+  check_writable("--markdown", o.markdown_path);
   RunInfo info;
   info.command = o.command_line;
   info.build_info = build_info();
@@ -184,16 +221,26 @@ int run_bench(int argc, char** argv) {
   std::fflush(stdout);
 
   std::vector<Row> rows;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto wall = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  auto since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   auto flush_files = [&] {
-    info.wall_seconds = wall();
+    info.wall_seconds = since(t0);
     write_file(o.json_path, to_json(info, rows));
     write_file(o.markdown_path, to_markdown(info, rows));
   };
-  const RowSink sink = [&](const Row& r) {
+  size_t planned = 0;
+  Clock::time_point rows_t0 = t0;  // the estimate counts from the first row (not the ceiling measurements)
+  RowSink sink;
+  sink.plan = [&](size_t total) {
+    planned = total;
+    rows_t0 = Clock::now();
+    std::fprintf(stderr, "gdnkit bench: %zu row(s) to measure\n", total);
+  };
+  sink.row = [&](const Row& r) {
     rows.push_back(r);
-    std::fprintf(stderr, "%s\n", progress_line(r).c_str());
+    const std::string where = progress_prefix(rows.size(), std::max(planned, rows.size()), since(rows_t0));
+    std::fprintf(stderr, "[%s] %s\n", where.c_str(), progress_line(r).c_str());
     flush_files();
   };
   try {
@@ -204,12 +251,19 @@ int run_bench(int argc, char** argv) {
     } else {
       run_cpu(o, info, sink);
     }
-  } catch (const std::exception& e) {
     flush_files();
+  } catch (const OutputError& e) {
+    std::fprintf(stderr, "gdnkit bench: %s (stopped after %zu row(s))\n", e.what(), rows.size());
+    return 1;
+  } catch (const std::exception& e) {
+    try {
+      flush_files();  // keep the rows measured so far
+    } catch (const OutputError& w) {
+      std::fprintf(stderr, "gdnkit bench: %s\n", w.what());
+    }
     std::fprintf(stderr, "gdnkit bench: %s\n", e.what());
     return 1;
   }
-  flush_files();
   std::printf("%s", to_markdown(info, rows).c_str());
   std::printf("(%zu rows in %.1f s)\n", rows.size(), info.wall_seconds);
 
@@ -260,6 +314,10 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "info") return info();
     if (cmd == "bench") return run_bench(argc, argv);
+    if (cmd == "--version" || cmd == "version") {
+      std::printf("gdnkit %s\n", GDNKIT_VERSION_STRING);
+      return 0;
+    }
     if (cmd == "help" || cmd == "--help" || cmd == "-h") {
       std::printf("%s", kUsage);
       return 0;

@@ -3,14 +3,19 @@
 # (idempotent: a second run only checks). Used by tools/test.sh and tools/bench.sh.
 #
 #   Debian packages: cmake (>= 3.24), ninja-build, g++, libgtest-dev (GoogleTest), python3 + pip
-#   Python (pip):    scikit-build-core, nanobind (the binding's build), numpy, pytest (its tests)
+#   Python (pip):    scikit-build-core (>= 0.11), nanobind (the binding's build), numpy, pytest (its tests),
+#                    PyTorch (the torch tests: torch_ops, the adapters; CPU use only, see below)
 #
 # The CUDA toolkit is not installed here: with nvcc present (PATH or /usr/local/cuda) the CUDA backend is
 # built as well, without it the build is CPU-only (GDNKIT_CUDA=AUTO).
 #   bash tools/install-deps.sh          what the build, the tests and the Python package need
 #   bash tools/install-deps.sh build    only what building the library and the CLI needs (tools/bench.sh)
-# GDNKIT_SKIP_PYTHON=1 skips the Python packages. A GoogleTest install named by GTEST_ROOT (for machines
-# without a package mirror) counts as installed.
+# GDNKIT_SKIP_PYTHON=1 skips the Python packages, GDNKIT_SKIP_TORCH=1 only PyTorch (its tests then skip,
+# visibly). A GoogleTest install named by GTEST_ROOT (for machines without a package mirror) counts as installed.
+#
+# PyTorch: the only registry here is PyPI, whose Linux wheels are CUDA builds: torch (540 MB) and its CUDA
+# libraries (nvidia-*, about 3 GB more; torch does not import without them, even for CPU use). Measured on a
+# 2-core machine: 4 minutes, 5 GB installed. It is installed once per machine (present: nothing to do).
 set -euo pipefail
 mode=${1:-all}
 export DEBIAN_FRONTEND=noninteractive
@@ -66,20 +71,39 @@ fi
 if [ "$mode" = all ] && [ "${GDNKIT_SKIP_PYTHON:-0}" != 1 ]; then
   # module name -> requirement
   py_missing=()
-  for pair in "scikit_build_core:scikit-build-core>=0.10" "nanobind:nanobind>=2.0" "numpy:numpy" "pytest:pytest"; do
+  for pair in "nanobind:nanobind>=2.0" "numpy:numpy" "pytest:pytest"; do
     mod=${pair%%:*}
     req=${pair#*:}
     python3 -c "import $mod" >/dev/null 2>&1 || py_missing+=("$req")
   done
+  # pyproject.toml's license metadata (PEP 639) needs scikit-build-core 0.11.
+  at_least() {  # at_least MODULE MAJOR MINOR: the module imports and its __version__ is >= MAJOR.MINOR
+    python3 -c "import sys, $1 as m; v = m.__version__.split('+')[0].split('.')
+sys.exit((int(v[0]), int(v[1])) < ($2, $3))" >/dev/null 2>&1
+  }
+  at_least scikit_build_core 0 11 || py_missing+=("scikit-build-core>=0.11")
+  # Debian's system Python refuses pip installs (PEP 668) unless told otherwise; a venv or pyenv does not.
+  pip_flags=()
+  if python3 -m pip install --help 2>/dev/null | grep -q -- --break-system-packages; then
+    pip_flags+=(--break-system-packages)
+  fi
   if [ ${#py_missing[@]} -gt 0 ]; then
     log "pip install ${py_missing[*]}"
-    # Debian's system Python refuses pip installs (PEP 668) unless told otherwise; a venv or pyenv does not.
-    pip_flags=()
-    if python3 -m pip install --help 2>/dev/null | grep -q -- --break-system-packages; then
-      pip_flags+=(--break-system-packages)
-    fi
     python3 -m pip install -q "${pip_flags[@]}" "${py_missing[@]}"
   else
     log "Python packages: all present"
+  fi
+
+  if [ "${GDNKIT_SKIP_TORCH:-0}" = 1 ]; then
+    log "PyTorch: skipped (GDNKIT_SKIP_TORCH=1): the torch tests will skip"
+  elif at_least torch 2 4; then
+    log "PyTorch: present ($(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null))"
+  else
+    t0=$(date +%s)
+    log "pip install torch (for the torch tests, run on the CPU): PyPI's wheel with its CUDA libraries, about" \
+        "3.5 GB to download and 4 minutes on 2 cores, once per machine"
+    python3 -m pip install -q "${pip_flags[@]}" "torch>=2.4"
+    python3 -c "import torch; torch.zeros(1) + 1"
+    log "PyTorch $(python3 -c 'import torch; print(torch.__version__)') installed in $(( $(date +%s) - t0 )) s"
   fi
 fi

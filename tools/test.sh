@@ -11,11 +11,13 @@
 #   GDNKIT_CUDA=ON|OFF|AUTO   CUDA backend of the C++ build (default AUTO: built when nvcc is found)
 #   GDNKIT_PY_CUDA=ON|OFF     CUDA backend of the Python build (default OFF: its tests run on the CPU)
 #   GDNKIT_SKIP_PYTHON=1      skip the Python package and its tests
+#   GDNKIT_SKIP_TORCH=1       do not install PyTorch (tools/install-deps.sh): the torch tests then skip
 #   GTEST_ROOT=<prefix>       a GoogleTest install (include/, lib/) to use where the system has none
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 BUILD=${GDNKIT_BUILD_DIR:-build}
+case $BUILD in /*) ;; *) BUILD=$root/$BUILD ;; esac  # absolute: the steps below run from other folders too
 JOBS=${GDNKIT_JOBS:-$(nproc)}
 start=$(date +%s)
 
@@ -61,8 +63,8 @@ if [ ${#failed[@]} -eq 0 ]; then
 
   # An installed gdnkit used through find_package(gdnkit) by another project.
   install_consumer() {
-    local prefix="$root/$BUILD/install-test/prefix" cbuild="$root/$BUILD/install-test/build"
-    rm -rf "$root/$BUILD/install-test"
+    local prefix="$BUILD/install-test/prefix" cbuild="$BUILD/install-test/build"
+    rm -rf "$BUILD/install-test"
     cmake --install "$BUILD" --prefix "$prefix" >/dev/null &&
       cmake -G Ninja -S tests/install -B "$cbuild" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
         >/dev/null &&
@@ -100,7 +102,14 @@ if [ "${GDNKIT_SKIP_PYTHON:-0}" != 1 ] && [ -f pyproject.toml ]; then
       -C cmake.define.GDNKIT_CUDA="${GDNKIT_PY_CUDA:-OFF}" .
   }
   python_tests() {
-    python3 -m pytest -q -rs
+    # The torch tests (torch_ops, adapters, torch.compile) run here, on the CPU, with the PyTorch that
+    # tools/install-deps.sh installed; the GPU tests skip without a GPU (tools/gpu-suite.sh runs them).
+    python3 -c 'import torch; print("PyTorch", torch.__version__, "(torch tests run on the CPU)")' 2>/dev/null ||
+      echo "PyTorch is not installed: the torch tests skip"
+    # GDNKIT_CLI: test_package.py checks that `gdnkit --version` is the package's version.
+    local cli=()
+    if [ -x "$BUILD/gdnkit" ]; then cli=(env GDNKIT_CLI="$BUILD/gdnkit"); fi
+    "${cli[@]}" python3 -m pytest -q -rs
     local rc=$?
     if [ $rc -eq 5 ]; then echo "pytest: no tests collected"; return 1; fi
     return $rc

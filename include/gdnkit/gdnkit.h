@@ -12,6 +12,7 @@
 
 #include "gdnkit/params.h"
 #include "gdnkit/types.h"
+#include "gdnkit/version.h"
 
 namespace gdnkit {
 
@@ -45,6 +46,6 @@ PrefillPath prefill_path(const PrefillParams& params);
 
 bool cuda_compiled();   // the library was built with the CUDA backend
 bool cuda_available();  // ... and a usable sm_90 device is present
-std::string build_info();  // version, compiler, CUDA version, architectures, devices
+std::string build_info();  // "gdnkit <GDNKIT_VERSION_STRING>", compiler, CUDA version, architectures, devices
 
 }  // namespace gdnkit

@@ -14,9 +14,8 @@ signatures of FLA's and SGLang's kernels.
 
 from ._gdnkit import (GdnkitError, GdnkitNotImplementedError, GdnkitRuntimeError, build_info, cuda_available,
                       cuda_compiled)
+from ._gdnkit import __version__ as __version__  # compiled in from include/gdnkit/version.h
 from .ops import commit, convert_layout, decode, prefill, verify
-
-__version__ = "0.1.0"
 
 __all__ = [
     "GdnkitError",

@@ -13,6 +13,9 @@ from typing import Any, Optional
 
 _Array = Any
 
+__version__: str
+"""The version compiled into the extension (include/gdnkit/version.h); gdnkit.__version__ is this."""
+
 class GdnkitError(ValueError):
     """Invalid arguments to a gdnkit op (gdnkit::ErrorCode::kInvalidArgument)."""
 

@@ -26,8 +26,10 @@ CUDA arrays run on ``stream`` (an integer ``cudaStream_t``); by default on the c
 arrays' framework (torch / CuPy), else the legacy default stream. No call synchronizes the host, so the
 ops can be captured in CUDA graphs.
 
-Errors: every op validates its arguments before it writes anything and raises
-:class:`gdnkit.GdnkitError` (a ``ValueError``) for invalid arguments,
+Errors: every op validates its arguments before it writes anything and raises ``TypeError`` for an
+argument of the wrong Python type (a list where an array goes, a string where a float goes),
+:class:`gdnkit.GdnkitError` (a ``ValueError``) for invalid arguments (shapes, dtypes, devices: a torch
+tensor on the ``meta`` device too),
 :class:`gdnkit.GdnkitNotImplementedError` (a ``NotImplementedError``) for a valid request the backend
 does not implement, :class:`gdnkit.GdnkitRuntimeError` (a ``RuntimeError``) when no usable CUDA device
 is present or a CUDA runtime call fails. The messages name the offending argument.
@@ -35,7 +37,9 @@ is present or a CUDA runtime call fails. The messages name the offending argumen
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Protocol, Sequence, Tuple, TypeVar
+import functools
+import inspect
+from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple, TypeVar, cast
 
 from . import _gdnkit as _C
 
@@ -162,8 +166,111 @@ def _gates(g: Any, beta: Any, a: Any, b: Any, A_log: Any, dt_bias: Any) -> Dict[
     return dict(g=_dl(g), beta=_dl(beta), a=_dl(a), b=_dl(b), A_log=_dl(A_log), dt_bias=_dl(dt_bias))
 
 
+# ---- arguments of the wrong Python type: named after the call failed ------------------------------
+#
+# A list where an array goes reaches nanobind, whose TypeError names neither the argument nor what it
+# takes; a torch tensor on the meta device fails in torch's DLPack export. Checking every argument up front
+# would cost every call (decode runs in microseconds), so the ops check them only once a call has failed
+# with such an error, and then name the argument.
+
+_SCALARS = {
+    "layout": ("str", "'k_last' or 'v_last'"),
+    "src_layout": ("str", "'k_last' or 'v_last'"),
+    "source": ("str", "'cache' or 'recompute'"),
+    "cpu_algorithm": ("str", "'auto', 'recurrent' or 'chunked'"),
+    "scale": ("float", "a float > 0 or None (1/sqrt(K))"),
+    "use_qk_l2norm": ("bool", "a bool"),
+    "update_state": ("bool", "a bool"),
+    "num_draft_tokens": ("int", "an int T or None"),
+    "checkpoint_interval": ("int", "an int (a multiple of 64)"),
+    "stream": ("int", "an int cudaStream_t, or None for the current stream of the arrays' framework"),
+}
+_ARRAY_KINDS = "an array: torch.Tensor, numpy.ndarray, cupy.ndarray or another object with __dlpack__"
+
+
+def _type_name(x: Any) -> str:
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _is_int(x: Any) -> bool:
+    try:
+        int(x)
+        return not isinstance(x, (str, bytes, float))
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_scalar(name: str, x: Any, kind: str, what: str) -> None:
+    if x is None and name in ("scale", "num_draft_tokens", "stream"):
+        return
+    ok = {
+        "str": lambda: isinstance(x, str),
+        "bool": lambda: isinstance(x, bool),  # what nanobind takes: not 0 / 1, nor NumPy's bool
+        "int": lambda: _is_int(x),
+        "float": lambda: not isinstance(x, (str, bytes)) and hasattr(x, "__float__"),
+    }[kind]()
+    if not ok:
+        raise TypeError(f"{name}: expected {'a string, ' if kind == 'str' else ''}{what}, got {_type_name(x)}")
+
+
+def _check_array(name: str, x: Any) -> None:
+    if x is None:
+        return
+    if _framework(x) == "torch" and hasattr(x, "device"):
+        if x.device.type == "meta":
+            raise _C.GdnkitError(
+                f"{name}: a tensor on the meta device has no data (expected a cpu or cuda tensor; "
+                f"torch.compile traces the custom ops of gdnkit.torch_ops without running them)")
+        if x.device.type not in ("cpu", "cuda"):
+            raise _C.GdnkitError(f"{name}: tensors on {x.device} are not supported (expected cpu or cuda)")
+        return
+    if hasattr(x, "__dlpack__"):
+        return
+    try:
+        memoryview(x)  # the buffer protocol: nanobind imports that too
+        return
+    except TypeError:
+        pass
+    hint = " (convert it first, e.g. with numpy.asarray or torch.tensor)" if isinstance(x, (list, tuple)) else ""
+    raise TypeError(f"{name}: expected {_ARRAY_KINDS}, got {_type_name(x)}{hint}")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _names_bad_arguments(fn: F) -> F:
+    """Runs the op; when it fails with an error that is not gdnkit's own, raises instead one that names the
+    first argument of the wrong Python type (or a torch tensor on a device gdnkit cannot read), if any."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (_C.GdnkitError, _C.GdnkitNotImplementedError, _C.GdnkitRuntimeError):
+            raise
+        except (TypeError, ValueError, AttributeError, RuntimeError, BufferError):
+            try:
+                arguments = sig.bind(*args, **kwargs).arguments
+            except TypeError:
+                arguments = {}  # the call does not fit the signature: Python's message says so
+            try:
+                for name, x in arguments.items():
+                    if name in _SCALARS:
+                        _check_scalar(name, x, *_SCALARS[name])
+                    else:
+                        _check_array(name, x)
+            except (TypeError, _C.GdnkitError) as named:
+                raise named from None
+            raise  # no argument of a wrong type: the original error
+
+    return cast(F, op)
+
+
 # ---- ops ----------------------------------------------------------------------------------------
 
+@_names_bad_arguments
 def decode(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_indices: DLPackArray, *,
            layout: str = "k_last", g: Optional[DLPackArray] = None, beta: Optional[DLPackArray] = None,
            a: Optional[DLPackArray] = None, b: Optional[DLPackArray] = None, A_log: Optional[DLPackArray] = None,
@@ -231,6 +338,7 @@ def decode(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
     return o
 
 
+@_names_bad_arguments
 def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_indices: DLPackArray, *,
            layout: str = "k_last", g: Optional[DLPackArray] = None, beta: Optional[DLPackArray] = None,
            a: Optional[DLPackArray] = None, b: Optional[DLPackArray] = None, A_log: Optional[DLPackArray] = None,
@@ -316,6 +424,7 @@ def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
     return o
 
 
+@_names_bad_arguments
 def commit(k: DLPackArray, v: DLPackArray, state: DLPackArray, state_indices: DLPackArray,
            accepted: DLPackArray, *, source: str = "cache", layout: str = "k_last", q: Optional[DLPackArray] = None,
            g: Optional[DLPackArray] = None, beta: Optional[DLPackArray] = None, a: Optional[DLPackArray] = None,
@@ -390,6 +499,7 @@ def commit(k: DLPackArray, v: DLPackArray, state: DLPackArray, state_indices: DL
               stream=_stream(stream, v))
 
 
+@_names_bad_arguments
 def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPackArray] = None, *,
             state: Optional[DLPackArray] = None, initial_indices: Optional[DLPackArray] = None,
             final_indices: Optional[DLPackArray] = None, layout: str = "k_last", g: Optional[DLPackArray] = None,
@@ -489,6 +599,7 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPa
     return o
 
 
+@_names_bad_arguments
 def convert_layout(src: ArrayT, *, src_layout: str, dst: Optional[ArrayT] = None,
                    stream: Optional[int] = None) -> ArrayT:
     """Convert a state pool between the K-last and the V-last layout.

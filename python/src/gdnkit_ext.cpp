@@ -375,10 +375,72 @@ Gating make_gating(const GateArgs& ga, int64_t tokens, int64_t hv, Devices& dev)
   return gt;
 }
 
-// The state dims implied by the q/k and v heads.
-struct Dims {
-  int64_t hv, k, v;
+// ---- sizes several arrays must agree on: naming the one that is wrong ---------------------------
+//
+// H, K and the token count are carried by q and k (and v), HV by v, the state pool and the gates, V by v and
+// the pool. When two of them disagree, the message names the odd one out where a third array tells which
+// one that is; where none does, it names the later token array (k against q) or the token array against
+// the pool (v or k against state), since the pool is the array a caller allocates once.
+
+// The HV the gates were given for (the last dim of a, b, g or beta; else the length of A_log or dt_bias);
+// -1 when no gate array tells.
+int64_t gates_hv(const GateArgs& ga) {
+  for (const OptArray* x : {&ga.a, &ga.b, &ga.g, &ga.beta})
+    if (*x && (*x)->ndim() >= 2) return int64_t((*x)->shape((*x)->ndim() - 1));
+  for (const OptArray* x : {&ga.A_log, &ga.dt_bias})
+    if (*x && (*x)->ndim() == 1) return int64_t((*x)->shape(0));
+  return -1;
+}
+
+// HV, K and V of a state array of `lead` leading dims as `layout` places them; all -1 when its rank is wrong
+// (make_pool / make_cache report that).
+struct StateDims {
+  int64_t hv = -1, k = -1, v = -1;
 };
+StateDims state_dims(const Array& a, size_t lead, StateLayout layout) {
+  StateDims d;
+  if (a.ndim() != lead + 3) return d;
+  const int64_t d1 = a.shape(lead + 1), d2 = a.shape(lead + 2);
+  d.hv = a.shape(lead);
+  d.k = layout == StateLayout::kKLast ? d2 : d1;
+  d.v = layout == StateLayout::kKLast ? d1 : d2;
+  return d;
+}
+
+// q against k: the token count (v tells which one is off), H (nothing tells: k is named) and K (the state
+// pool tells). q may be absent (commit).
+void check_q_vs_k(const std::optional<Tokens>& tq, const Array* q, const Tokens& tk, const Array& k, const Tokens& tv,
+                  const StateDims& sd) {
+  if (!tq || (tq->count == tk.count && tq->heads == tk.heads && tq->dim == tk.dim)) return;
+  const bool q_is_off = (tq->count != tk.count && tv.count == tk.count) ||
+                        (tq->count == tk.count && tq->heads == tk.heads && sd.k == tk.dim);
+  if (q_is_off)
+    fail("q: expected shape [tokens, H, K] = [", tk.count, ", ", tk.heads, ", ", tk.dim, "] (that of k), got ",
+         shape_str(*q));
+  fail("k: expected shape [tokens, H, K] = [", tq->count, ", ", tq->heads, ", ", tq->dim, "] (that of q), got ",
+       shape_str(k));
+}
+
+// v's and k's heads and head dims against the state pool. Names v (k) unless another array
+// sides with it: the gates' HV for v's heads, q's K for k's (q and k agree by now), and K and V swapped
+// (a pool of the other layout); then the pool is the odd one out and make_pool names it.
+void check_tokens_vs_state(const Tokens& tk, const Array& k, const Tokens& tv, const Array& v, bool have_q,
+                           const Array& state, const char* state_name, const StateDims& sd, StateLayout layout,
+                           int64_t gate_hv) {
+  if (sd.hv < 0) return;
+  const std::string pool = msg::cat(state_name, " ", shape_str(state), " (",
+                                    layout == StateLayout::kKLast ? "k_last: [.., HV, V, K]" : "v_last: [.., HV, K, V]",
+                                    ")");
+  if (tv.heads != sd.hv && gate_hv != tv.heads)
+    fail("v: shape ", shape_str(v), " has HV=", tv.heads, " value heads, but ", pool, " has HV=", sd.hv,
+         gate_hv == sd.hv ? " and the gates have HV=" + std::to_string(gate_hv) : std::string());
+  const bool swapped = tk.dim != tv.dim && sd.k == tv.dim && sd.v == tk.dim;
+  if (swapped) return;
+  if (tk.dim != sd.k && !have_q)
+    fail("k: shape ", shape_str(k), " has head dim K=", tk.dim, ", but ", pool, " has K=", sd.k);
+  if (tv.dim != sd.v && tk.dim == sd.k)
+    fail("v: shape ", shape_str(v), " has head dim V=", tv.dim, ", but ", pool, " has V=", sd.v);
+}
 
 // ---- ops --------------------------------------------------------------------------------------
 
@@ -431,17 +493,17 @@ void fill_decode_like(DecodeParams& p, Devices& dev, const OptArray& q, const Ar
   dev.add(state, "state");
   dev.add(state_indices, "state_indices");
   dev.add(error_flag, "error_flag");
+  const std::optional<Tokens> tq = q ? std::optional<Tokens>(token_rows(*q, "q")) : std::nullopt;
   const Tokens tk = token_rows(k, "k");
   const Tokens tv = token_rows(v, "v");
+  const StateLayout l = parse_layout(layout);
+  const StateDims sd = state_dims(state, 1, l);
+  check_q_vs_k(tq, q ? &*q : nullptr, tk, k, tv, sd);
   if (tv.count != tk.count)
-    fail("v: expected ", tk.count, " tokens (those of k), got ", tv.count, " (shape ", shape_str(v), ")");
-  if (q) {
-    const Tokens tq = token_rows(*q, "q");
-    require_shape(tq, "q", tk.count, tk.heads, tk.dim, "[tokens, H, K] of k");
-    p.q = to_view<InView>(tq);
-  } else {
-    p.q = to_view<InView>(tk);  // commit: never read, kept valid
-  }
+    fail("v: expected ", tk.count, " tokens (those of ", q ? "q and k" : "k", "), got ", tv.count, " (shape ",
+         shape_str(v), ")");
+  check_tokens_vs_state(tk, k, tv, v, q.has_value(), state, "state", sd, l, gates_hv(gates));
+  p.q = to_view<InView>(tq ? *tq : tk);  // commit: q never read, kept valid
   if (o) {
     const Tokens to = token_rows(*o, "o");
     require_shape(to, "o", tv.count, tv.heads, tv.dim, "[tokens, HV, V] of v");
@@ -454,7 +516,6 @@ void fill_decode_like(DecodeParams& p, Devices& dev, const OptArray& q, const Ar
   p.v = to_view<InView>(tv);
   p.batch = int32_t(batch);
   p.gating = make_gating(gates, tk.count, tv.heads, dev);
-  const StateLayout l = parse_layout(layout);
   p.state = make_pool(state, "state", tv.heads, tk.dim, tv.dim, l);
   p.state_indices = index_array(state_indices, "state_indices", batch, batch_what);
   p.error_flag = error_flag_ptr(error_flag);
@@ -604,9 +665,13 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
   const Tokens tk = token_rows(k, "k");
   const Tokens tv = token_rows(v, "v");
   const Tokens to = token_rows(o, "o");
-  require_shape(tk, "k", tq.count, tq.heads, tq.dim, "[T_total, H, K] of q");
+  const StateLayout l = parse_layout(layout);
+  const StateDims sd = state ? state_dims(*state, 1, l) : StateDims{};
+  check_q_vs_k(tq, &q, tk, k, tv, sd);
   if (tv.count != tq.count)
-    fail("v: expected ", tq.count, " tokens (those of q), got ", tv.count, " (shape ", shape_str(v), ")");
+    fail("v: expected ", tq.count, " tokens (those of q and k), got ", tv.count, " (shape ", shape_str(v), ")");
+  if (state)
+    check_tokens_vs_state(tk, k, tv, v, true, *state, "state", sd, l, gates_hv({g, beta, a, b, A_log, dt_bias}));
   require_shape(to, "o", tv.count, tv.heads, tv.dim, "[T_total, HV, V] of v");
   p.heads = make_heads(tq, tv, scale, use_qk_l2norm);
   p.q = to_view<InView>(tq);
@@ -638,7 +703,6 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
   }
 
   p.gating = make_gating({g, beta, a, b, A_log, dt_bias}, tq.count, tv.heads, dev);
-  const StateLayout l = parse_layout(layout);
   p.state.layout = l;
   if (state) p.state = make_pool(*state, "state", tv.heads, tq.dim, tv.dim, l);
   if ((initial_indices || final_indices) && !state)
@@ -700,6 +764,8 @@ NB_MODULE(_gdnkit, m) {
   using namespace gdnkit::py;
   namespace g = gdnkit;
   m.doc() = "gdnkit C++ API binding (low level: outputs are passed in; see gdnkit.ops for the friendly API)";
+  // The version compiled in (include/gdnkit/version.h); gdnkit.__version__ is this.
+  m.attr("__version__") = GDNKIT_VERSION_STRING;
 
   // gdnkit::Error -> Python, by code: invalid arguments are ValueErrors, unimplemented requests
   // NotImplementedErrors, everything else (no device, CUDA failures) RuntimeErrors; same message.

@@ -87,7 +87,7 @@ bool cuda_available() {
 }
 
 std::string build_info() {
-  std::string s = "gdnkit " GDNKIT_VERSION "\n";
+  std::string s = "gdnkit " GDNKIT_VERSION_STRING "\n";  // gdnkit/version.h
 #ifdef __VERSION__
   s += "compiler: " __VERSION__ "\n";
 #endif

@@ -54,6 +54,23 @@ TEST(Api, BuildInfo) {
   }
 }
 
+// include/gdnkit/version.h is the one source of the version: the string is made of the three numbers, the
+// library reports it, and CMake's project version (find_package(gdnkit X.Y), read from the same header) is it.
+TEST(Api, Version) {
+  const std::string v = GDNKIT_VERSION_STRING;
+  EXPECT_EQ(v, std::to_string(GDNKIT_VERSION_MAJOR) + "." + std::to_string(GDNKIT_VERSION_MINOR) + "." +
+                   std::to_string(GDNKIT_VERSION_PATCH));
+  EXPECT_EQ(GDNKIT_VERSION_NUMBER, GDNKIT_VERSION_MAJOR * 10000 + GDNKIT_VERSION_MINOR * 100 + GDNKIT_VERSION_PATCH);
+#if !defined(GDNKIT_VERSION_NUMBER) || GDNKIT_VERSION_NUMBER < 100  // usable in #if; 0.1.0 was the first
+#error "GDNKIT_VERSION_NUMBER is not usable in #if"
+#endif
+  const std::string info = build_info();
+  EXPECT_EQ(info.substr(0, info.find('\n')), "gdnkit " + v) << info;
+#ifdef GDNKIT_CMAKE_PROJECT_VERSION
+  EXPECT_EQ(v, GDNKIT_CMAKE_PROJECT_VERSION);
+#endif
+}
+
 // One decode step from S = 0 with constant inputs has a closed form: with L2-normalized q, k of equal
 // entries, k.q = 1 (up to eps), beta = sigmoid(b), u = beta * v, S = k u^T, o = S^T q * scale = u / sqrt(K).
 struct SmallDecode {

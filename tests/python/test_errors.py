@@ -1,4 +1,5 @@
-"""Bad input: the C++ library's messages arrive unchanged as Python exceptions, nothing is written.
+"""Bad input: the C++ library's messages arrive unchanged as Python exceptions, nothing is written; a wrong
+Python type is a TypeError, and a shape mismatch names the array that is wrong.
 
 gdnkit.GdnkitError subclasses ValueError (kInvalidArgument); GdnkitNotImplementedError subclasses
 NotImplementedError; GdnkitRuntimeError (no device, CUDA errors) subclasses RuntimeError.
@@ -213,3 +214,182 @@ def test_no_cuda_reported_as_runtime_error_or_skips():
     if not gdnkit.cuda_compiled():
         assert not gdnkit.cuda_available()
         assert "built without CUDA" in gdnkit.build_info()
+
+
+# ---- a wrong Python type: the message names the argument and what it takes ------------------------
+
+ARRAY_TYPE = r"expected an array: torch.Tensor, numpy.ndarray, cupy.ndarray or another object with __dlpack__"
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "state", "state_indices", "a", "A_log", "o"])
+def test_list_as_array_names_the_argument(name):
+    args = decode_case()
+    args[name] = args[name].tolist()
+    before = args["state"].copy() if name != "state" else None
+    with pytest.raises(TypeError) as info:
+        call_decode(args)
+    assert str(info.value) == (f"{name}: {ARRAY_TYPE}, got list "
+                               "(convert it first, e.g. with numpy.asarray or torch.tensor)")
+    if before is not None:
+        expect_unchanged(args, before)
+
+
+def test_other_object_as_array():
+    args = decode_case(error_flag=object())
+    with pytest.raises(TypeError, match=rf"^error_flag: {ARRAY_TYPE}, got object$") as info:
+        call_decode(args)
+    assert info.value.__suppress_context__  # nanobind's message is not shown below it
+
+
+def test_library_errors_are_not_rediagnosed():
+    """A gdnkit error passes through unchanged even when another argument has an odd type."""
+    args = decode_case(H=3, scale=np.float64(0.125))
+    raises_exact(gdnkit.GdnkitError, "q: H=3 does not divide HV=4", args)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(scale="0.1"), "scale: expected a float > 0 or None (1/sqrt(K)), got str"),
+    (dict(layout=0), "layout: expected a string, 'k_last' or 'v_last', got int"),
+    (dict(use_qk_l2norm="yes"), "use_qk_l2norm: expected a bool, got str"),
+    (dict(stream="default"), "stream: expected an int cudaStream_t, or None for the current stream of the arrays' "
+                             "framework, got str"),
+    (dict(use_qk_l2norm=None), "use_qk_l2norm: expected a bool, got NoneType"),
+])
+def test_scalar_of_wrong_type(kw, message):
+    args = decode_case(**kw)
+    raises_exact(TypeError, message, args)
+
+
+def test_numpy_scalars():
+    args = decode_case(scale=np.float32(0.125), stream=np.int64(0))
+    call_decode(args)
+    assert np.all(np.isfinite(args["o"]))
+    args = decode_case(use_qk_l2norm=np.bool_(True))
+    with pytest.raises(TypeError, match=r"^use_qk_l2norm: expected a bool, got numpy\.bool_?$"):
+        call_decode(args)
+
+
+def test_verify_and_prefill_scalars():
+    rng = np.random.default_rng(9)
+    p = Problem(rng, 4, H=1, HV=2, K=64, V=64)
+    pool = random_pool(rng, 2, 2, 64, 64, "k_last")
+    with pytest.raises(TypeError, match=r"^num_draft_tokens: expected an int T or None, got list$"):
+        gdnkit.verify(p.q, p.k, p.v, pool, np.array([0, 1], np.int32), num_draft_tokens=[2], **p.gate_kwargs())
+    with pytest.raises(TypeError, match=r"^update_state: expected a bool, got NoneType$"):
+        gdnkit.verify(p.q, p.k, p.v, pool, np.array([0, 1], np.int32), update_state=None, **p.gate_kwargs())
+    with pytest.raises(TypeError, match=r"^source: expected a string, 'cache' or 'recompute', got int$"):
+        gdnkit.commit(p.k, p.v, pool, np.array([0, 1], np.int32), np.array([1, 2], np.int32), source=1,
+                      **p.gate_kwargs())
+    with pytest.raises(TypeError, match=r"^cpu_algorithm: expected a string, 'auto', 'recurrent' or 'chunked', "
+                                        r"got NoneType$"):
+        gdnkit.prefill(p.q, p.k, p.v, np.array([0, 4], np.int32), cpu_algorithm=None, **p.gate_kwargs())
+    with pytest.raises(TypeError, match=rf"^cu_seqlens: {ARRAY_TYPE}, got list"):
+        gdnkit.prefill(p.q, p.k, p.v, [0, 4], **p.gate_kwargs())
+    with pytest.raises(TypeError, match=rf"^src: {ARRAY_TYPE}, got list"):
+        gdnkit.convert_layout(pool.tolist(), src_layout="k_last")
+
+
+def test_meta_tensor_names_the_argument():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed: meta-tensor check skipped")
+    args = {n: (torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x)
+            for n, x in decode_case().items()}
+    before = args["state"].clone()
+    args["state"] = args["state"].to("meta")
+    with pytest.raises(gdnkit.GdnkitError, match=r"^state: a tensor on the meta device has no data \(expected a "
+                                                 r"cpu or cuda tensor"):
+        call_decode(args)
+    args["state"] = before
+    args["v"] = args["v"].to("meta")
+    args["o"] = None
+    with pytest.raises(gdnkit.GdnkitError, match=r"^v: a tensor on the meta device has no data"):
+        call_decode(args)
+
+
+# ---- shapes that disagree: the message names the array that is wrong --------------------------------
+
+def test_v_with_wrong_head_count_is_named():
+    args = decode_case()
+    args["v"] = np.ascontiguousarray(args["v"][:, :3])
+    args["o"] = poison(args["v"].shape)
+    raises_exact(gdnkit.GdnkitError, "v: shape [3, 3, 64] has HV=3 value heads, but state [4, 4, 64, 64] "
+                                     "(k_last: [.., HV, V, K]) has HV=4 and the gates have HV=4", args)
+
+
+def test_state_with_wrong_head_count_is_named():
+    """v and the gates agree on HV: the pool is the odd one out."""
+    args = decode_case()
+    args["state"] = np.ascontiguousarray(args["state"][:, :3])
+    raises_exact(gdnkit.GdnkitError, "state: expected shape [P, 4, 64, 64] (k_last: [.., HV, V, K] with HV=4, K=64, "
+                                     "V=64), got [4, 3, 64, 64]", args)
+
+
+def test_v_with_wrong_head_dim_is_named():
+    args = decode_case()
+    args["v"] = np.ascontiguousarray(args["v"][:, :, :32])
+    args["o"] = poison(args["v"].shape)
+    raises_exact(gdnkit.GdnkitError, "v: shape [3, 4, 32] has head dim V=32, but state [4, 4, 64, 64] "
+                                     "(k_last: [.., HV, V, K]) has V=64", args)
+
+
+@pytest.mark.parametrize("what, cut, got", [
+    ("K", (slice(None), slice(None), slice(0, 32)), "[3, 2, 32]"),
+    ("H", (slice(None), slice(0, 1)), "[3, 1, 64]"),
+    ("tokens", (slice(0, 2),), "[2, 2, 64]"),
+])
+def test_k_with_wrong_shape_is_named(what, cut, got):
+    args = decode_case()
+    args["k"] = np.ascontiguousarray(args["k"][cut])
+    raises_exact(gdnkit.GdnkitError, f"k: expected shape [tokens, H, K] = [3, 2, 64] (that of q), got {got}", args)
+
+
+def test_q_with_wrong_token_count_is_named():
+    """k and v agree on the token count: q is the odd one out."""
+    args = decode_case()
+    args["q"] = np.ascontiguousarray(args["q"][:2])
+    raises_exact(gdnkit.GdnkitError, "q: expected shape [tokens, H, K] = [3, 2, 64] (that of k), got [2, 2, 64]",
+                 args)
+
+
+def test_q_with_wrong_head_dim_is_named():
+    """k and the pool agree on K: q is the odd one out."""
+    args = decode_case()
+    args["q"] = np.ascontiguousarray(args["q"][:, :, :32])
+    raises_exact(gdnkit.GdnkitError, "q: expected shape [tokens, H, K] = [3, 2, 64] (that of k), got [3, 2, 32]",
+                 args)
+
+
+def test_commit_k_with_wrong_head_dim_is_named():
+    rng = np.random.default_rng(4)
+    p = Problem(rng, 4, H=1, HV=2, K=64, V=64)
+    pool = random_pool(rng, 2, 2, 64, 64, "k_last")
+    before = pool.copy()
+    k = np.ascontiguousarray(p.k[:, :, :32])
+    with pytest.raises(gdnkit.GdnkitError) as info:
+        gdnkit.commit(k, p.v, pool, np.array([0, 1], np.int32), np.array([1, 2], np.int32), source="recompute",
+                      **p.gate_kwargs())
+    assert str(info.value) == ("k: shape [4, 1, 32] has head dim K=32, but state [2, 2, 64, 64] "
+                               "(k_last: [.., HV, V, K]) has K=64")
+    assert bits_equal(pool, before)
+
+
+def test_prefill_v_with_wrong_head_count_is_named():
+    rng = np.random.default_rng(5)
+    p = Problem(rng, 8, H=1, HV=2, K=64, V=64)
+    pool = random_pool(rng, 2, 2, 64, 64, "k_last")
+    before = pool.copy()
+    v = rng.standard_normal((8, 1, 64)).astype(np.float32)
+    with pytest.raises(gdnkit.GdnkitError) as info:
+        gdnkit.prefill(p.q, p.k, v, np.array([0, 8], np.int32), state=pool, final_indices=np.zeros(1, np.int32),
+                       **p.gate_kwargs())
+    assert str(info.value) == ("v: shape [8, 1, 64] has HV=1 value heads, but state [2, 2, 64, 64] "
+                               "(k_last: [.., HV, V, K]) has HV=2 and the gates have HV=2")
+    assert bits_equal(pool, before)
+
+
+def test_prefill_k_with_wrong_shape_is_named():
+    rng = np.random.default_rng(5)
+    p = Problem(rng, 8, H=1, HV=2, K=64, V=64)
+    k = np.ascontiguousarray(p.k[:, :, :32])
+    with pytest.raises(gdnkit.GdnkitError, match=r"^k: expected shape \[tokens, H, K\] = \[8, 1, 64\] \(that of q\), "
+                                                 r"got \[8, 1, 32\]$"):
+        gdnkit.prefill(p.q, k, p.v, np.array([0, 8], np.int32), **p.gate_kwargs())

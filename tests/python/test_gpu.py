@@ -1,5 +1,6 @@
-"""CUDA backend through the Python package: every op vs the CPU backend on the same inputs, the adapters
-vs FLA's own functions (when fla is importable), CUDA-graph capture, torch.compile, side streams.
+"""CUDA backend through the Python package: every op vs the CPU backend on the same inputs, CUDA-graph
+capture, torch.compile, side streams. The adapters vs FLA's, SGLang's and vLLM's own functions are in
+test_adapters_*.py.
 
 Skips visibly without torch, without a CUDA device, without a CUDA build, and per test where the CUDA
 backend does not implement a request (GdnkitNotImplementedError)."""
@@ -274,64 +275,3 @@ def test_torch_compile_layer():
     torch.cuda.synchronize()
     assert rel(f64(out), f64(ref)) < 1e-2
     assert rel(f64(s_comp), f64(s_eager)) < 1e-5
-
-
-# ---- adapters vs FLA ----------------------------------------------------------------------------
-
-fla_gdr = None
-try:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk  # noqa: E402
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent  # noqa: E402
-    fla_gdr = True
-except Exception as e:  # noqa: BLE001
-    fla_error = repr(e)
-
-
-@pytest.mark.skipif(fla_gdr is None, reason="fla (flash-linear-attention) is not importable")
-@pytest.mark.parametrize("fn", ["chunk", "recurrent"])
-@pytest.mark.parametrize("T", [1, 3, 200])
-def test_fla_adapter_vs_fla(fn, T):
-    from gdnkit.adapters import fla as adapter
-
-    if fn == "chunk" and T < 64:
-        T = T + 64
-    g = gen("fla", fn, T)
-    B = 4
-    q, k = randn(g, B, T, H, K, dtype=torch.bfloat16), randn(g, B, T, H, K, dtype=torch.bfloat16)
-    v = randn(g, B, T, HV, V, dtype=torch.bfloat16)
-    gl = -torch.rand(B, T, HV, generator=g).to(DEV) * 0.3
-    beta = torch.rand(B, T, HV, generator=g).to(DEV, torch.bfloat16)
-    h0 = 0.1 * randn(g, B, HV, K, V)
-    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    with torch.no_grad():
-        if fn == "chunk":
-            o_ref, s_ref = fla_chunk(q, k, v, gl, beta, **kw)
-            o, s = cuda_or_skip(adapter.chunk_gated_delta_rule, q, k, v, gl, beta, **kw)
-        else:
-            o_ref, s_ref = fla_recurrent(q, k, v, g=gl, beta=beta, **kw)
-            o, s = cuda_or_skip(adapter.fused_recurrent_gated_delta_rule, q, k, v, g=gl, beta=beta, **kw)
-    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype and s.shape == s_ref.shape
-    assert rel(f64(o), f64(o_ref)) < 1e-2
-    assert rel(f64(s), f64(s_ref)) < 1e-2
-
-
-@pytest.mark.skipif(fla_gdr is None, reason="fla (flash-linear-attention) is not importable")
-def test_fla_adapter_fused_gating_varlen_vs_fla():
-    from gdnkit.adapters import fla as adapter
-
-    g = gen("fla-fused-varlen")
-    lens = [100, 1, 64, 257]
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int64, device=DEV)
-    T = int(cu[-1])
-    q, k = randn(g, 1, T, H, K, dtype=torch.bfloat16), randn(g, 1, T, H, K, dtype=torch.bfloat16)
-    v = randn(g, 1, T, HV, V, dtype=torch.bfloat16)
-    a, b = randn(g, 1, T, HV, dtype=torch.bfloat16), randn(g, 1, T, HV, dtype=torch.bfloat16)
-    A_log = torch.log(torch.rand(HV, generator=g) * 15 + 1).to(DEV)
-    dt_bias = 0.5 * randn(g, HV)
-    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True, cu_seqlens=cu, use_gate_in_kernel=True,
-              A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
-    with torch.no_grad():
-        o_ref, s_ref = fla_chunk(q, k, v, a, b, **kw)
-        o, s = cuda_or_skip(adapter.chunk_gated_delta_rule, q, k, v, a, b, **kw)
-    assert rel(f64(o), f64(o_ref)) < 1e-2
-    assert rel(f64(s), f64(s_ref)) < 1e-2
