@@ -211,6 +211,33 @@ def _one_thread():
 
 
 @pytest.fixture(autouse=True)
+def _transformers_torch_code():
+    """Where FLA is installed, transformers' wrappers pick its Triton kernels, which take no CPU tensor: the
+    models' own path in these tests is transformers' torch code (the CUDA test adds FLA explicitly)."""
+    import importlib
+    saved = []
+    for name in gt.MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        wrapped = False
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            f = module.__dict__.get(fn)
+            if f is not None and hasattr(f, "__wrapped__"):
+                saved.append((module, fn, f))
+                setattr(module, fn, inspect.unwrap(f))
+                wrapped = True
+        for fn in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):  # < 5.15: bound in __init__
+            if not wrapped and module.__dict__.get(fn) is not None:
+                saved.append((module, fn, module.__dict__[fn]))
+                setattr(module, fn, None)
+    yield
+    for module, fn, f in reversed(saved):
+        setattr(module, fn, f)
+
+
+@pytest.fixture(autouse=True)
 def _clean():
     yield
     gt.disable()
