@@ -106,4 +106,9 @@ sys.exit((int(v[0]), int(v[1])) < ($2, $3))" >/dev/null 2>&1
     python3 -c "import torch; torch.zeros(1) + 1"
     log "PyTorch $(python3 -c 'import torch; print(torch.__version__)') installed in $(( $(date +%s) - t0 )) s"
   fi
+  # transformers (pure Python) for the integration's tests: Qwen3-Next from 4.57
+  if [ "${GDNKIT_SKIP_TORCH:-0}" != 1 ] && ! at_least transformers 4 57; then
+    log "pip install transformers (the integration's tests)"
+    python3 -m pip install -q "${pip_flags[@]}" "transformers>=4.57"
+  fi
 fi
