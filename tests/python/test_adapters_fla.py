@@ -13,6 +13,7 @@ import gdnkit  # noqa: E402
 from gdnkit.adapters import _common as C  # noqa: E402
 from gdnkit.adapters import fla as adapter  # noqa: E402
 from reference import fused_gates, rel, sigmoid  # noqa: E402
+from cuda_support import cuda_or_skip  # noqa: E402
 from test_adapters_common import (LAYOUTS, CopyCounter, assert_same_positional, assert_signature,  # noqa: E402
                                   copies_expected, f64, gen, randn, ref, strided, tol)
 
@@ -295,13 +296,6 @@ needs_fla = pytest.mark.skipif(fla_chunk is None, reason="fla (flash-linear-atte
 GH, GHV, GK, GV = 16, 32, 128, 128  # qwen3-next
 
 
-def cuda_or_skip(fn, *args, **kwargs):
-    try:
-        out = fn(*args, **kwargs)
-        torch.cuda.synchronize()
-        return out
-    except gdnkit.GdnkitNotImplementedError as e:
-        pytest.skip(f"CUDA kernel not available: {e}")
 
 
 def both(fn, p, q=None, k=None, v=None, **kw):

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: adapter t
 import gdnkit  # noqa: E402
 from gdnkit.adapters import vllm as adapter  # noqa: E402
 from reference import fused_gates, rel, sigmoid  # noqa: E402
+from cuda_support import cuda_or_skip  # noqa: E402
 from test_adapters_common import (LAYOUTS, CopyCounter, assert_same_positional, assert_signature,  # noqa: E402
                                   bits_equal, copies_expected, f64, gen, kv_last, randn, ref, strided, tol)
 
@@ -455,13 +456,6 @@ def gpu_problem(key, B, T, P=64, gating="given"):
     return p
 
 
-def cuda_or_skip(fn, *args, **kwargs):
-    try:
-        out = fn(*args, **kwargs)
-        torch.cuda.synchronize()
-        return out
-    except gdnkit.GdnkitNotImplementedError as e:
-        pytest.skip(f"CUDA kernel not available: {e}")
 
 
 def both_recurrent(p, **kw):

@@ -21,6 +21,7 @@ if not gdnkit.cuda_compiled():
     pytest.skip("gdnkit was built without CUDA (GDNKIT_CUDA=OFF): GPU tests skipped", allow_module_level=True)
 
 from reference import rel  # noqa: E402
+from cuda_support import cuda_or_skip  # noqa: E402
 
 DEV = "cuda"
 H, HV, K, V = 16, 32, 128, 128  # qwen3-next
@@ -34,14 +35,6 @@ def randn(g, *shape, dtype=torch.float32, device=DEV):
     return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
 
 
-def cuda_or_skip(fn, *args, **kwargs):
-    """Run a CUDA call; a request the CUDA backend does not implement skips the test with its message."""
-    try:
-        out = fn(*args, **kwargs)
-        torch.cuda.synchronize()
-        return out
-    except gdnkit.GdnkitNotImplementedError as e:
-        pytest.skip(f"CUDA kernel not available: {e}")
 
 
 def f64(t):
