@@ -91,6 +91,7 @@ if want python; then
     cp "$BUILD"/python/_gdnkit*.so python/gdnkit/
     rc=$?
     py_path=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+    export GDNKIT_CLI="$BUILD/gdnkit"  # the CLI version test
   fi
   [ $rc -eq 0 ] || tail -30 "$OUT/python_build.log"
   note "python build: rc=$rc"
