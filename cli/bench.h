@@ -177,6 +177,9 @@ double prefill_flops(const Shape& s, int64_t total_tokens);
 // A row with the fields every op fills the same way.
 Row make_row(const std::string& backend, const std::string& op, const Shape& s, DType input, DType state,
              StateLayout layout);
+// A prefill row of one sequence set: the fields above plus the set, its sizes and the op's FLOP and byte models.
+Row make_prefill_row(const std::string& backend, const Shape& s, DType input, DType state, StateLayout layout,
+                     const SeqSet& set);
 void finish_row(Row& r, double copy_ceiling_tbps);  // fills tbps / pct / tflops / floor from time_us
 
 double median(std::vector<double> v);

@@ -227,6 +227,17 @@ Row make_row(const std::string& backend, const std::string& op, const Shape& s, 
   return r;
 }
 
+Row make_prefill_row(const std::string& backend, const Shape& s, DType input, DType state, StateLayout layout,
+                     const SeqSet& set) {
+  Row r = make_row(backend, "prefill", s, input, state, layout);
+  r.seqset = set.name;
+  r.num_seqs = int32_t(set.lengths.size());
+  r.total_tokens = set.total();
+  r.flops = prefill_flops(s, r.total_tokens);
+  r.floor_bytes = prefill_floor_bytes(s, set, input, state);
+  return r;
+}
+
 void finish_row(Row& r, double ceiling) {
   if (r.time_us <= 0) return;
   const double sec = r.time_us * 1e-6;

@@ -170,15 +170,10 @@ Row cpu_verify(const Shape& s, DType state, StateLayout layout, VerifyMode mode,
 }
 
 Row cpu_prefill(const Shape& s, DType state, StateLayout layout, const SeqSet& set, PrefillAlgorithm algo) {
-  Row r = base_row("prefill", s, state, layout);
+  Row r = make_prefill_row("cpu", s, g_input, state, layout, set);
   r.mode = algo == PrefillAlgorithm::kRecurrent ? "recurrent" : algo == PrefillAlgorithm::kChunked ? "chunked" : "auto";
-  r.seqset = set.name;
-  const int32_t N = int32_t(set.lengths.size());
-  const int64_t T = set.total();
-  r.num_seqs = N;
-  r.total_tokens = T;
-  r.flops = prefill_flops(s, T);
-  r.floor_bytes = prefill_floor_bytes(s, set, g_input, state);
+  const int32_t N = r.num_seqs;
+  const int64_t T = r.total_tokens;
   std::mt19937_64 rng(uint64_t(T) * 7 + uint64_t(N) + uint64_t(algo));
   const int64_t pool_slots = 2 * int64_t(N) + 3;
   r.pool_slots = pool_slots;

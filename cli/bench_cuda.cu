@@ -497,14 +497,9 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
 
 Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout,
                   const SeqSet& set) {
-  Row r = base_row("prefill", s, state, layout);
-  r.seqset = set.name;
-  const int32_t N = int32_t(set.lengths.size());
-  const int64_t T = set.total();
-  r.num_seqs = N;
-  r.total_tokens = T;
-  r.flops = prefill_flops(s, T);
-  r.floor_bytes = prefill_floor_bytes(s, set, g_input, state);
+  Row r = make_prefill_row("cuda", s, g_input, state, layout, set);
+  const int32_t N = r.num_seqs;
+  const int64_t T = r.total_tokens;
   const int64_t slot_elems = int64_t(s.HV) * s.K * s.V;
   // Spare slots so that the N slots are a random subset; a quarter more (a set like 8192x32 has 8192 sequences,
   // 16 GiB of fp32 qwen3-next states).
