@@ -13,6 +13,7 @@ import gdnkit  # noqa: E402
 from gdnkit.adapters import sglang as adapter  # noqa: E402
 from reference import fused_gates, rel, sigmoid  # noqa: E402
 from cuda_support import cuda_or_skip  # noqa: E402
+import peer_sources  # noqa: E402
 from test_adapters_common import (LAYOUTS, CopyCounter, assert_same_positional, assert_signature,  # noqa: E402
                                   bits_equal, copies_expected, f64, gen, kv_last, randn, ref, strided, tol)
 
@@ -331,18 +332,8 @@ def test_errors():
 CUDA = torch.cuda.is_available() and gdnkit.cuda_compiled()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdnkit")
 
-peer = None
-if CUDA:
-    for _mod in ("sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent",
-                 "sglang.srt.layers.attention.fla.fused_sigmoid_gating_recurrent"):
-        try:
-            peer = __import__(_mod, fromlist=["fused_sigmoid_gating_delta_rule_update"]) \
-                .fused_sigmoid_gating_delta_rule_update
-            break
-        except Exception:  # noqa: BLE001
-            peer = None
-needs_peer = pytest.mark.skipif(peer is None,
-                                reason="sglang's fused_sigmoid_gating_delta_rule_update is not importable" if CUDA
+peer = peer_sources.sglang_fused_sigmoid_gating() if CUDA else None
+needs_peer = pytest.mark.skipif(peer is None, reason=peer_sources.why_missing("sglang") if CUDA
                                 else "needs a CUDA device and a CUDA build of gdnkit")
 GH, GHV, GK, GV = 16, 32, 128, 128
 
