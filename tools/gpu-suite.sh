@@ -5,8 +5,10 @@
 #   tools/gpu-suite.sh [stage ...]     stages: build tests sanitize bench-decode bench-verify bench-prefill
 #                                      python all (default: all)
 #   GDNKIT_GTEST_FILTER=...            restricts the GPU tests (gtest filter)
+#   GDNKIT_SANITIZE_TOOLS="memcheck ..." the sanitize stage's tools (default: all four; GDNKIT_SANITIZE_FILTER: its tests)
 #   GTEST_ROOT=<prefix>                a GoogleTest install (include/, lib/) where the system has none
 #   GDNKIT_WHEELS=<dir>                wheels (FLA and its needs) installed to /tmp/site first, for offline machines
+#   GDNKIT_PEER_SOURCES=<dir>          vLLM's and SGLang's GDN op sources for the adapter tests (tools/fetch-peer-sources.sh)
 #
 # Needs: CUDA toolkit, CMake, ninja, GoogleTest; the python stage Python 3 with nanobind and PyTorch.
 set -uo pipefail
@@ -43,13 +45,11 @@ if want tests; then
 fi
 
 if want sanitize; then
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 "$BUILD"/tests/gdnkit_gpu_tests \
-      --gtest_filter="${GDNKIT_SANITIZE_FILTER:-*Sanitize*}" >"$OUT/sanitize_$tool.log" 2>&1
-    rc=$?
-    tail -3 "$OUT/sanitize_$tool.log"
-    note "compute-sanitizer $tool: rc=$rc"
-  done
+  # The four compute-sanitizer tools over the whole GPU suite (tools/sanitize.sh; GDNKIT_SANITIZE_TOOLS picks some).
+  rm -f "$OUT/sanitize/summary.txt"
+  # shellcheck disable=SC2086
+  OUT="$OUT" tools/sanitize.sh "$BUILD" ${GDNKIT_SANITIZE_TOOLS:-} >"$OUT/sanitize.log" 2>&1
+  while IFS= read -r line; do note "$line"; done <"$OUT/sanitize/summary.txt"
 fi
 
 # Benchmarks: docs/benchmarks.md's sweep per op (GDNKIT_BENCH_ARGS adds options, e.g. "--quick" or "--shape all"),

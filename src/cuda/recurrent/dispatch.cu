@@ -124,8 +124,9 @@ __global__ void __launch_bounds__(kCopyThreads) commit_cache_kernel(const Commit
   // cache, a count past the row's tokens or a path entry out of range are skipped and counted.
   int len = T;
   if (p.cu_seqlens != nullptr) {
-    len = p.cu_seqlens[b + 1] - p.cu_seqlens[b];
-    if (len < 0 || len > T) {
+    const int64_t start = p.cu_seqlens[b], end = p.cu_seqlens[b + 1];
+    len = int(end - start);
+    if (end - start < 0 || end - start > T || start < 0 || end > int64_t(p.batch) * T) {
       if (counter) atomicAdd(p.error_flag, 1);
       return;
     }
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kCopyThreads) commit_cache_kernel(const Commit
   const int acc = p.accepted[b];
   const int32_t* path = p.accepted_path != nullptr ? p.accepted_path + int64_t(b) * T : nullptr;
   bool bad = slot >= p.state.num_slots || acc < 0 || acc > len;
-  for (int i = 0; i < acc && !bad && path != nullptr; ++i) bad = path[i] < 0 || path[i] >= len;
+  bad = bad || !recurrent::path_is_valid(p, b, T, len, acc);
   const int islot = p.intermediate_indices[b];
   bad = bad || islot >= p.intermediate.num_slots;
   const int step = bad || acc == 0 ? 0 : (path != nullptr ? path[acc - 1] : acc - 1);

@@ -89,8 +89,8 @@ __device__ __forceinline__ RowLoads load_row(const RecurrentParams& p, int b, bo
 }
 
 // Row b's first token and length: T tokens at b * T, or cu_seqlens' span (decode passes T = 1 and no
-// cu_seqlens). False for a row the kernels cannot place (a length outside 0..T): counted, nothing
-// written. Prefill: false for every sequence the chunked kernels take (not short, or a bad span, which
+// cu_seqlens). False for a row the kernels cannot place (a length outside 0..T, a span outside the B*T
+// token rows): counted, nothing written. Prefill: false for every sequence the chunked kernels take (not short, or a bad span, which
 // they count): the kernel leaves it alone.
 template <RecurrentOp kOp>
 __device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLoads& rl, int b, int T, int64_t& tok0,
@@ -102,15 +102,34 @@ __device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLo
   }
   tok0 = int64_t(b) * T;
   len = T;
-  if (p.cu_seqlens != nullptr) tok0 = rl.span_begin, len = int(rl.span_end - rl.span_begin);
-  return len >= 0 && len <= T;
+  if (p.cu_seqlens == nullptr) return true;
+  tok0 = rl.span_begin;
+  const int64_t n = rl.span_end - rl.span_begin;
+  len = int(n);
+  // The views hold at most B*T rows: a span before row 0 or past them cannot be placed either.
+  return n >= 0 && n <= T && tok0 >= 0 && rl.span_end <= int64_t(p.batch) * T;
+}
+
+// Whether row b's first n kept tokens (accepted_path, or 0..n-1 without it) lie in its len tokens and, on a
+// tree, each continues from the one before (its parent; the first from the pool state, -1).
+__device__ __forceinline__ bool path_is_valid(const CommitParams& p, int b, int T, int len, int n) {
+  if (p.accepted_path == nullptr) return true;
+  const int32_t* path = p.accepted_path + int64_t(b) * T;
+  int prev = -1;
+  for (int j = 0; j < n; ++j) {
+    const int x = path[j];
+    if (x < 0 || x >= len) return false;
+    if (p.parent != nullptr && p.parent[int64_t(b) * T + x] != prev) return false;
+    prev = x;
+  }
+  return true;
 }
 
 // Whether row b (len tokens placed, pool slot rl.slot) must be skipped and counted: a slot past the pool,
 // and for verify a cache slot past the buffer or a parent out of range, for replay a kept count past the
-// row's tokens or a path entry out of range, for prefill a final or checkpoint slot past its buffer. Sets
-// n_replay (replay: the kept count) and cache_slot (verify: the row's intermediate cache slot, -1 without a
-// cache).
+// row's tokens or a path that is not one (path_is_valid), for prefill a final or checkpoint slot past its
+// buffer. Sets n_replay (replay: the kept count) and cache_slot (verify: the row's intermediate cache slot,
+// -1 without a cache).
 template <RecurrentOp kOp>
 __device__ __forceinline__ bool row_is_bad(const RecurrentParams& p, const RowLoads& rl, int b, int T, int len,
                                            int& n_replay, int& cache_slot) {
@@ -122,10 +141,7 @@ __device__ __forceinline__ bool row_is_bad(const RecurrentParams& p, const RowLo
   } else if constexpr (kOp == RecurrentOp::kRecompute) {
     n_replay = rl.accepted;
     bad = bad || n_replay < 0 || n_replay > len;
-    for (int j = 0; j < n_replay && !bad && p.accepted_path != nullptr; ++j) {
-      const int x = p.accepted_path[int64_t(b) * T + j];
-      bad = x < 0 || x >= len;
-    }
+    bad = bad || !path_is_valid(p, b, T, len, n_replay);
   } else if constexpr (kOp == RecurrentOp::kVerify) {
     if (p.intermediate.data != nullptr && p.intermediate_indices != nullptr) {
       cache_slot = p.intermediate_indices[b];

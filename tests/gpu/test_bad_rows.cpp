@@ -1,0 +1,105 @@
+// Index values only the device sees, out of the spec's range: a varlen verify span before token 0 or past the
+// B*T token rows, a tree commit whose accepted path does not follow the draft tree. The CPU backend rejects
+// them on the host; on CUDA the row is skipped and counted in error_flag and the other rows are computed as
+// usual (docs/semantics.md "Padding, out-of-range slots and the error flag").
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "support/compare.h"
+#include "support/problem.h"
+#include "gdnkit/gdnkit.h"
+#include "gpu/gpu_harness.h"
+
+namespace gdnkit::test {
+namespace {
+
+ProblemConfig verify_config(bool tree, uint64_t seed) {
+  ProblemConfig c;
+  c.op = OpKind::kVerify;
+  c.batch = 3, c.draft_tokens = 4, c.H = 1, c.HV = 2, c.K = c.V = 64;
+  c.tree = tree, c.update_state = !tree, c.seed = seed;
+  if (!tree) c.seq_lens = {2, 3, 3};
+  return c;
+}
+
+// Token rows [begin, end) of `name` ([T_total][HV][V]) as doubles.
+std::vector<double> token_rows(const Problem& p, const std::string& name, int64_t begin, int64_t end) {
+  const std::vector<double> all = p.read_tokens(name);
+  const size_t per = all.size() / size_t(p.total_tokens());
+  return std::vector<double>(all.begin() + begin * per, all.begin() + end * per);
+}
+
+// cu_seqlens rewritten on the device so that row 0 keeps its span and rows 1 and 2 become unplaceable with a
+// length inside 0..T: starting before token 0, or ending past B*T = 12.
+TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
+  const std::vector<std::vector<int32_t>> bad_cus = {{0, 2, -1, 2}, {0, 2, 10, 13}};
+  for (const auto& cu : bad_cus) {
+    const Problem before(verify_config(false, 7100));
+    Problem ref = before, got = before;
+    DeviceProblem dev(got);
+    verify(ref.verify_params(), {Backend::kCPU, nullptr});
+    GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("cu_seqlens"), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+    verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+    dev.download(got);
+    const std::string what = "cu_seqlens {" + std::to_string(cu[1]) + ", " + std::to_string(cu[2]) + ", " +
+                             std::to_string(cu[3]) + "}";
+    // Row 0 as in the reference; rows 1 and 2 counted (row 1's length is negative, row 2's span is the new check).
+    EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 2) << what;
+    EXPECT_TRUE(RelClose("row 0's o", token_rows(got, "o", 0, 2), token_rows(ref, "o", 0, 2),
+                         output_tolerance(OpFamily::kStep, before.config().in_dtype)))
+        << what;
+    const int32_t* slots = before.as<int32_t>("state_indices");
+    for (int r = 1; r < 3; ++r)
+      if (slots[r] >= 0)
+        EXPECT_TRUE(Identical("row " + std::to_string(r) + "'s slot (skipped)", got.read_state("state", slots[r]),
+                              before.read_state("state", slots[r])))
+            << what;
+    if (slots[0] >= 0)
+      EXPECT_TRUE(SlotsClose(got, ref, {slots[0]}, state_tolerance(OpFamily::kStep, before.config().state_dtype)));
+    // Only row 0's tokens were written: the NaN-poisoned rows past them are untouched.
+    const std::vector<double> rest = token_rows(got, "o", 2, before.total_tokens());
+    EXPECT_EQ(std::count_if(rest.begin(), rest.end(), [](double x) { return !std::isnan(x); }), 0) << what;
+  }
+}
+
+// A tree commit whose path for row 0 is made of valid token indices that do not follow parent[]: on the
+// device, the row is skipped and counted, from the cache and by recompute.
+TEST(CommitGpu, TreePathThatIsNotAPathSkippedAndCountedSanitize) {
+  for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute}) {
+    Problem p(verify_config(true, 7200));
+    const int T = p.config().draft_tokens;
+    // Row 0: token 1 hangs off the pool state, token 2 off token 1; the path {2, 1} lists them out of order.
+    int32_t* parent = p.as<int32_t>("parent");
+    parent[0] = -1, parent[1] = -1, parent[2] = 1, parent[3] = 0;
+    p.as<int32_t>("accepted")[0] = 2;
+    int32_t* path = p.as<int32_t>("accepted_path");
+    path[0] = 1, path[1] = 2;
+    for (int i = 2; i < T; ++i) path[i] = -1;
+    Problem ref = p, got = p;
+    DeviceProblem dev(got);
+    verify(ref.verify_params(), {Backend::kCPU, nullptr});
+    commit(ref.commit_params(src), {Backend::kCPU, nullptr});
+    verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+    const int32_t bad_path[2] = {2, 1};
+    GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("accepted_path"), bad_path, sizeof(bad_path), cudaMemcpyHostToDevice));
+    commit(got.commit_params(src, dev.resolver()), {Backend::kCUDA, dev.stream()});
+    dev.download(got);
+    const char* name = src == CommitSource::kCache ? "from the cache" : "by recompute";
+    EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 1) << name;
+    const int64_t slot0 = p.as<int32_t>("state_indices")[0];
+    EXPECT_TRUE(Identical("row 0's slot (skipped)", got.read_state("state", slot0), p.read_state("state", slot0)))
+        << name;
+    std::vector<int64_t> others;
+    for (int64_t s : p.written_pool_slots_commit())
+      if (s != slot0) others.push_back(s);
+    EXPECT_TRUE(SlotsClose(got, ref, others, state_tolerance(OpFamily::kStep, p.config().state_dtype))) << name;
+  }
+}
+
+}  // namespace
+}  // namespace gdnkit::test
