@@ -1,4 +1,5 @@
-// Device mirroring of test problems (tests/common/problem.h) for the GPU suite, generic over ops:
+// Device mirroring of test problems (tests/support/problem.h) for the GPU suite, generic over ops, and the
+// per-op checks of a backend's results against the CPU reference:
 //
 //   Problem ref(cfg), got = ref;
 //   DeviceProblem dev(got);                                   // every buffer copied to the device
@@ -11,7 +12,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/compare.h"
@@ -59,5 +62,23 @@ class DeviceProblem {
 ::testing::AssertionResult OutputsClose(const Problem& got, const Problem& ref, double tol);
 ::testing::AssertionResult SlotsClose(const Problem& got, const Problem& ref, const std::vector<int64_t>& slots,
                                       double tol, const std::string& name = "state");
+// Cache buffer `name` (intermediate / checkpoints) bit-identical to `before` outside `entries` (slot, step).
+::testing::AssertionResult CacheUntouched(const Problem& before, const Problem& after, const std::string& name,
+                                          const std::vector<std::pair<int64_t, int64_t>>& entries);
+
+// Every check of one op's results: `got` (the backend under test) against `ref` (the CPU reference), both run
+// from copies of `before`. Failures are reported with EXPECT_*, so a caller can go on to its next problem.
+// decode: outputs, written slots, untouched slots bit-identical, error_flag, o = 0 on padding and skipped rows.
+void check_decode_results(const Problem& before, const Problem& got, const Problem& ref);
+// verify: outputs, update_state slots, untouched slots, error_flag, intermediate entries stored / untouched.
+void check_verify_results(const Problem& before, const Problem& got, const Problem& ref);
+// commit (after verify on both sides): committed slots, untouched slots, error_flag.
+void check_commit_results(const Problem& before, const Problem& got, const Problem& ref, CommitSource source);
+// prefill: outputs, final slots of the sequences that run, untouched slots, checkpoint entries stored /
+// untouched, error_flag.
+void check_prefill_results(const Problem& before, const Problem& got, const Problem& ref);
+// layout conversion of every slot of `before` (Problem::fill_every_slot): exact, slot padding untouched, the
+// source of an out-of-place conversion unchanged. In place, `got`'s state_t receives its converted pool.
+void check_layout_results(const Problem& before, Problem& got, bool in_place);
 
 }  // namespace gdnkit::test

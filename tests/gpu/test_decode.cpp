@@ -157,23 +157,12 @@ std::vector<Named> sanitize_cases() {
 
 // Runs decode on the CPU (ref) and the GPU (got) from identical copies of `before`, compares.
 void check_decode(const Problem& before) {
-  const ProblemConfig& cfg = before.config();
   Problem ref = before, got = before;
   DeviceProblem dev(got);
   decode(ref.decode_params(), {Backend::kCPU, nullptr});
   decode(got.decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
   dev.download(got);
-  const std::vector<int64_t> written = before.written_pool_slots_decode();
-  EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, cfg.in_dtype)));
-  EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kStep, cfg.state_dtype)));
-  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
-  EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
-  // Padding and out-of-range rows: o = 0 exactly.
-  const std::vector<double> o = got.read_tokens("o");
-  const int32_t* slots = before.as<int32_t>("state_indices");
-  for (int32_t r = 0; r < before.rows(); ++r)
-    if (slots[r] < 0 || slots[r] >= before.num_slots())
-      EXPECT_TRUE(AllZero("o of row " + std::to_string(r), token_rows(o, int64_t(cfg.HV) * cfg.V, r, r + 1)));
+  check_decode_results(before, got, ref);
 }
 
 class DecodeTest : public ::testing::TestWithParam<Named> {};

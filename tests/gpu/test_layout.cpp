@@ -3,7 +3,6 @@
 // stays untouched, and the source of an out-of-place conversion is unchanged.
 #include <gtest/gtest.h>
 
-#include <random>
 #include <string>
 #include <vector>
 
@@ -50,30 +49,12 @@ class LayoutTest : public ::testing::TestWithParam<LayoutCase> {};
 TEST_P(LayoutTest, MovesEveryStateExactly) {
   const LayoutCase& lc = GetParam();
   Problem before(lc.cfg);
-  // Every slot gets finite random states (the builder fills only the slots decode reads).
-  std::mt19937_64 gen(lc.cfg.seed);
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<int64_t> all;
-  for (int64_t s = 0; s < before.num_slots(); ++s) {
-    std::vector<double> x(size_t(before.state_elems()));
-    for (double& e : x) e = normal(gen);
-    before.write_state("state", s, x);
-    all.push_back(s);
-  }
+  before.fill_every_slot(lc.cfg.seed);  // the builder fills only the slots decode reads
   Problem got = before;
   DeviceProblem dev(got);
   convert_layout(got.layout_params(lc.in_place, dev.resolver()), {Backend::kCUDA, dev.stream()});
   dev.download(got);
-  if (lc.in_place) {
-    // "state" now holds the other layout: read it through "state_t" (same slot stride).
-    EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", all));  // slot padding
-    got.buffer("state_t").bytes = got.buffer("state").bytes;
-  } else {
-    EXPECT_TRUE(BitwiseEqual("state (source)", got.buffer("state"), before.buffer("state")));
-    EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state_t", all));  // slot padding
-  }
-  for (int64_t s : all)
-    ASSERT_TRUE(Identical("slot " + std::to_string(s), got.read_state("state_t", s), before.read_state("state", s)));
+  check_layout_results(before, got, lc.in_place);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dims, LayoutTest, ::testing::ValuesIn(layout_cases()),

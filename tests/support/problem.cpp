@@ -61,6 +61,8 @@ Problem::Problem(const ProblemConfig& cfg) : cfg_(cfg) {
   } else {
     build_decode_verify();
   }
+  if (cfg_.unit_qk) scale_unit_qk();
+  if (cfg_.out_of_range_rows > 0 || cfg_.out_of_range_cache_rows > 0) place_out_of_range_rows();
 }
 
 bool Problem::has(const std::string& name) const {
@@ -175,6 +177,15 @@ void Problem::build_tokens(std::mt19937_64& gen) {
     std::vector<double> a(total_ * HV), b(total_ * HV), A_log(HV), dt_bias(HV);
     for (auto& x : a) x = rng.normal();
     for (auto& x : b) x = rng.normal() + (cfg_.correlated_keys ? 3.0 : 0.0);
+    if (cfg_.extreme_gates) {
+      // a = +10: g = -exp(A_log) * 10 (decay ~0); a = -10: g ~ -exp(A_log) * 5e-5 (decay ~1); b = +-10: beta ~1 / ~0.
+      for (auto* gate : {&a, &b})
+        for (auto& x : *gate) {
+          const double u = rng.uniform(0.0, 1.0);
+          if (u < 0.25) x = -10.0;
+          else if (u < 0.5) x = 10.0;
+        }
+    }
     for (auto& x : A_log) x = cfg_.long_memory ? std::log(rng.uniform(1e-3, 1e-2)) : std::log(rng.uniform(1.0, 16.0));
     for (auto& x : dt_bias) x = rng.normal(0.5);
     auto round_to = [](double x, DType d) {
@@ -366,6 +377,58 @@ void Problem::build_prefill() {
   if (cfg_.layout_target) {
     Buffer& st = add("state_t", size_t(pool_slots_ * slot_stride()) * dtype_size(cfg_.state_dtype), true);
     fill_nan(st.bytes.data(), cfg_.state_dtype, pool_slots_ * slot_stride());
+  }
+}
+
+// Without the in-kernel L2 norm, q, k ~ N(0, 1) give ||k||^2 ~ K, so beta k k^T has eigenvalues far
+// above 2 and the delta rule diverges exponentially (states ~1e26 after 200 tokens): a regime no
+// model runs in, where a chunked fp32 algorithm cannot track an fp64 recurrence. A model that
+// normalizes outside the kernel feeds unit-scale rows: scale q and k by 1/sqrt(K).
+void Problem::scale_unit_qk() {
+  for (const char* name : {"q", "k"}) {
+    Buffer& b = buffer(name);
+    const int64_t n = int64_t(b.bytes.size()) / dtype_size(cfg_.in_dtype);
+    for (int64_t i = 0; i < n; ++i)
+      host::store(b.bytes.data(), cfg_.in_dtype, i,
+                  host::load(b.bytes.data(), cfg_.in_dtype, i) / std::sqrt(double(cfg_.K)));
+  }
+}
+
+// Rows that must be skipped and counted (docs/semantics.md "Padding, out-of-range slots and the error flag").
+// Decode/verify/commit: the last placed rows get pool slots P, P + 37, ...; the first placed rows get cache slots
+// Q, Q + 1, ... Prefill: sequence i gets an initial, final or checkpoint slot past its buffer, in turn.
+void Problem::place_out_of_range_rows() {
+  if (cfg_.op == OpKind::kPrefill) {
+    int32_t* ini = as<int32_t>("initial_indices");
+    int32_t* fin = as<int32_t>("final_indices");
+    int32_t* ck = has("checkpoint_indices") ? as<int32_t>("checkpoint_indices") : nullptr;
+    for (int32_t i = 0; i < std::min(cfg_.out_of_range_rows, rows_); ++i) {
+      const int kind = ck ? i % 3 : i % 2;
+      if (kind == 0) ini[i] = int32_t(pool_slots_ + i);
+      if (kind == 1) fin[i] = int32_t(pool_slots_ + 37 * i);
+      if (kind == 2) ck[i] = int32_t(cache_slots_ + i);
+    }
+    return;
+  }
+  int32_t* si = as<int32_t>("state_indices");
+  std::vector<int32_t> placed;
+  for (int32_t r = 0; r < rows_; ++r)
+    if (si[r] >= 0) placed.push_back(r);
+  const int32_t n = std::min<int32_t>(cfg_.out_of_range_rows, int32_t(placed.size()));
+  for (int32_t i = 0; i < n; ++i) si[placed[placed.size() - 1 - i]] = int32_t(pool_slots_ + 37 * i);
+  if (!has("intermediate_indices")) return;
+  int32_t* ii = as<int32_t>("intermediate_indices");
+  for (int32_t i = 0; i < std::min<int32_t>(cfg_.out_of_range_cache_rows, int32_t(placed.size()) - n); ++i)
+    ii[placed[i]] = int32_t(cache_slots_ + i);
+}
+
+void Problem::fill_every_slot(uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (int64_t s = 0; s < num_slots(); ++s) {
+    std::vector<double> x(static_cast<size_t>(state_elems()));
+    for (double& e : x) e = normal(gen);
+    write_state("state", s, x);
   }
 }
 
@@ -629,6 +692,64 @@ std::vector<int64_t> Problem::written_pool_slots_prefill() const {
   std::vector<int64_t> out;
   for (int32_t r = 0; r < rows_; ++r) push_valid(out, as<int32_t>("final_indices")[r], pool_slots_);
   return out;
+}
+
+}  // namespace gdnkit::test
+
+namespace gdnkit::test {
+
+bool Problem::prefill_row_runs(int32_t r) const {
+  if (as<int32_t>("initial_indices")[r] >= pool_slots_ || as<int32_t>("final_indices")[r] >= pool_slots_) return false;
+  return !has("checkpoint_indices") || as<int32_t>("checkpoint_indices")[r] < cache_slots_;
+}
+
+std::vector<int64_t> Problem::written_final_slots() const {
+  std::vector<int64_t> out;
+  for (int32_t r = 0; r < rows_; ++r) {
+    const int32_t slot = as<int32_t>("final_indices")[r];
+    if (slot >= 0 && prefill_row_runs(r)) out.push_back(slot);
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> Problem::written_checkpoints() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (!has("checkpoints")) return out;
+  for (int32_t r = 0; r < rows_; ++r) {
+    const int32_t slot = as<int32_t>("checkpoint_indices")[r];
+    if (slot < 0 || !prefill_row_runs(r)) continue;
+    for (int64_t j = 0; j < std::min<int64_t>(cache_steps_, lens_[r] / cfg_.checkpoint_interval); ++j)
+      out.push_back({slot, j});
+  }
+  return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> Problem::written_intermediate() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  if (!has("intermediate")) return out;
+  const int32_t* slots = as<int32_t>("state_indices");
+  const int32_t* islots = as<int32_t>("intermediate_indices");
+  for (int32_t r = 0; r < rows_; ++r) {
+    if (slots[r] < 0 || slots[r] >= pool_slots_ || islots[r] < 0 || islots[r] >= cache_slots_) continue;
+    for (int64_t t = 0; t < lens_[r]; ++t) out.push_back({islots[r], t});
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+int64_t Problem::first_changed_cache_byte(const Problem& before, const std::string& name,
+                                          const std::vector<std::pair<int64_t, int64_t>>& entries) const {
+  const auto& a = before.buffer(name).bytes;
+  const auto& b = buffer(name).bytes;
+  if (a.size() != b.size()) return 0;
+  const int64_t es = dtype_size(cfg_.cache_dtype), entry = state_elems();
+  std::vector<char> written(a.size(), 0);
+  for (auto [slot, j] : entries)
+    std::fill_n(written.begin() + (slot * cache_slot_stride() + j * entry) * es, entry * es, 1);
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!written[i] && a[i] != b[i]) return int64_t(i);
+  return -1;
 }
 
 }  // namespace gdnkit::test

@@ -28,6 +28,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gdnkit/params.h"
@@ -60,6 +61,12 @@ struct ProblemConfig {
   bool long_memory = false;  // A_log = log U(1e-3, 1e-2) instead of log U(1, 16)
   bool correlated_keys = false;  // k rows from a rank-4 subspace per head (+ small noise), b + 3 (beta ~ 0.95):
                                  // chunks whose I + A is far from the identity (the prefill prep's solve)
+  bool extreme_gates = false;  // half of the a and b values replaced by +-10: decay ~0 or ~1, beta ~0 or ~1
+  bool unit_qk = false;        // q, k scaled by 1/sqrt(K) after the draw: unit-scale rows for runs without the
+                               // in-kernel L2 norm (raw N(0, 1) keys make the recurrence diverge)
+  int32_t out_of_range_rows = 0;  // rows whose slot is past its buffer: state_indices (decode/verify/commit), or
+                                  // the initial, final or checkpoint slot in turn (prefill); never a padding row
+  int32_t out_of_range_cache_rows = 0;  // verify/commit: rows whose intermediate slot is >= Q (never a padding row)
   double state_scale = 0.5;  // initial pool states ~ N(0, state_scale^2)
   uint64_t seed = 1;
   // verify / commit
@@ -150,6 +157,20 @@ class Problem {
   std::vector<int64_t> written_pool_slots_verify() const;  // update_state rows
   std::vector<int64_t> written_pool_slots_commit() const;  // rows with a usable source
   std::vector<int64_t> written_pool_slots_prefill() const;
+  // Prefill: whether sequence r runs (no initial, final or checkpoint slot past its buffer), the final slots
+  // of the sequences that run, and the checkpoint entries (slot, step) they store.
+  bool prefill_row_runs(int32_t r) const;
+  std::vector<int64_t> written_final_slots() const;
+  std::vector<std::pair<int64_t, int64_t>> written_checkpoints() const;
+  // Verify: the intermediate entries (slot, step) stored (rows with a valid pool slot and cache slot).
+  std::vector<std::pair<int64_t, int64_t>> written_intermediate() const;
+  // First byte of cache buffer `name` (intermediate / checkpoints) outside `entries` that differs from
+  // `before`; -1 when there is none.
+  int64_t first_changed_cache_byte(const Problem& before, const std::string& name,
+                                   const std::vector<std::pair<int64_t, int64_t>>& entries) const;
+  // Every pool slot of "state" filled with N(0, 1) states from `seed` (the builder fills only the slots the
+  // rows start from), for the layout conversion.
+  void fill_every_slot(uint64_t seed);
 
   // Geometry of the per-token views (elements).
   int64_t token_stride(const std::string& name) const;
@@ -162,6 +183,8 @@ class Problem {
   void build_tokens(std::mt19937_64& gen);
   void build_decode_verify();
   void build_prefill();
+  void scale_unit_qk();
+  void place_out_of_range_rows();
   Gating gating(const Resolver& r);
   StatePool pool(const Resolver& r, const std::string& name, StateLayout layout);
   StateCache cache(const Resolver& r, const std::string& name);
