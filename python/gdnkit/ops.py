@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 from typing import Any, Callable, Dict, Optional, Protocol, Sequence, Tuple, TypeVar, cast
 
 from . import _gdnkit as _C
@@ -214,8 +215,10 @@ def _check_scalar(name: str, x: Any, kind: str, what: str) -> None:
         raise TypeError(f"{name}: expected {'a string, ' if kind == 'str' else ''}{what}, got {_type_name(x)}")
 
 
-def _check_array(name: str, x: Any) -> None:
+def _check_array(name: str, x: Any, required: bool = False) -> None:
     if x is None:
+        if required:
+            raise TypeError(f"{name}: expected {_ARRAY_KINDS}, got None")
         return
     if _framework(x) == "torch" and hasattr(x, "device"):
         if x.device.type == "meta":
@@ -234,6 +237,20 @@ def _check_array(name: str, x: Any) -> None:
         pass
     hint = " (convert it first, e.g. with numpy.asarray or torch.tensor)" if isinstance(x, (list, tuple)) else ""
     raise TypeError(f"{name}: expected {_ARRAY_KINDS}, got {_type_name(x)}{hint}")
+
+
+def _int_arg(name: str, x: Any) -> int:
+    """An integer option as the extension takes it (None: 0); a float is not truncated, a negative count is
+    an error (the extension would read a non-positive T as "not given")."""
+    if x is None:
+        return 0
+    try:
+        n = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected {_SCALARS[name][1]}, got {_type_name(x)}") from None
+    if n < 0 and name == "num_draft_tokens":
+        raise _C.GdnkitError(f"num_draft_tokens: expected an int T >= 1 or None, got {n}")
+    return n
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -260,7 +277,7 @@ def _names_bad_arguments(fn: F) -> F:
                     if name in _SCALARS:
                         _check_scalar(name, x, *_SCALARS[name])
                     else:
-                        _check_array(name, x)
+                        _check_array(name, x, sig.parameters[name].default is inspect.Parameter.empty)
             except (TypeError, _C.GdnkitError) as named:
                 raise named from None
             raise  # no argument of a wrong type: the original error
@@ -419,7 +436,7 @@ def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
               **_gates(g, beta, a, b, A_log, dt_bias), scale=scale, use_qk_l2norm=use_qk_l2norm,
               cu_seqlens=_dl(cu_seqlens), parent=_dl(parent), intermediate=_dl(intermediate),
               intermediate_indices=_dl(intermediate_indices), update_state=update_state,
-              num_draft_tokens=int(num_draft_tokens or 0), error_flag=_dl(error_flag),
+              num_draft_tokens=_int_arg("num_draft_tokens", num_draft_tokens), error_flag=_dl(error_flag),
               stream=_stream(stream, v))
     return o
 
@@ -495,7 +512,7 @@ def commit(k: DLPackArray, v: DLPackArray, state: DLPackArray, state_indices: DL
               q=_dl(q), **_gates(g, beta, a, b, A_log, dt_bias), scale=scale, use_qk_l2norm=use_qk_l2norm,
               cu_seqlens=_dl(cu_seqlens), parent=_dl(parent), intermediate=_dl(intermediate),
               intermediate_indices=_dl(intermediate_indices), accepted_path=_dl(accepted_path),
-              num_draft_tokens=int(num_draft_tokens or 0), error_flag=_dl(error_flag),
+              num_draft_tokens=_int_arg("num_draft_tokens", num_draft_tokens), error_flag=_dl(error_flag),
               stream=_stream(stream, v))
 
 
@@ -592,7 +609,8 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPa
     _C.prefill(_dl(q), _dl(k), _dl(v), _dl(o), _dl(cu_seqlens), layout=layout, state=_dl(state),
                initial_indices=_dl(initial_indices), final_indices=_dl(final_indices),
                **_gates(g, beta, a, b, A_log, dt_bias), scale=scale, use_qk_l2norm=use_qk_l2norm,
-               checkpoints=_dl(checkpoints), checkpoint_interval=int(checkpoint_interval),
+               checkpoints=_dl(checkpoints),
+               checkpoint_interval=_int_arg("checkpoint_interval", checkpoint_interval),
                checkpoint_indices=_dl(checkpoint_indices), cu_seqlens_cpu=_dl(cu_seqlens_cpu),
                cpu_algorithm=cpu_algorithm, workspace=_dl(workspace), error_flag=_dl(error_flag),
                stream=_stream(stream, v))

@@ -268,10 +268,11 @@ int32_t* error_flag_ptr(const OptArray& a) {
 
 // ---- state pools and caches -------------------------------------------------------------------
 
-StateLayout parse_layout(const std::string& s) {
+// name: the argument that carries it ("layout", or convert_layout's "src_layout").
+StateLayout parse_layout(const std::string& s, const char* name = "layout") {
   if (s == "k_last") return StateLayout::kKLast;
   if (s == "v_last") return StateLayout::kVLast;
-  fail("layout: expected 'k_last' ([P, HV, V, K]) or 'v_last' ([P, HV, K, V]), got '", s, "'");
+  fail(name, ": expected 'k_last' ([P, HV, V, K]) or 'v_last' ([P, HV, K, V]), got '", s, "'");
 }
 
 const char* layout_shape(StateLayout l) { return l == StateLayout::kKLast ? "[.., HV, V, K]" : "[.., HV, K, V]"; }
@@ -570,13 +571,14 @@ void fill_verify(VerifyParams& p, Devices& dev, const Tokens& tk, int64_t B, con
       fail("k: shape ", shape_str(k), " has T=", tk.per_batch, " tokens per row, expected ", T);
   }
   p.num_draft_tokens = int32_t(T);
-  p.parent = opt_index(parent, "parent", B * T, "[B, T] int32");
+  p.parent = opt_index(parent, "parent", B * T, "[B, T] int32 (B = len(state_indices))");
   if (intermediate) {
     p.intermediate = make_cache(*intermediate, "intermediate", p.heads.num_v_heads, p.heads.head_dim_k,
                                 p.heads.head_dim_v, parse_layout(layout));
     if (!intermediate_indices) fail("intermediate_indices: required with intermediate ([B] int32 slots)");
   }
-  p.intermediate_indices = opt_index(intermediate_indices, "intermediate_indices", B, "[B] int32");
+  p.intermediate_indices =
+      opt_index(intermediate_indices, "intermediate_indices", B, "[B] int32 (B = len(state_indices))");
 }
 
 void verify_op(const Array& q, const Array& k, const Array& v, const Array& o, const Array& state,
@@ -618,8 +620,9 @@ void commit_op(const Array& k, const Array& v, const Array& state, const Array& 
   }
   dev.add(accepted, "accepted");
   dev.add(accepted_path, "accepted_path");
-  p.accepted = index_array(accepted, "accepted", B, "[B] int32");
-  p.accepted_path = opt_index(accepted_path, "accepted_path", B * int64_t(p.num_draft_tokens), "[B, T] int32");
+  p.accepted = index_array(accepted, "accepted", B, "[B] int32 (B = len(state_indices))");
+  p.accepted_path = opt_index(accepted_path, "accepted_path", B * int64_t(p.num_draft_tokens),
+                              "[B, T] int32 (B = len(state_indices))");
   DeviceGuard guard(dev);
   call_library([&] { commit(p, make_context(dev, stream)); });
 }
@@ -732,14 +735,23 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
   }
   p.error_flag = error_flag_ptr(error_flag);
   DeviceGuard guard(dev);
-  call_library([&] { prefill(p, make_context(dev, stream)); });
+  call_library([&] {
+    try {
+      prefill(p, make_context(dev, stream));
+    } catch (const Error& e) {
+      // The library names its field cu_seqlens_host; the argument that fills it is cu_seqlens_cpu.
+      const std::string m = e.what(), field = "cu_seqlens_host:";
+      if (m.compare(0, field.size(), field) != 0) throw;
+      throw Error(e.code(), "cu_seqlens_cpu:" + m.substr(field.size()));
+    }
+  });
 }
 
 void convert_layout_op(const Array& src, const Array& dst, const std::string& src_layout, uintptr_t stream) {
   Devices dev;
   dev.add(src, "src");
   dev.add(dst, "dst");
-  const StateLayout ls = parse_layout(src_layout);
+  const StateLayout ls = parse_layout(src_layout, "src_layout");
   const StateLayout ld = ls == StateLayout::kKLast ? StateLayout::kVLast : StateLayout::kKLast;
   if (src.ndim() != 4) fail("src: expected 4 dims [P, HV, ..], got shape ", shape_str(src));
   const int64_t hv = src.shape(1);
