@@ -9,6 +9,7 @@
 #   GDNKIT_SANITIZE_FILTER=...                  gtest filter, positive patterns only (default: every test)
 #   GDNKIT_SANITIZE_JOBS=N                      shards per tool (default: the cores / 2, at most 8)
 #   GDNKIT_SANITIZE_RANDOM_CASES=N              randomized cases per tool (default 300; 0: none)
+#   GDNKIT_SOAK_REPLAYS=N                       graph replays of the soak test (default here 200; its own 3000)
 # Exit status: 0 when every tool reports 0 errors and every test passes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,7 @@ cores=$(nproc 2>/dev/null || echo 2)
 jobs=${GDNKIT_SANITIZE_JOBS:-$(( cores / 2 > 8 ? 8 : (cores / 2 < 1 ? 1 : cores / 2) ))}
 filter="${GDNKIT_SANITIZE_FILTER:-*}-RandomDifferential.*"
 random_cases=${GDNKIT_SANITIZE_RANDOM_CASES:-300}
+export GDNKIT_SOAK_REPLAYS=${GDNKIT_SOAK_REPLAYS:-200}
 
 # Options per tool: racecheck looks at shared memory hazards; initcheck reports reads of uninitialized device
 # memory. No leak check: the prefill's library-owned workspace lives as long as the process (docs/api.md).
