@@ -102,6 +102,7 @@ __device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLo
   }
   tok0 = int64_t(b) * T;
   len = T;
+  if constexpr (kOp == RecurrentOp::kDecode) return true;  // one token per row, no cu_seqlens
   if (p.cu_seqlens == nullptr) return true;
   tok0 = rl.span_begin;
   const int64_t n = rl.span_end - rl.span_begin;
