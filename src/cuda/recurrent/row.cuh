@@ -102,13 +102,12 @@ __device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLo
   }
   tok0 = int64_t(b) * T;
   len = T;
-  if constexpr (kOp == RecurrentOp::kDecode) return true;  // one token per row, no cu_seqlens
-  if (p.cu_seqlens == nullptr) return true;
-  tok0 = rl.span_begin;
-  const int64_t n = rl.span_end - rl.span_begin;
-  len = int(n);
-  // The views hold at most B*T rows: a span before row 0 or past them cannot be placed either.
-  return n >= 0 && n <= T && tok0 >= 0 && rl.span_end <= int64_t(p.batch) * T;
+  if (p.cu_seqlens != nullptr) {
+    tok0 = rl.span_begin, len = int(rl.span_end - rl.span_begin);
+    // The views hold at most B*T rows: a span before row 0 or past them cannot be placed either.
+    if (kOp != RecurrentOp::kDecode && (tok0 < 0 || rl.span_end > int64_t(p.batch) * T)) return false;
+  }
+  return len >= 0 && len <= T;
 }
 
 // Whether row b's first n kept tokens (accepted_path, or 0..n-1 without it) lie in its len tokens and, on a
