@@ -169,28 +169,35 @@ def _import_first(names) -> Optional[types.ModuleType]:
     return None
 
 
+def _load_from_sources(peer: str, rel: str, is_there: Callable[[Path], bool], stand_ins: Callable, load: Callable):
+    """load(path) with the peer's stand-ins in place, for the released sources at $GDNKIT_PEER_SOURCES/rel;
+    None (and the reason in why_missing) when they are absent or do not load."""
+    src = _sources()
+    path = src / rel if src else None
+    if path is None or not is_there(path):
+        _missing[peer] = f"{peer} is not importable and {ENV} has no {rel} (tools/fetch-peer-sources.sh writes it)"
+        return None
+    try:
+        with _stand_ins(stand_ins()):
+            return load(path)
+    except Exception as e:  # noqa: BLE001 - a source that fails to load leaves the peer absent
+        _missing[peer] = f"{peer}'s sources at {path} did not load: {type(e).__name__}: {e}"
+        return None
+
+
 def vllm_fla_ops() -> Optional[types.SimpleNamespace]:
     """vLLM's FLA-derived GDN functions (VLLM_FUNCTIONS) as attributes, or None (see why_missing)."""
     mod = _import_first(VLLM_PACKAGES)
     if mod is not None and all(hasattr(mod, f) for f in VLLM_FUNCTIONS):
         return types.SimpleNamespace(**{f: getattr(mod, f) for f in VLLM_FUNCTIONS}, origin=mod.__name__)
-    src = _sources()
-    d = src / VLLM_SOURCE if src else None
-    if d is None or not d.is_dir():
-        _missing["vllm"] = (f"vLLM is not importable and {ENV} has no {VLLM_SOURCE} "
-                            f"(tools/fetch-peer-sources.sh writes it)")
-        return None
-    pkg = "_gdnkit_peer_vllm_fla_ops"
-    try:
-        with _stand_ins(_vllm_stand_ins()):
-            sys.modules[pkg] = _module(pkg, __path__=[str(d)], __package__=pkg)
-            fns = {}
-            for f in VLLM_FUNCTIONS:
-                fns[f] = getattr(importlib.import_module(f"{pkg}.{VLLM_MODULES[f]}"), f)
-    except Exception as e:  # noqa: BLE001
-        _missing["vllm"] = f"vLLM's sources in {d} did not load: {type(e).__name__}: {e}"
-        return None
-    return types.SimpleNamespace(**fns, origin=str(d))
+
+    def load(d: Path) -> types.SimpleNamespace:
+        pkg = "_gdnkit_peer_vllm_fla_ops"
+        sys.modules[pkg] = _module(pkg, __path__=[str(d)], __package__=pkg)
+        fns = {f: getattr(importlib.import_module(f"{pkg}.{VLLM_MODULES[f]}"), f) for f in VLLM_FUNCTIONS}
+        return types.SimpleNamespace(**fns, origin=str(d))
+
+    return _load_from_sources("vllm", VLLM_SOURCE, Path.is_dir, _vllm_stand_ins, load)
 
 
 def sglang_fused_sigmoid_gating() -> Optional[Callable]:
@@ -198,19 +205,9 @@ def sglang_fused_sigmoid_gating() -> Optional[Callable]:
     mod = _import_first(SGLANG_MODULES)
     if mod is not None and hasattr(mod, "fused_sigmoid_gating_delta_rule_update"):
         return mod.fused_sigmoid_gating_delta_rule_update
-    src = _sources()
-    f = src / SGLANG_SOURCE if src else None
-    if f is None or not f.is_file():
-        _missing["sglang"] = (f"SGLang is not importable and {ENV} has no {SGLANG_SOURCE} "
-                              f"(tools/fetch-peer-sources.sh writes it)")
-        return None
-    try:
-        with _stand_ins(_sglang_stand_ins()):
-            mod = _load_file("_gdnkit_peer_sglang_fused_sigmoid_gating", f)
-    except Exception as e:  # noqa: BLE001
-        _missing["sglang"] = f"SGLang's source {f} did not load: {type(e).__name__}: {e}"
-        return None
-    return mod.fused_sigmoid_gating_delta_rule_update
+    return _load_from_sources(
+        "sglang", SGLANG_SOURCE, Path.is_file, _sglang_stand_ins,
+        lambda f: _load_file("_gdnkit_peer_sglang_fused_sigmoid_gating", f).fused_sigmoid_gating_delta_rule_update)
 
 
 def why_missing(peer: str) -> str:
