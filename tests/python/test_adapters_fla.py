@@ -13,7 +13,7 @@ import gdnkit  # noqa: E402
 from gdnkit.adapters import _common as C  # noqa: E402
 from gdnkit.adapters import fla as adapter  # noqa: E402
 from reference import fused_gates, rel, sigmoid  # noqa: E402
-from cuda_support import cuda_or_skip  # noqa: E402
+from cuda_support import CUDA, cuda_or_skip, needs_cuda, skip_without_peer  # noqa: E402
 from test_adapters_common import (LAYOUTS, CopyCounter, assert_same_positional, assert_signature,  # noqa: E402
                                   copies_expected, f64, gen, randn, ref, strided, tol)
 
@@ -281,9 +281,6 @@ def test_errors():
 
 # ---- CUDA: against FLA's own functions ------------------------------------------------------------
 
-CUDA = torch.cuda.is_available() and gdnkit.cuda_compiled()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdnkit")
-
 fla_chunk = fla_recurrent = None
 if CUDA:
     try:
@@ -291,8 +288,7 @@ if CUDA:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent  # noqa: E402
     except Exception:  # noqa: BLE001
         fla_chunk = fla_recurrent = None
-needs_fla = pytest.mark.skipif(fla_chunk is None, reason="fla (flash-linear-attention) is not importable"
-                               if CUDA else "needs a CUDA device and a CUDA build of gdnkit")
+needs_fla = skip_without_peer(fla_chunk is not None, "fla (flash-linear-attention) is not importable")
 GH, GHV, GK, GV = 16, 32, 128, 128  # qwen3-next
 
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed: adapter t
 import gdnkit  # noqa: E402
 from gdnkit.adapters import vllm as adapter  # noqa: E402
 from reference import fused_gates, rel, sigmoid  # noqa: E402
-from cuda_support import cuda_or_skip  # noqa: E402
+from cuda_support import CUDA, cuda_or_skip, needs_cuda, skip_without_peer  # noqa: E402
 import peer_sources  # noqa: E402
 from test_adapters_common import (LAYOUTS, CopyCounter, assert_same_positional, assert_signature,  # noqa: E402
                                   bits_equal, copies_expected, f64, gen, kv_last, randn, ref, strided, tol)
@@ -426,12 +426,8 @@ def test_packed_decode(monkeypatch):
 
 # ---- CUDA: against vLLM's own functions --------------------------------------------------------------
 
-CUDA = torch.cuda.is_available() and gdnkit.cuda_compiled()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device and a CUDA build of gdnkit")
-
 peer = peer_sources.vllm_fla_ops() if CUDA else None
-needs_peer = pytest.mark.skipif(peer is None, reason=peer_sources.why_missing("vllm") if CUDA
-                                else "needs a CUDA device and a CUDA build of gdnkit")
+needs_peer = skip_without_peer(peer is not None, peer_sources.why_missing("vllm"))
 GH, GHV, GK, GV = 16, 32, 128, 128
 
 

@@ -122,6 +122,16 @@ struct Rng {
   }
 };
 
+// Random N(0, sd^2) states in the pool slots rows start from (slots[r] >= 0), in row order.
+void random_start_states(Buffer& state, DType dtype, const int32_t* slots, int32_t rows, int64_t elems,
+                         int64_t slot_stride, double sd, Rng& rng) {
+  for (int32_t r = 0; r < rows; ++r) {
+    if (slots[r] < 0) continue;
+    for (int64_t i = 0; i < elems; ++i)
+      host::store(state.bytes.data(), dtype, int64_t(slots[r]) * slot_stride + i, rng.normal(sd));
+  }
+}
+
 // Per-token tensor [T, heads, dim] with strides: NaN everywhere, then N(0,1) in the logical elements.
 void fill_token_tensor(Buffer& buf, DType dtype, int64_t T, int heads, int dim, int64_t ts, int64_t hs, Rng* rng,
                        std::vector<double>* values) {
@@ -255,12 +265,8 @@ void Problem::build_decode_verify() {
   for (int32_t r = 0; r < rows_; ++r) si.as<int32_t>()[r] = perm[r % pool_slots_];
   const std::vector<int32_t> row_perm = rng.permutation(rows_);
   for (int32_t i = 0; i < std::min(cfg_.padding_rows, rows_); ++i) si.as<int32_t>()[row_perm[i]] = -1;
-  for (int32_t r = 0; r < rows_; ++r) {
-    const int32_t slot = si.as<int32_t>()[r];
-    if (slot < 0) continue;
-    for (int64_t i = 0; i < state_elems(); ++i)
-      host::store(state.bytes.data(), cfg_.state_dtype, slot * slot_stride() + i, rng.normal(cfg_.state_scale));
-  }
+  random_start_states(state, cfg_.state_dtype, si.as<int32_t>(), rows_, state_elems(), slot_stride(), cfg_.state_scale,
+                      rng);
   Buffer& ef = add("error_flag", 4, true);
   ef.as<int32_t>()[0] = 0;
 
@@ -352,12 +358,8 @@ void Problem::build_prefill() {
     fin.as<int32_t>()[r] = cfg_.same_slot ? perm[r % pool_slots_] : perm[(rows_ + r) % pool_slots_];
     if (r >= rows_ - cfg_.no_final_rows) fin.as<int32_t>()[r] = -1;
   }
-  for (int32_t r = 0; r < rows_; ++r) {
-    const int32_t slot = ini.as<int32_t>()[r];
-    if (slot < 0) continue;
-    for (int64_t i = 0; i < state_elems(); ++i)
-      host::store(state.bytes.data(), cfg_.state_dtype, slot * slot_stride() + i, rng.normal(cfg_.state_scale));
-  }
+  random_start_states(state, cfg_.state_dtype, ini.as<int32_t>(), rows_, state_elems(), slot_stride(), cfg_.state_scale,
+                      rng);
   Buffer& ef = add("error_flag", 4, true);
   ef.as<int32_t>()[0] = 0;
 
