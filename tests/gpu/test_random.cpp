@@ -7,6 +7,7 @@
 //   GDNKIT_RANDOM_CONFIGS=2000 [GDNKIT_RANDOM_SEED=s] gdnkit_gpu_tests --gtest_filter='RandomDifferential.LongTier'
 //   GDNKIT_RANDOM_REPLAY='seed=... tier=... op=...' gdnkit_gpu_tests --gtest_filter='RandomDifferential.FastTier'
 //   GDNKIT_RANDOM_FAST_CASES=200 gdnkit_gpu_tests --gtest_filter='RandomDifferential.FastTier'   # its first 200 (sanitizers)
+//   gdnkit_gpu_tests --gtest_filter='RandomDifferential.FoundByTheLongTier'       # the long tier's past failures
 //
 // The environment variables are read here only, never by the library.
 #include <gtest/gtest.h>
@@ -157,6 +158,29 @@ TEST(RandomDifferential, FastTier) {
   std::vector<RandomCase> cases;
   for (uint64_t i = 0; i < n; ++i) cases.push_back(draw_case(first + i, Tier::kFast));
   run_cases(cases, "fast tier, seeds " + std::to_string(first) + ".." + std::to_string(first + n - 1));
+}
+
+// Cases the long tier failed before their fix, replayed on every run (their line as the long tier printed it).
+constexpr const char* kFoundByTheLongTier[] = {
+    // commit by recompute after a gate near a reset (g ~ -160): the chain kernel's log-decays between later
+    // tokens were differences of fp32 prefix sums (state 1.25e-5 relative against 1e-5).
+    "seed=20261662 tier=long op=commit_recompute H=4 HV=16 K=64 V=64 in=bf16 gate=f16 state=f32 "
+    "cache=f32 layout=klast gating=fused l2=0 unit_qk=1 scale=0 token_pad=0 head_pad=0 slot_pad=24 "
+    "pool_slots=0 batch=224 T=13 lens=0,0,11,13,2,1,7,0,1,13,7,6,11,13,0,4,6,8,4,7,13,10,3,13,0,1,13,11,"
+    "3,8,0,13,7,12,3,0,13,0,0,13,9,7,13,2,8,13,12,0,7,13,1,12,0,0,0,13,0,8,13,0,0,4,0,0,13,0,9,6,7,0,1,5,"
+    "0,5,8,8,13,13,10,2,0,0,1,2,5,13,8,11,13,3,13,4,5,3,11,4,4,4,0,6,11,4,2,4,11,6,5,1,3,2,13,5,1,0,0,0,"
+    "13,13,13,12,0,13,0,9,5,8,6,12,8,12,0,13,13,13,3,0,13,4,11,3,12,2,13,7,0,13,11,13,7,0,1,10,11,5,5,7,"
+    "9,12,8,0,12,0,6,12,11,11,6,12,13,13,0,13,0,0,13,13,13,0,13,13,13,9,12,13,11,1,11,0,0,4,8,0,8,3,0,0,"
+    "2,10,0,10,13,8,4,4,1,3,11,9,5,6,6,0,13,13,10,0,13,6,9,0,9,0,10,9 padding_rows=0 oor_rows=0 "
+    "oor_cache_rows=0 long_memory=0 corr_keys=0 extreme_gates=1 state_scale=0.5 tree=0 intermediate=0 "
+    "update_state=0 cu=i32 cu_host=1 same_slot=0 zero_initial=0 no_final=0 ckpt=0 ckpt_steps=0 "
+    "layout_target=0 in_place=0",
+};
+
+TEST(RandomDifferential, FoundByTheLongTier) {
+  std::vector<RandomCase> cases;
+  for (const char* line : kFoundByTheLongTier) cases.push_back(parse_case(line));
+  run_cases(cases, "cases found by the long tier");
 }
 
 TEST(RandomDifferential, LongTier) {

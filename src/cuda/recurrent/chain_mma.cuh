@@ -21,7 +21,7 @@
 //                       lo = S - hi, read to 11 bits): ~2^-20 relative, within the state's 1e-5 tolerance;
 //                       k, q are exact in tf32. P[t][c] = k_t . S[:, c], Qs[t][c] = q_t . S[:, c];
 //                       [k; q] times [k; q]^T on bf16 (exact products): k_t . k_i, q_t . k_i, q_t . q_t
-//   chunk_scalars       the norms and the log-decay prefix sums, gathered for the lane's fragment
+//   chunk_scalars       the norms and the log-decay sums over each span the lane's fragment needs
 //   chunk_coefficients, forward_substitution
 //                       u_t = beta_t (v_t - Γ_t rk_t P[t]) - sum_{i<t} beta_t (Γ_t/Γ_i) rk_t rk_i (k_t . k_i) u_i
 //                       (one column per lane, through a small per-warp scratch)
@@ -142,12 +142,15 @@ __device__ __forceinline__ void chunk_products(const __nv_bfloat16 (&rows)[2][kC
 }
 
 // Per-token scalars of a chunk as the lane's fragment needs them: of its row's token r (log-decay sum lg
-// through r, beta, rk, rq), of its column tokens c2, c2 + 1 (lg, rk), and lg through the chunk's end.
+// through r, beta, rk, rq), of its column tokens c2, c2 + 1 (rk), and the log-decays between them and from
+// them to the chunk's end. Each is a sum of its own tokens' g (all of one sign), never a difference of prefix
+// sums: after a gate near a reset (g ~ -160) such a difference would carry the big sum's rounding (~1e-5).
 struct ChunkScalars {
-  float lg_r, beta_r, rk_r, rq_r, lg_i0, lg_i1, rk_i0, rk_i1, lg_end;
+  float lg_r, beta_r, rk_r, rq_r, rk_i0, rk_i1, lg_end;
+  float lg_r_i0, lg_r_i1, lg_end_i0, lg_end_i1;  // g summed over (i, r] and (i, end] for i = c2, c2 + 1
 };
-// Lane t < 8 first forms token t's norms (from the diagonals of kk and qq) and the prefix sum of the
-// log-decays, then every lane gathers what its fragment needs.
+// Lane t < 8 first forms token t's norms (from the diagonals of kk and qq), then every lane gathers what its
+// fragment needs and sums the log-decays of its spans.
 __device__ __forceinline__ ChunkScalars chunk_scalars(const float (&kk)[4], const float (&qq)[4], float glog,
                                                       float beta, int lane, int r, int c2, bool norm, float scale) {
   constexpr unsigned kAll = 0xffffffffu;
@@ -157,18 +160,20 @@ __device__ __forceinline__ ChunkScalars chunk_scalars(const float (&kk)[4], cons
   const float qqd = __shfl_sync(kAll, r & 1 ? qq[3] : qq[2], diag);
   const float rk = norm ? rsqrtf(kkd + 1e-6f) : 1.0f;
   const float rq = (norm ? rsqrtf(qqd + 1e-6f) : 1.0f) * scale;
-  float lg = glog;
+  ChunkScalars cs{};
 #pragma unroll
-  for (int d = 1; d < kN; d *= 2) {
-    const float y = __shfl_up_sync(kAll, lg, d, kN);
-    if ((lane & 7) >= d) lg += y;
+  for (int j = 0; j < kN; ++j) {  // tokens past nc have g = 0
+    const float g = __shfl_sync(kAll, glog, j);
+    cs.lg_r += j <= r ? g : 0.0f;
+    cs.lg_end += g;
+    cs.lg_r_i0 += j > c2 && j <= r ? g : 0.0f;
+    cs.lg_r_i1 += j > c2 + 1 && j <= r ? g : 0.0f;
+    cs.lg_end_i0 += j > c2 ? g : 0.0f;
+    cs.lg_end_i1 += j > c2 + 1 ? g : 0.0f;
   }
-  ChunkScalars cs;
-  cs.lg_r = __shfl_sync(kAll, lg, r), cs.beta_r = __shfl_sync(kAll, beta, r);
+  cs.beta_r = __shfl_sync(kAll, beta, r);
   cs.rk_r = __shfl_sync(kAll, rk, r), cs.rq_r = __shfl_sync(kAll, rq, r);
-  cs.lg_i0 = __shfl_sync(kAll, lg, c2), cs.lg_i1 = __shfl_sync(kAll, lg, c2 + 1);
   cs.rk_i0 = __shfl_sync(kAll, rk, c2), cs.rk_i1 = __shfl_sync(kAll, rk, c2 + 1);
-  cs.lg_end = __shfl_sync(kAll, lg, kN - 1);  // tokens past nc have g = 0
   return cs;
 }
 
@@ -176,7 +181,7 @@ __device__ __forceinline__ ChunkScalars chunk_scalars(const float (&kk)[4], cons
 // pq[3]) scaled. Lane (r, c2): token r against tokens c2, c2 + 1.
 __device__ __forceinline__ void chunk_coefficients(ChainScratch& sc, int r, int c2, const ChunkScalars& cs,
                                                    const float (&kk)[4], float (&pq)[4], float2 vv) {
-  const float e0 = __expf(cs.lg_r - cs.lg_i0), e1 = __expf(cs.lg_r - cs.lg_i1), er = __expf(cs.lg_r);
+  const float e0 = __expf(cs.lg_r_i0), e1 = __expf(cs.lg_r_i1), er = __expf(cs.lg_r);
   const float ka = cs.beta_r * cs.rk_r, kb = cs.rq_r;
   sc.a[r][c2] = c2 < r ? ka * e0 * cs.rk_i0 * kk[0] : 0.0f;
   sc.a[r][c2 + 1] = c2 + 1 < r ? ka * e1 * cs.rk_i1 * kk[1] : 0.0f;
@@ -225,8 +230,8 @@ __device__ __forceinline__ void chunk_update(const ChainScratch& sc, const __nv_
                                              const Pair& pair, int lane, int r, int c2, const ChunkScalars& cs,
                                              bool last, TState* out_tile) {
   using bf16 = __nv_bfloat16;
-  const float x0 = __expf(cs.lg_end - cs.lg_i0) * cs.rk_i0 * sc.u[c2][r];
-  const float x1 = __expf(cs.lg_end - cs.lg_i1) * cs.rk_i1 * sc.u[c2 + 1][r];
+  const float x0 = __expf(cs.lg_end_i0) * cs.rk_i0 * sc.u[c2][r];
+  const float x1 = __expf(cs.lg_end_i1) * cs.rk_i1 * sc.u[c2 + 1][r];
   uint32_t ua[4];
   split2<bf16>(x0, x1, ua[0], ua[2]);
   ua[1] = ua[3] = 0u;  // rows 8-15: no columns
