@@ -77,7 +77,9 @@ std::vector<Shape> with_dim(const Options& o, std::vector<Shape> shapes) {
 
 std::vector<Shape> shapes_for(const Options& o, const std::string& op) {
   if (!o.shapes.empty()) return with_dim(o, o.shapes);
-  if (op == "prefill" && !o.quick) return with_dim(o, {*find_shape("qwen3-next"), *find_shape("qwen3.5-397b-tp8")});
+  if (op == "prefill" && !o.quick)
+    return with_dim(o, {*find_shape("qwen3-next"), *find_shape("qwen3.5-397b-tp8"), *find_shape("qwen3.5-27b"),
+                        *find_shape("qwen3.5-397b")});
   return with_dim(o, {*find_shape("qwen3-next")});
 }
 
@@ -113,11 +115,12 @@ std::vector<int32_t> drafts_for(const Options& o) {
 
 std::vector<SeqSet> seqsets_for(const Options& o) {
   if (!o.seqsets.empty()) return o.seqsets;
-  // The ten standard sets (docs/benchmarks.md) (NxL = N sequences of L tokens), then the four NxL sets with
+  // The twelve standard sets (docs/benchmarks.md) (NxL = N sequences of L tokens), then the four NxL sets with
   // N and L swapped (4x2048 = four sequences of 2048 tokens...): peers write "1024 x 8" for eight sequences of
   // 1024, so both readings are measured and each row names its set unambiguously.
-  std::vector<std::string> names = {"1x2048", "1x8192", "1x32768", "1x65536", "4096+4096", "1024+7168", "2048x4",
-                                    "1024x8", "8192x8", "8192x32", "4x2048", "8x1024", "8x8192", "32x8192"};
+  std::vector<std::string> names = {"1x2048", "1x8192", "1x32768", "1x65536", "1x131072", "1x262144", "4096+4096",
+                                    "1024+7168", "2048x4", "1024x8", "8192x8", "8192x32", "4x2048", "8x1024",
+                                    "8x8192", "32x8192"};
   if (o.quick) names = {"1x8192", "4096+4096", "8192x8"};
   std::vector<SeqSet> sets;
   for (const auto& n : names) sets.push_back(parse_seqset(n));

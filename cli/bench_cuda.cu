@@ -534,9 +534,12 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   p.error_flag = flag.get<int32_t>();
   // The path the library takes: sequences of at most short_max_len tokens on the recurrent kernels, the others
   // on the chunked kernels.
-  const int short_len = prefill_path(p).short_max_len;
+  const PrefillPath path = prefill_path(p);
+  const int short_len = path.short_max_len;
   const auto n_short = std::count_if(set.lengths.begin(), set.lengths.end(), [&](auto L) { return L <= short_len; });
   r.mode = n_short == N ? "short" : n_short == 0 ? "chunked" : "short+chunked";
+  if (path.context_parallel_segment > 0 && n_short < N)
+    r.mode += " cp" + std::to_string(path.context_parallel_segment);
   std::unique_ptr<DevBuf> workspace;
   const Context ctx = d.ctx();
   try {

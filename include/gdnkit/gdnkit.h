@@ -38,9 +38,11 @@ void validate(const LayoutParams& params, Backend backend);
 size_t prefill_workspace_bytes(const PrefillParams& params);
 
 // How the CUDA backend runs a prefill call's sequences (for tools and logs): sequences of at most
-// short_max_len tokens on the recurrent kernels of decode and verify, the others on the chunked kernels.
+// short_max_len tokens on the recurrent kernels of decode and verify, the others on the chunked kernels, which
+// cut sequences longer than context_parallel_segment tokens into segments of that length that run at once.
 struct PrefillPath {
-  int short_max_len = 0;  // 0: every sequence on the chunked kernels
+  int short_max_len = 0;                 // 0: every sequence on the chunked kernels
+  int64_t context_parallel_segment = 0;  // 0: every sequence in one piece
 };
 PrefillPath prefill_path(const PrefillParams& params);
 

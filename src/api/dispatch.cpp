@@ -66,7 +66,16 @@ size_t prefill_workspace_bytes(const PrefillParams& p) {
 PrefillPath prefill_path(const PrefillParams& p) {
   PrefillPath path;
   validate(p, Backend::kCUDA);
-  if (p.num_seqs > 0) path.short_max_len = cuda::chunked_prefill::choose_prefill(p, 1, cuda::overrides()).short_len;
+  if (p.num_seqs > 0) {
+#ifdef GDNKIT_WITH_CUDA
+    const int sms = cuda::device_sms();
+#else
+    const int sms = 1;
+#endif
+    const auto choice = cuda::chunked_prefill::choose_prefill(p, sms, cuda::overrides());
+    path.short_max_len = choice.short_len;
+    path.context_parallel_segment = choice.cp_segment_len;
+  }
   return path;
 }
 

@@ -15,5 +15,6 @@ void prefill(const PrefillParams& p, Stream stream);
 void convert_layout(const LayoutParams& p, Stream stream);
 size_t prefill_workspace_bytes(const PrefillParams& p);
 bool device_usable();       // an sm_90 device is present and the runtime works
+int device_sms();           // the current device's SM count (132 where the query fails)
 std::string device_info();  // one line per device
 }  // namespace gdnkit::cuda

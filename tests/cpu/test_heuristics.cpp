@@ -204,15 +204,78 @@ TEST(PrefillHeuristics, HeadPassWithPrepWarpgroupOnLongSequences) {
 }
 
 TEST(PrefillHeuristics, FewHeadsSplitTheHead) {
-  // One sequence with 32 value heads: 64 CTAs of half a head each still fit the SMs once.
+  // One sequence with 32 value heads (without context parallelism): 64 CTAs of half a head each still fit the SMs
+  // once.
   PrefillCall call({8192});
-  const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});
+  Overrides no_cp;
+  no_cp.prefill_cp_segment_len = 0;
+  const auto c = chunked_prefill::choose_prefill(call.p, kSms, no_cp);
   EXPECT_EQ(c.head_split, 2);
   EXPECT_TRUE(c.wgmma_pass);   // 64 columns per CTA: one warpgroup
   EXPECT_FALSE(c.m_warpgroup);  // needs two state warpgroups
   EXPECT_FALSE(c.m_in_pass);    // one warpgroup per CTA reads M from the workspace
   PrefillCall three({8192, 8192, 8192});  // 96 heads: 192 CTAs would not fit once
   EXPECT_EQ(chunked_prefill::choose_prefill(three.p, kSms, {}).head_split, 1);
+}
+
+// Context parallelism: segments so that the longest sequence's segments and heads give about one CTA per SM, where
+// that sequence holds at least eight of them.
+TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
+  PrefillCall tp8({65536}, 2, 8);  // 16 segments of 4096 tokens x 8 heads = 128 CTAs
+  const auto a = chunked_prefill::choose_prefill(tp8.p, kSms, {});
+  EXPECT_EQ(a.cp_segment_len, 4096);
+  EXPECT_EQ(a.head_split, 1);
+  EXPECT_TRUE(a.wgmma_pass);
+  EXPECT_TRUE(a.early_state_pass);  // the local pass: 2 x 17 entries x 8 heads <= 4 CTAs per SM
+  PrefillCall tp8_32k({32768}, 2, 8);  // 16 segments of 2048
+  EXPECT_EQ(chunked_prefill::choose_prefill(tp8_32k.p, kSms, {}).cp_segment_len, 2048);
+  PrefillCall next({32768});  // 32 heads: 4 segments per wave, too few to pay for three passes
+  EXPECT_EQ(chunked_prefill::choose_prefill(next.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall batch(std::vector<int64_t>(8, 8192), 2, 8);  // 8 sequences of 2 segments each
+  EXPECT_EQ(chunked_prefill::choose_prefill(batch.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall wide({32768}, 16, 64);  // 64 heads: 2 segments per wave
+  EXPECT_EQ(chunked_prefill::choose_prefill(wide.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall shorter({4096}, 2, 8);  // segments no shorter than kCpMinSegment: 4 of them
+  EXPECT_EQ(chunked_prefill::choose_prefill(shorter.p, kSms, {}).cp_segment_len, 0);
+  // A long sequence beside a short one; without the host copy of cu_seqlens the mean length stands for the longest.
+  PrefillCall two({60000, 100}, 2, 8);
+  EXPECT_EQ(chunked_prefill::choose_prefill(two.p, kSms, {}).cp_segment_len, 3776);
+  two.p.cu_seqlens_host = nullptr;
+  EXPECT_EQ(chunked_prefill::choose_prefill(two.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall one({65536}, 2, 8);
+  one.p.cu_seqlens_host = nullptr;
+  EXPECT_EQ(chunked_prefill::choose_prefill(one.p, kSms, {}).cp_segment_len, 4096);
+  // Off where the path is not built: fp32 inputs, K != V.
+  PrefillCall fp32({65536}, 2, 8, DType::kFloat32);
+  EXPECT_EQ(chunked_prefill::choose_prefill(fp32.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall kv = tp8;
+  kv.p.heads.head_dim_v = 64;
+  EXPECT_EQ(chunked_prefill::choose_prefill(kv.p, kSms, {}).cp_segment_len, 0);
+}
+
+TEST(PrefillHeuristics, ContextParallelOverridesAndWorkspace) {
+  PrefillCall call({1000, 64}, 1, 2);
+  Overrides forced;
+  forced.prefill_cp_segment_len = 128;
+  EXPECT_EQ(chunked_prefill::choose_prefill(call.p, kSms, forced).cp_segment_len, 128);
+  Overrides odd;
+  odd.prefill_cp_segment_len = 100;  // not a multiple of the chunk
+  EXPECT_THROW(chunked_prefill::choose_prefill(call.p, kSms, odd), Error);
+  PrefillCall fp32({1000}, 1, 2, DType::kFloat32);
+  EXPECT_THROW(chunked_prefill::choose_prefill(fp32.p, kSms, forced), Error);
+  Overrides off;
+  off.prefill_cp_segment_len = 0;
+  PrefillCall tp8({65536}, 2, 8);
+  EXPECT_EQ(chunked_prefill::choose_prefill(tp8.p, kSms, off).cp_segment_len, 0);
+  EXPECT_EQ(chunked_prefill::cp_workspace_bytes(tp8.p, off), 0u);
+  // The workspace holds the chosen segments' table and states, and grows with the tokens.
+  const int64_t len = chunked_prefill::choose_prefill(tp8.p, kSms, {}).cp_segment_len;
+  const size_t states = size_t(chunked_prefill::cp_max_segments(tp8.p, len)) * 8 * 128 * 128 * 4;
+  EXPECT_GE(chunked_prefill::cp_workspace_bytes(tp8.p, {}), 3 * states);
+  PrefillCall longer({131072}, 2, 8);
+  EXPECT_GE(chunked_prefill::cp_workspace_bytes(longer.p, {}), chunked_prefill::cp_workspace_bytes(tp8.p, {}));
+  EXPECT_GE(chunked_prefill::cp_workspace_bytes(call.p, forced),
+            3 * size_t(chunked_prefill::cp_max_segments(call.p, 128)) * 2 * 128 * 128 * 4);
 }
 
 TEST(PrefillHeuristics, PrepWarpgroupFromFourChunksPerSequence) {

@@ -68,6 +68,8 @@ struct Case {
   // The head pass's prep warpgroup that forms M, where the plan allows it: -1 the library's choice, 0 none (the
   // state warpgroups form M, or it comes from the workspace), 1 the warpgroup.
   int aux = -1;
+  // Context-parallel segments of this many tokens: -1 the library's choice, 0 none.
+  int cp = -1;
 };
 
 ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
@@ -83,8 +85,9 @@ ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128
 constexpr int kShortOnly = -100;
 
 // The library's entry under the overrides a case asks for (0 / -1: the heuristics' choice).
-cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux) {
+cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux, int cp = -1) {
   cuda::Overrides o;
+  o.prefill_cp_segment_len = cp;
   o.prefill_vtile = vtile == kShortOnly ? 0 : vtile;
   o.prefill_head_split = head_split;
   o.prefill_short_max_len = short_len;
@@ -92,9 +95,12 @@ cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux
   return o;
 }
 
-void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1) {
+void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1,
+             int cp = -1) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux);
+  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp);
+  // ... and one that asks for context parallelism must get it.
+  if (cp > 0) EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).cp_segment_len, cp);
   // A case that asks for the short path must get it: were it refused, the chunked kernels would run
   // every sequence and the comparison would still pass.
   if (short_len > 0) EXPECT_TRUE(cuda::chunked_prefill::short_path_supported(p)) << "the short path would not run";
@@ -113,12 +119,13 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
 }
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
-void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1, int aux = -1) {
+void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1, int aux = -1,
+                   int cp = -1) {
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split, short_len, aux);
+    run_gpu(got, dev, vtile, head_split, short_len, aux, cp);
   }
   check_prefill_results(before, got, ref);
 }
@@ -389,6 +396,61 @@ std::vector<Case> sanitize_cases() {
   return out;
 }
 
+// ---- context parallelism (context_parallel.cuh), forced with short segments on small problems --------------
+// Lengths around the segment (len - 1, len, len + 1, one chunk past, several segments), varlen batches of cut and
+// uncut sequences, checkpoints crossing segments, initial == final slot, both layouts, bf16 pools, fp16 inputs,
+// given gates, K = V = 64, the long-memory regime, with and without the prep warpgroup.
+std::vector<Case> cp_cases() {
+  std::vector<Case> out;
+  int i = 0;
+  auto add = [&](ProblemConfig c, const std::string& tag, int cp, int aux = -1) {
+    c.seed = 6000 + i++;
+    Case x{case_name(c, tag + "_cp" + std::to_string(cp)), c};
+    x.cp = cp, x.aux = aux;
+    out.push_back(x);
+  };
+  for (int len : {127, 128, 129, 192, 1000}) add(base({len}, 1, 2), "len" + std::to_string(len), 128);
+  add(base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2), "mixed", 128);
+  add(base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2), "mixed", 192);
+  for (int aux : {0, 1}) add(base({700, 64, 300}, 2, 4), "aux" + std::to_string(aux), 128, aux);
+  {
+    ProblemConfig c = base({1000, 130, 640}, 1, 2);
+    c.checkpoint_interval = 64;
+    add(c, "", 192);
+    c.checkpoint_interval = 128, c.cache_dtype = DType::kBFloat16, c.checkpoint_steps = 5;
+    add(c, "fewsteps", 128);
+  }
+  {
+    ProblemConfig c = base({600, 64, 0, 333}, 1, 2);
+    c.same_slot = true;
+    add(c, "", 128);
+    c.same_slot = false, c.zero_initial_rows = 3, c.no_final_rows = 2;
+    add(c, "zero_init_no_final", 128);
+  }
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c = base({900, 70}, 1, 2);
+      c.layout = layout, c.state_dtype = state;
+      c.in_dtype = state == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+      c.gate_mode = layout == StateLayout::kVLast ? GateMode::kGiven : GateMode::kFused;
+      if (state == DType::kBFloat16) c.slot_pad = 40, c.token_pad = 24, c.head_pad = 8;
+      add(c, "", 256);
+    }
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    ProblemConfig c = base({800, 129, 5}, 2, 8, 64, 64);
+    c.layout = layout;
+    add(c, "dims", 128);
+  }
+  {
+    ProblemConfig c = base({2000, 3}, 1, 2);
+    c.long_memory = true;
+    add(c, "long", 256);
+    c.use_qk_l2norm = false;
+    add(c, "long_nol2", 320);
+  }
+  return out;
+}
+
 // Without the in-kernel L2 norm the problem feeds unit-scale q and k (ProblemConfig::unit_qk says why).
 Problem make_problem(const ProblemConfig& c) {
   ProblemConfig u = c;
@@ -400,7 +462,7 @@ class PrefillTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PrefillTest, MatchesCpuReference) {
   const Case& c = GetParam();
-  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len, c.aux);
+  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len, c.aux, c.cp);
 }
 
 INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
@@ -408,6 +470,8 @@ INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
 INSTANTIATE_TEST_SUITE_P(Shapes, PrefillTest, ::testing::ValuesIn(shape_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Short, PrefillTest, ::testing::ValuesIn(short_cases()),
+                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(ContextParallel, PrefillTest, ::testing::ValuesIn(cp_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Sanitize, PrefillTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });
@@ -476,8 +540,14 @@ TEST(PrefillGpu, BadSpanWithShortPathSanitize) {
 
 // Same inputs twice, a graph capture (library workspace, sized by an eager call first) and a run
 // with a caller workspace: all bit-identical to one eager run, which matches the reference.
+// The chunked kernels as the heuristic picks them, then with context-parallel segments of 128 tokens.
 TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
+  for (int cp : {-1, 128})
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    SCOPED_TRACE("context-parallel segment " + std::to_string(cp));
+    cuda::Overrides o;
+    o.prefill_cp_segment_len = cp;
+    const cuda::ScopedOverrides scoped(o);
     ProblemConfig c = base({300, 1, 64, 129}, 2, 4);
     c.layout = layout;
     c.checkpoint_interval = 64;

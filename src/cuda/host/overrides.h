@@ -19,6 +19,7 @@ struct Overrides {
   int prefill_vtile = 0;            // state pass value tile: kVTileHead, kVTileHeadWarp, 16, 32 or 64
   int prefill_head_split = 0;       // head pass CTAs per (sequence, value head): 1 or 2
   int prefill_stages = 3;           // kernels a call launches: 1 chunk prep, 2 state pass, 3 both (timing)
+  int prefill_cp_segment_len = -1;  // context-parallel segments of this many tokens (a multiple of 64); 0: off
 };
 
 // The process-wide overrides the backend reads on every call (host/device.cpp). Tests and the bench set them

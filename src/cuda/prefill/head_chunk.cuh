@@ -81,10 +81,12 @@ struct HeadStateWarps {
   uint32_t off_t;
   uint32_t off_kt;  // B = k rows as [k][n]: bk_frag_ptr
   uint32_t off_v;   // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
+  // The context-parallel local pass's transition CTA: v taken as zero (its state starts from the identity).
+  bool zero_v;
 
   __device__ __forceinline__ HeadStateWarps(const PrefillParams& p_, const Plan& plan_, const HeadCoords& at_,
-                                            int64_t start, float* s_rq_)
-      : p(p_), plan(plan_), at(at_), s_rq(s_rq_) {
+                                            int64_t start, float* s_rq_, bool zero_v_ = false)
+      : p(p_), plan(plan_), at(at_), s_rq(s_rq_), zero_v(zero_v_) {
     const int lane = at.lane, warp = at.warp;
     o_lane = static_cast<Op*>(p.o.data) + (start + (lane >> 1)) * p.o.token_stride + at.h * p.o.head_stride + at.vw +
              (lane & 1) * 8;
@@ -135,7 +137,9 @@ struct HeadStateWarps {
       for (int half = 0; half < 2; ++half) {
         const int nt = 2 * np + half;
         const float2 ek = factor(b, kDecayRk, nt);
-        const float2 va = unpack2<Op>(vv[2 * half]), vb = unpack2<Op>(vv[2 * half + 1]);
+        float2 va = unpack2<Op>(vv[2 * half]), vb = unpack2<Op>(vv[2 * half + 1]);
+        if constexpr (S::kCpMode == 1)
+          if (zero_v) va = vb = make_float2(0.0f, 0.0f);
         xa[np][2 * half] = pack2<Op>(va.x - ek.x * pk[nt][0], va.y - ek.y * pk[nt][1]);
         xa[np][2 * half + 1] = pack2<Op>(vb.x - ek.x * pk[nt][2], vb.y - ek.y * pk[nt][3]);
       }
@@ -180,7 +184,7 @@ struct HeadStateWarps {
       causal_cols_mma<Op, LDT, kFull>(qo, na, ms_b, L);
     }
 
-    store_o<kFull>(b, qo, vs_b, c, L);
+    if constexpr (S::kCpMode != 1) store_o<kFull>(b, qo, vs_b, c, L);  // the local pass writes no o
 
     if constexpr (kWgmma) {
       wgmma_wait<0>();  // S^T

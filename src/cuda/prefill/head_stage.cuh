@@ -44,10 +44,11 @@ template <bool kWgmma>
 constexpr int kHeadStages = kWgmma ? 3 : 2;
 
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
-// wgmma build; kMWarpgroup a prep warpgroup beside two state warpgroups (prep_warpgroup.cuh).
-template <int K_, int V_, int kSplit_, class Op_, bool kWgmma_, bool kMWarpgroup_>
+// wgmma build; kMWarpgroup a prep warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode 0 whole
+// sequences, 1 the context-parallel local pass, 2 its final pass (context_parallel.cuh).
+template <int K_, int V_, int kSplit_, class Op_, bool kWgmma_, bool kMWarpgroup_, int kCpMode_ = 0>
 struct HeadPass {
-  static constexpr int K = K_, V = V_, kSplit = kSplit_;
+  static constexpr int K = K_, V = V_, kSplit = kSplit_, kCpMode = kCpMode_;
   using Op = Op_;
   static constexpr bool kWgmma = kWgmma_, kMWarpgroup = kMWarpgroup_;
   static constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;  // the state warps

@@ -113,6 +113,62 @@ int choose_head_split(const PrefillParams& p, int num_sms) {
   return head_split_supported(p.heads.head_dim_v, 2) && heads * 2 <= num_sms ? 2 : 1;
 }
 
+bool cp_supported(const PrefillParams& p) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  return head_pass_ok(p) && K == V && (K == 64 || K == 128) && head_tensor_maps_ok(p) && p.heads.num_v_heads > 0;
+}
+
+int64_t cp_max_segments(const PrefillParams& p, int64_t seg_len) {
+  return int64_t(std::max(p.num_seqs, 0)) + std::max<int64_t>(p.total_tokens, 0) / seg_len;
+}
+
+namespace {
+// Context parallelism runs a segment three times (its local pass, its transition, its final pass): it pays where
+// the longest sequence holds at least this many segments of one wave (docs/design/prefill.md measures where).
+constexpr int64_t kCpMinSegmentsPerSeq = 8;
+
+int64_t longest_sequence(const PrefillParams& p) {
+  if (p.cu_seqlens_host == nullptr) return p.num_seqs == 1 ? p.total_tokens : p.total_tokens / p.num_seqs;
+  int64_t longest = 0;
+  for (int32_t n = 0; n < p.num_seqs; ++n) longest = std::max(longest, p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n]);
+  return longest;
+}
+
+bool cp_fits(const PrefillParams& p, int64_t seg_len) {
+  return int64_t(p.heads.num_v_heads) * cp_max_segments(p, seg_len) <= kCpMaxSegmentHeads;
+}
+}  // namespace
+
+int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrides& o) {
+  if (o.prefill_cp_segment_len == 0 || p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
+  if (o.prefill_cp_segment_len > 0) {
+    const int64_t len = o.prefill_cp_segment_len;
+    if (len % kChunk != 0 || !cp_supported(p) || !cp_fits(p, len))
+      throw Error(ErrorCode::kInvalidArgument, "prefill: context-parallel segments of " + std::to_string(len) +
+                                                   " tokens are not supported for this call");
+    return len;
+  }
+  if (!cp_supported(p)) return 0;
+  const int64_t HV = p.heads.num_v_heads;
+  const int64_t per_wave = num_sms / HV;  // segments of one sequence that give every value head one SM each
+  if (per_wave < kCpMinSegmentsPerSeq) return 0;
+  const int64_t tokens = (p.total_tokens + per_wave - 1) / per_wave;
+  const int64_t len = std::max(kCpMinSegment, (tokens + kChunk - 1) / kChunk * kChunk);
+  if (longest_sequence(p) < kCpMinSegmentsPerSeq * len || !cp_fits(p, len)) return 0;
+  return len;
+}
+
+size_t cp_workspace_bytes(const PrefillParams& p, const Overrides& o) {
+  if (!cp_supported(p) || o.prefill_cp_segment_len == 0 || p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
+  const int64_t shortest = o.prefill_cp_segment_len > 0 ? std::min<int64_t>(o.prefill_cp_segment_len, kCpMinSegment)
+                                                         : kCpMinSegment;
+  const int64_t HV = p.heads.num_v_heads;
+  const int64_t segments = std::min(cp_max_segments(p, shortest), kCpMaxSegmentHeads / HV);
+  const int64_t K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  const auto round = [](int64_t x) { return (x + 255) / 256 * 256; };
+  return size_t(round(segments * int64_t(sizeof(CpSegment))) + 3 * round(segments * HV * K * V * 4));
+}
+
 PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Overrides& o) {
   PrefillChoice c;
   c.stages = o.prefill_stages;
@@ -127,8 +183,14 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   c.only_short = c.short_len > 0 && p.cu_seqlens_host != nullptr && count_short(p, c.short_len) == p.num_seqs;
   if (c.only_short) return c;
 
-  c.vtile = o.prefill_vtile != 0 ? o.prefill_vtile : choose_vtile(p, num_sms);
-  c.head_split = o.prefill_head_split != 0 ? o.prefill_head_split : choose_head_split(p, num_sms);
+  // Context parallelism: segments give the parallelism, one CTA per (segment, value head) of the wgmma head pass;
+  // a forced value tile or head split runs that pass instead.
+  const bool forced_pass = o.prefill_vtile != 0 || o.prefill_head_split != 0;
+  if (c.stages == kStagesAll && (o.prefill_cp_segment_len > 0 || !forced_pass))
+    c.cp_segment_len = choose_cp_segment_len(p, num_sms, o);
+  const bool cp = c.cp_segment_len > 0;
+  c.vtile = o.prefill_vtile != 0 && !cp ? o.prefill_vtile : choose_vtile(p, num_sms);
+  c.head_split = cp ? 1 : o.prefill_head_split != 0 ? o.prefill_head_split : choose_head_split(p, num_sms);
   if (is_head_tile(c.vtile) && !head_split_supported(V, c.head_split))
     throw Error(ErrorCode::kInvalidArgument, "prefill: head split " + std::to_string(c.head_split) +
                                                  " is not supported for V=" + std::to_string(V));
@@ -144,8 +206,9 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
                         : p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs;
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(c.wgmma_pass, V / c.head_split);
   const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
-  c.early_state_pass =
-      prep && int64_t(p.num_seqs) * p.heads.num_v_heads * c.head_split <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
+  // (under context parallelism the pass behind the prep is the local pass: two CTAs per segment and value head)
+  const int64_t rows = cp ? 2 * cp_max_segments(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;
+  c.early_state_pass = prep && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
   return c;
 }
 

@@ -39,7 +39,33 @@ struct PrefillChoice {
   bool m_in_pass = false;     // the chunk prep leaves M to the state pass (its state or third warpgroup)
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep
   int stages = kStagesAll;
+  // > 0: the context-parallel path (context_parallel.cuh) with sequences cut into segments of this many tokens
+  int64_t cp_segment_len = 0;
 };
+
+// One entry of the context-parallel path's segment table (built on the device from cu_seqlens): tokens
+// [start, start + len) of sequence seq, its segment index of count, starting at the sequence's chunk first_chunk.
+// seq < 0: an unused entry.
+struct CpSegment {
+  int64_t start, len;
+  int32_t seq, index, count, first_chunk;
+};
+
+// Context parallelism (docs/design/prefill.md "Context parallelism"): the shortest segment the heuristic picks,
+// and the most (segment, value head) pairs a call holds per-segment states for (the workspace's bound).
+constexpr int64_t kCpMinSegment = 1024;
+constexpr int64_t kCpMaxSegmentHeads = 512;
+// The path is built for this call: the head pass's wgmma build with K = V in {64, 128}.
+bool cp_supported(const PrefillParams& p);
+// Entries of the segment table for segments of seg_len tokens: every sequence takes max(1, ceil(len / seg_len)),
+// at most N + T / seg_len in all.
+int64_t cp_max_segments(const PrefillParams& p, int64_t seg_len);
+// The segment length (0: the path does not run). Auto: about one CTA per SM for the longest sequence's segments
+// and heads, and only where that sequence gets at least eight segments; an override forces it.
+int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
+// Workspace bytes of the path (the segment table and three fp32 states per segment and value head), sized for
+// the shortest segments any choice makes, so that a buffer sized for a call serves every smaller one.
+size_t cp_workspace_bytes(const PrefillParams& p, const Overrides& o);
 
 // Value tiles the state pass is built for, per head dim K (the head tiles also need head_pass_ok).
 bool vtile_supported(int K, int vtile);

@@ -65,6 +65,7 @@ void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t st
 template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
   const bool prep = (stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0;
+  if (plan.cp_segment_len > 0) launch_cp_segment_table(p, plan, stream);
   if (prep) {
     if (plan.m_in_pass)
       launch_chunk_prep<K, Op, false>(p, plan, stream);
@@ -73,6 +74,9 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
   }
   if (!(stages & kStageStatePass)) return;
   if constexpr (K <= 128) {
+    if (plan.cp_segment_len > 0) {  // K = V (cp_supported)
+      if constexpr (K == 64 || K == 128) return launch_cp_passes<K, Op>(p, plan, prep && plan.early_state_pass, stream);
+    }
     if (is_head_tile(vtile)) {
       const bool early = prep && plan.early_state_pass;  // PDL behind the chunk prep (heuristics.cpp)
       if (p.heads.head_dim_v == 64)

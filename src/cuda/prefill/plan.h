@@ -64,6 +64,15 @@ struct Plan {
   // Sequences of at most short_len tokens (prefill/short_sequence.h) run on the short-sequence path
   // instead: both kernels skip them. 0: the chunked kernels run every sequence.
   int32_t short_len = 0;
+  // Context parallelism (context_parallel.cuh; cp_segment_len > 0): the segment table of cp_max_segments entries and,
+  // per entry and value head, fp32 states in the pool's layout: the segment's state from zero (the first segment of a
+  // sequence: from its initial state), its transition P (K x K: S_end = P S_in + local) and its true initial state.
+  int64_t cp_segment_len = 0;
+  int32_t cp_max_segments = 0;
+  CpSegment* cp_segments = nullptr;
+  float* cp_local = nullptr;
+  float* cp_transition = nullptr;
+  float* cp_initial = nullptr;
 };
 
 // The TMA descriptors of a head pass launch of the wgmma build (a __grid_constant__ kernel parameter): k

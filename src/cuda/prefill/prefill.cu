@@ -74,7 +74,7 @@ bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>
 // every smaller one, whose pass may read M (one or two sequences: the column split).
 size_t workspace_bytes(const PrefillParams& p) {
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return 2 * t_bytes(p) + f_bytes(p);
+  return 2 * t_bytes(p) + f_bytes(p) + cp_workspace_bytes(p, overrides());
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
@@ -87,6 +87,16 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_tprime = at;
   plan.ws_masked_qk = plan.m_in_pass ? nullptr : at + t_bytes(p);
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
+  if (plan.cp_segment_len > 0) {  // the segment table, then the three per-segment states
+    char* cp = at + 2 * t_bytes(p) + f_bytes(p);
+    const size_t states = round_up(size_t(plan.cp_max_segments) * size_t(p.heads.num_v_heads) *
+                                   size_t(p.heads.head_dim_k) * size_t(p.heads.head_dim_v) * 4);
+    plan.cp_segments = reinterpret_cast<CpSegment*>(cp);
+    cp += round_up(size_t(plan.cp_max_segments) * sizeof(CpSegment));
+    plan.cp_local = reinterpret_cast<float*>(cp);
+    plan.cp_transition = reinterpret_cast<float*>(cp + states);
+    plan.cp_initial = reinterpret_cast<float*>(cp + 2 * states);
+  }
 }
 
 namespace {
@@ -168,6 +178,8 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
   plan.m_warpgroup = choice.m_warpgroup;
   plan.early_state_pass = choice.early_state_pass;
   plan.short_len = choice.short_len;
+  plan.cp_segment_len = choice.cp_segment_len;
+  plan.cp_max_segments = choice.cp_segment_len > 0 ? int32_t(cp_max_segments(p, choice.cp_segment_len)) : 0;
 
   const size_t need = workspace_bytes(p);
   void* ws = nullptr;

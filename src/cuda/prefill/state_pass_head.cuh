@@ -48,6 +48,7 @@
 
 #include "cuda/arch/tma.cuh"
 #include "cuda/host/check.h"
+#include "cuda/prefill/context_parallel.cuh"
 #include "cuda/prefill/head_chunk.cuh"
 #include "cuda/prefill/head_loader.cuh"
 #include "cuda/prefill/head_stage.cuh"
@@ -119,10 +120,12 @@ __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, 
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
 // kMWarpgroup (the wgmma build with two state warpgroups): a third warpgroup forms M in each chunk's stage
 // (prep_warpgroup.cuh), after the chunk prep kernel without M.
-template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup>
+// kCpMode (context_parallel.cuh): the grid's rows are the segment table's entries instead of the sequences; the
+// local pass (1) has two CTAs per entry and value head (blockIdx.y: 0 the segment from zero, 1 its transition).
+template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0>
 __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
-  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup>;
+  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode>;
   using Stage = typename S::Stage;
   constexpr int kStages = S::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -130,15 +133,30 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
 
   const HeadCoords at = head_coords<kSplit, S::kCols>(p);
   SeqSlots sq;
-  if (!begin_sequence<head_pass_threads<V, kSplit, kMWarpgroup>()>(p, plan, at.n, at.h, at.v0, S::kCols,
-                                                                    at.h == 0 && at.split == 0, sq)) {
+  CpSegment seg{};
+  bool run;
+  [[maybe_unused]] const bool transition = kCpMode == 1 && blockIdx.y == 1;
+  if constexpr (kCpMode != 0) {
+    // The local pass runs the segments of cut sequences (the transition of every one but the first); the final
+    // pass every entry, and counts a bad sequence once (its first segment's CTA of head 0).
+    seg = plan.cp_segments[at.n];
+    run = seg.seq >= 0 && (kCpMode == 2 || (seg.count > 1 && (!transition || seg.index > 0)));
+    run = run && begin_sequence<head_pass_threads<V, kSplit, kMWarpgroup>()>(
+                     p, plan, seg.seq, at.h, at.v0, S::kCols, kCpMode == 2 && seg.index == 0 && at.h == 0, sq);
+  } else {
+    run = begin_sequence<head_pass_threads<V, kSplit, kMWarpgroup>()>(p, plan, at.n, at.h, at.v0, S::kCols,
+                                                                       at.h == 0 && at.split == 0, sq);
+  }
+  if (!run) {
     // A CTA leaves here (a sequence the recurrent kernels or nobody takes) only after the prep's grid
     // completed, as every other CTA does: so that this grid never completes before the prep, whatever the
     // stream's next launch assumes about a programmatic dependent's completion.
     asm volatile("griddepcontrol.wait;" ::: "memory");
     return;
   }
-  const int64_t start = sq.start, len = sq.len;
+  // The tokens this CTA runs and the workspace slot of their first chunk: the sequence's, or its segment's.
+  const int64_t start = kCpMode != 0 ? seg.start : sq.start, len = kCpMode != 0 ? seg.len : sq.len;
+  const int64_t slot0 = kCpMode != 0 ? sq.start / kChunk + seg.seq + seg.first_chunk : sq.start / kChunk + at.n;
   __shared__ uint64_t bars[kStages];
   __shared__ uint64_t prep_bars[kMWarpgroup ? 2 * kStages : 1];
   __shared__ __align__(16) float s_rq[S::kMInPass ? kChunk : 1];
@@ -157,9 +175,22 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     setmaxnreg_inc<kStateRegs>();
   }
 
-  // S^T in registers (head_chunk.cuh), from the initial slot (pairs where Plan::state_pairs: head_state_io.cuh)
+  // S^T in registers (head_chunk.cuh), from the initial slot (pairs where Plan::state_pairs: head_state_io.cuh), or
+  // under context parallelism from zero, the identity or the segment's true initial state (cp_initial_state)
   float s[S::KT][4];
-  {
+  const int64_t cp_offset = int64_t(at.n) * at.HV * K * V;  // this entry's states in the cp_* buffers
+  if (kCpMode == 1 && (transition || seg.index > 0)) {
+#pragma unroll
+    for (int j = 0; j < S::KT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[j][e] = transition && 8 * j + at.q2 + (e & 1) == at.vw + at.r + 8 * (e >> 1) ? 1.0f : 0.0f;
+  } else if (kCpMode == 2 && seg.count > 1) {
+#pragma unroll
+    for (int j = 0; j < S::KT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = plan.cp_initial[cp_offset + head_state_offset<S>(p, at, j, e)];
+  } else {
     const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
 #pragma unroll
     for (int j = 0; j < S::KT; ++j)
@@ -178,10 +209,9 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   }
 
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
-  const int64_t slot0 = start / kChunk + at.n;
   const int64_t C = p.checkpoint_interval;
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars);
-  const HeadStateWarps<S> warps(p, plan, at, start, s_rq);
+  const HeadStateWarps<S> warps(p, plan, at, start, s_rq, transition);
 
   if constexpr (kWgmma && !kMWarpgroup) init_stage_barriers<S>(at.tid, bars, prep_bars);
   // Launched right behind the chunk prep with programmatic dependent launch (launch_state_pass_head), the
@@ -203,31 +233,52 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     else
       warps.template chunk<false>(b, s, c, L, nchunks, loader, stage);
     if constexpr (kMWarpgroup) mbarrier_arrive(&prep_bars[kStages + c % kStages]);  // this thread is done with b
-    store_head_checkpoint<S>(s, p, plan, at, sq, c, C);
+    if constexpr (kCpMode == 0) store_head_checkpoint<S>(s, p, plan, at, sq, c, C);
+    if constexpr (kCpMode == 2) store_head_checkpoint<S>(s, p, plan, at, sq, seg.first_chunk + c, C);
   }
 
-  if (sq.fslot >= 0)
+  if constexpr (kCpMode == 1) {  // the segment's local state or transition, fp32, for the scan
+    float* dst = transition ? plan.cp_transition : plan.cp_local;
+    store_head_state<S>(s, p, at, dst, DType::kFloat32, cp_offset, p.state.layout == StateLayout::kKLast);
+  } else if (sq.fslot >= 0 && (kCpMode == 0 || seg.count == 1)) {  // a cut sequence's: the scan's
     store_head_state<S>(s, p, at, p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride,
                         plan.state_pairs);
+  }
 }
 
 // after_prep: the chunk prep is the previous kernel of the stream (launch_op), so the pass may launch
 // early, with programmatic dependent launch, and wait for the prep inside.
-template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = false>
+template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = false, int kCpMode = 0>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWgmma, kMWarpgroup>();
-  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup>;
+  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode>;
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
   const HeadTensorMaps maps = kWgmma ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * kSplit);
+  const unsigned rows = kCpMode != 0 ? unsigned(plan.cp_max_segments) : unsigned(p.num_seqs);
+  cfg.gridDim = dim3(rows * unsigned(p.heads.num_v_heads) * kSplit, kCpMode == 1 ? 2 : 1);
   cfg.blockDim = dim3(head_pass_threads<V, kSplit, kMWarpgroup>());
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute pdl;
   set_programmatic_launch(cfg, pdl, after_prep);
   GDNKIT_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, plan, maps));
+}
+
+// The context-parallel passes and scan (context_parallel.cuh) on the wgmma build, K = V, one CTA per segment and
+// value head (with the prep warpgroup where the plan says so).
+template <int K, class Op, bool kMWarpgroup>
+void launch_cp_build(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
+  launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 1>(p, plan, after_prep, stream);
+  launch_cp_scan<K>(p, plan, stream);
+  launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 2>(p, plan, false, stream);
+}
+template <int K, class Op>
+void launch_cp_passes(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
+  if constexpr (K == 128)
+    if (plan.m_warpgroup) return launch_cp_build<K, Op, true>(p, plan, after_prep, stream);
+  launch_cp_build<K, Op, false>(p, plan, after_prep, stream);
 }
 
 // The wgmma build where the plan says so (Plan::wgmma_pass: the CTA owns whole warpgroups and the TMA
