@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -711,6 +712,43 @@ TEST(PrefillGpu, SmallCallerWorkspaceRefused) {
   cudaFree(ws);
   EXPECT_TRUE(BitwiseEqual("o", got.buffer("o"), before.buffer("o")));
   EXPECT_TRUE(BitwiseEqual("state", got.buffer("state"), before.buffer("state")));
+}
+
+// Context parallelism against the fp64 recurrence on one long sequence from a pool state with two value heads
+// (the heuristic's segments: 64 of 1024 tokens at 64K), in the long-memory regime (decays near 1) and with the
+// sweep's faster decays; the whole-sequence path's error on the same inputs printed beside it. The length is
+// 65536 tokens; GDNKIT_CP_PRECISION_TOKENS sets another (262144 for the 256K measurement, a few minutes of CPU).
+TEST(PrefillGpu, ContextParallelLongSequenceAgainstFp64) {
+  const char* tokens = std::getenv("GDNKIT_CP_PRECISION_TOKENS");
+  const int32_t T = tokens != nullptr ? int32_t(std::atol(tokens)) : 65536;
+  for (bool long_memory : {true, false}) {
+    ProblemConfig c = base({T}, 1, 2);
+    c.zero_initial_rows = 0;
+    c.long_memory = long_memory;
+    c.seed = 7000 + (long_memory ? 1 : 0);
+    Problem before(c);
+    Problem ref = before;
+    prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+    const int32_t slot = before.as<int32_t>("final_indices")[0];
+    double o_err[2], s_err[2];
+    for (int path = 0; path < 2; ++path) {  // 0: the library's choice (context parallel), 1: whole sequences
+      Problem got = before;
+      {
+        DeviceProblem dev(got);
+        if (path == 0) {
+          const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+          EXPECT_GT(prefill_path(p).context_parallel_segment, 0) << "the context-parallel path would not run";
+        }
+        run_gpu(got, dev, 0, 0, -1, -1, path == 0 ? -1 : 0);
+      }
+      o_err[path] = error_stats(got.read_tokens("o"), ref.read_tokens("o")).rel;
+      s_err[path] = error_stats(got.read_state("state", slot), ref.read_state("state", slot)).rel;
+      EXPECT_LE(o_err[path], output_tolerance(OpFamily::kPrefill, c.in_dtype)) << "path " << path;
+      EXPECT_LE(s_err[path], state_tolerance(OpFamily::kPrefill, c.state_dtype)) << "path " << path;
+    }
+    std::printf("1x%d, %s: o rel. error %.3e context-parallel, %.3e whole sequence; final state %.3e, %.3e\n", T,
+                long_memory ? "long memory" : "fast decay", o_err[0], o_err[1], s_err[0], s_err[1]);
+  }
 }
 
 }  // namespace

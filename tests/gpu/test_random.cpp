@@ -24,6 +24,8 @@
 #include <thread>
 #include <vector>
 
+#include "cuda/host/overrides.h"
+#include "cuda/prefill/heuristics.h"
 #include "gdnkit/gdnkit.h"
 #include "gpu/gpu_harness.h"
 #include "support/problem.h"
@@ -77,11 +79,21 @@ Reference compute_reference(const RandomCase& c) {
   return r;
 }
 
-// The CUDA backend on a copy of `before`, checked against `ref`.
+// The CUDA backend on a copy of `before`, checked against `ref`. A prefill case's context-parallel segments are
+// forced where the call can take them (the path's conditions: cuda/prefill/heuristics.h).
 void check_case(const RandomCase& c, const Problem& before, const Problem& ref) {
   Problem got = before;
   {
     DeviceProblem dev(got);
+    cuda::Overrides o;
+    if (c.op == RandomOp::kPrefill && c.cp_segment > 0) {
+      namespace cp = cuda::chunked_prefill;
+      const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+      if (cp::cp_supported(p) &&
+          int64_t(p.heads.num_v_heads) * cp::cp_max_segments(p, c.cp_segment) <= cp::kCpMaxSegmentHeads)
+        o.prefill_cp_segment_len = c.cp_segment;
+    }
+    const cuda::ScopedOverrides scoped(o);
     run_case(c, got, {Backend::kCUDA, dev.stream()}, dev.resolver());
     dev.download(got);
   }

@@ -160,6 +160,8 @@ void draw_prefill(Draw& d, RandomCase& c) {
   p.correlated_keys = d.chance(1, 8);
   if (p.correlated_keys) p.extreme_gates = false;  // b + 3 already sets beta ~ 0.95
   if (d.chance(1, 6)) p.out_of_range_rows = int32_t(std::min<int64_t>(d.range(1, 3), n));
+  // Drawn last, so that the draws above name the same case as before the key existed.
+  if (d.chance(1, 3)) c.cp_segment = d.pick<int32_t>({64, 128, 192, 256, 448, 1024});
 }
 
 void draw_layout(Draw& d, RandomCase& c) {
@@ -369,6 +371,7 @@ std::string describe(const RandomCase& c) {
     << " same_slot=" << b(p.same_slot) << " zero_initial=" << p.zero_initial_rows << " no_final=" << p.no_final_rows
     << " ckpt=" << p.checkpoint_interval << " ckpt_steps=" << p.checkpoint_steps
     << " layout_target=" << b(p.layout_target) << " in_place=" << b(c.in_place);
+  if (c.cp_segment > 0) s << " cp=" << c.cp_segment;
   return s.str();
 }
 
@@ -457,6 +460,7 @@ RandomCase parse_case(const std::string& line) {
   p.checkpoint_steps = int32_t(int_of("ckpt_steps"));
   p.layout_target = bool_of("layout_target");
   c.in_place = bool_of("in_place");
+  if (kv.count("cp")) c.cp_segment = int32_t(int_of("cp"));
   if (!kv.empty()) throw std::invalid_argument("random case: unknown key " + kv.begin()->first + "=");
   return c;
 }

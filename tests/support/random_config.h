@@ -42,6 +42,9 @@ struct RandomCase {
   RandomOp op = RandomOp::kDecode;
   ProblemConfig cfg;      // every field of the problem
   bool in_place = false;  // layout conversion with dst == src (K == V)
+  // prefill: context-parallel segments of this many tokens where the CUDA call can take them; 0: the library's
+  // choice (an optional key of the line: older lines parse as 0)
+  int32_t cp_segment = 0;
 };
 
 RandomCase draw_case(uint64_t seed, Tier tier);
