@@ -414,6 +414,13 @@ std::vector<Case> cp_cases() {
   add(base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2), "mixed", 128);
   add(base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2), "mixed", 192);
   for (int aux : {0, 1}) add(base({700, 64, 300}, 2, 4), "aux" + std::to_string(aux), 128, aux);
+  {  // the short path beside context parallelism: sequences of at most 32 tokens on the recurrent kernels
+    ProblemConfig c = base({5, 20, 1000, 64, 300, 32, 0}, 1, 2);
+    c.seed = 6000 + i++;
+    Case x{case_name(c, "short32_cp128"), c};
+    x.cp = 128, x.short_len = 32;
+    out.push_back(x);
+  }
   {
     ProblemConfig c = base({1000, 130, 640}, 1, 2);
     c.checkpoint_interval = 64;
@@ -654,24 +661,33 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
   struct Plan {
     int aux;  // asked for
     bool few, m_in_pass;
+    int cp = -1;  // context-parallel segments asked for (-1: the heuristic's choice)
   };
-  for (const Plan want : {Plan{0, false, true}, Plan{0, true, false}, Plan{1, false, true}}) {
+  for (const Plan want : {Plan{0, false, true}, Plan{0, true, false}, Plan{1, false, true}, Plan{1, false, true, 64}}) {
     // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split: M formed in the pass, by the state
-    // warpgroups or the prep warpgroup), 1 x 32 two each (M from the workspace).
+    // warpgroups or the prep warpgroup), 1 x 32 two each (M from the workspace); last, context-parallel segments of
+    // 64 tokens (the workspace's per-segment states after the table).
     const Problem before(want.few ? base({130}, 16, 32) : base({130, 64, 71}, 16, 32));
     Problem lib = before, own = before;
     DeviceProblem d_lib(lib), d_own(own);
     PrefillParams p = own.prefill_params(PrefillAlgorithm::kAuto, d_own.resolver());
     cuda::Overrides o;
     o.prefill_m_warpgroup = want.aux;
+    o.prefill_cp_segment_len = want.cp;
     const cp::PrefillChoice choice = cp::choose_prefill(p, cuda::device_sms(), o);
     ASSERT_EQ(choice.m_in_pass, want.m_in_pass) << "the case no longer takes the plan it is written for";
+    ASSERT_EQ(choice.cp_segment_len, std::max(want.cp, 0)) << "the case no longer takes the plan it is written for";
     ASSERT_EQ(choice.m_warpgroup, !want.few && want.aux == 1) << "the case no longer takes the plan it is written for";
     const auto run = [&](const PrefillParams& q, cudaStream_t stream) {
       const cuda::ScopedOverrides scoped(o);
       prefill(q, {Backend::kCUDA, stream});
     };
-    const size_t need = prefill_workspace_bytes(p), guard = 64 * 1024;
+    size_t need = 0;
+    const size_t guard = 64 * 1024;
+    {
+      const cuda::ScopedOverrides scoped(o);
+      need = prefill_workspace_bytes(p);
+    }
     ASSERT_GT(need, 0u);
     unsigned char* ws = nullptr;
     GDNKIT_TEST_CUDA(cudaMalloc(&ws, need + guard));
@@ -741,8 +757,11 @@ TEST(PrefillGpu, ContextParallelLongSequenceAgainstFp64) {
         }
         run_gpu(got, dev, 0, 0, -1, -1, path == 0 ? -1 : 0);
       }
-      o_err[path] = error_stats(got.read_tokens("o"), ref.read_tokens("o")).rel;
-      s_err[path] = error_stats(got.read_state("state", slot), ref.read_state("state", slot)).rel;
+      const ErrorStats o = error_stats(got.read_tokens("o"), ref.read_tokens("o"));
+      const ErrorStats st = error_stats(got.read_state("state", slot), ref.read_state("state", slot));
+      EXPECT_EQ(o.nan_count, 0) << "path " << path << ": o not all written or not finite";
+      EXPECT_EQ(st.nan_count, 0) << "path " << path << ": final state not written or not finite";
+      o_err[path] = o.rel, s_err[path] = st.rel;
       EXPECT_LE(o_err[path], output_tolerance(OpFamily::kPrefill, c.in_dtype)) << "path " << path;
       EXPECT_LE(s_err[path], state_tolerance(OpFamily::kPrefill, c.state_dtype)) << "path " << path;
     }

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const
   if (islot >= p.state.num_slots || fslot >= p.state.num_slots || cslot >= p.checkpoints.num_slots) return;
   const int64_t per_segment = int64_t(HV) * K * V;
   const StateLayout layout = p.state.layout;
-  __shared__ float cols[K][kCols];
+  __shared__ __align__(16) float cols[K][kCols];  // read as float4
 
   float s[kCols];
   {
