@@ -158,15 +158,22 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
   return len;
 }
 
+namespace {
+size_t round_256(int64_t bytes) { return size_t((bytes + 255) / 256 * 256); }
+}  // namespace
+
+size_t cp_table_bytes(int64_t segments) { return round_256(segments * int64_t(sizeof(CpSegment))); }
+
+size_t cp_states_bytes(const PrefillParams& p, int64_t segments) {
+  return round_256(segments * p.heads.num_v_heads * int64_t(p.heads.head_dim_k) * p.heads.head_dim_v * 4);
+}
+
 size_t cp_workspace_bytes(const PrefillParams& p, const Overrides& o) {
   if (!cp_supported(p) || o.prefill_cp_segment_len == 0 || p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
   const int64_t shortest = o.prefill_cp_segment_len > 0 ? std::min<int64_t>(o.prefill_cp_segment_len, kCpMinSegment)
                                                          : kCpMinSegment;
-  const int64_t HV = p.heads.num_v_heads;
-  const int64_t segments = std::min(cp_max_segments(p, shortest), kCpMaxSegmentHeads / HV);
-  const int64_t K = p.heads.head_dim_k, V = p.heads.head_dim_v;
-  const auto round = [](int64_t x) { return (x + 255) / 256 * 256; };
-  return size_t(round(segments * int64_t(sizeof(CpSegment))) + 3 * round(segments * HV * K * V * 4));
+  const int64_t segments = std::min(cp_max_segments(p, shortest), kCpMaxSegmentHeads / p.heads.num_v_heads);
+  return cp_table_bytes(segments) + 3 * cp_states_bytes(p, segments);
 }
 
 PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Overrides& o) {

@@ -63,8 +63,12 @@ int64_t cp_max_segments(const PrefillParams& p, int64_t seg_len);
 // The segment length (0: the path does not run). Auto: about one CTA per SM for the longest sequence's segments
 // and heads, and only where that sequence gets at least eight segments; an override forces it.
 int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
-// Workspace bytes of the path (the segment table and three fp32 states per segment and value head), sized for
-// the shortest segments any choice makes, so that a buffer sized for a call serves every smaller one.
+// The path's workspace for a table of `segments` entries: the table, then three regions of fp32 states (one per
+// entry and value head), each 256-byte aligned.
+size_t cp_table_bytes(int64_t segments);
+size_t cp_states_bytes(const PrefillParams& p, int64_t segments);
+// Workspace bytes of the path, sized for the shortest segments any choice makes, so that a buffer sized for a call
+// serves every smaller one.
 size_t cp_workspace_bytes(const PrefillParams& p, const Overrides& o);
 
 // Value tiles the state pass is built for, per head dim K (the head tiles also need head_pass_ok).

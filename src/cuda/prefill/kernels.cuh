@@ -74,9 +74,8 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
   }
   if (!(stages & kStageStatePass)) return;
   if constexpr (K <= 128) {
-    if (plan.cp_segment_len > 0) {  // K = V (cp_supported)
-      if constexpr (K == 64 || K == 128) return launch_cp_passes<K, Op>(p, plan, prep && plan.early_state_pass, stream);
-    }
+    if (plan.cp_segment_len > 0)  // K = V in {64, 128} (cp_supported)
+      return launch_cp_passes<K, Op>(p, plan, prep && plan.early_state_pass, stream);
     if (is_head_tile(vtile)) {
       const bool early = prep && plan.early_state_pass;  // PDL behind the chunk prep (heuristics.cpp)
       if (p.heads.head_dim_v == 64)

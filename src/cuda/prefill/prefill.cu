@@ -89,10 +89,9 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
   if (plan.cp_segment_len > 0) {  // the segment table, then the three per-segment states
     char* cp = at + 2 * t_bytes(p) + f_bytes(p);
-    const size_t states = round_up(size_t(plan.cp_max_segments) * size_t(p.heads.num_v_heads) *
-                                   size_t(p.heads.head_dim_k) * size_t(p.heads.head_dim_v) * 4);
+    const size_t states = cp_states_bytes(p, plan.cp_max_segments);
     plan.cp_segments = reinterpret_cast<CpSegment*>(cp);
-    cp += round_up(size_t(plan.cp_max_segments) * sizeof(CpSegment));
+    cp += cp_table_bytes(plan.cp_max_segments);
     plan.cp_local = reinterpret_cast<float*>(cp);
     plan.cp_transition = reinterpret_cast<float*>(cp + states);
     plan.cp_initial = reinterpret_cast<float*>(cp + 2 * states);

@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   }
 
   // S^T in registers (head_chunk.cuh), from the initial slot (pairs where Plan::state_pairs: head_state_io.cuh), or
-  // under context parallelism from zero, the identity or the segment's true initial state (cp_initial_state)
+  // under context parallelism from zero, the identity or the segment's true initial state (Plan::cp_initial)
   float s[S::KT][4];
   const int64_t cp_offset = int64_t(at.n) * at.HV * K * V;  // this entry's states in the cp_* buffers
   if (kCpMode == 1 && (transition || seg.index > 0)) {
