@@ -242,6 +242,14 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(two.p, kSms, {}).cp_segment_len, 3776);
   two.p.cu_seqlens_host = nullptr;
   EXPECT_EQ(chunked_prefill::choose_prefill(two.p, kSms, {}).cp_segment_len, 0);
+  // One long prompt beside many short ones: the states cover the cut segments only, so the short sequences do not
+  // count against the workspace's bound (8 heads x 201 entries would pass it).
+  std::vector<int64_t> mixed(201, 100);
+  mixed[0] = 60000;
+  PrefillCall many(mixed, 2, 8);
+  EXPECT_EQ(chunked_prefill::choose_prefill(many.p, kSms, {}).cp_segment_len, 5056);
+  EXPECT_EQ(chunked_prefill::cp_max_states(many.p, 5056), 30);
+  EXPECT_EQ(chunked_prefill::cp_max_segments(many.p, 5056), 216);
   PrefillCall one({65536}, 2, 8);
   one.p.cu_seqlens_host = nullptr;
   EXPECT_EQ(chunked_prefill::choose_prefill(one.p, kSms, {}).cp_segment_len, 4096);
@@ -270,12 +278,19 @@ TEST(PrefillHeuristics, ContextParallelOverridesAndWorkspace) {
   EXPECT_EQ(chunked_prefill::cp_workspace_bytes(tp8.p, off), 0u);
   // The workspace holds the chosen segments' table and states, and grows with the tokens.
   const int64_t len = chunked_prefill::choose_prefill(tp8.p, kSms, {}).cp_segment_len;
-  const size_t states = size_t(chunked_prefill::cp_max_segments(tp8.p, len)) * 8 * 128 * 128 * 4;
-  EXPECT_GE(chunked_prefill::cp_workspace_bytes(tp8.p, {}), 3 * states);
+  EXPECT_EQ(chunked_prefill::cp_max_states(tp8.p, len), 17);  // min(N + T / L, 2 T / L)
+  const size_t states = size_t(chunked_prefill::cp_max_states(tp8.p, len)) * 8 * 128 * 128 * 4;
+  EXPECT_GE(chunked_prefill::cp_workspace_bytes(tp8.p, {}), 3 * states + 17 * sizeof(chunked_prefill::CpSegment));
   PrefillCall longer({131072}, 2, 8);
   EXPECT_GE(chunked_prefill::cp_workspace_bytes(longer.p, {}), chunked_prefill::cp_workspace_bytes(tp8.p, {}));
+  EXPECT_EQ(chunked_prefill::cp_max_states(call.p, 128), 10);  // min(2 + 1064 / 128, 2 x 8)
   EXPECT_GE(chunked_prefill::cp_workspace_bytes(call.p, forced),
-            3 * size_t(chunked_prefill::cp_max_segments(call.p, 128)) * 2 * 128 * 128 * 4);
+            3 * size_t(chunked_prefill::cp_max_states(call.p, 128)) * 2 * 128 * 128 * 4);
+  // Forced segments whose states would pass the bound are refused.
+  PrefillCall big({65536}, 2, 8);
+  Overrides tiny;
+  tiny.prefill_cp_segment_len = 1024;  // 8 heads x 65 states
+  EXPECT_THROW(chunked_prefill::choose_prefill(big.p, kSms, tiny), Error);
 }
 
 TEST(PrefillHeuristics, PrepWarpgroupFromFourChunksPerSequence) {

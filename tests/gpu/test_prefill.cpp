@@ -770,5 +770,27 @@ TEST(PrefillGpu, ContextParallelLongSequenceAgainstFp64) {
   }
 }
 
+// One long prompt beside 200 short ones, as the library chooses: its segments hold per-segment states, the short
+// sequences (some on the recurrent kernels) none; checkpoints every 4096 tokens cross the segments; the initial slot
+// is the final one.
+TEST(PrefillGpu, ContextParallelLongPromptBesideShortOnes) {
+  std::mt19937 gen(11);
+  std::vector<int32_t> lens(201);
+  for (int32_t& x : lens) x = int32_t(gen() % 300) + 1;
+  lens[77] = 60000;
+  ProblemConfig c = base(lens, 1, 2);
+  c.checkpoint_interval = 4096;
+  c.same_slot = true;
+  c.seed = 7100;
+  const Problem before(c);
+  {
+    Problem probe = before;
+    DeviceProblem dev(probe);
+    const PrefillParams p = probe.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+    EXPECT_GT(prefill_path(p).context_parallel_segment, 0) << "the context-parallel path would not run";
+  }
+  check_prefill(before);
+}
+
 }  // namespace
 }  // namespace gdnkit::test

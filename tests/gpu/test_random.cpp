@@ -90,7 +90,7 @@ void check_case(const RandomCase& c, const Problem& before, const Problem& ref) 
       namespace cp = cuda::chunked_prefill;
       const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
       if (cp::cp_supported(p) &&
-          int64_t(p.heads.num_v_heads) * cp::cp_max_segments(p, c.cp_segment) <= cp::kCpMaxSegmentHeads)
+          int64_t(p.heads.num_v_heads) * cp::cp_max_states(p, c.cp_segment) <= cp::kCpMaxSegmentHeads)
         o.prefill_cp_segment_len = c.cp_segment;
     }
     const cuda::ScopedOverrides scoped(o);

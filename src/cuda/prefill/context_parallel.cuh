@@ -3,7 +3,8 @@
 // state, S_end = P S_in + L (P: K x K, the product of the segment's per-token transitions), so
 //
 //   1. the segment table (cp_segment_table_kernel): each sequence's segments, from cu_seqlens on the device;
-//   2. the local pass (state_pass_head_kernel, kCpMode = 1): per segment and value head one CTA runs the segment
+//   2. the local pass (state_pass_head_kernel, kCpMode = 1): per segment of a cut sequence and value head (its grid
+//      over the states, Plan::cp_state_entry) one CTA runs the segment
 //      from zero and stores L (the first segment of a sequence from its initial state: its true final state), and
 //      one more runs it on the identity with v = 0 and stores P; neither writes o;
 //   3. the scan (cp_scan_kernel): S_in of segment i + 1 = P_i S_in(i) + L_i in fp32, segment by segment; it stores
@@ -65,54 +66,78 @@ __device__ __forceinline__ int64_t cp_block_scan(int64_t x, int64_t* warp_sums, 
   return x + before;
 }
 
-// One CTA: the segments of every sequence in order (a sequence's segments adjacent), then unused entries. Where a
-// malformed cu_seqlens would need more entries than the table holds, no sequence is cut. (A template: one
-// definition however many translation units include it.)
+// One CTA: the segments of every sequence in order (a sequence's segments adjacent), then unused entries; the
+// segments of cut sequences numbered in the same order for the state buffers. Where a malformed cu_seqlens would
+// need more entries or states than the workspace holds, no sequence is cut. (A template: one definition however
+// many translation units include it.)
 template <int kThreadsPerCta = kCpTableThreads>
 __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const PrefillParams p, const Plan plan) {
   static_assert(kThreadsPerCta == kCpTableThreads, "cp_block_scan sums over kCpTableThreads threads");
   __shared__ int64_t warp_sums[32];
   const int N = p.num_seqs, tid = threadIdx.x;
-  int64_t needed = 0;
+  int64_t needed = 0, needed_states = 0;
   for (int64_t base = 0; base < N; base += kCpTableThreads) {
-    int64_t start, len, total;
+    int64_t start, len, total, total_states;
     const int64_t count = base + tid < N ? cp_segment_count(p, plan, base + tid, true, start, len) : 0;
     cp_block_scan(count, warp_sums, total);
+    cp_block_scan(count > 1 ? count : 0, warp_sums, total_states);
     needed += total;
+    needed_states += total_states;
   }
-  const bool split = needed <= plan.cp_max_segments;
-  int64_t at = 0;
+  const bool split = needed <= plan.cp_max_segments && needed_states <= plan.cp_max_states;
+  int64_t at = 0, at_states = 0, at_cuts = 0;
   for (int64_t base = 0; base < N; base += kCpTableThreads) {
     const int64_t n = base + tid;
-    int64_t start = 0, len = 0, total;
+    int64_t start = 0, len = 0, total, total_states, total_cuts;
     const int64_t count = n < N ? cp_segment_count(p, plan, n, split, start, len) : 0;
     const int64_t first = at + cp_block_scan(count, warp_sums, total) - count;
+    const int64_t cut = count > 1 ? count : 0;
+    const int64_t first_state = at_states + cp_block_scan(cut, warp_sums, total_states) - cut;
+    const int64_t ordinal = at_cuts + cp_block_scan(cut > 0 ? 1 : 0, warp_sums, total_cuts) - (cut > 0 ? 1 : 0);
+    if (cut > 0) plan.cp_cut_first[ordinal] = int32_t(first);
     for (int64_t i = 0; i < count; ++i) {
       const int64_t off = i * plan.cp_segment_len;
       CpSegment s;
       s.start = start + (count > 1 ? off : 0);
       s.len = count > 1 ? min(plan.cp_segment_len, len - off) : len;
       s.seq = int32_t(n), s.index = int32_t(i), s.count = int32_t(count), s.first_chunk = int32_t(off / kChunk);
+      s.state = count > 1 ? int32_t(first_state + i) : -1;
       plan.cp_segments[first + i] = s;
+      if (count > 1) plan.cp_state_entry[first_state + i] = int32_t(first + i);
     }
     at += total;
+    at_states += total_states;
+    at_cuts += total_cuts;
   }
+  for (int64_t g = at_states + tid; g < plan.cp_max_states; g += kCpTableThreads) plan.cp_state_entry[g] = -1;
+  for (int64_t g = at_cuts + tid; g < plan.cp_max_cuts; g += kCpTableThreads) plan.cp_cut_first[g] = -1;
   for (int64_t g = at + tid; g < plan.cp_max_segments; g += kCpTableThreads) {
     CpSegment s{};
-    s.seq = -1;
+    s.seq = s.state = -1;
     plan.cp_segments[g] = s;
   }
 }
 
-// The scan over the segments of one sequence (its first segment's entry: blockIdx.x), value head blockIdx.y, value
-// columns 8 blockIdx.z .. + 7; thread k owns row k of those columns. Reads the sequence's initial state (before
-// writing the final one: they may be the same slot), writes every segment's true initial state and the final state.
-// A sequence with a bad slot is left to the final pass, which skips and counts it.
+// The scan over the segments of one cut sequence (Plan::cp_cut_first[blockIdx.x] its first entry), value head
+// blockIdx.y, value columns kScanCols blockIdx.z .. + kScanCols - 1; thread k owns row k of those columns. Reads the
+// sequence's initial state (before writing the final one: they may be the same slot), writes every segment's true
+// initial state and the final state. A sequence with a bad slot is left to the final pass, which skips and counts
+// it. Each step's P arrives in shared memory by cp.async while the step before runs (the chain's latency is the
+// kernel's time), as rows of the pool's layout kScanLd floats apart (conflict-free reads in either layout).
+constexpr int kScanCols = 8;
+template <int K>
+constexpr int kScanLd = K + 4;
+template <int K>
+constexpr size_t cp_scan_smem_bytes() {
+  return size_t(2 * K * kScanLd<K>) * sizeof(float);
+}
+
 template <int K>
 __global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const Plan plan) {
-  constexpr int kCols = 8;
-  const CpSegment first = plan.cp_segments[blockIdx.x];
-  if (first.seq < 0 || first.index != 0 || first.count < 2) return;
+  constexpr int kCols = kScanCols, LD = kScanLd<K>;
+  const int entry = plan.cp_cut_first[blockIdx.x];
+  if (entry < 0) return;
+  const CpSegment first = plan.cp_segments[entry];
   const int n = first.seq, h = blockIdx.y, v0 = blockIdx.z * kCols, k = threadIdx.x;
   const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v;
   const int islot = p.initial_indices ? p.initial_indices[n] : -1;
@@ -121,47 +146,75 @@ __global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const
   if (islot >= p.state.num_slots || fslot >= p.state.num_slots || cslot >= p.checkpoints.num_slots) return;
   const int64_t per_segment = int64_t(HV) * K * V;
   const StateLayout layout = p.state.layout;
-  __shared__ __align__(16) float cols[K][kCols];  // read as float4
+  extern __shared__ __align__(16) float p_smem[];  // two buffers of P, K rows of LD
+  __shared__ __align__(16) float cols[K][kCols];    // read as float4
 
-  float s[kCols];
+  // P of the sequence's segment i (this head's K x K block, contiguous in either layout) into buffer i & 1
+  const auto fetch_p = [&](int i) {
+    const float* src = plan.cp_transition + (int64_t(first.state) + i) * per_segment + int64_t(h) * K * K;
+    float* dst = p_smem + (i & 1) * K * LD;
+    for (int u = k; u < K * K / 4; u += K) cp_async16(dst + (4 * u / K) * LD + 4 * u % K, src + 4 * u, true);
+    cp_async_commit();
+  };
+  const auto load_local = [&](int i, float (&x)[kCols]) {
+    const float* local = plan.cp_local + (int64_t(first.state) + i) * per_segment;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) x[c] = local[state_offset(layout, h, k, v0 + c, K, V)];
+  };
+
+  if (first.count > 1) fetch_p(1);
+  float s[kCols], local[kCols];
   {
-    float* init = plan.cp_initial + int64_t(blockIdx.x) * per_segment;
-    const float* local = plan.cp_local + int64_t(blockIdx.x) * per_segment;
+    float* init = plan.cp_initial + int64_t(first.state) * per_segment;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int64_t off = state_offset(layout, h, k, v0 + c, K, V);
       init[off] = islot >= 0 ? load_state_elem(p.state.data, p.state.dtype, int64_t(islot) * p.state.slot_stride + off)
                              : 0.0f;
-      s[c] = local[off];
     }
+    load_local(0, s);
   }
+  if (first.count > 1) load_local(1, local);
   for (int i = 1; i < first.count; ++i) {
-    const int64_t g = int64_t(blockIdx.x) + i;
-    float* init = plan.cp_initial + g * per_segment;
-    const float* local = plan.cp_local + g * per_segment;
-    const float* P = plan.cp_transition + g * per_segment;
+    const bool more = i + 1 < first.count;
+    if (more) fetch_p(i + 1);  // into the buffer step i - 1 read (every thread passed its last barrier)
+    float next[kCols];
+    if (more) load_local(i + 1, next);
+    float* init = plan.cp_initial + (int64_t(first.state) + i) * per_segment;
     float acc[kCols];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
-      const int64_t off = state_offset(layout, h, k, v0 + c, K, V);
-      init[off] = s[c];
+      init[state_offset(layout, h, k, v0 + c, K, V)] = s[c];
       cols[k][c] = s[c];
-      acc[c] = local[off];
+      acc[c] = local[c];
     }
-    __syncthreads();
-#pragma unroll 4
-    for (int j = 0; j < K; ++j) {
-      const float pkj = P[state_offset(layout, h, k, j, K, K)];
+    if (more)
+      cp_async_wait_group<1>();
+    else
+      cp_async_wait_group<0>();
+    __syncthreads();  // P_i and the columns
+    const float* P = p_smem + (i & 1) * K * LD;
+    const auto fma_row = [&](int j, float pkj) {
       const float4 a = *reinterpret_cast<const float4*>(&cols[j][0]);
       const float4 b = *reinterpret_cast<const float4*>(&cols[j][4]);
       acc[0] = fmaf(pkj, a.x, acc[0]), acc[1] = fmaf(pkj, a.y, acc[1]);
       acc[2] = fmaf(pkj, a.z, acc[2]), acc[3] = fmaf(pkj, a.w, acc[3]);
       acc[4] = fmaf(pkj, b.x, acc[4]), acc[5] = fmaf(pkj, b.y, acc[5]);
       acc[6] = fmaf(pkj, b.z, acc[6]), acc[7] = fmaf(pkj, b.w, acc[7]);
+    };
+    if (layout == StateLayout::kKLast) {  // P[k][j] at row j
+#pragma unroll 8
+      for (int j = 0; j < K; ++j) fma_row(j, P[j * LD + k]);
+    } else {  // P[k][j] at row k
+#pragma unroll 2
+      for (int j = 0; j < K; j += 4) {
+        const float4 pk = *reinterpret_cast<const float4*>(&P[k * LD + j]);
+        fma_row(j, pk.x), fma_row(j + 1, pk.y), fma_row(j + 2, pk.z), fma_row(j + 3, pk.w);
+      }
     }
-    __syncthreads();
+    __syncthreads();  // the columns and this P are read
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) s[c] = acc[c];
+    for (int c = 0; c < kCols; ++c) s[c] = acc[c], local[c] = more ? next[c] : 0.0f;
   }
   if (fslot >= 0)
 #pragma unroll
@@ -177,8 +230,13 @@ inline void launch_cp_segment_table(const PrefillParams& p, const Plan& plan, cu
 
 template <int K>
 void launch_cp_scan(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  const dim3 grid(unsigned(plan.cp_max_segments), unsigned(p.heads.num_v_heads), unsigned(p.heads.head_dim_v / 8));
-  cp_scan_kernel<K><<<grid, K, 0, stream>>>(p, plan);
+  constexpr size_t smem = cp_scan_smem_bytes<K>();
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(cp_scan_kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  GDNKIT_CUDA_CHECK(attr);
+  const dim3 grid(unsigned(plan.cp_max_cuts), unsigned(p.heads.num_v_heads),
+                  unsigned(p.heads.head_dim_v / kScanCols));
+  cp_scan_kernel<K><<<grid, K, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 

@@ -57,7 +57,7 @@ struct HeadStateWarps {
   using Op = typename S::Op;
   using Stage = typename S::Stage;
   static constexpr int K = S::K, KT = S::KT, kStages = S::kStages, kMCols = S::kMCols, LDK = S::LDK, LDT = S::LDT;
-  static constexpr bool kWgmma = S::kWgmma, kMInPass = S::kMInPass;
+  static constexpr bool kWgmma = S::kWgmma, kMInPass = S::kMInPass, kOutputs = S::kOutputs, kFormsM = S::kFormsM;
   static constexpr uint32_t kVRow16 = S::kVRow16;
   // wgmma: a 64-column block of the k / q rows is 64 rows of 128 bytes
   static constexpr uint32_t kBlock = kChunk * 128;
@@ -121,9 +121,9 @@ struct HeadStateWarps {
     // The inputs of chunk c + kStages - 1 (into the stage chunk c - 1 used: every warp is past it): issued here, so
     // that the P/Q products above start right after the barrier.
     if (c + kStages - 1 < nchunks) loader.issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
-    if constexpr (kMInPass) q_norms(b);
+    if constexpr (kFormsM) q_norms(b);
     if constexpr (kWgmma) {
-      wgmma_wait<kMInPass ? 2 : 1>();  // P^T (Q^T and q k^T may still run)
+      wgmma_wait<int(kOutputs) + int(kFormsM)>();  // P^T (Q^T and q k^T may still run)
       wgmma_pin(pk);
     }
 
@@ -155,11 +155,11 @@ struct HeadStateWarps {
       causal_cols_wgmma<Op>(vn, xa, dt.lo, dt.hi);
       wgmma_commit();
     }
-    if constexpr (kMInPass) form_m(b, mk);
+    if constexpr (kFormsM) form_m(b, mk);
     if constexpr (kWgmma) {
       wgmma_wait<0>();  // v_new^T (and Q^T)
       wgmma_pin(vn);
-      wgmma_pin(qo);
+      if constexpr (kOutputs) wgmma_pin(qo);
     } else {
       causal_cols_mma<Op, LDT, kFull>(vn, xa, ts_b, L);
     }
@@ -169,22 +169,24 @@ struct HeadStateWarps {
 
     // ---- o^T = Q^T diag(eq) + v_new^T M^T   (M lower triangular; kMInPass: (Q^T diag(e^gcum) + v_new^T M'^T)
     // diag(rq))
+    if constexpr (kOutputs) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float2 eq = factor(b, kDecayRq, nt);
-      qo[nt][0] *= eq.x;
-      qo[nt][1] *= eq.y;
-      qo[nt][2] *= eq.x;
-      qo[nt][3] *= eq.y;
+      for (int nt = 0; nt < 8; ++nt) {
+        const float2 eq = factor(b, kDecayRq, nt);
+        qo[nt][0] *= eq.x;
+        qo[nt][1] *= eq.y;
+        qo[nt][2] *= eq.x;
+        qo[nt][3] *= eq.y;
+      }
     }
     const float eg = b.sc[kChunkDecay * kChunk];
     if constexpr (kWgmma) {
       o_and_update_wgmma(b, s, qo, na, da, eg, dkt);
-    } else {
+    } else if constexpr (kOutputs) {
       causal_cols_mma<Op, LDT, kFull>(qo, na, ms_b, L);
     }
 
-    if constexpr (S::kCpMode != 1) store_o<kFull>(b, qo, vs_b, c, L);  // the local pass writes no o
+    if constexpr (kOutputs) store_o<kFull>(b, qo, vs_b, c, L);
 
     if constexpr (kWgmma) {
       wgmma_wait<0>();  // S^T
@@ -210,23 +212,25 @@ struct HeadStateWarps {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
-    if constexpr (kMInPass) zero_acc(mk);
+    if constexpr (kFormsM) zero_acc(mk);
     if constexpr (kWgmma) {
       uint32_t sa[K / 16][4];  // S^T as A fragments, held until both products complete
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) c_to_a<Op>(s[2 * kk], s[2 * kk + 1], sa[kk]);
       wgmma_pin(pk);  // the zeros are written before the fence
-      wgmma_pin(qo);
+      if constexpr (kOutputs) wgmma_pin(qo);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk)
         wgmma_rs<Op, kChunk, 0, false>(pk, sa[kk], desc_add(dk, (kk / 4) * kBlock + (kk % 4) * 32));
       wgmma_commit();
+      if constexpr (kOutputs) {
 #pragma unroll
-      for (int kk = 0; kk < K / 16; ++kk)
-        wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], desc_add(dq, (kk / 4) * kBlock + (kk % 4) * 32));
-      wgmma_commit();
-      if constexpr (kMInPass) {
+        for (int kk = 0; kk < K / 16; ++kk)
+          wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], desc_add(dq, (kk / 4) * kBlock + (kk % 4) * 32));
+        wgmma_commit();
+      }
+      if constexpr (kFormsM) {
         // M's q k^T: tokens i (rows, A = q rows) x this warpgroup's token columns mj0 .. mj0 + 31 (B = k rows),
         // both operands in shared memory
         wgmma_pin(mk);
@@ -317,30 +321,34 @@ struct HeadStateWarps {
   }
 
   // The wgmma build: o's product, then S^T = e^{g_last} S^T + vd^T k (B = k rows [token][k]: MN-major) issued right
-  // behind it, so that o's store overlaps the update; o^T complete on return, S^T still running.
+  // behind it, so that o's store overlaps the update; o^T complete on return, S^T still running (without o: the
+  // update alone).
   __device__ __forceinline__ void o_and_update_wgmma(const Stage& b, float (&s)[KT][4], float (&qo)[8][4],
                                                      const uint32_t (&na)[4][4], const uint32_t (&da)[4][4], float eg,
                                                      uint64_t dkt) const {
-    if constexpr (kMInPass) __syncthreads();  // every warpgroup's share of M is stored
-    wgmma_pin(qo);
-    wgmma_fence();
-    const CausalDescs dm = kMInPass ? full_causal_descs(b.ms) : causal_image_descs(b.ms);
-    causal_cols_wgmma<Op>(qo, na, dm.lo, dm.hi);
-    wgmma_commit();
+    if constexpr (kFormsM) __syncthreads();  // every warpgroup's share of M is stored
+    if constexpr (kOutputs) {
+      wgmma_pin(qo);
+      wgmma_fence();
+      const CausalDescs dm = kMInPass ? full_causal_descs(b.ms) : causal_image_descs(b.ms);
+      causal_cols_wgmma<Op>(qo, na, dm.lo, dm.hi);
+      wgmma_commit();
+    }
     decay_state(s, eg);
     wgmma_pin(s);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma_rs<Op, K, 0, true>(s, da[ks], desc_add(dkt, ks * 2048));
     wgmma_commit();
-    [[maybe_unused]] float2 rqv[kMInPass ? 8 : 1];  // o's row factors, read while o's product runs
-    if constexpr (kMInPass) {
+    if constexpr (!kOutputs) return;
+    [[maybe_unused]] float2 rqv[kFormsM ? 8 : 1];  // o's row factors, read while o's product runs
+    if constexpr (kFormsM) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) rqv[nt] = *reinterpret_cast<const float2*>(&s_rq[nt * 8 + at.q2]);
     }
     wgmma_wait<1>();  // o^T
     wgmma_pin(qo);
-    if constexpr (kMInPass) {
+    if constexpr (kFormsM) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const float2 rq = rqv[nt];

@@ -41,11 +41,13 @@ struct HeadLoader {
   const float* f_src;
   // The wgmma build's T' and M as causal images (kCausalImageElems of each entry's 64 x 64).
   const Op *t_img, *m_img;
+  // The context-parallel transition CTA reads v as zero: its v tiles are not loaded.
+  bool load_v;
 
   __device__ __forceinline__ HeadLoader(const PrefillParams& p_, const Plan& plan, const HeadTensorMaps& maps_,
                                         const HeadCoords& at, int64_t start_, int64_t len_, int64_t slot0,
-                                        uint64_t* bars_)
-      : p(p_), maps(maps_), bars(bars_) {
+                                        uint64_t* bars_, bool load_v_ = true)
+      : p(p_), maps(maps_), bars(bars_), load_v(load_v_) {
     tid = at.tid, hk = at.hk, h = at.h, v0 = at.v0, HV = at.HV;
     start = start_, len = len_;
     rk0 = tid / KP, ck = tid % KP, rv0 = tid / VP, cvv = tid % VP;
@@ -80,26 +82,30 @@ struct HeadLoader {
     uint64_t* bar = &bars[c % kStages];
     if (parts & kInputs) {
       // both parts' bytes (with a prep warpgroup: the rows, T' and the factor rows kLog2Gcum, kInvNormK; it forms
-      // the rest)
+      // the rest; without o: no q rows and no M)
+      constexpr uint32_t kVBytes = uint32_t(kCols * kChunk * 2);
       constexpr uint32_t kBytes =
-          uint32_t((2 * K + kCols) * kChunk * 2) +
-          uint32_t((S::kMWarpgroup || S::kMInPass ? 1 : 2) * kCausalImageElems * 2 +
+          uint32_t(((S::kOutputs ? 2 : 1) * K * kChunk) * 2) + kVBytes +
+          uint32_t((S::kMWarpgroup || S::kMInPass || !S::kOutputs ? 1 : 2) * kCausalImageElems * 2 +
                    (S::kMWarpgroup ? 2 : kFRows) * kChunk * 4);
       fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
-      mbarrier_arrive_expect_tx(bar, kBytes);
+      mbarrier_arrive_expect_tx(bar, load_v ? kBytes : kBytes - kVBytes);
       const int tk = int(start + c * kChunk);
 #pragma unroll
       for (int i = 0; i < K / 64; ++i) {
         tma_load_3d(&b.ks[i * 64 * kChunk], &maps.k, 64 * i, hk, tk, bar);
-        tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
+        if constexpr (S::kOutputs) tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
       }
+      if (load_v) {
 #pragma unroll
-      for (int i = 0; i < kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
+        for (int i = 0; i < kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
+      }
     }
     if (parts & kWorkspace) {
       const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's causal images: one bulk copy each
       bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
-      if constexpr (!S::kMInPass && !S::kMWarpgroup) bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
+      if constexpr (!S::kMInPass && !S::kMWarpgroup && S::kOutputs)
+        bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
       if constexpr (S::kMWarpgroup)
         bulk_load(b.sc + kLog2Gcum * kChunk, f_src + c * HV * (kFRows * kChunk) + kLog2Gcum * kChunk, 2 * kChunk * 4,
                   bar);

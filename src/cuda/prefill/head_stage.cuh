@@ -57,6 +57,10 @@ struct HeadPass {
   static_assert(!kMWarpgroup || (kWgmma && kCols == 128), "the prep warpgroup: beside two state warpgroups");
   // M formed by the state warpgroups, not read from the stage (with a prep warpgroup, that warpgroup forms it)
   static constexpr bool kMInPass = !kMWarpgroup && head_pass_forms_m(kWgmma, kCols);
+  // The pass writes o: every build but the context-parallel local pass, which keeps only the segment's end state and
+  // so reads no q and forms neither M nor o (kFormsM: the state warpgroups form M in this build).
+  static constexpr bool kOutputs = kCpMode != 1;
+  static constexpr bool kFormsM = kMInPass && kOutputs;
   // the chunk prep's factor rows in the workspace (6: without M, where the pass forms M)
   static constexpr int kFRows = kFactorRows<kMInPass || kMWarpgroup>;
   using Stage = HeadStageOf<K, kCols, Op, kWgmma>;

@@ -122,6 +122,10 @@ int64_t cp_max_segments(const PrefillParams& p, int64_t seg_len) {
   return int64_t(std::max(p.num_seqs, 0)) + std::max<int64_t>(p.total_tokens, 0) / seg_len;
 }
 
+int64_t cp_max_states(const PrefillParams& p, int64_t seg_len) {
+  return std::max<int64_t>(1, std::min(cp_max_segments(p, seg_len), 2 * (std::max<int64_t>(p.total_tokens, 0) / seg_len)));
+}
+
 namespace {
 // Context parallelism runs a segment three times (its local pass, its transition, its final pass): it pays where
 // the longest sequence holds at least this many segments of one wave (docs/design/prefill.md measures where).
@@ -135,7 +139,7 @@ int64_t longest_sequence(const PrefillParams& p) {
 }
 
 bool cp_fits(const PrefillParams& p, int64_t seg_len) {
-  return int64_t(p.heads.num_v_heads) * cp_max_segments(p, seg_len) <= kCpMaxSegmentHeads;
+  return int64_t(p.heads.num_v_heads) * cp_max_states(p, seg_len) <= kCpMaxSegmentHeads;
 }
 }  // namespace
 
@@ -162,18 +166,22 @@ namespace {
 size_t round_256(int64_t bytes) { return size_t((bytes + 255) / 256 * 256); }
 }  // namespace
 
-size_t cp_table_bytes(int64_t segments) { return round_256(segments * int64_t(sizeof(CpSegment))); }
-
-size_t cp_states_bytes(const PrefillParams& p, int64_t segments) {
-  return round_256(segments * p.heads.num_v_heads * int64_t(p.heads.head_dim_k) * p.heads.head_dim_v * 4);
+CpLayout cp_layout(const PrefillParams& p, int64_t segments, int64_t states) {
+  CpLayout l;
+  l.state_entry = round_256(segments * int64_t(sizeof(CpSegment)));
+  l.cut_first = l.state_entry + round_256(states * 4);
+  l.states = l.cut_first + round_256(cp_max_cuts(states) * 4);
+  l.state_bytes = round_256(states * p.heads.num_v_heads * int64_t(p.heads.head_dim_k) * p.heads.head_dim_v * 4);
+  l.total = l.states + 3 * l.state_bytes;
+  return l;
 }
 
 size_t cp_workspace_bytes(const PrefillParams& p, const Overrides& o) {
   if (!cp_supported(p) || o.prefill_cp_segment_len == 0 || p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
   const int64_t shortest = o.prefill_cp_segment_len > 0 ? std::min<int64_t>(o.prefill_cp_segment_len, kCpMinSegment)
                                                          : kCpMinSegment;
-  const int64_t segments = std::min(cp_max_segments(p, shortest), kCpMaxSegmentHeads / p.heads.num_v_heads);
-  return cp_table_bytes(segments) + 3 * cp_states_bytes(p, segments);
+  const int64_t states = std::min(cp_max_states(p, shortest), kCpMaxSegmentHeads / p.heads.num_v_heads);
+  return cp_layout(p, cp_max_segments(p, shortest), states).total;
 }
 
 PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Overrides& o) {
@@ -214,7 +222,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(c.wgmma_pass, V / c.head_split);
   const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
   // (under context parallelism the pass behind the prep is the local pass: two CTAs per segment and value head)
-  const int64_t rows = cp ? 2 * cp_max_segments(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;
+  const int64_t rows = cp ? 2 * cp_max_states(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;
   c.early_state_pass = prep && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
   return c;
 }

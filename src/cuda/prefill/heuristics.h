@@ -44,11 +44,12 @@ struct PrefillChoice {
 };
 
 // One entry of the context-parallel path's segment table (built on the device from cu_seqlens): tokens
-// [start, start + len) of sequence seq, its segment index of count, starting at the sequence's chunk first_chunk.
+// [start, start + len) of sequence seq, its segment index of count, starting at the sequence's chunk first_chunk;
+// state: the segment's index in the per-segment state buffers (segments of cut sequences only, else -1).
 // seq < 0: an unused entry.
 struct CpSegment {
   int64_t start, len;
-  int32_t seq, index, count, first_chunk;
+  int32_t seq, index, count, first_chunk, state;
 };
 
 // Context parallelism (docs/design/prefill.md "Context parallelism"): the shortest segment the heuristic picks,
@@ -60,13 +61,22 @@ bool cp_supported(const PrefillParams& p);
 // Entries of the segment table for segments of seg_len tokens: every sequence takes max(1, ceil(len / seg_len)),
 // at most N + T / seg_len in all.
 int64_t cp_max_segments(const PrefillParams& p, int64_t seg_len);
+// Segments of cut sequences (those that hold per-segment states): a sequence of len > seg_len tokens takes
+// ceil(len / seg_len) <= 2 floor(len / seg_len), so at most 2 floor(T / seg_len) in all, whatever the batch's
+// short sequences (at least 1: the buffers' size).
+int64_t cp_max_states(const PrefillParams& p, int64_t seg_len);
+// Cut sequences, each of at least two of those states: the scan's grid.
+constexpr int64_t cp_max_cuts(int64_t states) { return states / 2 > 0 ? states / 2 : 1; }
 // The segment length (0: the path does not run). Auto: about one CTA per SM for the longest sequence's segments
 // and heads, and only where that sequence gets at least eight segments; an override forces it.
 int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
-// The path's workspace for a table of `segments` entries: the table, then three regions of fp32 states (one per
-// entry and value head), each 256-byte aligned.
-size_t cp_table_bytes(int64_t segments);
-size_t cp_states_bytes(const PrefillParams& p, int64_t segments);
+// The path's workspace for a table of `segments` entries and `states` states, each part 256-byte aligned: the table,
+// the entry of each state and of each cut sequence's first segment (int32), then three regions of fp32 states (one
+// per cut segment and value head). Byte offsets from the region's start.
+struct CpLayout {
+  size_t state_entry, cut_first, states, state_bytes, total;
+};
+CpLayout cp_layout(const PrefillParams& p, int64_t segments, int64_t states);
 // Workspace bytes of the path, sized for the shortest segments any choice makes, so that a buffer sized for a call
 // serves every smaller one.
 size_t cp_workspace_bytes(const PrefillParams& p, const Overrides& o);

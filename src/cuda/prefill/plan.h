@@ -65,11 +65,16 @@ struct Plan {
   // instead: both kernels skip them. 0: the chunked kernels run every sequence.
   int32_t short_len = 0;
   // Context parallelism (context_parallel.cuh; cp_segment_len > 0): the segment table of cp_max_segments entries and,
-  // per entry and value head, fp32 states in the pool's layout: the segment's state from zero (the first segment of a
-  // sequence: from its initial state), its transition P (K x K: S_end = P S_in + local) and its true initial state.
+  // per segment of a cut sequence (CpSegment::state < cp_max_states) and value head, fp32 states in the pool's
+  // layout: the segment's state from zero (the first segment of a sequence: from its initial state), its transition
+  // P (K x K: S_end = P S_in + local) and its true initial state.
   int64_t cp_segment_len = 0;
   int32_t cp_max_segments = 0;
+  int32_t cp_max_states = 0;
+  int32_t cp_max_cuts = 0;
   CpSegment* cp_segments = nullptr;
+  int32_t* cp_state_entry = nullptr;  // [cp_max_states]: the table entry of each state (-1: unused)
+  int32_t* cp_cut_first = nullptr;    // [cp_max_cuts]: the first entry of each cut sequence, in order (-1: unused)
   float* cp_local = nullptr;
   float* cp_transition = nullptr;
   float* cp_initial = nullptr;

@@ -87,14 +87,15 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_tprime = at;
   plan.ws_masked_qk = plan.m_in_pass ? nullptr : at + t_bytes(p);
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
-  if (plan.cp_segment_len > 0) {  // the segment table, then the three per-segment states
+  if (plan.cp_segment_len > 0) {  // the segment table and its indices, then the three per-segment states
     char* cp = at + 2 * t_bytes(p) + f_bytes(p);
-    const size_t states = cp_states_bytes(p, plan.cp_max_segments);
+    const CpLayout l = cp_layout(p, plan.cp_max_segments, plan.cp_max_states);
     plan.cp_segments = reinterpret_cast<CpSegment*>(cp);
-    cp += cp_table_bytes(plan.cp_max_segments);
-    plan.cp_local = reinterpret_cast<float*>(cp);
-    plan.cp_transition = reinterpret_cast<float*>(cp + states);
-    plan.cp_initial = reinterpret_cast<float*>(cp + 2 * states);
+    plan.cp_state_entry = reinterpret_cast<int32_t*>(cp + l.state_entry);
+    plan.cp_cut_first = reinterpret_cast<int32_t*>(cp + l.cut_first);
+    plan.cp_local = reinterpret_cast<float*>(cp + l.states);
+    plan.cp_transition = reinterpret_cast<float*>(cp + l.states + l.state_bytes);
+    plan.cp_initial = reinterpret_cast<float*>(cp + l.states + 2 * l.state_bytes);
   }
 }
 
@@ -179,6 +180,8 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
   plan.short_len = choice.short_len;
   plan.cp_segment_len = choice.cp_segment_len;
   plan.cp_max_segments = choice.cp_segment_len > 0 ? int32_t(cp_max_segments(p, choice.cp_segment_len)) : 0;
+  plan.cp_max_states = choice.cp_segment_len > 0 ? int32_t(cp_max_states(p, choice.cp_segment_len)) : 0;
+  plan.cp_max_cuts = int32_t(cp_max_cuts(plan.cp_max_states));
 
   const size_t need = workspace_bytes(p);
   void* ws = nullptr;

@@ -99,8 +99,8 @@ __device__ __forceinline__ void prep_q_norms(const Plan& plan, const Stage& b, b
 }
 
 // The state warpgroups' factor rows of this warp's 16 tokens, from the chunk prep's kLog2Gcum (gcum log2 e) and
-// kInvNormK, with rq (as store_token_factors writes them with rq).
-template <class Stage>
+// kInvNormK, with rq (as store_token_factors writes them with rq; without o, kDecayRq is not read).
+template <bool kOutputs, class Stage>
 __device__ __forceinline__ void prep_factor_rows(Stage& b, const float* rq, int L, int warp, int lane) {
   if (lane < 16) {
     const int t = warp * 16 + lane;
@@ -108,7 +108,7 @@ __device__ __forceinline__ void prep_factor_rows(Stage& b, const float* rq, int 
                 gl2 = b.sc[kLog2Gcum * kChunk + kChunk - 1];
     const float d = exp2f(gc2);
     b.sc[kDecayRk * kChunk + t] = d * rk;
-    b.sc[kDecayRq * kChunk + t] = d * rq[t];
+    if constexpr (kOutputs) b.sc[kDecayRq * kChunk + t] = d * rq[t];
     b.sc[kTailDecayRk * kChunk + t] = t < L ? rk * exp2f(gl2 - gc2) : 0.0f;
     b.sc[kChunkDecay * kChunk + t] = exp2f(gl2);
   }
@@ -150,7 +150,8 @@ __device__ __forceinline__ void prep_store_m(Stage& b, float (&acc)[8][4], const
 // (HeadStageWg: ks, qs, vs as the TMA tiles land), its TMA completes on full[c % kStages] and this warpgroup's 128
 // threads arrive on done[c % kStages] (phase parity c / kStages). From chunk kStages on it also waits on
 // done[kStages + c % kStages] (parity c / kStages - 1): every state thread is done with the stage's previous chunk.
-template <int K, class Op, int kStages, class Stage>
+// Without o (kOutputs false: the context-parallel local pass) only the factor rows the state update reads.
+template <int K, class Op, int kStages, bool kOutputs, class Stage>
 __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Plan& plan, PrepSmem& ps, Stage* stage,
                                                uint64_t* full, uint64_t* done, int64_t len) {
   static_assert(K % 64 == 0, "the k, q rows in 64-column blocks");
@@ -163,12 +164,12 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
   };
   int at = thread_index(), warp = at >> 5, lane = at & 31;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
-  const bool norm = p.heads.use_qk_l2norm;
+  [[maybe_unused]] const bool norm = p.heads.use_qk_l2norm;
 
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c % kStages];
     at = thread_index(), warp = at >> 5, lane = at & 31;
-    const int r = lane >> 2, q2 = (lane & 3) * 2;
+    [[maybe_unused]] const int r = lane >> 2, q2 = (lane & 3) * 2;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     if (c >= kStages) mbarrier_wait(&done[kStages + c % kStages], uint32_t(c / kStages - 1) & 1);
     mbarrier_wait(&full[c % kStages], uint32_t(c / kStages) & 1);
@@ -178,15 +179,19 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
       fence_proxy_async();  // the zeros are read by the tensor cores
       named_barrier_sync(kPrepBarrier, kThreads);
     }
-    const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024), dq = sw128_desc(smem_addr(b.qs), 16, 1024);
-    float acc[8][4];
-    issue_qk_product<K, Op>(acc, dq, dk);
-    prep_q_norms<K, Op>(plan, b, norm, at, ps.rq);
-    __syncwarp();  // the warp's rq (its own rows are all that M's pass reads)
-    prep_factor_rows(b, ps.rq, L, warp, lane);
-    float gi[2], fq[2];
-    prep_store_m<Op>(b, acc, ps.rq, gi, fq, warp, lane, r, q2);
-    fence_proxy_async();  // M is read by the tensor cores
+    if constexpr (kOutputs) {
+      const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024), dq = sw128_desc(smem_addr(b.qs), 16, 1024);
+      float acc[8][4];
+      issue_qk_product<K, Op>(acc, dq, dk);
+      prep_q_norms<K, Op>(plan, b, norm, at, ps.rq);
+      __syncwarp();  // the warp's rq (its own rows are all that M's pass reads)
+      prep_factor_rows<true>(b, ps.rq, L, warp, lane);
+      float gi[2], fq[2];
+      prep_store_m<Op>(b, acc, ps.rq, gi, fq, warp, lane, r, q2);
+      fence_proxy_async();  // M is read by the tensor cores
+    } else {
+      prep_factor_rows<false>(b, ps.rq, L, warp, lane);
+    }
     mbarrier_arrive(&done[c % kStages]);
   }
 }

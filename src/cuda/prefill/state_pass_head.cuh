@@ -120,8 +120,9 @@ __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, 
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
 // kMWarpgroup (the wgmma build with two state warpgroups): a third warpgroup forms M in each chunk's stage
 // (prep_warpgroup.cuh), after the chunk prep kernel without M.
-// kCpMode (context_parallel.cuh): the grid's rows are the segment table's entries instead of the sequences; the
-// local pass (1) has two CTAs per entry and value head (blockIdx.y: 0 the segment from zero, 1 its transition).
+// kCpMode (context_parallel.cuh): the grid's rows are the segment table's entries instead of the sequences (the
+// local pass (1): the cut segments' states, two CTAs per state and value head; blockIdx.y: 0 the segment from zero,
+// 1 its transition).
 template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0>
 __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
@@ -139,8 +140,9 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   if constexpr (kCpMode != 0) {
     // The local pass runs the segments of cut sequences (the transition of every one but the first); the final
     // pass every entry, and counts a bad sequence once (its first segment's CTA of head 0).
-    seg = plan.cp_segments[at.n];
-    run = seg.seq >= 0 && (kCpMode == 2 || (seg.count > 1 && (!transition || seg.index > 0)));
+    const int entry = kCpMode == 1 ? plan.cp_state_entry[at.n] : at.n;
+    if (entry >= 0) seg = plan.cp_segments[entry];
+    run = entry >= 0 && seg.seq >= 0 && (kCpMode == 2 || (seg.count > 1 && (!transition || seg.index > 0)));
     run = run && begin_sequence<head_pass_threads<V, kSplit, kMWarpgroup>()>(
                      p, plan, seg.seq, at.h, at.v0, S::kCols, kCpMode == 2 && seg.index == 0 && at.h == 0, sq);
   } else {
@@ -169,7 +171,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     if (wg == S::kWarps / 4) {
       setmaxnreg_dec<kPrepRegs>();
       PrepSmem& ps = *reinterpret_cast<PrepSmem*>(stage + kStages);
-      prep_warpgroup<K, Op, kStages>(p, plan, ps, stage, bars, prep_bars, len);
+      prep_warpgroup<K, Op, kStages, S::kOutputs>(p, plan, ps, stage, bars, prep_bars, len);
       return;
     }
     setmaxnreg_inc<kStateRegs>();
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   // S^T in registers (head_chunk.cuh), from the initial slot (pairs where Plan::state_pairs: head_state_io.cuh), or
   // under context parallelism from zero, the identity or the segment's true initial state (Plan::cp_initial)
   float s[S::KT][4];
-  const int64_t cp_offset = int64_t(at.n) * at.HV * K * V;  // this entry's states in the cp_* buffers
+  const int64_t cp_offset = int64_t(seg.state) * at.HV * K * V;  // a cut segment's states in the cp_* buffers
   if (kCpMode == 1 && (transition || seg.index > 0)) {
 #pragma unroll
     for (int j = 0; j < S::KT; ++j)
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
 
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   const int64_t C = p.checkpoint_interval;
-  const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars);
+  const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
   const HeadStateWarps<S> warps(p, plan, at, start, s_rq, transition);
 
   if constexpr (kWgmma && !kMWarpgroup) init_stage_barriers<S>(at.tid, bars, prep_bars);
@@ -256,7 +258,9 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
   GDNKIT_CUDA_CHECK(attr);
   const HeadTensorMaps maps = kWgmma ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
   cudaLaunchConfig_t cfg = {};
-  const unsigned rows = kCpMode != 0 ? unsigned(plan.cp_max_segments) : unsigned(p.num_seqs);
+  const unsigned rows = kCpMode == 1   ? unsigned(plan.cp_max_states)
+                        : kCpMode == 2 ? unsigned(plan.cp_max_segments)
+                                       : unsigned(p.num_seqs);
   cfg.gridDim = dim3(rows * unsigned(p.heads.num_v_heads) * kSplit, kCpMode == 1 ? 2 : 1);
   cfg.blockDim = dim3(head_pass_threads<V, kSplit, kMWarpgroup>());
   cfg.dynamicSmemBytes = smem;
