@@ -119,12 +119,13 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 }
 
 // The scan over the segments of one cut sequence (Plan::cp_cut_first[blockIdx.x] its first entry), value head
-// blockIdx.y, value columns kScanCols blockIdx.z .. + kScanCols - 1; thread k owns row k of those columns. Reads the
-// sequence's initial state (before writing the final one: they may be the same slot), writes every segment's true
-// initial state and the final state. A sequence with a bad slot is left to the final pass, which skips and counts
-// it. Each step's P arrives in shared memory by cp.async while the step before runs (the chain's latency is the
-// kernel's time), as rows of the pool's layout kScanLd floats apart (conflict-free reads in either layout).
-constexpr int kScanCols = 8;
+// blockIdx.y, value columns kScanCols blockIdx.z .. + kScanCols - 1. Thread k < K owns row k of those columns; the
+// sum over j in P_i S_in(i) is split into kScanSplit ranges, one per group of K threads, which meet in shared memory
+// (the chain of steps is the kernel's time). Reads the sequence's initial state (before writing the final one: they
+// may be the same slot), writes every segment's true initial state and the final state. A sequence with a bad slot
+// is left to the final pass, which skips and counts it. Each step's P arrives in shared memory by cp.async while the
+// step before runs, as rows of the pool's layout kScanLd floats apart (conflict-free reads in either layout).
+constexpr int kScanCols = 8, kScanSplit = 4;
 template <int K>
 constexpr int kScanLd = K + 4;
 template <int K>
@@ -133,12 +134,13 @@ constexpr size_t cp_scan_smem_bytes() {
 }
 
 template <int K>
-__global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const Plan plan) {
-  constexpr int kCols = kScanCols, LD = kScanLd<K>;
+__global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillParams p, const Plan plan) {
+  constexpr int kCols = kScanCols, LD = kScanLd<K>, kRange = K / kScanSplit;
   const int entry = plan.cp_cut_first[blockIdx.x];
   if (entry < 0) return;
   const CpSegment first = plan.cp_segments[entry];
-  const int n = first.seq, h = blockIdx.y, v0 = blockIdx.z * kCols, k = threadIdx.x;
+  const int n = first.seq, h = blockIdx.y, v0 = blockIdx.z * kCols, tid = threadIdx.x;
+  const int k = tid % K, part = tid / K;  // row k, the sum's range part (warp-uniform: K is a multiple of 32)
   const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v;
   const int islot = p.initial_indices ? p.initial_indices[n] : -1;
   const int fslot = p.final_indices ? p.final_indices[n] : -1;
@@ -146,14 +148,16 @@ __global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const
   if (islot >= p.state.num_slots || fslot >= p.state.num_slots || cslot >= p.checkpoints.num_slots) return;
   const int64_t per_segment = int64_t(HV) * K * V;
   const StateLayout layout = p.state.layout;
-  extern __shared__ __align__(16) float p_smem[];  // two buffers of P, K rows of LD
-  __shared__ __align__(16) float cols[K][kCols];    // read as float4
+  extern __shared__ __align__(16) float p_smem[];             // two buffers of P, K rows of LD
+  __shared__ __align__(16) float cols[K][kCols];              // S_in(i), read as float4
+  __shared__ float partial[kScanSplit - 1][kCols][K];         // the other ranges' sums
 
   // P of the sequence's segment i (this head's K x K block, contiguous in either layout) into buffer i & 1
   const auto fetch_p = [&](int i) {
     const float* src = plan.cp_transition + (int64_t(first.state) + i) * per_segment + int64_t(h) * K * K;
     float* dst = p_smem + (i & 1) * K * LD;
-    for (int u = k; u < K * K / 4; u += K) cp_async16(dst + (4 * u / K) * LD + 4 * u % K, src + 4 * u, true);
+    for (int u = tid; u < K * K / 4; u += K * kScanSplit)
+      cp_async16(dst + (4 * u / K) * LD + 4 * u % K, src + 4 * u, true);
     cp_async_commit();
   };
   const auto load_local = [&](int i, float (&x)[kCols]) {
@@ -163,8 +167,8 @@ __global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const
   };
 
   if (first.count > 1) fetch_p(1);
-  float s[kCols], local[kCols];
-  {
+  float s[kCols] = {}, local[kCols] = {};  // part 0's
+  if (part == 0) {
     float* init = plan.cp_initial + int64_t(first.state) * per_segment;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
@@ -173,20 +177,20 @@ __global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const
                              : 0.0f;
     }
     load_local(0, s);
+    if (first.count > 1) load_local(1, local);
   }
-  if (first.count > 1) load_local(1, local);
   for (int i = 1; i < first.count; ++i) {
     const bool more = i + 1 < first.count;
     if (more) fetch_p(i + 1);  // into the buffer step i - 1 read (every thread passed its last barrier)
-    float next[kCols];
-    if (more) load_local(i + 1, next);
-    float* init = plan.cp_initial + (int64_t(first.state) + i) * per_segment;
-    float acc[kCols];
+    float next[kCols] = {};
+    if (part == 0) {
+      if (more) load_local(i + 1, next);
+      float* init = plan.cp_initial + (int64_t(first.state) + i) * per_segment;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      init[state_offset(layout, h, k, v0 + c, K, V)] = s[c];
-      cols[k][c] = s[c];
-      acc[c] = local[c];
+      for (int c = 0; c < kCols; ++c) {
+        init[state_offset(layout, h, k, v0 + c, K, V)] = s[c];
+        cols[k][c] = s[c];
+      }
     }
     if (more)
       cp_async_wait_group<1>();
@@ -194,6 +198,7 @@ __global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const
       cp_async_wait_group<0>();
     __syncthreads();  // P_i and the columns
     const float* P = p_smem + (i & 1) * K * LD;
+    float acc[kCols] = {};
     const auto fma_row = [&](int j, float pkj) {
       const float4 a = *reinterpret_cast<const float4*>(&cols[j][0]);
       const float4 b = *reinterpret_cast<const float4*>(&cols[j][4]);
@@ -202,21 +207,33 @@ __global__ void __launch_bounds__(K) cp_scan_kernel(const PrefillParams p, const
       acc[4] = fmaf(pkj, b.x, acc[4]), acc[5] = fmaf(pkj, b.y, acc[5]);
       acc[6] = fmaf(pkj, b.z, acc[6]), acc[7] = fmaf(pkj, b.w, acc[7]);
     };
+    const int j0 = part * kRange;
     if (layout == StateLayout::kKLast) {  // P[k][j] at row j
 #pragma unroll 8
-      for (int j = 0; j < K; ++j) fma_row(j, P[j * LD + k]);
+      for (int j = j0; j < j0 + kRange; ++j) fma_row(j, P[j * LD + k]);
     } else {  // P[k][j] at row k
 #pragma unroll 2
-      for (int j = 0; j < K; j += 4) {
+      for (int j = j0; j < j0 + kRange; j += 4) {
         const float4 pk = *reinterpret_cast<const float4*>(&P[k * LD + j]);
         fma_row(j, pk.x), fma_row(j + 1, pk.y), fma_row(j + 2, pk.z), fma_row(j + 3, pk.w);
       }
     }
-    __syncthreads();  // the columns and this P are read
+    if (part > 0)
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) s[c] = acc[c], local[c] = more ? next[c] : 0.0f;
+      for (int c = 0; c < kCols; ++c) partial[part - 1][c][k] = acc[c];
+    __syncthreads();  // the columns and this P are read, the partial sums written
+    if (part == 0) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        float x = local[c] + acc[c];
+#pragma unroll
+        for (int q = 0; q < kScanSplit - 1; ++q) x += partial[q][c][k];
+        s[c] = x;
+        local[c] = next[c];
+      }
+    }
   }
-  if (fslot >= 0)
+  if (part == 0 && fslot >= 0)
 #pragma unroll
     for (int c = 0; c < kCols; ++c)
       store_state_elem(p.state.data, p.state.dtype,
@@ -236,7 +253,7 @@ void launch_cp_scan(const PrefillParams& p, const Plan& plan, cudaStream_t strea
   GDNKIT_CUDA_CHECK(attr);
   const dim3 grid(unsigned(plan.cp_max_cuts), unsigned(p.heads.num_v_heads),
                   unsigned(p.heads.head_dim_v / kScanCols));
-  cp_scan_kernel<K><<<grid, K, smem, stream>>>(p, plan);
+  cp_scan_kernel<K><<<grid, K * kScanSplit, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
