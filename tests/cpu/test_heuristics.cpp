@@ -243,13 +243,23 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   two.p.cu_seqlens_host = nullptr;
   EXPECT_EQ(chunked_prefill::choose_prefill(two.p, kSms, {}).cp_segment_len, 0);
   // One long prompt beside many short ones: the states cover the cut segments only, so the short sequences do not
-  // count against the workspace's bound (8 heads x 201 entries would pass it).
+  // count against the workspace's bound (8 heads x 216 entries would pass it).
   std::vector<int64_t> mixed(201, 100);
   mixed[0] = 60000;
   PrefillCall many(mixed, 2, 8);
   EXPECT_EQ(chunked_prefill::choose_prefill(many.p, kSms, {}).cp_segment_len, 5056);
   EXPECT_EQ(chunked_prefill::cp_max_states(many.p, 5056), 30);
   EXPECT_EQ(chunked_prefill::cp_max_segments(many.p, 5056), 216);
+  // The workspace's parts: the table, the state and cut-sequence indices, three fp32 states per state and head.
+  const chunked_prefill::CpLayout l = chunked_prefill::cp_layout(many.p, 216, 30);
+  EXPECT_EQ(l.state_entry, (216 * sizeof(chunked_prefill::CpSegment) + 255) / 256 * 256);  // 216 x 40, 256-aligned
+  EXPECT_EQ(l.cut_first, l.state_entry + 256);                          // 30 int32
+  EXPECT_EQ(chunked_prefill::cp_max_cuts(30), 15);
+  EXPECT_EQ(chunked_prefill::cp_max_cuts(1), 1);
+  EXPECT_EQ(l.states, l.cut_first + 256);
+  EXPECT_EQ(l.state_bytes, size_t(30) * 8 * 128 * 128 * 4);
+  EXPECT_EQ(l.total, l.states + 3 * l.state_bytes);
+  EXPECT_GE(chunked_prefill::cp_workspace_bytes(many.p, {}), l.total);
   PrefillCall one({65536}, 2, 8);
   one.p.cu_seqlens_host = nullptr;
   EXPECT_EQ(chunked_prefill::choose_prefill(one.p, kSms, {}).cp_segment_len, 4096);

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 // (the chain of steps is the kernel's time). Reads the sequence's initial state (before writing the final one: they
 // may be the same slot), writes every segment's true initial state and the final state. A sequence with a bad slot
 // is left to the final pass, which skips and counts it. Each step's P arrives in shared memory by cp.async while the
-// step before runs, as rows of the pool's layout kScanLd floats apart (conflict-free reads in either layout).
+// step before runs, as rows of the pool's layout kScanLd = K + 4 floats apart (conflict-free reads in either layout).
 constexpr int kScanCols = 8, kScanSplit = 4;
 template <int K>
 constexpr int kScanLd = K + 4;

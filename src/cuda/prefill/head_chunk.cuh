@@ -202,8 +202,8 @@ struct HeadStateWarps {
     return *reinterpret_cast<const float2*>(&b.sc[row * kChunk + nt * 8 + at.q2]);
   }
 
-  // ---- P^T = S^T k^T and Q^T = S^T q^T (kMInPass: and this warpgroup's q k^T for M); the wgmma build issues them
-  // asynchronously, as two commit groups (and a third), so that X starts while Q still runs.
+  // ---- P^T = S^T k^T and Q^T = S^T q^T (kFormsM: and this warpgroup's q k^T for M); the wgmma build issues them
+  // asynchronously, as two commit groups (and a third), so that X starts while Q still runs (without o: P^T alone).
   template <bool kFull>
   __device__ __forceinline__ void pq_products(const Stage& b, float (&s)[KT][4], float (&pk)[8][4], float (&qo)[8][4],
                                               float (&mk)[kMCols / 8][4], uint32_t ks_b, uint32_t qs_b, uint64_t dk,

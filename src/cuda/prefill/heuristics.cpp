@@ -221,7 +221,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
                         : p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs;
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(c.wgmma_pass, V / c.head_split);
   const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
-  // (under context parallelism the pass behind the prep is the local pass: two CTAs per segment and value head)
+  // (under context parallelism the pass behind the prep is the local pass: two CTAs per state and value head)
   const int64_t rows = cp ? 2 * cp_max_states(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;
   c.early_state_pass = prep && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
   return c;
