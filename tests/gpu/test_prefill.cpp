@@ -101,14 +101,19 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp);
   // ... and one that asks for context parallelism must get it.
-  if (cp > 0) EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).cp_segment_len, cp);
+  if (cp > 0) {
+    EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).cp_segment_len, cp);
+  }
   // A case that asks for the short path must get it: were it refused, the chunked kernels would run
   // every sequence and the comparison would still pass.
-  if (short_len > 0) EXPECT_TRUE(cuda::chunked_prefill::short_path_supported(p)) << "the short path would not run";
+  if (short_len > 0) {
+    EXPECT_TRUE(cuda::chunked_prefill::short_path_supported(p)) << "the short path would not run";
+  }
   // ... and one that asks for the prep warpgroup must get it (the plan falls back to none where it cannot).
-  if (aux > 0)
+  if (aux > 0) {
     EXPECT_TRUE(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).m_warpgroup)
         << "the prep warpgroup would not run";
+  }
   if (vtile == kShortOnly) {
     validate(p, Backend::kCUDA);
     cuda::prefill_short(p, short_len, reinterpret_cast<Stream>(dev.stream()));
@@ -278,6 +283,17 @@ std::vector<Case> shape_cases() {
   return out;
 }
 
+// Initial == final slot, then sequences from zero and without a final slot, through add(config, tag, param) of a
+// case table (tags `tag` and `tag_zero_init_no_final`).
+template <class Add>
+void add_slot_cases(Add&& add, std::vector<int32_t> lens, const std::string& tag, int param) {
+  ProblemConfig c = base(std::move(lens), 1, 2);
+  c.same_slot = true;
+  add(c, tag, param);
+  c.same_slot = false, c.zero_initial_rows = 3, c.no_final_rows = 2;
+  add(c, tag + (tag.empty() ? "" : "_") + "zero_init_no_final", param);
+}
+
 // ---- the short-sequence path (recurrent kernels, RecurrentOp::kPrefill) beside the chunked kernels ----
 // Lengths around its reach (0, 1, 2 and 3 around the chain kernel's threshold, max_len, max_len + 1) in
 // one batch with longer sequences, so both paths run and each must leave the other's sequences alone.
@@ -312,13 +328,7 @@ std::vector<Case> short_cases() {
     add(c, "short63", 63);
   }
   // Initial == final slot, sequences without a final slot or from zero.
-  {
-    ProblemConfig c = base({5, 64, 0, 20}, 1, 2);
-    c.same_slot = true;
-    add(c, "short32", 32);
-    c.same_slot = false, c.zero_initial_rows = 3, c.no_final_rows = 2;
-    add(c, "short32_zero_init_no_final", 32);
-  }
+  add_slot_cases(add, {5, 64, 0, 20}, "short32", 32);
   // The recurrent kernels alone (cuda::prefill_short, no chunked kernel launched), so that the outputs
   // and final states can only be theirs: the chain kernel (K-last, bf16 inputs) and the warp kernel.
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
@@ -428,13 +438,7 @@ std::vector<Case> cp_cases() {
     c.checkpoint_interval = 128, c.cache_dtype = DType::kBFloat16, c.checkpoint_steps = 5;
     add(c, "fewsteps", 128);
   }
-  {
-    ProblemConfig c = base({600, 64, 0, 333}, 1, 2);
-    c.same_slot = true;
-    add(c, "", 128);
-    c.same_slot = false, c.zero_initial_rows = 3, c.no_final_rows = 2;
-    add(c, "zero_init_no_final", 128);
-  }
+  add_slot_cases(add, {600, 64, 0, 333}, "", 128);
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
     for (DType state : {DType::kFloat32, DType::kBFloat16}) {
       ProblemConfig c = base({900, 70}, 1, 2);
