@@ -14,7 +14,7 @@ all arrays of one call must be on one device.
   copies. q, k and v share one dtype: float32, bfloat16 or float16.
 - Per-head gates are ``[T_total, HV]`` (or ``[B, T, HV]``), any strides.
 - State pools are ``[P, HV, V, K]`` (``layout="k_last"``) or ``[P, HV, K, V]`` (``layout="v_last"``),
-  float32 or bfloat16, updated in place. The last three dims are contiguous; the slot stride may be
+  float32, bfloat16 or float16, updated in place. The last three dims are contiguous; the slot stride may be
   larger than ``HV*K*V`` (strided views).
 - Index arrays are int32 (prefill's ``cu_seqlens`` may be int64) on the device of the data.
 
@@ -308,7 +308,7 @@ def decode(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
     v : array, [B, HV, V] or [B, 1, HV, V]
         Values, q's dtype.
     state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
-        The state pool, float32 or bfloat16; the slots named in ``state_indices`` are updated in place.
+        The state pool, float32, bfloat16 or float16; the slots named in ``state_indices`` are updated in place.
     state_indices : array, [B], int32
         Pool slot of each sequence. Negative: a padding row (its output is 0, no state is read or
         written). Slots ``>= P`` are skipped (output 0) and counted in ``error_flag``.
@@ -380,7 +380,7 @@ def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
     v : array, [B*T, HV, V] or [B, T, HV, V]; [T_total, HV, V] with cu_seqlens
         Values, q's dtype.
     state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
-        The state pool, float32 or bfloat16.
+        The state pool, float32, bfloat16 or float16.
     state_indices : array, [B], int32
         Pool slot of each sequence; negative: padding (outputs 0, no state I/O); ``>= P``: skipped and
         counted in ``error_flag``.
@@ -400,7 +400,7 @@ def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
         Tree drafts: token ``t`` continues from the state after token ``parent[b, t]`` (``< t``; -1:
         the pool state). None: chains.
     intermediate : array, [Q, S, HV, V, K] (k_last) or [Q, S, HV, K, V] (v_last), optional
-        Cache of the state after every token (``S >= T``), float32 or bfloat16: the state after token
+        Cache of the state after every token (``S >= T``), float32, bfloat16 or float16: the state after token
         ``t`` of sequence ``b`` is written to ``intermediate[intermediate_indices[b], t]``.
     intermediate_indices : array, [B], int32, optional
         Cache slot of each sequence, required with ``intermediate``; negative: not stored.
@@ -463,7 +463,7 @@ def commit(k: DLPackArray, v: DLPackArray, state: DLPackArray, state_indices: DL
     v : array, [B*T, HV, V] or [B, T, HV, V]; [T_total, HV, V] with cu_seqlens
         Values of the verify call.
     state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
-        The state pool, float32 or bfloat16, updated in place.
+        The state pool, float32, bfloat16 or float16, updated in place.
     state_indices : array, [B], int32
         Pool slot of each sequence (negative: padding, skipped).
     accepted : array, [B], int32
@@ -546,7 +546,7 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPa
         ``[B, T, ...]`` q is B sequences of T tokens and a ``[T, ...]`` q one sequence; a small index
         array is then allocated, so pass ``cu_seqlens`` inside CUDA-graph capture.
     state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last), optional
-        The state pool, float32 or bfloat16; required with ``initial_indices`` or ``final_indices``.
+        The state pool, float32, bfloat16 or float16; required with ``initial_indices`` or ``final_indices``.
     initial_indices : array, [N], int32, optional
         Slot each sequence starts from; negative (or None): ``S = 0``.
     final_indices : array, [N], int32, optional
@@ -561,7 +561,7 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPa
     use_qk_l2norm : bool, default True
         L2-normalize q and k per head before scaling q.
     checkpoints : array, [Q, S, HV, V, K] (k_last) or [Q, S, HV, K, V] (v_last), optional
-        States for prefix caching, float32 or bfloat16: entry ``j`` of sequence n's slot
+        States for prefix caching, float32, bfloat16 or float16: entry ``j`` of sequence n's slot
         ``checkpoint_indices[n]`` receives the state after token ``(j+1) * checkpoint_interval``, for
         ``j < min(S, len_n // checkpoint_interval)``.
     checkpoint_interval : int, default 0
@@ -625,7 +625,7 @@ def convert_layout(src: ArrayT, *, src_layout: str, dst: Optional[ArrayT] = None
     Parameters
     ----------
     src : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
-        The pool to convert, float32 or bfloat16; the last three dims contiguous.
+        The pool to convert, float32, bfloat16 or float16; the last three dims contiguous.
     src_layout : {"k_last", "v_last"}
         Layout of ``src``; ``dst`` has the other one.
     dst : array, src's shape with the last two dims swapped, optional

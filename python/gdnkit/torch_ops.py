@@ -43,7 +43,7 @@ def decode(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_indices: Tensor
     Args:
         q, k: ``[B, H, K]`` (or ``[B, 1, H, K]``), float32, bfloat16 or float16.
         v: ``[B, HV, V]`` (or ``[B, 1, HV, V]``), q's dtype.
-        state: ``[P, HV, V, K]`` (k_last) or ``[P, HV, K, V]`` (v_last), float32 or bfloat16; mutated.
+        state: ``[P, HV, V, K]`` (k_last) or ``[P, HV, K, V]`` (v_last), float32, bfloat16 or float16; mutated.
         state_indices: ``[B]`` int32 pool slots (negative: padding row).
         error_flag: ``[1]`` int32 or None; mutated (+1 per slot >= P).
         g, beta: given gates ``[B, HV]`` (g float32), or
@@ -205,7 +205,7 @@ def convert_layout(src: Tensor, src_layout: str) -> Tensor:
     """:func:`gdnkit.ops.convert_layout` out of place.
 
     Args:
-        src: ``[P, HV, V, K]`` (k_last) or ``[P, HV, K, V]`` (v_last), float32 or bfloat16.
+        src: ``[P, HV, V, K]`` (k_last) or ``[P, HV, K, V]`` (v_last), float32, bfloat16 or float16.
         src_layout: ``"k_last"`` or ``"v_last"``, the layout of src.
 
     Returns:

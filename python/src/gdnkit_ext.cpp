@@ -277,11 +277,7 @@ StateLayout parse_layout(const std::string& s, const char* name = "layout") {
 
 const char* layout_shape(StateLayout l) { return l == StateLayout::kKLast ? "[.., HV, V, K]" : "[.., HV, K, V]"; }
 
-DType state_dtype(const Array& a, const char* name) {
-  const DType d = float_dtype(a, name);
-  if (d != DType::kFloat32 && d != DType::kBFloat16) fail(name, ": expected dtype float32 or bfloat16, got float16");
-  return d;
-}
+DType state_dtype(const Array& a, const char* name) { return float_dtype(a, name); }
 
 // The last three dims [HV, d1, d2] must be packed (heads of one slot are HV*K*V contiguous elements);
 // `lead` leading dims (slots, or slots and steps) may be strided. Returns the stride of dim 0.

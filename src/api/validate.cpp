@@ -27,7 +27,7 @@ std::string pointer_str(const void* ptr) { return msg::cat(ptr); }
 constexpr int64_t kVectorBytes = 16;
 
 bool is_float(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16; }
-bool is_state_dtype(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
+bool is_state_dtype(DType d) { return is_float(d); }
 bool is_layout(StateLayout l) { return l == StateLayout::kKLast || l == StateLayout::kVLast; }
 bool is_supported_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
@@ -43,7 +43,7 @@ void require_float_dtype(const char* name, DType d) {
 }
 
 void require_state_dtype(const char* name, DType d) {
-  if (!is_state_dtype(d)) fail(name, ": expected dtype float32 or bfloat16, got ", dtype_name(d));
+  if (!is_state_dtype(d)) fail(name, ": expected dtype float32, bfloat16 or float16, got ", dtype_name(d));
 }
 
 void require_layout(const char* name, StateLayout l) {

@@ -536,7 +536,7 @@ bool mutate_state(Ctx& c, Mutation& m) {
           const bool grows = dtype_size(d) > dtype_size(s.dtype);
           s.dtype = d;
           m.what = "state.dtype=" + dstr(d);
-          set(checked && d != DType::kFloat32 && d != DType::kBFloat16 ? Expect::kThrow
+          set(checked && !float_dtype(d) ? Expect::kThrow
               : grows                                                   ? Expect::kEitherNoRun
                                                                         : Expect::kEither);
           return true;
@@ -610,7 +610,7 @@ bool mutate_state(Ctx& c, Mutation& m) {
             m.what = "intermediate.slot_stride=" + std::to_string(ic.slot_stride);
             break;
           case 3:
-            ic.dtype = c.rng.pick(std::vector<DType>{DType::kFloat16, DType::kInt32, DType(6)});
+            ic.dtype = c.rng.pick(std::vector<DType>{DType::kInt64, DType::kInt32, DType(6)});
             m.what = "intermediate.dtype=" + dstr(ic.dtype);
             break;
           case 4:
@@ -696,8 +696,8 @@ bool mutate_state(Ctx& c, Mutation& m) {
             m.what = "checkpoints.num_steps=" + std::to_string(ck.num_steps);
             break;
           case 2:
-            ck.dtype = DType::kFloat16;
-            m.what = "checkpoints.dtype=float16";
+            ck.dtype = DType::kInt32;
+            m.what = "checkpoints.dtype=int32";
             break;
           case 3:
             ck.slot_stride = ck.num_steps * per - 1;
@@ -1505,9 +1505,9 @@ std::vector<Single> singles() {
        "gating: unknown mode 7"},
       {"decode_fp32_given_vlast_padded", "g.dtype=bfloat16",
        [](AnyParams& ap, Scratch&) { as<DP>(ap).gating.g.dtype = DType::kBFloat16; }, "g: expected dtype float32"},
-      {"decode_bf16_fused", "state.dtype=float16",
-       [](AnyParams& ap, Scratch&) { as<DP>(ap).state.dtype = DType::kFloat16; },
-       "state: expected dtype float32 or bfloat16, got float16"},
+      {"decode_bf16_fused", "state.dtype=int32",
+       [](AnyParams& ap, Scratch&) { as<DP>(ap).state.dtype = DType::kInt32; },
+       "state: expected dtype float32, bfloat16 or float16, got int32"},
       {"decode_bf16_fused", "state.layout=2", [](AnyParams& ap, Scratch&) { as<DP>(ap).state.layout = StateLayout(2); },
        "state: unknown state layout 2"},
       {"decode_bf16_fused", "state.slot_stride=HV*K*V-1",

@@ -230,8 +230,8 @@ TEST(Validation, AcceptedVariants) {
 TEST(Validation, WrongDtype) {
   Host h;
   auto d = h.decode();
-  d.state.dtype = DType::kFloat16;
-  EXPECT_INVALID_BOTH(d, "state: expected dtype float32 or bfloat16, got float16");
+  d.state.dtype = DType::kInt32;
+  EXPECT_INVALID_BOTH(d, "state: expected dtype float32, bfloat16 or float16, got int32");
 
   d = h.decode();
   d.q.dtype = d.k.dtype = DType::kInt32;
@@ -261,8 +261,8 @@ TEST(Validation, WrongDtype) {
   EXPECT_INVALID_BOTH(d, "b: expected dtype float32, bfloat16 or float16, got int64");
 
   auto v = h.verify();
-  v.intermediate.dtype = DType::kFloat16;
-  EXPECT_INVALID_BOTH(v, "intermediate: expected dtype float32 or bfloat16, got float16");
+  v.intermediate.dtype = DType::kInt32;
+  EXPECT_INVALID_BOTH(v, "intermediate: expected dtype float32, bfloat16 or float16, got int32");
 
   auto p = h.prefill();
   p.cu_seqlens_dtype = DType::kFloat32;
@@ -594,8 +594,8 @@ TEST(Validation, BadCacheAndLayoutCombos) {
   EXPECT_INVALID_BOTH(l, "dst: overlaps src");
 
   l = h.layout();
-  l.src.dtype = l.dst.dtype = DType::kFloat16;
-  EXPECT_INVALID_BOTH(l, "src: expected dtype float32 or bfloat16, got float16");
+  l.src.dtype = l.dst.dtype = DType::kInt32;
+  EXPECT_INVALID_BOTH(l, "src: expected dtype float32, bfloat16 or float16, got int32");
 }
 
 TEST(Validation, UnknownEnumsAndOptions) {

@@ -48,7 +48,7 @@ std::vector<Named> decode_cases() {
   std::vector<Named> out;
   int i = 0;
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-    for (DType state : {DType::kFloat32, DType::kBFloat16})
+    for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
       for (DType in : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
         for (GateMode gate : {GateMode::kFused, GateMode::kGiven})
           for (bool l2 : {true, false}) {

@@ -26,7 +26,7 @@ std::vector<LayoutCase> layout_cases() {
   uint64_t seed = 7000;
   for (auto [K, V] : dims)
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-      for (DType state : {DType::kFloat32, DType::kBFloat16})
+      for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
         for (bool in_place : {false, true}) {
           if (in_place && K != V) continue;
           ProblemConfig c;

@@ -141,7 +141,7 @@ std::vector<Case> axes_cases() {
   std::vector<Case> out;
   int i = 0;
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-    for (DType state : {DType::kFloat32, DType::kBFloat16})
+    for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
       for (DType in : {DType::kBFloat16, DType::kFloat16, DType::kFloat32})
         for (GateMode gate : {GateMode::kFused, GateMode::kGiven})
           for (bool l2 : {true, false}) {
@@ -261,7 +261,7 @@ std::vector<Case> shape_cases() {
   // Checkpoints: C = 64 and 128, fp32 and bf16 buffers, a buffer with fewer steps than the longest
   // sequence needs.
   for (int C : {64, 128})
-    for (DType cache : {DType::kFloat32, DType::kBFloat16}) {
+    for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
       ProblemConfig c = base({300, 64, 127, 0, 256}, 1, 2);
       c.checkpoint_interval = C, c.cache_dtype = cache;
       c.slot_pad = 16;

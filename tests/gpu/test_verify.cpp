@@ -74,8 +74,8 @@ std::vector<Named> verify_cases() {
   uint64_t seed = 1000;
   for (Shape s : kShapes)
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-      for (DType state : {DType::kFloat32, DType::kBFloat16})
-        for (DType cache : {DType::kFloat32, DType::kBFloat16}) {
+      for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+        for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
           ProblemConfig c = make(s, layout, state, cache, 4, seed++);
           if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 24;
           out.push_back({name_of(s, c), c});
@@ -192,9 +192,9 @@ std::vector<CommitCase> commit_cases() {
   for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute})
     for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree})
       for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-        for (DType state : {DType::kFloat32, DType::kBFloat16})
-          for (DType cache : {DType::kFloat32, DType::kBFloat16}) {
-            if (src == CommitSource::kRecompute && cache == DType::kBFloat16) continue;  // cache unused
+        for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16})
+          for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+            if (src == CommitSource::kRecompute && cache != DType::kFloat32) continue;  // cache unused
             ProblemConfig c = make(s, layout, state, cache, 4, seed++);
             c.update_state = false;
             if (seed % 2) c.token_pad = 8, c.slot_pad = 24;

@@ -86,8 +86,8 @@ def test_k_dtype_must_match_q():
 
 def test_state_dtype():
     args = decode_case()
-    args["state"] = args["state"].astype(np.float16)
-    raises_exact(gdnkit.GdnkitError, "state: expected dtype float32 or bfloat16, got float16", args)
+    args["state"] = args["state"].astype(np.int32)
+    raises_exact(gdnkit.GdnkitError, "state: expected dtype float32, bfloat16 or float16, got int32", args)
 
 
 def test_state_shape_vs_layout():

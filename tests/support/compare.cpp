@@ -14,9 +14,10 @@ double output_tolerance(OpFamily op, DType out_dtype) {
 }
 
 double state_tolerance(OpFamily op, DType state_dtype) {
-  const bool fp32 = state_dtype == DType::kFloat32;
-  if (op == OpFamily::kStep) return fp32 ? kStepStateFp32 : kStepStateBf16;
-  return fp32 ? kPrefillStateFp32 : kPrefillStateBf16;
+  const bool step = op == OpFamily::kStep;
+  if (state_dtype == DType::kFloat32) return step ? kStepStateFp32 : kPrefillStateFp32;
+  if (state_dtype == DType::kFloat16) return step ? kStepStateFp16 : kPrefillStateFp16;
+  return step ? kStepStateBf16 : kPrefillStateBf16;
 }
 
 ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& ref) {

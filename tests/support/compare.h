@@ -20,10 +20,12 @@ inline constexpr double kStepOutBf16 = 4e-3;  // also used for fp16 outputs
 inline constexpr double kStepOutFp32 = 5e-5;
 inline constexpr double kStepStateFp32 = 1e-5;
 inline constexpr double kStepStateBf16 = 8e-3;
+inline constexpr double kStepStateFp16 = 1e-3;  // the store's rounding: 2^-11 relative against bf16's 2^-8
 inline constexpr double kPrefillOutBf16 = 5e-3;
 inline constexpr double kPrefillOutFp32 = 2e-3;
 inline constexpr double kPrefillStateFp32 = 5e-3;
 inline constexpr double kPrefillStateBf16 = 8e-3;
+inline constexpr double kPrefillStateFp16 = 5e-3;  // the chunked passes' 16-bit operands dominate, as for fp32
 
 enum class OpFamily { kStep, kPrefill };
 double output_tolerance(OpFamily op, DType out_dtype);

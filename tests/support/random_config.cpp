@@ -67,8 +67,8 @@ void draw_common(Draw& d, RandomCase& c) {
   ProblemConfig& p = c.cfg;
   p.in_dtype = d.pick<DType>({DType::kBFloat16, DType::kBFloat16, DType::kFloat16, DType::kFloat32});
   p.gate_dtype = d.pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat16});
-  p.state_dtype = d.pick<DType>({DType::kFloat32, DType::kBFloat16});
-  p.cache_dtype = d.pick<DType>({DType::kFloat32, DType::kBFloat16});
+  p.state_dtype = d.pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat32, DType::kFloat16});
+  p.cache_dtype = d.pick<DType>({DType::kFloat32, DType::kBFloat16, DType::kFloat32, DType::kFloat16});
   p.layout = d.chance(1, 2) ? StateLayout::kKLast : StateLayout::kVLast;
   p.gate_mode = d.chance(2, 3) ? GateMode::kFused : GateMode::kGiven;
   p.use_qk_l2norm = d.chance(3, 4);

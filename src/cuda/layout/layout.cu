@@ -99,7 +99,7 @@ void convert_layout(const LayoutParams& p, Stream stream) {
     case 2: return launch_transpose<uint16_t>(p, in_place, stream);
     default:
       throw Error(ErrorCode::kInvalidArgument,
-                  std::string("src: expected dtype float32 or bfloat16, got ") + dtype_name(p.src.dtype));
+                  std::string("src: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.src.dtype));
   }
 }
 

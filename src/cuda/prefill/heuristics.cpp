@@ -67,11 +67,11 @@ bool head_tensor_maps_ok(const PrefillParams& p) {
 
 // The longest sequence on which the recurrent kernels beat the chunked ones (1024 sequences of L tokens): their
 // math grows with the tokens, the chunked kernels' state I/O does not. The chain kernel on tensor cores (K-last,
-// bf16 inputs) reaches further than the warp kernel, and a bf16 pool (half the state bytes) further than fp32.
+// bf16 inputs) reaches further than the warp kernel, and a 16-bit pool (half the state bytes) further than fp32.
 int short_len_default(const PrefillParams& p) {
-  const bool bf16_pool = p.state.dtype == DType::kBFloat16;
-  if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return bf16_pool ? 32 : 24;
-  return bf16_pool ? 16 : 8;
+  const bool half_pool = dtype_size(p.state.dtype) == 2;
+  if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return half_pool ? 32 : 24;
+  return half_pool ? 16 : 8;
 }
 
 int32_t count_short(const PrefillParams& p, int len) {

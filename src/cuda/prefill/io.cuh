@@ -218,21 +218,28 @@ __device__ __forceinline__ int64_t state_offset(StateLayout layout, int h, int k
 __device__ __forceinline__ float2 load_state_pair(const void* base, DType dt, int64_t i) {
   if (dt == DType::kBFloat16)
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(static_cast<const __nv_bfloat16*>(base) + i));
+  if (dt == DType::kFloat16)
+    return __half22float2(*reinterpret_cast<const __half2*>(static_cast<const __half*>(base) + i));
   return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + i);
 }
 __device__ __forceinline__ void store_state_pair(void* base, DType dt, int64_t i, float x, float y) {
   if (dt == DType::kBFloat16)
     *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + i) = __floats2bfloat162_rn(x, y);
+  else if (dt == DType::kFloat16)
+    *reinterpret_cast<__half2*>(static_cast<__half*>(base) + i) = __floats2half2_rn(x, y);
   else
     *reinterpret_cast<float2*>(static_cast<float*>(base) + i) = make_float2(x, y);
 }
 __device__ __forceinline__ float load_state_elem(const void* base, DType dt, int64_t i) {
-  return dt == DType::kBFloat16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i])
-                                : static_cast<const float*>(base)[i];
+  if (dt == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+  if (dt == DType::kFloat16) return __half2float(static_cast<const __half*>(base)[i]);
+  return static_cast<const float*>(base)[i];
 }
 __device__ __forceinline__ void store_state_elem(void* base, DType dt, int64_t i, float x) {
   if (dt == DType::kBFloat16)
     static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x);
+  else if (dt == DType::kFloat16)
+    static_cast<__half*>(base)[i] = __float2half_rn(x);
   else
     static_cast<float*>(base)[i] = x;
 }

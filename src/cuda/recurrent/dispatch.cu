@@ -36,8 +36,10 @@ void check_recurrent(const char* op, const CommitParams& p) {
   check_aligned("state", p.state.data, p.state.slot_stride, p.state.dtype);
   if (p.intermediate.data != nullptr) {
     check_aligned("intermediate", p.intermediate.data, p.intermediate.slot_stride, p.intermediate.dtype);
-    if (p.intermediate.dtype != DType::kFloat32 && p.intermediate.dtype != DType::kBFloat16)
-      invalid(std::string("intermediate: expected dtype float32 or bfloat16, got ") + dtype_name(p.intermediate.dtype));
+    if (p.intermediate.dtype != DType::kFloat32 && p.intermediate.dtype != DType::kBFloat16 &&
+        p.intermediate.dtype != DType::kFloat16)
+      invalid(std::string("intermediate: expected dtype float32, bfloat16 or float16, got ") +
+              dtype_name(p.intermediate.dtype));
   }
   if (p.parent != nullptr && p.num_draft_tokens > 64)
     throw Error(ErrorCode::kNotImplemented, std::string("cuda ") + op +
@@ -83,7 +85,8 @@ void by_state(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.state.dtype) {
     case DType::kFloat32: return by_input<Kernel, float>(p, write_state, stream);
     case DType::kBFloat16: return by_input<Kernel, __nv_bfloat16>(p, write_state, stream);
-    default: invalid(std::string("state: expected dtype float32 or bfloat16, got ") + dtype_name(p.state.dtype));
+    case DType::kFloat16: return by_input<Kernel, __half>(p, write_state, stream);
+    default: invalid(std::string("state: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.state.dtype));
   }
 }
 
@@ -163,7 +166,8 @@ void commit_cache_by_state(const CommitParams& p, Stream stream) {
   switch (p.state.dtype) {
     case DType::kFloat32: commit_cache_kernel<TC, float><<<grid, kCopyThreads, 0, stream>>>(p); break;
     case DType::kBFloat16: commit_cache_kernel<TC, __nv_bfloat16><<<grid, kCopyThreads, 0, stream>>>(p); break;
-    default: invalid(std::string("state: expected dtype float32 or bfloat16, got ") + dtype_name(p.state.dtype));
+    case DType::kFloat16: commit_cache_kernel<TC, __half><<<grid, kCopyThreads, 0, stream>>>(p); break;
+    default: invalid(std::string("state: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.state.dtype));
   }
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
@@ -177,7 +181,10 @@ void commit_from_cache(const CommitParams& p, Stream stream) {
   switch (p.intermediate.dtype) {
     case DType::kFloat32: return commit_cache_by_state<float>(p, stream);
     case DType::kBFloat16: return commit_cache_by_state<__nv_bfloat16>(p, stream);
-    default: invalid(std::string("intermediate: expected dtype float32 or bfloat16, got ") + dtype_name(p.intermediate.dtype));
+    case DType::kFloat16: return commit_cache_by_state<__half>(p, stream);
+    default:
+      invalid(std::string("intermediate: expected dtype float32, bfloat16 or float16, got ") +
+              dtype_name(p.intermediate.dtype));
   }
 }
 

@@ -71,6 +71,8 @@ struct IntermediateStore {
                         (int64_t(t) * num_v_heads + hv) * kHeadElems + Tile::origin(v0);
     if (p.intermediate.dtype == DType::kFloat32)
       Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane, stage);
+    else if (p.intermediate.dtype == DType::kFloat16)
+      Tile::store(static_cast<__half*>(p.intermediate.data) + off, s, lane, stage);
     else
       Tile::store(static_cast<__nv_bfloat16*>(p.intermediate.data) + off, s, lane, stage);
   }
