@@ -10,8 +10,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <stdexcept>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -34,7 +34,8 @@ commands:
 bench options:
   --shape NAME[,NAME]|all    qwen3-next | qwen3.5-397b-tp8 | qwen3.5-27b | qwen3.5-397b
                              (default: qwen3-next; prefill also qwen3.5-397b-tp8)
-  --state fp32|bf16|both     state dtype (default: decode both, verify/prefill fp32)
+  --state LIST               state dtypes, comma-separated: fp32, bf16, fp16, both (= fp32,bf16)
+                             (default: decode both, verify/prefill fp32)
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
   --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
   --dim 64|128|256           K = V for every shape (default 128)
@@ -110,11 +111,15 @@ Options parse_bench(int argc, char** argv, int first) {
         }
       }
     } else if (a == "--state") {
-      const std::string v = value(i);
-      if (v == "fp32") o.states = {DType::kFloat32};
-      else if (v == "bf16") o.states = {DType::kBFloat16};
-      else if (v == "both") o.states = {DType::kFloat32, DType::kBFloat16};
-      else usage_error("--state: expected fp32, bf16 or both, got '" + v + "'");
+      o.states.clear();
+      std::stringstream list(value(i));
+      for (std::string v; std::getline(list, v, ',');) {
+        if (v == "fp32") o.states.push_back(DType::kFloat32);
+        else if (v == "bf16") o.states.push_back(DType::kBFloat16);
+        else if (v == "fp16") o.states.push_back(DType::kFloat16);
+        else if (v == "both") o.states.insert(o.states.end(), {DType::kFloat32, DType::kBFloat16});
+        else usage_error("--state: expected fp32, bf16, fp16 or both, got '" + v + "'");
+      }
     } else if (a == "--layout") {
       const std::string v = value(i);
       if (v == "klast") o.layouts = {StateLayout::kKLast};
