@@ -37,7 +37,7 @@ std::vector<LayoutCase> layout_cases() {
           c.seed = seed++;
           const bool small = K == 64 && V == 64;
           out.push_back({std::string(small ? "Sanitize_" : "") + (layout == StateLayout::kKLast ? "klast" : "vlast") +
-                             "_to_other_" + (state == DType::kFloat32 ? "f32" : "bf16") + "_K" + std::to_string(K) +
+                             "_to_other_" + (state == DType::kFloat32 ? "f32" : state == DType::kFloat16 ? "f16" : "bf16") + "_K" + std::to_string(K) +
                              "_V" + std::to_string(V) + (in_place ? "_in_place" : "") + (c.slot_pad ? "_slotpad" : ""),
                          c, in_place});
         }

@@ -317,7 +317,7 @@ def test_torch_ops_reject_bad_arguments_without_writing():
     cases = [
         (dict(q=t["q"].double()), "q"),
         (dict(k=t["k"][:2]), "k"),
-        (dict(state=state.half()), "state"),
+        (dict(state=state.double()), "state"),
         (dict(state_indices=idx.long()), "state_indices"),
         (dict(a=t["a"][:, :3]), "a"),
         (dict(A_log=t["A_log"][:2]), "A_log"),
