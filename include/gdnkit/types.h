@@ -70,7 +70,7 @@ using OutView = StridedView<void*>;
 // Heads of one slot are packed (head stride K*V); slots are slot_stride elements apart.
 struct StatePool {
   void* data = nullptr;
-  DType dtype = DType::kFloat32;  // kFloat32 or kBFloat16
+  DType dtype = DType::kFloat32;  // kFloat32, kBFloat16 or kFloat16
   StateLayout layout = StateLayout::kKLast;
   int64_t num_slots = 0;    // P
   int64_t slot_stride = 0;  // elements between slots, >= HV*K*V
@@ -81,7 +81,7 @@ struct StatePool {
 // The layout must equal the pool's. Steps are HV*K*V elements apart.
 struct StateCache {
   void* data = nullptr;  // may be nullptr: nothing cached
-  DType dtype = DType::kFloat32;  // kFloat32 or kBFloat16
+  DType dtype = DType::kFloat32;  // kFloat32, kBFloat16 or kFloat16
   StateLayout layout = StateLayout::kKLast;
   int64_t num_slots = 0;    // Q
   int64_t num_steps = 0;    // S
