@@ -1,0 +1,148 @@
+#include "support/long_horizon.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "gdnkit/host_dtype.h"
+
+namespace gdnkit::test {
+namespace {
+
+constexpr int K = 128, V = 128;
+
+HeadConfig one_head() {
+  HeadConfig h;
+  h.num_qk_heads = 1, h.num_v_heads = 1, h.head_dim_k = K, h.head_dim_v = V;
+  return h;
+}
+
+// A copy of `n` floats in memory the backend addresses.
+float* place(const LongHorizonMemory& mem, std::vector<void*>& owned, const float* src, size_t n) {
+  auto* p = static_cast<float*>(mem.alloc(n * sizeof(float)));
+  owned.push_back(p);
+  if (src != nullptr) std::memcpy(p, src, n * sizeof(float));
+  return p;
+}
+
+}  // namespace
+
+LongHorizonInputs long_horizon_inputs(int64_t tokens, bool mixed, uint64_t seed) {
+  LongHorizonInputs in;
+  in.tokens = tokens;
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ud(0.0f, 1.0f);
+  in.q.resize(tokens * K), in.k.resize(tokens * K), in.v.resize(tokens * V), in.g.resize(tokens), in.beta.resize(tokens);
+  for (auto& x : in.q) x = nd(gen);
+  for (auto& x : in.k) x = nd(gen);
+  for (auto& x : in.v) x = nd(gen);
+  for (int64_t t = 0; t < tokens; ++t) {
+    in.g[t] = mixed && ud(gen) < 0.1f ? -2.0f * ud(gen) : -1e-3f * ud(gen);
+    in.beta[t] = 1.0f / (1.0f + std::exp(-nd(gen)));
+  }
+  return in;
+}
+
+LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tokens, DType pool_dtype,
+                                const Context& ctx, const LongHorizonMemory& mem) {
+  std::vector<void*> owned;
+  const size_t T = size_t(in.tokens);
+  const float* q = place(mem, owned, in.q.data(), T * K);
+  const float* k = place(mem, owned, in.k.data(), T * K);
+  const float* v = place(mem, owned, in.v.data(), T * V);
+  const float* g = place(mem, owned, in.g.data(), T);
+  const float* beta = place(mem, owned, in.beta.data(), T);
+  float* o = place(mem, owned, nullptr, T * V);
+  void* pool = mem.alloc(size_t(K) * V * size_t(dtype_size(pool_dtype)));
+  owned.push_back(pool);
+  auto* ints = static_cast<int32_t*>(mem.alloc(4 * sizeof(int32_t)));
+  owned.push_back(ints);
+  ints[0] = 0, ints[1] = int32_t(prefill_tokens), ints[2] = 0 /* slot */, ints[3] = -1 /* from S = 0 */;
+  const StatePool sp{pool, pool_dtype, StateLayout::kKLast, 1, int64_t(K) * V};
+  const auto gates = [&](int64_t t0) {
+    Gating gate;
+    gate.mode = GateMode::kGiven;
+    gate.g = {g + t0, DType::kFloat32, 1, 1};
+    gate.beta = {beta + t0, DType::kFloat32, 1, 1};
+    return gate;
+  };
+
+  PrefillParams p;
+  p.heads = one_head();
+  p.num_seqs = 1;
+  p.total_tokens = prefill_tokens;
+  p.q = {q, DType::kFloat32, K, K};
+  p.k = {k, DType::kFloat32, K, K};
+  p.v = {v, DType::kFloat32, V, V};
+  p.o = {o, DType::kFloat32, V, V};
+  p.gating = gates(0);
+  p.cu_seqlens = ints;
+  p.state = sp;
+  p.initial_indices = ints + 3;
+  p.final_indices = ints + 2;
+  prefill(p, ctx);
+  for (int64_t t = prefill_tokens; t < in.tokens; ++t) {
+    DecodeParams d;
+    d.heads = one_head();
+    d.batch = 1;
+    d.q = {q + t * K, DType::kFloat32, K, K};
+    d.k = {k + t * K, DType::kFloat32, K, K};
+    d.v = {v + t * V, DType::kFloat32, V, V};
+    d.o = {o + t * V, DType::kFloat32, V, V};
+    d.gating = gates(t);
+    d.state = sp;
+    d.state_indices = ints + 2;
+    decode(d, ctx);
+  }
+  mem.sync();
+
+  LongHorizonRun r;
+  r.o.assign(o + prefill_tokens * V, o + T * V);
+  r.state.resize(size_t(K) * V);
+  for (int64_t i = 0; i < K * V; ++i) r.state[i] = float(host::load(pool, pool_dtype, i));
+  for (void* x : owned) mem.release(x);
+  return r;
+}
+
+double long_horizon_rel(const std::vector<float>& x, const std::vector<float>& ref) {
+  double d2 = 0, r2 = 0;
+  for (size_t i = 0; i < x.size() && i < ref.size(); ++i) {
+    const double d = double(x[i]) - ref[i];
+    d2 += d * d, r2 += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(d2 / r2);
+}
+
+void long_horizon_lengths(int64_t& prefill_tokens, int64_t& decode_steps) {
+  if (const char* env = std::getenv("GDNKIT_LONG_HORIZON")) {
+    prefill_tokens = std::atoll(env);
+    if (const char* comma = std::strchr(env, ',')) decode_steps = std::atoll(comma + 1);
+  }
+}
+
+void expect_long_horizon(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens,
+                         int64_t decode_steps, const char* backend) {
+  for (bool mixed : {false, true}) {
+    const char* regime = mixed ? "mixed" : "long memory";
+    const LongHorizonInputs in = long_horizon_inputs(prefill_tokens + decode_steps, mixed, mixed ? 12 : 11);
+    const LongHorizonRun ref = long_horizon_run(in, prefill_tokens, DType::kFloat32, ctx, mem);
+    const LongHorizonRun bf16 = long_horizon_run(in, prefill_tokens, DType::kBFloat16, ctx, mem);
+    const LongHorizonRun fp16 = long_horizon_run(in, prefill_tokens, DType::kFloat16, ctx, mem);
+    const double o_bf = long_horizon_rel(bf16.o, ref.o), o_h = long_horizon_rel(fp16.o, ref.o);
+    const double s_bf = long_horizon_rel(bf16.state, ref.state), s_h = long_horizon_rel(fp16.state, ref.state);
+    std::printf("%s, %s, prefill %lld + decode %lld: o rel. error bf16 %.3e, fp16 %.3e; final state bf16 %.3e, "
+                "fp16 %.3e\n",
+                backend, regime, (long long)prefill_tokens, (long long)decode_steps, o_bf, o_h, s_bf, s_h);
+    EXPECT_TRUE(std::isfinite(o_h) && std::isfinite(o_bf)) << regime;
+    EXPECT_LT(o_h, o_bf / 4) << regime;
+    EXPECT_LT(s_h, s_bf / 4) << regime;
+    EXPECT_GT(o_h, 0.0) << regime << ": an fp16 pool that does not round: the test would prove nothing";
+  }
+}
+
+}  // namespace gdnkit::test
