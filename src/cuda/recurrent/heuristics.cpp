@@ -53,8 +53,8 @@ int prefetch_share(const RecurrentCall& c, RecurrentKernel k) {
     case RecurrentKernel::kMmaDecode: return 1;
     case RecurrentKernel::kWarpRegular:
     case RecurrentKernel::kWarpPinned:
-      return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.state_dtype == DType::kBFloat16 ? 8
-                                                                                                                : 2;
+      return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && dtype_size(c.state_dtype) == 2 ? 8
+                                                                                                                 : 2;
     default: return 2;
   }
 }
@@ -81,7 +81,7 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
   if (vlast_decode_built(c)) return take(K::kVLastDecode, k.vlast_decode);
   if (tile_widths_built(c)) {
     const bool regular_prefetch = prefetch_mode(k.regular, prefetch_share(c, K::kWarpRegular), o);
-    if (c.state_dtype == DType::kBFloat16) {
+    if (dtype_size(c.state_dtype) == 2) {  // 16-bit pools (the limits measured on bf16)
       if (c.batch >= 2 && c.batch <= or_default(o.decode_wide_max_batch, kWideMaxBatch) &&
           prefetch_mode(k.wide, 1, o))
         return take(K::kWarpWide, k.wide);

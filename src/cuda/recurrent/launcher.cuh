@@ -103,7 +103,7 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
         resident_ctas(reinterpret_cast<const void*>(vlast_decode_kernel<TState, TInput, K, V>), R::kWarps * 32);
     fit.vlast_decode = {grid_ctas(head_grid(p, V / R::kCols)), resident};
   }
-  if constexpr (kWidthsBuilt && std::is_same_v<TState, __nv_bfloat16>) {
+  if constexpr (kWidthsBuilt && sizeof(TState) == 2) {
     using Wide = WarpTile<kLayout, TState, K, V, TileWidth::kWide>;
     using Narrow = WarpTile<kLayout, TState, K, V, TileWidth::kNarrow>;
     static_assert(Wide::kCtaWarps == kCtaWarps && Narrow::kCtaWarps == kCtaWarps, "tiles share the CTA's warps");
@@ -135,13 +135,13 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
                                 choice.prefetch, stream, p);
       break;
     case RecurrentKernel::kWarpWide:
-      if constexpr (kWidthsBuilt && std::is_same_v<TState, __nv_bfloat16>)
+      if constexpr (kWidthsBuilt && sizeof(TState) == 2)
         return launch_recurrent(warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp, TileWidth::kWide>,
                                 head_grid(p, V / WarpTile<kLayout, TState, K, V, TileWidth::kWide>::kRows / kCtaWarps),
                                 kThreads, choice.prefetch, stream, p, write_state);
       break;
     case RecurrentKernel::kWarpNarrow:
-      if constexpr (kWidthsBuilt && std::is_same_v<TState, __nv_bfloat16>)
+      if constexpr (kWidthsBuilt && sizeof(TState) == 2)
         return launch_recurrent(
             warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp, TileWidth::kNarrow>,
             head_grid(p, V / WarpTile<kLayout, TState, K, V, TileWidth::kNarrow>::kRows / kCtaWarps), kThreads,

@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   const RowLoads row = load_row<kOp>(p, b, kPinSlot);
   const int slot = row.slot;  // the state loads wait on it
   typename Tile::Regs s;      // the tile (warp_tile.cuh)
-  static_assert(!Tile::kPacked || kDecode, "bf16 values in registers round once per token: decode only");
+  static_assert(!Tile::kPacked || kDecode, "16-bit values in registers round once per token: decode only");
   // Decode in prefetch mode loads the state of the early slot now, beside the index rather than after it
   // (after the wait: that slot's current state). If the index differs, the right slot's state is loaded
   // below and this one is dropped.

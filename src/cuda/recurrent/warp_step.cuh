@@ -166,7 +166,7 @@ struct WarpStep {
         out_row(tok0 + token.x)[sum_index - kRows] = from_float<TInput>(fmaf(kq_n, u_col, decay * (sums[0] * rq)));
     }
     const float uk_mine = u_mine * rk;
-    s.opaque();  // packed bf16 state: unpacked again for the update (StateRegs)
+    s.opaque();  // packed 16-bit state: unpacked again for the update (StateRegs)
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
       const float uk = __shfl_sync(0xffffffffu, uk_mine, i * kLanesPerSum);

@@ -32,16 +32,16 @@ namespace gdnkit::cuda::recurrent {
 // Columns per warp (K-last only; V-last tiles are kRegular):
 //   kRegular  8 (4 at K = 256);
 //   kNarrow   4 at every K: twice the warps on the same state, each with half the loads and arithmetic;
-//   kWide     16 at K <= 128, bf16 pools, decode: half the warps, each with twice the loads (a warp then moves
-//             the 4 KB per call that an fp32 warp of the regular tile moves), the values held as bf16 pairs
+//   kWide     16 at K <= 128, 16-bit pools, decode: half the warps, each with twice the loads (a warp then moves
+//             the 4 KB per call that an fp32 warp of the regular tile moves), the values held as 16-bit pairs
 //             (StateRegs: 32 registers for 64 values), so that more grids fit the GPU at once and run in
 //             prefetch mode (heuristics.cpp chooses the width).
 enum class TileWidth : int { kRegular, kNarrow, kWide };
 
-// A lane's state values in registers: fp32 [kRows][kKPerLane], or bf16 pairs (k_of(l, j), k_of(l, j + 1)), j even,
-// as they sit in a K-last pool (kPacked: the wide tile, bf16 decode; one token, so rounding the updated value to
-// bf16 in registers is the rounding the store does, bit for bit).
-template <int kRows, int kKPerLane, bool kPacked>
+// A lane's state values in registers: fp32 [kRows][kKPerLane], or 16-bit pairs (k_of(l, j), k_of(l, j + 1)), j even,
+// as they sit in a K-last pool (TPacked bf16 or fp16: the wide tile, decode of a 16-bit pool; one token, so rounding
+// the updated value in registers is the rounding the store does, bit for bit).
+template <int kRows, int kKPerLane, class TPacked>
 struct StateRegs {
   float v[kRows][kKPerLane];
   __device__ __forceinline__ float get(int i, int j) const { return v[i][j]; }
@@ -56,7 +56,7 @@ struct StateRegs {
   }
 };
 template <int kRows, int kKPerLane>
-struct StateRegs<kRows, kKPerLane, true> {
+struct StateRegs<kRows, kKPerLane, __nv_bfloat16> {
   static_assert(kKPerLane % 2 == 0, "bf16 pairs");
   uint32_t v[kRows][kKPerLane / 2];  // the lower k in the low half, as in memory
   __device__ __forceinline__ float get(int i, int j) const {
@@ -65,6 +65,33 @@ struct StateRegs<kRows, kKPerLane, true> {
   }
   __device__ __forceinline__ void set2(int i, int j, float a, float b) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v[i][j / 2]) : "f"(b), "f"(a));  // b: the high half
+  }
+  // S = 0 (prefill of a sequence without an initial slot).
+  __device__ __forceinline__ void set_zero() {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPerLane; j += 2) set2(i, j, 0.0f, 0.0f);
+  }
+  // Hides the pairs from the compiler, so that a get() after this one unpacks again rather than keeping the
+  // earlier get()'s fp32 values alive (64 more registers).
+  __device__ __forceinline__ void opaque() {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPerLane / 2; ++j) asm volatile("" : "+r"(v[i][j]));
+  }
+};
+template <int kRows, int kKPerLane>
+struct StateRegs<kRows, kKPerLane, __half> {
+  static_assert(kKPerLane % 2 == 0, "fp16 pairs");
+  uint32_t v[kRows][kKPerLane / 2];  // the lower k in the low half, as in memory
+  __device__ __forceinline__ float get(int i, int j) const {
+    const uint32_t u = v[i][j / 2];
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(j % 2 ? u >> 16 : u & 0xffffu)));
+  }
+  __device__ __forceinline__ void set2(int i, int j, float a, float b) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(v[i][j / 2]) : "f"(b), "f"(a));  // b: the high half
   }
   // S = 0 (prefill of a sequence without an initial slot).
   __device__ __forceinline__ void set_zero() {
@@ -101,10 +128,10 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
   static constexpr int kCtaWarps = 4;
   static_assert(K % 32 == 0 && kKPerLane % kVec == 0 && V % (kRows * kCtaWarps) == 0,
                 "tile does not divide the head");
-  // The wide tile holds bf16 pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
+  // The wide tile holds 16-bit pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
   static constexpr bool kPacked = kWidth == TileWidth::kWide;
-  static_assert(!kPacked || (std::is_same_v<TState, __nv_bfloat16> && kVec % 2 == 0), "the wide tile is for bf16 pools");
-  using Regs = StateRegs<kRows, kKPerLane, kPacked>;
+  static_assert(!kPacked || (sizeof(TState) == 2 && kVec % 2 == 0), "the wide tile is for 16-bit pools");
+  using Regs = StateRegs<kRows, kKPerLane, std::conditional_t<kPacked, TState, void>>;
   struct Stage {};  // loads go straight to registers
 
   __device__ static int k_of(int lane, int j) { return (j / kVec) * 32 * kVec + lane * kVec + j % kVec; }
@@ -166,7 +193,7 @@ struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
   static constexpr int kCtaWarps = kCtaCols / kRows;
   static_assert(K % 32 == 0 && V % kCtaCols == 0, "tile does not divide the head");
   static constexpr bool kPacked = false;
-  using Regs = StateRegs<kRows, kKPerLane, false>;
+  using Regs = StateRegs<kRows, kKPerLane, void>;
   // The stage: one fp32 row piece of kCtaCols per k, padded by 16 bytes so that the lanes' reads and
   // writes of 16-byte runs (rows lane + 32 j) fall in distinct bank groups. Loads stage the raw state
   // dtype at the start of each row; stores stage fp32.
