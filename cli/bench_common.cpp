@@ -85,9 +85,9 @@ std::vector<Shape> shapes_for(const Options& o, const std::string& op) {
 
 std::vector<DType> states_for(const Options& o, const std::string& op) {
   if (!o.states.empty()) return o.states;
-  // Decode is the state-bandwidth op: both state dtypes by default. Verify and prefill default to fp32
+  // Decode is the state-bandwidth op: every pool dtype by default. Verify and prefill default to fp32
   // (the serving default for Qwen3-Next); --state sweeps them too.
-  if (op == "decode") return {DType::kFloat32, DType::kBFloat16};
+  if (op == "decode") return {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
   return {DType::kFloat32};
 }
 

@@ -34,8 +34,8 @@ commands:
 bench options:
   --shape NAME[,NAME]|all    qwen3-next | qwen3.5-397b-tp8 | qwen3.5-27b | qwen3.5-397b
                              (default: qwen3-next; prefill also qwen3.5-397b-tp8)
-  --state LIST               state dtypes, comma-separated: fp32, bf16, fp16, both (= fp32,bf16)
-                             (default: decode both, verify/prefill fp32)
+  --state LIST               state dtypes, comma-separated: fp32, bf16, fp16, both (= fp32,bf16),
+                             all (default: decode all, verify/prefill fp32)
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
   --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
   --dim 64|128|256           K = V for every shape (default 128)
@@ -118,7 +118,8 @@ Options parse_bench(int argc, char** argv, int first) {
         else if (v == "bf16") o.states.push_back(DType::kBFloat16);
         else if (v == "fp16") o.states.push_back(DType::kFloat16);
         else if (v == "both") o.states.insert(o.states.end(), {DType::kFloat32, DType::kBFloat16});
-        else usage_error("--state: expected fp32, bf16, fp16 or both, got '" + v + "'");
+        else if (v == "all") o.states.insert(o.states.end(), {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+        else usage_error("--state: expected fp32, bf16, fp16, both or all, got '" + v + "'");
       }
     } else if (a == "--layout") {
       const std::string v = value(i);

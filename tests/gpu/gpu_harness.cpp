@@ -70,7 +70,9 @@ void DeviceProblem::download(Problem& host) const {
 ::testing::AssertionResult SlotsClose(const Problem& got, const Problem& ref, const std::vector<int64_t>& slots,
                                       double tol, const std::string& name) {
   for (const int64_t slot : slots) {
-    auto r = RelClose(name + " slot " + std::to_string(slot), got.read_state(name, slot), ref.read_state(name, slot), tol);
+    const DType stored = name == "state" ? got.config().state_dtype : got.config().cache_dtype;
+    auto r = RelClose(name + " slot " + std::to_string(slot), got.read_state(name, slot), ref.read_state(name, slot), tol,
+                      storage_floor(stored));
     if (!r) return r;
   }
   return ::testing::AssertionSuccess() << slots.size() << " slots close";
@@ -112,7 +114,7 @@ void check_verify_results(const Problem& before, const Problem& got, const Probl
   for (auto [q, t] : stored)
     EXPECT_TRUE(RelClose("intermediate[" + std::to_string(q) + ", " + std::to_string(t) + "]",
                          got.read_cache("intermediate", q, t), ref.read_cache("intermediate", q, t),
-                         state_tolerance(OpFamily::kStep, cfg.cache_dtype)));
+                         state_tolerance(OpFamily::kStep, cfg.cache_dtype), storage_floor(cfg.cache_dtype)));
   EXPECT_TRUE(CacheUntouched(before, got, "intermediate", stored));
 }
 
@@ -144,7 +146,7 @@ void check_prefill_results(const Problem& before, const Problem& got, const Prob
   for (auto [slot, j] : checkpoints)
     EXPECT_TRUE(RelClose("checkpoint slot " + std::to_string(slot) + " step " + std::to_string(j),
                          got.read_cache("checkpoints", slot, j), ref.read_cache("checkpoints", slot, j),
-                         widen * state_tolerance(OpFamily::kPrefill, cfg.cache_dtype)));
+                         widen * state_tolerance(OpFamily::kPrefill, cfg.cache_dtype), storage_floor(cfg.cache_dtype)));
   EXPECT_TRUE(CacheUntouched(before, got, "checkpoints", checkpoints));
   EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
 }

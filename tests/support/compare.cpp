@@ -20,6 +20,8 @@ double state_tolerance(OpFamily op, DType state_dtype) {
   return step ? kStepStateBf16 : kPrefillStateBf16;
 }
 
+double storage_floor(DType dtype) { return dtype == DType::kFloat16 ? 0x1p-24 : 0.0; }
+
 ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& ref) {
   ErrorStats s;
   double diff2 = 0, ref2 = 0;
@@ -43,12 +45,14 @@ ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& 
 }
 
 ::testing::AssertionResult RelClose(const std::string& what, const std::vector<double>& x,
-                                    const std::vector<double>& ref, double tol) {
+                                    const std::vector<double>& ref, double tol, double abs_floor) {
   if (x.size() != ref.size())
     return ::testing::AssertionFailure() << what << ": size " << x.size() << " vs reference " << ref.size();
   const ErrorStats s = error_stats(x, ref);
   std::ostringstream msg;
-  msg << what << ": rel " << s.rel << " (tol " << tol << "), max abs " << s.max_abs;
+  msg << what << ": rel " << s.rel << " (tol " << tol;
+  if (abs_floor > 0) msg << " + " << abs_floor << " per element";
+  msg << "), max abs " << s.max_abs;
   if (s.worst >= 0) msg << " at " << s.worst << " (" << x[s.worst] << " vs " << ref[s.worst] << ")";
   msg << ", ||ref|| " << s.ref_norm << ", " << x.size() << " elements";
   if (s.nan_count > 0) {
@@ -57,7 +61,9 @@ ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& 
     return ::testing::AssertionFailure() << msg.str() << ", " << s.nan_count << " non-finite (first at " << first
                                          << ": " << x[first] << " vs " << ref[first] << ")";
   }
-  if (!(s.rel <= tol)) return ::testing::AssertionFailure() << msg.str();
+  const double allowed = tol * s.ref_norm + abs_floor * std::sqrt(double(x.size()));
+  const bool close = s.ref_norm > 0 ? s.rel * s.ref_norm <= allowed : s.rel <= std::max(tol, allowed);
+  if (!close) return ::testing::AssertionFailure() << msg.str();
   return ::testing::AssertionSuccess() << msg.str();
 }
 

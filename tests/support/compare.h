@@ -30,6 +30,9 @@ inline constexpr double kPrefillStateFp16 = 5e-3;  // the chunked passes' 16-bit
 enum class OpFamily { kStep, kPrefill };
 double output_tolerance(OpFamily op, DType out_dtype);
 double state_tolerance(OpFamily op, DType state_dtype);
+// Absolute error per element that storing in `dtype` allows whatever the relative tolerance: fp16 holds values
+// below 2^-14 (a state decayed by extreme gates) as subnormals, in steps of 2^-24; 0 for bf16 and fp32.
+double storage_floor(DType dtype);
 
 struct ErrorStats {
   double rel = 0;         // ||x - ref|| / ||ref|| (||x - ref|| when ||ref|| == 0)
@@ -40,9 +43,9 @@ struct ErrorStats {
 };
 ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& ref);
 
-// rel <= tol and no NaN/Inf in x or ref.
+// ||x - ref|| <= tol ||ref|| + abs_floor sqrt(n) and no NaN/Inf in x or ref.
 ::testing::AssertionResult RelClose(const std::string& what, const std::vector<double>& x,
-                                    const std::vector<double>& ref, double tol);
+                                    const std::vector<double>& ref, double tol, double abs_floor = 0.0);
 // Every element exactly 0.
 ::testing::AssertionResult AllZero(const std::string& what, const std::vector<double>& x);
 // Exactly equal values (NaN never equals).
