@@ -13,7 +13,12 @@ namespace gdnkit {
 
 using Stream = CUstream_st*;  // == cudaStream_t; nullptr is the legacy default stream
 
-enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt32 = 3, kInt64 = 4 };
+enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kInt32 = 3, kInt64 = 4, kFloat8E4M3 = 5 };
+
+// float8_e4m3 states (OCP FP8 E4M3, "fn": max 448, no infinities) carry one power-of-two scale per block of
+// kFp8Block consecutive elements of a head's state in its layout (k-runs in K-last, v-runs in V-last): a byte e
+// (E8M0, 2^(e - 127); 255 is NaN), element = e4m3 value x 2^(e - 127). The OCP MX format's blocks and scales.
+inline constexpr int kFp8Block = 32;
 
 // Per-head state layout inside a pool slot.
 //   kKLast: [V, K] per head, k contiguous; stores S^T   (FLA / SGLang / vLLM default)
@@ -70,10 +75,11 @@ using OutView = StridedView<void*>;
 // Heads of one slot are packed (head stride K*V); slots are slot_stride elements apart.
 struct StatePool {
   void* data = nullptr;
-  DType dtype = DType::kFloat32;  // kFloat32, kBFloat16 or kFloat16
+  DType dtype = DType::kFloat32;  // kFloat32, kBFloat16, kFloat16 or kFloat8E4M3
   StateLayout layout = StateLayout::kKLast;
   int64_t num_slots = 0;    // P
   int64_t slot_stride = 0;  // elements between slots, >= HV*K*V
+  uint8_t* scales = nullptr;  // kFloat8E4M3: [P, HV*K*V / kFp8Block] block scales, contiguous; else unused
 };
 
 // A buffer of states indexed by (slot, step): [Q, S, HV, <layout>].
@@ -81,11 +87,12 @@ struct StatePool {
 // The layout must equal the pool's. Steps are HV*K*V elements apart.
 struct StateCache {
   void* data = nullptr;  // may be nullptr: nothing cached
-  DType dtype = DType::kFloat32;  // kFloat32, kBFloat16 or kFloat16
+  DType dtype = DType::kFloat32;  // kFloat32, kBFloat16, kFloat16 or kFloat8E4M3
   StateLayout layout = StateLayout::kKLast;
   int64_t num_slots = 0;    // Q
   int64_t num_steps = 0;    // S
   int64_t slot_stride = 0;  // elements between slots, >= S*HV*K*V
+  uint8_t* scales = nullptr;  // kFloat8E4M3: [Q, S, HV*K*V / kFp8Block] block scales, contiguous; else unused
 };
 
 }  // namespace gdnkit

@@ -19,6 +19,24 @@ void require_cuda() {
 #endif
 }
 
+// The CUDA kernels take float32, bfloat16 and float16 states; float8_e4m3 states run on the CPU backend.
+void require_cuda_state_dtype(const char* name, const void* data, DType dtype) {
+  if (data != nullptr && dtype == DType::kFloat8E4M3)
+    throw Error(ErrorCode::kNotImplemented, std::string(name) +
+                                                ": the CUDA backend takes float32, bfloat16 or float16 states, got "
+                                                "float8_e4m3 (the CPU backend runs it)");
+}
+void require_cuda_states(const DecodeParams& p) { require_cuda_state_dtype("state", p.state.data, p.state.dtype); }
+void require_cuda_states(const VerifyParams& p) {
+  require_cuda_state_dtype("state", p.state.data, p.state.dtype);
+  require_cuda_state_dtype("intermediate", p.intermediate.data, p.intermediate.dtype);
+}
+void require_cuda_states(const PrefillParams& p) {
+  require_cuda_state_dtype("state", p.state.data, p.state.dtype);
+  require_cuda_state_dtype("checkpoints", p.checkpoints.data, p.checkpoints.dtype);
+}
+void require_cuda_states(const LayoutParams& p) { require_cuda_state_dtype("src", p.src.data, p.src.dtype); }
+
 template <class Params, class CpuFn, class CudaFn>
 void run(const Params& p, const Context& ctx, CpuFn cpu_fn, CudaFn cuda_fn) {
   validate(p, ctx.backend);
@@ -26,6 +44,7 @@ void run(const Params& p, const Context& ctx, CpuFn cpu_fn, CudaFn cuda_fn) {
     cpu_fn(p);
     return;
   }
+  require_cuda_states(p);
   require_cuda();
   cuda_fn(p, ctx.stream);
 }
@@ -66,6 +85,7 @@ size_t prefill_workspace_bytes(const PrefillParams& p) {
 PrefillPath prefill_path(const PrefillParams& p) {
   PrefillPath path;
   validate(p, Backend::kCUDA);
+  require_cuda_states(p);
   if (p.num_seqs > 0) {
 #ifdef GDNKIT_WITH_CUDA
     const int sms = cuda::device_sms();

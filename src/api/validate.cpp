@@ -27,7 +27,7 @@ std::string pointer_str(const void* ptr) { return msg::cat(ptr); }
 constexpr int64_t kVectorBytes = 16;
 
 bool is_float(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16 || d == DType::kFloat16; }
-bool is_state_dtype(DType d) { return is_float(d); }
+bool is_state_dtype(DType d) { return is_float(d) || d == DType::kFloat8E4M3; }
 bool is_layout(StateLayout l) { return l == StateLayout::kKLast || l == StateLayout::kVLast; }
 bool is_supported_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
@@ -43,7 +43,13 @@ void require_float_dtype(const char* name, DType d) {
 }
 
 void require_state_dtype(const char* name, DType d) {
-  if (!is_state_dtype(d)) fail(name, ": expected dtype float32, bfloat16 or float16, got ", dtype_name(d));
+  if (!is_state_dtype(d)) fail(name, ": expected dtype float32, bfloat16, float16 or float8_e4m3, got ", dtype_name(d));
+}
+
+// float8_e4m3 states come with their block scales (types.h kFp8Block).
+void require_fp8_scales(const char* name, DType d, const uint8_t* scales) {
+  if (d == DType::kFloat8E4M3 && scales == nullptr)
+    fail(name, ": float8_e4m3 states need their scales (one byte per ", kFp8Block, " elements), got a null pointer");
 }
 
 void require_layout(const char* name, StateLayout l) {
@@ -181,6 +187,7 @@ void validate_pool(const char* name, const StatePool& pool, const HeadConfig& h,
   require_state_dtype(name, pool.dtype);
   require_layout(name, pool.layout);
   if (pool.data == nullptr) fail(name, ": required pointer is null (the op reads or writes pool slots)");
+  require_fp8_scales(name, pool.dtype, pool.scales);
   if (pool.num_slots < 1) fail(name, ": num_slots must be >= 1, got ", pool.num_slots);
   const int64_t need = state_elems(h.num_v_heads, h.head_dim_k, h.head_dim_v);
   if (pool.slot_stride < need)
@@ -192,6 +199,7 @@ void validate_pool(const char* name, const StatePool& pool, const HeadConfig& h,
 void validate_cache(const char* name, const StateCache& cache, const StatePool& pool, const HeadConfig& h,
                     int64_t min_steps, Backend backend) {
   require_state_dtype(name, cache.dtype);
+  require_fp8_scales(name, cache.dtype, cache.scales);
   require_layout(name, cache.layout);
   if (cache.layout != pool.layout)
     fail(name, ": expected layout ", layout_name(pool.layout), " (the layout of state), got ",
@@ -395,6 +403,7 @@ void validate(const LayoutParams& p, Backend backend) {
   const int64_t per_slot = state_elems(p.num_v_heads, p.head_dim_k, p.head_dim_v);
   for (const auto& [name, pool] : {std::pair<const char*, const StatePool&>{"src", p.src}, {"dst", p.dst}}) {
     if (pool.data == nullptr) fail(name, ": required pointer is null (", pool.num_slots, " slots)");
+    require_fp8_scales(name, pool.dtype, pool.scales);
     if (pool.slot_stride < per_slot)
       fail(name, ": slot_stride=", pool.slot_stride, " is smaller than HV*K*V=", per_slot, " (slots overlap)");
     int64_t extent = 0;
@@ -411,6 +420,9 @@ void validate(const LayoutParams& p, Backend backend) {
       fail("dst: in-place conversion needs K == V, got K=", p.head_dim_k, ", V=", p.head_dim_v);
     if (p.dst.slot_stride != p.src.slot_stride)
       fail("dst: in-place conversion needs slot_stride=", p.src.slot_stride, " (that of src), got ", p.dst.slot_stride);
+    if (p.src.dtype == DType::kFloat8E4M3 && p.dst.scales != p.src.scales)
+      fail("dst: in-place conversion needs the scales of src (", pointer_str(p.src.scales), "), got ",
+           pointer_str(p.dst.scales));
     return;
   }
   // Out of place: the two pools must not share memory (a partial overlap would read converted data).
@@ -424,6 +436,9 @@ void validate(const LayoutParams& p, Backend backend) {
   if (s0 < d1 && d0 < s1)
     fail("dst: overlaps src (", pointer_str(p.dst.data), " vs ", pointer_str(p.src.data),
          "); convert in place with dst.data == src.data, or use separate buffers");
+  if (p.src.dtype == DType::kFloat8E4M3 && p.dst.scales == p.src.scales)
+    fail("dst: scales are those of src (", pointer_str(p.dst.scales),
+         "); out of place, dst needs scales of its own");
 }
 
 }  // namespace gdnkit

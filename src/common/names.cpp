@@ -9,6 +9,7 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat16: return "float16";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kFloat8E4M3: return "float8_e4m3";
   }
   return "unknown-dtype";
 }
@@ -18,6 +19,7 @@ int dtype_size(DType dtype) {
     case DType::kFloat32: case DType::kInt32: return 4;
     case DType::kBFloat16: case DType::kFloat16: return 2;
     case DType::kInt64: return 8;
+    case DType::kFloat8E4M3: return 1;
   }
   return 0;
 }

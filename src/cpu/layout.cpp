@@ -1,13 +1,25 @@
-// CPU reference: pool layout conversion K-last <-> V-last (a per-head transpose; bit-exact copy).
+// CPU reference: pool layout conversion K-last <-> V-last (a per-head transpose; bit-exact copy, but for
+// float8_e4m3, whose blocks run along the other dim afterwards: read with the old scales, stored with new ones).
 #include <cstring>
 #include <vector>
 
 #include "cpu/backend.h"
+#include "cpu/reference.h"
 
 namespace gdnkit::cpu {
 
 void convert_layout(const LayoutParams& p) {
   const int64_t K = p.head_dim_k, V = p.head_dim_v;
+  if (p.src.dtype == DType::kFloat8E4M3) {
+    std::vector<double> S(size_t(K * V));
+    const int HV = int(p.num_v_heads);
+    for (int64_t slot = 0; slot < p.src.num_slots; ++slot)
+      for (int h = 0; h < HV; ++h) {
+        detail::load_state(detail::pool_head(p.src, slot, HV, h, int(K), int(V)), int(K), int(V), S.data());
+        detail::store_state(detail::pool_head(p.dst, slot, HV, h, int(K), int(V)), int(K), int(V), S.data());
+      }
+    return;
+  }
   const int64_t esize = dtype_size(p.src.dtype);
   // Source block of one head: rows x cols, row-major. K-last stores [V][K], V-last [K][V].
   const int64_t rows = p.src.layout == StateLayout::kKLast ? V : K;

@@ -55,17 +55,16 @@ void run_prefill(const PrefillParams& p, SequenceFn fn) {
       // Read before write: the initial state is loaded before anything is stored, so final may equal
       // initial.
       if (init >= 0)
-        load_state(p.state.data, p.state.dtype, p.state.layout, pool_offset(p.state, init, h, K, V), K, V, S.data());
+        load_state(pool_head(p.state, init, HV, h, K, V), K, V, S.data());
       else
         std::fill(S.begin(), S.end(), 0.0);
       const CheckpointFn store_checkpoint = [&](int64_t j, const double* state) {
         if (cslot < 0 || j >= p.checkpoints.num_steps) return;
-        store_state(p.checkpoints.data, p.checkpoints.dtype, p.checkpoints.layout,
-                    cache_offset(p.checkpoints, cslot, j, HV, h, K, V), K, V, state);
+        store_state(cache_head(p.checkpoints, cslot, j, HV, h, K, V), K, V, state);
       };
       fn(reader, p.o, start, end - start, h, checkpoints ? p.checkpoint_interval : 0, S.data(), store_checkpoint);
       if (fin >= 0)
-        store_state(p.state.data, p.state.dtype, p.state.layout, pool_offset(p.state, fin, h, K, V), K, V, S.data());
+        store_state(pool_head(p.state, fin, HV, h, K, V), K, V, S.data());
     }
   }
 }

@@ -3,21 +3,37 @@
 #include "cpu/reference.h"
 
 #include <cmath>
+#include <vector>
 
 #include "gdnkit/host_dtype.h"
 
 namespace gdnkit::cpu::detail {
 
-void load_state(const void* base, DType dtype, StateLayout layout, int64_t offset, int K, int V, double* S) {
+void load_state(const HeadState& at, int K, int V, double* S) {
+  const bool fp8 = at.dtype == DType::kFloat8E4M3;
+  const auto* q = static_cast<const uint8_t*>(at.base) + at.offset;
   for (int k = 0; k < K; ++k)
-    for (int v = 0; v < V; ++v)
-      S[int64_t(k) * V + v] = host::load(base, dtype, offset + state_elem(layout, K, V, k, v));
+    for (int v = 0; v < V; ++v) {
+      const int64_t e = state_elem(at.layout, K, V, k, v);
+      S[int64_t(k) * V + v] = fp8 ? double(host::e4m3_to_float(q[e])) * host::e8m0_to_float(at.scales[e / kFp8Block])
+                                  : host::load(at.base, at.dtype, at.offset + e);
+    }
 }
 
-void store_state(void* base, DType dtype, StateLayout layout, int64_t offset, int K, int V, const double* S) {
+void store_state(const HeadState& at, int K, int V, const double* S) {
+  if (at.dtype != DType::kFloat8E4M3) {
+    for (int k = 0; k < K; ++k)
+      for (int v = 0; v < V; ++v)
+        host::store(at.base, at.dtype, at.offset + state_elem(at.layout, K, V, k, v), S[int64_t(k) * V + v]);
+    return;
+  }
+  // The head's elements in storage order, rounded to float, then each block quantized with its own scale.
+  std::vector<float> x(size_t(K) * V);
   for (int k = 0; k < K; ++k)
-    for (int v = 0; v < V; ++v)
-      host::store(base, dtype, offset + state_elem(layout, K, V, k, v), S[int64_t(k) * V + v]);
+    for (int v = 0; v < V; ++v) x[size_t(state_elem(at.layout, K, V, k, v))] = float(S[int64_t(k) * V + v]);
+  auto* q = static_cast<uint8_t*>(at.base) + at.offset;
+  for (int64_t b = 0; b < int64_t(K) * V / kFp8Block; ++b)
+    at.scales[b] = host::quantize_e4m3_block(x.data() + b * kFp8Block, kFp8Block, q + b * kFp8Block);
 }
 
 TokenReader::TokenReader(const HeadConfig& heads, const InView& q, const InView& k, const InView& v,

@@ -26,17 +26,33 @@ inline int64_t state_elem(StateLayout layout, int K, int V, int k, int v) {
   return layout == StateLayout::kVLast ? int64_t(k) * V + v : int64_t(v) * K + k;
 }
 
-// Load / store one head's state (K*V elements starting at element `offset` of `base`) as S[k][v].
-void load_state(const void* base, DType dtype, StateLayout layout, int64_t offset, int K, int V, double* S);
-void store_state(void* base, DType dtype, StateLayout layout, int64_t offset, int K, int V, const double* S);
+// One head's state in a pool slot or a cache entry: its K*V elements start at element `offset` of `base`; a
+// float8_e4m3 state's block scales (types.h kFp8Block) start at `scales`.
+struct HeadState {
+  void* base = nullptr;
+  DType dtype = DType::kFloat32;
+  StateLayout layout = StateLayout::kKLast;
+  int64_t offset = 0;
+  uint8_t* scales = nullptr;
+};
 
-// Element offsets of head h of a pool slot, and of head h of cache entry (slot, step).
-inline int64_t pool_offset(const StatePool& pool, int64_t slot, int h, int K, int V) {
-  return slot * pool.slot_stride + int64_t(h) * K * V;
+// Head h of a pool slot, and head h of cache entry (slot, step); the scales of both are unpadded
+// ([P, HV*K*V / kFp8Block] and [Q, S, HV*K*V / kFp8Block]).
+inline HeadState pool_head(const StatePool& pool, int64_t slot, int HV, int h, int K, int V) {
+  const int64_t blocks = int64_t(K) * V / kFp8Block;
+  return {pool.data, pool.dtype, pool.layout, slot * pool.slot_stride + int64_t(h) * K * V,
+          pool.scales ? pool.scales + (slot * HV + h) * blocks : nullptr};
 }
-inline int64_t cache_offset(const StateCache& cache, int64_t slot, int64_t step, int HV, int h, int K, int V) {
-  return slot * cache.slot_stride + (step * HV + h) * int64_t(K) * V;
+inline HeadState cache_head(const StateCache& cache, int64_t slot, int64_t step, int HV, int h, int K, int V) {
+  const int64_t blocks = int64_t(K) * V / kFp8Block;
+  return {cache.data, cache.dtype, cache.layout, slot * cache.slot_stride + (step * HV + h) * int64_t(K) * V,
+          cache.scales ? cache.scales + ((slot * cache.num_steps + step) * HV + h) * blocks : nullptr};
 }
+
+// Load / store one head's state as S[k][v]. A store rounds each element to float, then to the dtype (float8_e4m3:
+// per block of kFp8Block consecutive elements, host::quantize_e4m3_block).
+void load_state(const HeadState& at, int K, int V, double* S);
+void store_state(const HeadState& at, int K, int V, const double* S);
 
 // One token's inputs for one value head, ready for the recurrence: k normalized, q normalized and
 // scaled, g and beta resolved from the gating mode.

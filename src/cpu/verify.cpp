@@ -60,8 +60,7 @@ void verify(const VerifyParams& p) {
     // Trees keep the state after every token (in double): token t continues from parent[t]'s state.
     std::vector<double> after(tree ? len * KV : KV);
     for (int h = 0; h < HV; ++h) {
-      detail::load_state(p.state.data, p.state.dtype, p.state.layout, detail::pool_offset(p.state, slot, h, K, V), K, V,
-                         pool_state.data());
+      detail::load_state(detail::pool_head(p.state, slot, HV, h, K, V), K, V, pool_state.data());
       if (!tree) after.assign(pool_state.begin(), pool_state.end());
       for (int64_t t = 0; t < len; ++t) {
         double* S = tree ? after.data() + t * KV : after.data();
@@ -73,12 +72,10 @@ void verify(const VerifyParams& p) {
         detail::step(S, K, V, in, o.data());
         detail::store_output(p.o, start + t, h, V, o.data());
         if (islot >= 0)
-          detail::store_state(p.intermediate.data, p.intermediate.dtype, p.intermediate.layout,
-                              detail::cache_offset(p.intermediate, islot, t, HV, h, K, V), K, V, S);
+          detail::store_state(detail::cache_head(p.intermediate, islot, t, HV, h, K, V), K, V, S);
       }
       if (p.update_state && !tree && len > 0)
-        detail::store_state(p.state.data, p.state.dtype, p.state.layout, detail::pool_offset(p.state, slot, h, K, V), K,
-                            V, after.data());
+        detail::store_state(detail::pool_head(p.state, slot, HV, h, K, V), K, V, after.data());
     }
   }
 }
@@ -125,21 +122,20 @@ void commit(const CommitParams& p) {
     std::vector<double> S(KV);
     detail::TokenInputs in;
     for (int h = 0; h < HV; ++h) {
-      const int64_t pool_off = detail::pool_offset(p.state, slot, h, K, V);
+      const detail::HeadState pool = detail::pool_head(p.state, slot, HV, h, K, V);
       if (from_cache) {
         // The state after the last kept token was stored by verify at step kept(n-1).
         if (islot < 0) break;  // the row cached nothing: padding
-        detail::load_state(p.intermediate.data, p.intermediate.dtype, p.intermediate.layout,
-                           detail::cache_offset(p.intermediate, islot, kept(n - 1), HV, h, K, V), K, V, S.data());
+        detail::load_state(detail::cache_head(p.intermediate, islot, kept(n - 1), HV, h, K, V), K, V, S.data());
       } else {
         // Replay the kept tokens in order from the pool state; q and o are not needed.
-        detail::load_state(p.state.data, p.state.dtype, p.state.layout, pool_off, K, V, S.data());
+        detail::load_state(pool, K, V, S.data());
         for (int32_t i = 0; i < n; ++i) {
           reader.read(start + kept(i), h, /*need_q=*/false, &in);
           detail::step(S.data(), K, V, in, nullptr);
         }
       }
-      detail::store_state(p.state.data, p.state.dtype, p.state.layout, pool_off, K, V, S.data());
+      detail::store_state(pool, K, V, S.data());
     }
   }
 }

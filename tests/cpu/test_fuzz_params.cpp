@@ -1507,7 +1507,7 @@ std::vector<Single> singles() {
        [](AnyParams& ap, Scratch&) { as<DP>(ap).gating.g.dtype = DType::kBFloat16; }, "g: expected dtype float32"},
       {"decode_bf16_fused", "state.dtype=int32",
        [](AnyParams& ap, Scratch&) { as<DP>(ap).state.dtype = DType::kInt32; },
-       "state: expected dtype float32, bfloat16 or float16, got int32"},
+       "state: expected dtype float32, bfloat16, float16 or float8_e4m3, got int32"},
       {"decode_bf16_fused", "state.layout=2", [](AnyParams& ap, Scratch&) { as<DP>(ap).state.layout = StateLayout(2); },
        "state: unknown state layout 2"},
       {"decode_bf16_fused", "state.slot_stride=HV*K*V-1",

@@ -231,11 +231,15 @@ TEST(Validation, WrongDtype) {
   Host h;
   auto d = h.decode();
   d.state.dtype = DType::kInt32;
-  EXPECT_INVALID_BOTH(d, "state: expected dtype float32, bfloat16 or float16, got int32");
+  EXPECT_INVALID_BOTH(d, "state: expected dtype float32, bfloat16, float16 or float8_e4m3, got int32");
 
   d = h.decode();
   d.q.dtype = d.k.dtype = DType::kInt32;
   EXPECT_INVALID_BOTH(d, "q: expected dtype float32, bfloat16 or float16, got int32");
+
+  d = h.decode();  // float8_e4m3 is a state dtype only
+  d.q.dtype = d.k.dtype = DType::kFloat8E4M3;
+  EXPECT_INVALID_BOTH(d, "q: expected dtype float32, bfloat16 or float16, got float8_e4m3");
 
   d = h.decode();
   d.k.dtype = DType::kFloat16;
@@ -262,7 +266,7 @@ TEST(Validation, WrongDtype) {
 
   auto v = h.verify();
   v.intermediate.dtype = DType::kInt32;
-  EXPECT_INVALID_BOTH(v, "intermediate: expected dtype float32, bfloat16 or float16, got int32");
+  EXPECT_INVALID_BOTH(v, "intermediate: expected dtype float32, bfloat16, float16 or float8_e4m3, got int32");
 
   auto p = h.prefill();
   p.cu_seqlens_dtype = DType::kFloat32;
@@ -595,7 +599,7 @@ TEST(Validation, BadCacheAndLayoutCombos) {
 
   l = h.layout();
   l.src.dtype = l.dst.dtype = DType::kInt32;
-  EXPECT_INVALID_BOTH(l, "src: expected dtype float32, bfloat16 or float16, got int32");
+  EXPECT_INVALID_BOTH(l, "src: expected dtype float32, bfloat16, float16 or float8_e4m3, got int32");
 }
 
 TEST(Validation, UnknownEnumsAndOptions) {

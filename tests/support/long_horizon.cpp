@@ -49,7 +49,7 @@ LongHorizonInputs long_horizon_inputs(int64_t tokens, bool mixed, uint64_t seed)
 }
 
 LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tokens, DType pool_dtype,
-                                const Context& ctx, const LongHorizonMemory& mem) {
+                                const Context& ctx, const LongHorizonMemory& mem, bool fp8_once) {
   std::vector<void*> owned;
   const size_t T = size_t(in.tokens);
   const float* q = place(mem, owned, in.q.data(), T * K);
@@ -60,10 +60,12 @@ LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tok
   float* o = place(mem, owned, nullptr, T * V);
   void* pool = mem.alloc(size_t(K) * V * size_t(dtype_size(pool_dtype)));
   owned.push_back(pool);
+  auto* scales = static_cast<uint8_t*>(mem.alloc(size_t(K) * V / kFp8Block));  // float8_e4m3 pools
+  owned.push_back(scales);
   auto* ints = static_cast<int32_t*>(mem.alloc(4 * sizeof(int32_t)));
   owned.push_back(ints);
   ints[0] = 0, ints[1] = int32_t(prefill_tokens), ints[2] = 0 /* slot */, ints[3] = -1 /* from S = 0 */;
-  const StatePool sp{pool, pool_dtype, StateLayout::kKLast, 1, int64_t(K) * V};
+  const StatePool sp{pool, pool_dtype, StateLayout::kKLast, 1, int64_t(K) * V, scales};
   const auto gates = [&](int64_t t0) {
     Gating gate;
     gate.mode = GateMode::kGiven;
@@ -86,6 +88,15 @@ LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tok
   p.initial_indices = ints + 3;
   p.final_indices = ints + 2;
   prefill(p, ctx);
+  if (fp8_once) {  // the prefill's state through float8_e4m3 once, as a checkpoint stored and restored
+    mem.sync();
+    auto* s = static_cast<float*>(pool);
+    uint8_t q[kFp8Block];
+    for (int64_t b = 0; b < int64_t(K) * V; b += kFp8Block) {
+      const float scale = host::e8m0_to_float(host::quantize_e4m3_block(s + b, kFp8Block, q));
+      for (int i = 0; i < kFp8Block; ++i) s[b + i] = host::e4m3_to_float(q[i]) * scale;
+    }
+  }
   for (int64_t t = prefill_tokens; t < in.tokens; ++t) {
     DecodeParams d;
     d.heads = one_head();
@@ -104,7 +115,10 @@ LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tok
   LongHorizonRun r;
   r.o.assign(o + prefill_tokens * V, o + T * V);
   r.state.resize(size_t(K) * V);
-  for (int64_t i = 0; i < K * V; ++i) r.state[i] = float(host::load(pool, pool_dtype, i));
+  for (int64_t i = 0; i < K * V; ++i)
+    r.state[i] = pool_dtype == DType::kFloat8E4M3
+                     ? host::e4m3_to_float(static_cast<const uint8_t*>(pool)[i]) * host::e8m0_to_float(scales[i / kFp8Block])
+                     : float(host::load(pool, pool_dtype, i));
   for (void* x : owned) mem.release(x);
   return r;
 }
@@ -142,6 +156,31 @@ void expect_long_horizon(const Context& ctx, const LongHorizonMemory& mem, int64
     EXPECT_LT(o_h, o_bf / 4) << regime;
     EXPECT_LT(s_h, s_bf / 4) << regime;
     EXPECT_GT(o_h, 0.0) << regime << ": an fp16 pool that does not round: the test would prove nothing";
+  }
+}
+
+void expect_long_horizon_fp8(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens,
+                             int64_t decode_steps, const char* backend) {
+  for (bool mixed : {false, true}) {
+    const char* regime = mixed ? "mixed" : "long memory";
+    const LongHorizonInputs in = long_horizon_inputs(prefill_tokens + decode_steps, mixed, mixed ? 12 : 11);
+    const LongHorizonRun ref = long_horizon_run(in, prefill_tokens, DType::kFloat32, ctx, mem);
+    const LongHorizonRun bf16 = long_horizon_run(in, prefill_tokens, DType::kBFloat16, ctx, mem);
+    const LongHorizonRun fp8 = long_horizon_run(in, prefill_tokens, DType::kFloat8E4M3, ctx, mem);
+    const double o_bf = long_horizon_rel(bf16.o, ref.o), o_8 = long_horizon_rel(fp8.o, ref.o);
+    const double s_bf = long_horizon_rel(bf16.state, ref.state), s_8 = long_horizon_rel(fp8.state, ref.state);
+    const LongHorizonRun once = long_horizon_run(in, prefill_tokens, DType::kFloat32, ctx, mem, true);
+    const double o_1 = long_horizon_rel(once.o, ref.o), s_1 = long_horizon_rel(once.state, ref.state);
+    std::printf("%s, %s, prefill %lld + decode %lld: o rel. error float8_e4m3 %.3e (bf16 %.3e); final state "
+                "float8_e4m3 %.3e (bf16 %.3e); float8_e4m3 once after the prefill, fp32 after: o %.3e, state %.3e\n",
+                backend, regime, (long long)prefill_tokens, (long long)decode_steps, o_8, o_bf, s_8, s_bf, o_1, s_1);
+    EXPECT_GT(o_1, 0.0) << regime;
+    EXPECT_LT(o_1, o_8 / 4) << regime << ": one rounding should cost far less than one per step";
+    // 3 significant bits against bf16's 8: about 32x the rounding; far from garbage (o ~ 1 when unrelated).
+    EXPECT_GT(o_8, 4 * o_bf) << regime << ": an e4m3 pool that rounds like bf16 or finer: not e4m3";
+    EXPECT_GT(s_8, 4 * s_bf) << regime;
+    EXPECT_LT(o_8, 0.5) << regime;
+    EXPECT_LT(s_8, 0.5) << regime;
   }
 }
 

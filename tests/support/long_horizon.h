@@ -31,9 +31,11 @@ struct LongHorizonMemory {
   std::function<void()> sync;
 };
 
-// The first prefill_tokens tokens as one prefill from S = 0, the rest as decode steps, on a pool of pool_dtype.
+// The first prefill_tokens tokens as one prefill from S = 0, the rest as decode steps, on a pool of pool_dtype;
+// fp8_once (fp32 pool): the state after the prefill rounded through float8_e4m3 blocks once, as a prefix-cache
+// checkpoint stored in e4m3 and restored into an fp32 pool.
 LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tokens, DType pool_dtype,
-                                const Context& ctx, const LongHorizonMemory& mem);
+                                const Context& ctx, const LongHorizonMemory& mem, bool fp8_once = false);
 
 // ||x - ref|| / ||ref||
 double long_horizon_rel(const std::vector<float>& x, const std::vector<float>& ref);
@@ -45,5 +47,11 @@ void long_horizon_lengths(int64_t& prefill_tokens, int64_t& decode_steps);
 // below a quarter of bf16's (3 more significant bits: an eighth of the rounding).
 void expect_long_horizon(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens,
                          int64_t decode_steps, const char* backend);
+
+// Both regimes with a float8_e4m3 pool against the fp32 pool on ctx (bf16's error beside it, and e4m3 once after
+// the prefill): prints the table and expects e4m3's errors well above bf16's and below 0.5, and one rounding far
+// below a rounding per step.
+void expect_long_horizon_fp8(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens,
+                             int64_t decode_steps, const char* backend);
 
 }  // namespace gdnkit::test
