@@ -166,7 +166,10 @@ struct TokenBuffers {
 HeadConfig head_config(const Shape& s);
 void set_token_views(const Shape& s, DType in, const TokenBuffers& t, int64_t first_token, InView& q, InView& k,
                      InView& v, OutView& o, Gating& gating);
-StatePool make_pool(const Shape& s, void* data, DType dtype, StateLayout layout, int64_t slots);
+StatePool make_pool(const Shape& s, void* data, DType dtype, StateLayout layout, int64_t slots,
+                    uint8_t* scales = nullptr);
+// Bytes a state element moves: its dtype, and for float8_e4m3 its share of the block's scale byte.
+double state_elem_bytes(DType state);
 
 // Byte and FLOP models (shared by both backends).
 double decode_bytes(const Shape& s, int32_t B, DType in, DType state);

@@ -163,9 +163,14 @@ void set_token_views(const Shape& s, DType in, const TokenBuffers& t, int64_t fi
   g.dt_bias = t.dt_bias;
 }
 
-StatePool make_pool(const Shape& s, void* data, DType dtype, StateLayout layout, int64_t slots) {
+double state_elem_bytes(DType state) {
+  return dtype_size(state) + (state == DType::kFloat8E4M3 ? 1.0 / kFp8Block : 0.0);
+}
+
+StatePool make_pool(const Shape& s, void* data, DType dtype, StateLayout layout, int64_t slots, uint8_t* scales) {
   StatePool p;
   p.data = data;
+  p.scales = scales;
   p.dtype = dtype;
   p.layout = layout;
   p.num_slots = slots;
@@ -186,7 +191,7 @@ double gate_param_bytes(const Shape& s) { return 2.0 * s.HV * 4; }  // A_log, dt
 }  // namespace
 
 double decode_bytes(const Shape& s, int32_t B, DType in, DType state) {
-  const double sb = dtype_size(state);
+  const double sb = state_elem_bytes(state);
   return 2.0 * B * slot_elems(s) * sb + B * token_bytes(s, in) + 4.0 * B + gate_param_bytes(s);
 }
 
@@ -393,7 +398,9 @@ std::string fmt(double x, const char* f) {
   return buf;
 }
 
-const char* short_dtype(DType d) { return d == DType::kFloat32 ? "fp32" : d == DType::kBFloat16 ? "bf16" : "fp16"; }
+const char* short_dtype(DType d) {
+  return d == DType::kFloat32 ? "fp32" : d == DType::kBFloat16 ? "bf16" : d == DType::kFloat16 ? "fp16" : "fp8";
+}
 const char* short_layout(StateLayout l) { return l == StateLayout::kKLast ? "K-last" : "V-last"; }
 
 std::string status_cell(const Row& r) {

@@ -2,6 +2,7 @@
 // Calls only the public API with Backend::kCUDA.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -58,6 +59,17 @@ __global__ void fill_kernel(T* __restrict__ p, int64_t n, uint64_t seed, Fill ki
   }
 }
 
+// float8_e4m3 pools: x1 N(0, 1) per element as e4m3 under one power-of-two scale (2^-kFp8FillShift) for every
+// block, whose scale bytes fill_fp8_scales writes.
+constexpr int kFp8FillShift = 10;
+__global__ void fill_e4m3_kernel(uint8_t* __restrict__ p, int64_t n, uint64_t seed, float x1) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float u1 = uniform_open(seed, i, 0), u2 = uniform_open(seed, i, 1);
+    const float x = x1 * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2) * float(1 << kFp8FillShift);
+    p[i] = uint8_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+  }
+}
+
 template <class T>
 __global__ void count_nonfinite_kernel(const T* __restrict__ p, int64_t n, unsigned long long* count) {
   unsigned long long c = 0;
@@ -82,9 +94,16 @@ void fill(void* p, DType dtype, int64_t n, uint64_t seed, Fill kind, float x0, f
     case DType::kFloat16:
       fill_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<__half*>(p), n, seed, kind, x0, x1);
       break;
+    case DType::kFloat8E4M3:  // kNormal around 0 only (pools); the scales by fill_fp8_scales
+      fill_e4m3_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<uint8_t*>(p), n, seed, x1);
+      break;
     default: throw Error(ErrorCode::kInvalidArgument, std::string("fill: not a float dtype: ") + dtype_name(dtype));
   }
   BENCH_CUDA_CHECK_LAUNCH();
+}
+
+void fill_fp8_scales(void* scales, int64_t elems, cudaStream_t st) {
+  BENCH_CUDA_CHECK(cudaMemsetAsync(scales, 127 - kFp8FillShift, size_t(elems / kFp8Block), st));
 }
 
 int64_t count_nonfinite(const void* p, DType dtype, int64_t n, cudaStream_t st) {
@@ -374,8 +393,12 @@ Row bench_decode(const Device& d, const Options& o, const Shape& s, DType state,
   r.bytes = decode_bytes(s, B, g_input, state);
 
   const uint64_t seed = 1000003ull * B + 17 * int(state) + int(layout);
-  DevBuf pool(size_t(pool_slots * slot_bytes)), indices(size_t(sets) * B * 4), flag(4);
-  fill(pool.get(), state, int64_t(pool_slots) * s.HV * s.K * s.V, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  const int64_t pool_elems = int64_t(pool_slots) * s.HV * s.K * s.V;
+  const bool fp8 = state == DType::kFloat8E4M3;
+  DevBuf pool(size_t(pool_slots * slot_bytes)), scales(fp8 ? size_t(pool_elems / kFp8Block) : 0),
+      indices(size_t(sets) * B * 4), flag(4);
+  fill(pool.get(), state, pool_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  if (fp8) fill_fp8_scales(scales.get(), pool_elems, d.stream);
   DeviceTokens tok(s, g_input, int64_t(sets) * B, seed, d.stream);
   upload(indices.get(), random_slots(pool_slots, int64_t(sets) * B, seed).data(), indices.bytes(), d.stream);
   BENCH_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, d.stream));
@@ -386,7 +409,7 @@ Row bench_decode(const Device& d, const Options& o, const Shape& s, DType state,
     p.heads = head_config(s);
     p.batch = B;
     set_token_views(s, g_input, tok.views, int64_t(i) * B, p.q, p.k, p.v, p.o, p.gating);
-    p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+    p.state = make_pool(s, pool.get(), state, layout, pool_slots, fp8 ? scales.get<uint8_t>() : nullptr);
     p.state_indices = indices.get<int32_t>() + int64_t(i) * B;
     p.error_flag = flag.get<int32_t>();
   }

@@ -34,8 +34,9 @@ commands:
 bench options:
   --shape NAME[,NAME]|all    qwen3-next | qwen3.5-397b-tp8 | qwen3.5-27b | qwen3.5-397b
                              (default: qwen3-next; prefill also qwen3.5-397b-tp8)
-  --state LIST               state dtypes, comma-separated: fp32, bf16, fp16, both (= fp32,bf16),
-                             all (default: decode all, verify/prefill fp32)
+  --state LIST               state dtypes, comma-separated: fp32, bf16, fp16, fp8 (float8_e4m3 with block
+                             scales: decode of K-last pools), both (= fp32,bf16), all (= fp32,bf16,fp16)
+                             (default: decode all, verify/prefill fp32)
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
   --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
   --dim 64|128|256           K = V for every shape (default 128)
@@ -117,9 +118,10 @@ Options parse_bench(int argc, char** argv, int first) {
         if (v == "fp32") o.states.push_back(DType::kFloat32);
         else if (v == "bf16") o.states.push_back(DType::kBFloat16);
         else if (v == "fp16") o.states.push_back(DType::kFloat16);
+        else if (v == "fp8") o.states.push_back(DType::kFloat8E4M3);
         else if (v == "both") o.states.insert(o.states.end(), {DType::kFloat32, DType::kBFloat16});
         else if (v == "all") o.states.insert(o.states.end(), {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
-        else usage_error("--state: expected fp32, bf16, fp16, both or all, got '" + v + "'");
+        else usage_error("--state: expected fp32, bf16, fp16, fp8, both or all, got '" + v + "'");
       }
     } else if (a == "--layout") {
       const std::string v = value(i);

@@ -19,23 +19,26 @@ void require_cuda() {
 #endif
 }
 
-// The CUDA kernels take float32, bfloat16 and float16 states; float8_e4m3 states run on the CPU backend.
-void require_cuda_state_dtype(const char* name, const void* data, DType dtype) {
+// The CUDA kernels take float32, bfloat16 and float16 states everywhere, float8_e4m3 in decode of K-last pools;
+// the CPU backend runs every op on float8_e4m3.
+void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char* got = "") {
   if (data != nullptr && dtype == DType::kFloat8E4M3)
     throw Error(ErrorCode::kNotImplemented, std::string(name) +
-                                                ": the CUDA backend takes float32, bfloat16 or float16 states, got "
-                                                "float8_e4m3 (the CPU backend runs it)");
+                                                ": the CUDA backend takes float8_e4m3 states in decode of K-last pools "
+                                                "only" + got + " (the CPU backend runs every op)");
 }
-void require_cuda_states(const DecodeParams& p) { require_cuda_state_dtype("state", p.state.data, p.state.dtype); }
+void require_cuda_states(const DecodeParams& p) {
+  if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
+}
 void require_cuda_states(const VerifyParams& p) {
-  require_cuda_state_dtype("state", p.state.data, p.state.dtype);
-  require_cuda_state_dtype("intermediate", p.intermediate.data, p.intermediate.dtype);
+  refuse_cuda_fp8("state", p.state.data, p.state.dtype);
+  refuse_cuda_fp8("intermediate", p.intermediate.data, p.intermediate.dtype);
 }
 void require_cuda_states(const PrefillParams& p) {
-  require_cuda_state_dtype("state", p.state.data, p.state.dtype);
-  require_cuda_state_dtype("checkpoints", p.checkpoints.data, p.checkpoints.dtype);
+  refuse_cuda_fp8("state", p.state.data, p.state.dtype);
+  refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype);
 }
-void require_cuda_states(const LayoutParams& p) { require_cuda_state_dtype("src", p.src.data, p.src.dtype); }
+void require_cuda_states(const LayoutParams& p) { refuse_cuda_fp8("src", p.src.data, p.src.dtype); }
 
 template <class Params, class CpuFn, class CudaFn>
 void run(const Params& p, const Context& ctx, CpuFn cpu_fn, CudaFn cuda_fn) {

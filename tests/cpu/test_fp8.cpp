@@ -415,22 +415,39 @@ TEST(Fp8, LayoutScalesRules) {
             std::string::npos);
 }
 
-// The CUDA backend takes no fp8 states: refused after validation and before any device work, whether or not a GPU
-// is present.
-TEST(Fp8, CudaBackendRefusesFp8States) {
-  Fp8States pool(2, 1, kStride, 19);
+// The CUDA backend takes fp8 states in decode of K-last pools only: the rest is refused after validation and before
+// any device work, whether or not a GPU is present.
+TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecode) {
+  Fp8States pool(2, 1, kStride, 19), cache(2, 2, 2 * HV * kHead, 21);
   const Fp8States pool0 = pool;
-  Tokens tok(2, 20);
+  Tokens tok(4, 20);
   const std::vector<int32_t> slots{0, 1};
+  const Context cuda{Backend::kCUDA, nullptr};
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;
-  d.state = pool.pool(StateLayout::kKLast);
+  d.state = pool.pool(StateLayout::kVLast);
   d.state_indices = slots.data();
-  EXPECT_EQ(error_of([&] { decode(d, {Backend::kCUDA, nullptr}); }, ErrorCode::kNotImplemented),
-            "state: the CUDA backend takes float32, bfloat16 or float16 states, got float8_e4m3 (the CPU backend runs "
-            "it)");
+  EXPECT_EQ(error_of([&] { decode(d, cuda); }, ErrorCode::kNotImplemented),
+            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only, got V-last (the CPU "
+            "backend runs every op)");
+  VerifyParams v;
+  tok.into(v, false);
+  v.batch = 2, v.num_draft_tokens = 2;
+  v.state = pool.pool(StateLayout::kKLast);
+  v.state_indices = slots.data();
+  EXPECT_EQ(error_of([&] { verify(v, cuda); }, ErrorCode::kNotImplemented),
+            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
+            "every op)");
+  Fp8States pool32(2, 1, kStride, 22);  // an fp32 pool beside an fp8 cache
+  v.state = pool32.twin_pool(StateLayout::kKLast);
+  v.intermediate = cache.cache(StateLayout::kKLast);
+  v.intermediate_indices = slots.data();
+  EXPECT_EQ(error_of([&] { verify(v, cuda); }, ErrorCode::kNotImplemented),
+            "intermediate: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend "
+            "runs every op)");
   EXPECT_TRUE(pool.untouched(pool0, 0) && pool.untouched(pool0, 1));
+  for (float x : tok.o) EXPECT_TRUE(std::isnan(x)) << "o written";
 }
 
 }  // namespace

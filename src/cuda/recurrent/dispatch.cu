@@ -12,6 +12,7 @@
 #include "cuda/backend.h"
 #include "cuda/host/check.h"
 #include "cuda/arch/dtype.cuh"
+#include "cuda/recurrent/fp8_decode.cuh"
 #include "cuda/recurrent/row.cuh"
 
 namespace gdnkit::cuda {
@@ -218,6 +219,11 @@ void decode(const DecodeParams& p, Stream stream) {
   RecurrentParams r;
   static_cast<DecodeParams&>(r) = p;
   r.num_draft_tokens = 1;
+  if (p.state.dtype == DType::kFloat8E4M3) {  // K-last only (api/dispatch.cpp refuses the rest)
+    check_aligned("state", p.state.data, p.state.slot_stride, p.state.dtype);
+    set_gva(r);
+    return recurrent::launch_fp8_decode(r, stream);
+  }
   dispatch_recurrent<RecurrentOp::kDecode>("decode", r, true, stream);
 }
 

@@ -1,0 +1,184 @@
+// Decode of K-last float8_e4m3 pools (docs/semantics.md "float8_e4m3 states"; docs/design/decode.md "fp8 pools").
+//
+// A warp owns 16 columns v of one value head (column v = S[:, v], K e4m3 bytes, contiguous in a K-last pool).
+// Lane l = kLanesPerCol g + c holds, for each of its kLoads columns v0 + kColsPerLoad i + g, the 16 bytes
+// k = 16 c .. 16 c + 15: one 16-byte load per column, and each 32-element scale block is the pair of lanes
+// (2m, 2m + 1) of a column group. Per column, in fp32 (the warp kernel's math, warp_step.cuh):
+//   S = e4m3 x 2^(scale - 127)                      (exact in fp32)
+//   d_k = S . k, d_q = S . q                        (per-lane sums, reduced over the column's lanes)
+//   u = beta (v - e^g rk d_k),  o = e^g rq d_q + kq_n u
+//   S_new = e^g S + k (rk u), then per block: the scale from the block's largest magnitude (its exponent after
+//   rounding to 4 significant bits, minus 7: the largest element lands on [128, 240]), each element x 2^-s
+//   rounded to nearest even; a block holding NaN or an infinity gets the NaN scale (host_dtype.h
+//   quantize_e4m3_block, which the CPU backend stores: the same bytes for the same fp32 values).
+// Padding rows, out-of-range slots (counted), GVA, fused or given gates and the L2 norm as in the warp kernel
+// (row.cuh, token.cuh).
+#pragma once
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/arch/dtype.cuh"
+#include "cuda/recurrent/row.cuh"
+#include "cuda/recurrent/token.cuh"
+#include "gdnkit/params.h"
+
+namespace gdnkit::cuda::recurrent {
+
+template <int K>
+struct Fp8DecodeTile {
+  static constexpr int kLanesPerCol = K / 16;             // 16 e4m3 bytes per lane and column
+  static constexpr int kColsPerLoad = 32 / kLanesPerCol;  // columns one warp-wide load covers
+  static constexpr int kCols = 16;                        // columns per warp
+  static constexpr int kLoads = kCols / kColsPerLoad;     // 16-byte state loads per lane
+  static constexpr int kWarps = 4;                        // neighbouring columns of one head per CTA
+  static constexpr int kCtaCols = kCols * kWarps;
+  static_assert(K % 32 == 0 && kLanesPerCol >= 2 && kLoads >= 1, "fp8 decode: K in {64, 128, 256}");
+};
+
+// 2^(e - 127) of an E8M0 byte (255: NaN; 0: the subnormal 2^-127).
+__device__ __forceinline__ float e8m0_scale(uint32_t e) {
+  return e == 0u ? __uint_as_float(0x00400000u) : e == 255u ? __uint_as_float(0x7fffffffu) : __uint_as_float(e << 23);
+}
+
+// 16 e4m3 bytes (one uint4) times scale, as fp32.
+__device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float scale, float (&x)[16]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw pair =
+          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
+      const float2 f = __half22float2(__half2(pair));
+      x[4 * i + 2 * h] = f.x * scale;
+      x[4 * i + 2 * h + 1] = f.y * scale;
+    }
+}
+
+// A 32-element block held by lanes (2m, 2m + 1), 16 values each, to e4m3 bytes and its E8M0 scale byte (the same
+// on both lanes).
+__device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t& scale_byte) {
+  uint32_t m = 0;  // the largest |x| as bits: NaN and infinities compare above every finite value
+#pragma unroll
+  for (int j = 0; j < 16; ++j) m = max(m, __float_as_uint(x[j]) & 0x7fffffffu);
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  if (m >= 0x7f800000u) {
+    scale_byte = 255u;
+    return make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
+  }
+  const int e = int((m + 0x7ffffu + ((m >> 20) & 1u)) >> 23) - 127;  // exponent of amax rounded to 4 bits
+  const int s = max(e - 7, -127);                                      // <= 121 for finite amax
+  scale_byte = uint32_t(s + 127);
+  const float inv = __uint_as_float(uint32_t(127 - s) << 23);  // 2^-s, exact
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x[4 * i] * inv, x[4 * i + 1] * inv), __NV_SATFINITE,
+                                                 __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x[4 * i + 2] * inv, x[4 * i + 3] * inv), __NV_SATFINITE,
+                                                 __NV_E4M3);
+    w[i] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <class TInput, int K, int V>
+__global__ void __launch_bounds__(Fp8DecodeTile<K>::kWarps * 32)
+    fp8_decode_kernel(const RecurrentParams p, const bool prefetch) {
+  using Tile = Fp8DecodeTile<K>;
+  constexpr int kLPC = Tile::kLanesPerCol, kCPL = Tile::kColsPerLoad, kLoads = Tile::kLoads;
+  constexpr int kColCtas = V / Tile::kCtaCols;
+  constexpr int kColBlocks = K / kFp8Block;  // scale blocks per column
+  constexpr int64_t kHeadElems = int64_t(K) * V, kHeadBlocks = kHeadElems / kFp8Block;
+  static_assert(V % Tile::kCtaCols == 0, "fp8 decode: V a multiple of 64");
+  (void)prefetch;  // every grid runs the same way
+
+  const int lane = int(threadIdx.x) % 32, c = lane % kLPC, g = lane / kLPC;
+  const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
+  const int v0 = int(blockIdx.x % unsigned(kColCtas)) * Tile::kCtaCols + int(threadIdx.x) / 32 * Tile::kCols;
+  const int hq = qk_head(p, hv);  // GVA
+  const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
+  pdl_wait_and_launch_dependents();
+
+  const int slot = p.state_indices[b];
+  // Token b's inputs: k and q at this lane's 16 k, v of its columns, the gates.
+  const TInput* kp = static_cast<const TInput*>(p.k.data) + int64_t(b) * p.k.token_stride + int64_t(hq) * p.k.head_stride;
+  const TInput* qp = static_cast<const TInput*>(p.q.data) + int64_t(b) * p.q.token_stride + int64_t(hq) * p.q.head_stride;
+  const TInput* vp = static_cast<const TInput*>(p.v.data) + int64_t(b) * p.v.token_stride + int64_t(hv) * p.v.head_stride + v0;
+  TInput* const o = static_cast<TInput*>(p.o.data) + int64_t(b) * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
+  const bool bad = slot >= p.state.num_slots;
+  if (bad || slot < 0) {  // padding row, or a slot past the pool: o = 0, no state traffic
+    if (bad && counter) atomicAdd(p.error_flag, 1);
+    if (lane < Tile::kCols) o[lane] = from_float<TInput>(0.0f);
+    return;
+  }
+  uint8_t* const head = static_cast<uint8_t*>(p.state.data) + int64_t(slot) * p.state.slot_stride + hv * kHeadElems;
+  uint8_t* const scales = p.state.scales + (int64_t(slot) * p.heads.num_v_heads + hv) * kHeadBlocks;
+  uint4 raw[kLoads];
+  uint32_t sbyte[kLoads];
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int col = v0 + kCPL * i + g;
+    raw[i] = *reinterpret_cast<const uint4*>(head + int64_t(col) * K + 16 * c);
+    sbyte[i] = scales[col * kColBlocks + c / 2];
+  }
+  RawVec<TInput, 16> kr, qr;
+  kr.load(kp + 16 * c), qr.load(qp + 16 * c);
+  TInput vv[kLoads];
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) vv[i] = vp[kCPL * i + g];
+  const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
+  const HeadGates hg = head_gates(p.gating, hv);
+
+  float kf[16], qf[16];
+  kr.to_floats(kf), qr.to_floats(qf);
+  // Norms over the column group's lanes (each group holds all of k and q).
+  float kk = 0.0f, qq = 0.0f, kq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
+#pragma unroll
+  for (int off = 1; off < kLPC; off <<= 1) {
+    kk += __shfl_xor_sync(0xffffffffu, kk, off);
+    qq += __shfl_xor_sync(0xffffffffu, qq, off);
+    kq += __shfl_xor_sync(0xffffffffu, kq, off);
+  }
+  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
+  const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
+  const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
+  const float kq_n = kq * rk * rq;
+  float gl, beta;
+  gate_log_values(p.gating, hg, gate_bits, gl, beta);
+  const float decay = expf(gl);
+
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    float s[16];
+    unpack_e4m3x16(raw[i], e8m0_scale(sbyte[i]), s);
+    float dk = 0.0f, dq = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) dk = fmaf(s[j], kf[j], dk), dq = fmaf(s[j], qf[j], dq);
+#pragma unroll
+    for (int off = 1; off < kLPC; off <<= 1) {
+      dk += __shfl_xor_sync(0xffffffffu, dk, off);
+      dq += __shfl_xor_sync(0xffffffffu, dq, off);
+    }
+    const float u = beta * (to_float(vv[i]) - decay * (dk * rk));
+    if (c == 0) o[kCPL * i + g] = from_float<TInput>(fmaf(kq_n, u, decay * (dq * rq)));
+    const float uk = u * rk;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) s[j] = fmaf(kf[j], uk, decay * s[j]);
+    uint32_t new_scale;
+    const uint4 out = quantize_e4m3x16(s, new_scale);
+    const int col = v0 + kCPL * i + g;
+    *reinterpret_cast<uint4*>(head + int64_t(col) * K + 16 * c) = out;
+    if (c % 2 == 0) scales[col * kColBlocks + c / 2] = uint8_t(new_scale);
+  }
+}
+
+// Decode of a K-last float8_e4m3 pool (dispatch.cu); K = V in {64, 128, 256}.
+void launch_fp8_decode(const RecurrentParams& p, Stream stream);
+
+}  // namespace gdnkit::cuda::recurrent

@@ -1,0 +1,48 @@
+// Decode of K-last float8_e4m3 pools (fp8_decode.cuh): one instantiation per input dtype and K = V.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <string>
+
+#include "cuda/recurrent/fp8_decode.cuh"
+#include "cuda/recurrent/launch.cuh"
+
+namespace gdnkit::cuda::recurrent {
+namespace {
+
+template <class TInput, int K>
+void launch_k(const RecurrentParams& p, Stream stream) {
+  using Tile = Fp8DecodeTile<K>;
+  const dim3 grid(unsigned(p.heads.num_v_heads) * unsigned(K / Tile::kCtaCols), unsigned(p.batch));
+  launch_recurrent(fp8_decode_kernel<TInput, K, K>, grid, Tile::kWarps * 32, false, stream, p);
+}
+
+template <class TInput>
+void launch_input(const RecurrentParams& p, Stream stream) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  if (K == 64 && V == 64) return launch_k<TInput, 64>(p, stream);
+  if (K == 128 && V == 128) return launch_k<TInput, 128>(p, stream);
+  if (K == 256 && V == 256) return launch_k<TInput, 256>(p, stream);
+  throw Error(ErrorCode::kNotImplemented, "cuda: head dims K=" + std::to_string(K) + ", V=" + std::to_string(V) +
+                                              " are not built (built: K = V in {64, 128, 256})");
+}
+
+}  // namespace
+
+void launch_fp8_decode(const RecurrentParams& p, Stream stream) {
+  constexpr int64_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y: one row per sequence
+  if (p.batch <= 0 || p.heads.num_v_heads <= 0) return;
+  if (p.batch > kMaxGridY)
+    throw Error(ErrorCode::kNotImplemented,
+                "cuda recurrent: B = " + std::to_string(p.batch) + " exceeds the grid (B <= 65535)");
+  switch (p.k.dtype) {  // q, k, v, o share it (validated)
+    case DType::kFloat32: return launch_input<float>(p, stream);
+    case DType::kBFloat16: return launch_input<__nv_bfloat16>(p, stream);
+    case DType::kFloat16: return launch_input<__half>(p, stream);
+    default:
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("k: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.k.dtype));
+  }
+}
+
+}  // namespace gdnkit::cuda::recurrent
