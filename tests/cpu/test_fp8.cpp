@@ -207,6 +207,19 @@ struct Tokens {
 
 class Fp8Ops : public ::testing::TestWithParam<StateLayout> {};
 
+// Verify / commit params of B rows of T tokens over the fp8 pool or its twin.
+CommitParams step_params(Tokens& tok, Fp8States& pool, bool twin, StateLayout layout, int B, int T,
+                         const std::vector<int32_t>& slots, const std::vector<int32_t>& accepted) {
+  CommitParams p;
+  tok.into(p, twin);
+  p.batch = B;
+  p.num_draft_tokens = T;
+  p.state = twin ? pool.twin_pool(layout) : pool.pool(layout);
+  p.state_indices = slots.data();
+  p.accepted = accepted.data();
+  return p;
+}
+
 TEST_P(Fp8Ops, DecodeStoresTheQuantizedState) {
   const StateLayout layout = GetParam();
   Fp8States pool(4, 1, kStride, 1);
@@ -237,18 +250,11 @@ TEST_P(Fp8Ops, VerifyCacheThenCommit) {
   const Fp8States pool0 = pool;
   Tokens tok(B * T, 5);
   const std::vector<int32_t> slots{1, 2}, islots{1, 0}, accepted{2, 3};
-  CommitParams c, ct;
-  for (auto [p, twin] : {std::pair<CommitParams*, bool>{&c, false}, {&ct, true}}) {
-    tok.into(*p, twin);
-    p->batch = B;
-    p->num_draft_tokens = T;
-    p->state = twin ? pool.twin_pool(layout) : pool.pool(layout);
-    p->state_indices = slots.data();
-    p->intermediate = twin ? cache.twin_cache(layout) : cache.cache(layout);
-    p->intermediate_indices = islots.data();
-    p->accepted = accepted.data();
-    p->source = CommitSource::kCache;
-  }
+  CommitParams c = step_params(tok, pool, false, layout, B, T, slots, accepted);
+  CommitParams ct = step_params(tok, pool, true, layout, B, T, slots, accepted);
+  c.intermediate = cache.cache(layout), ct.intermediate = cache.twin_cache(layout);
+  c.intermediate_indices = ct.intermediate_indices = islots.data();
+  c.source = ct.source = CommitSource::kCache;
   verify(c, kCpu);
   verify(ct, kCpu);
   EXPECT_EQ(tok.o, tok.o_twin);
@@ -271,16 +277,9 @@ TEST_P(Fp8Ops, CommitByRecompute) {
   const Fp8States pool0 = pool;
   Tokens tok(B * T, 7);
   const std::vector<int32_t> slots{0, 2}, accepted{3, 1};
-  CommitParams c, ct;
-  for (auto [p, twin] : {std::pair<CommitParams*, bool>{&c, false}, {&ct, true}}) {
-    tok.into(*p, twin);
-    p->batch = B;
-    p->num_draft_tokens = T;
-    p->state = twin ? pool.twin_pool(layout) : pool.pool(layout);
-    p->state_indices = slots.data();
-    p->accepted = accepted.data();
-    p->source = CommitSource::kRecompute;
-  }
+  CommitParams c = step_params(tok, pool, false, layout, B, T, slots, accepted);
+  CommitParams ct = step_params(tok, pool, true, layout, B, T, slots, accepted);
+  c.source = ct.source = CommitSource::kRecompute;
   commit(c, kCpu);
   commit(ct, kCpu);
   EXPECT_TRUE(pool.quantizes_twin(0));

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 
 #include "gdnkit/host_dtype.h"
@@ -139,49 +140,59 @@ void long_horizon_lengths(int64_t& prefill_tokens, int64_t& decode_steps) {
   }
 }
 
-void expect_long_horizon(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens,
-                         int64_t decode_steps, const char* backend) {
+namespace {
+
+struct LongHorizonError {
+  double o, state;  // relative to the fp32 pool's run
+};
+using ErrorOf = std::function<LongHorizonError(DType pool_dtype, bool fp8_once)>;
+
+// Both regimes: their inputs and the fp32 pool's run, then body(regime, errors of a pool dtype on those inputs).
+void for_each_regime(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens, int64_t decode_steps,
+                     const std::function<void(const char*, const ErrorOf&)>& body) {
   for (bool mixed : {false, true}) {
-    const char* regime = mixed ? "mixed" : "long memory";
     const LongHorizonInputs in = long_horizon_inputs(prefill_tokens + decode_steps, mixed, mixed ? 12 : 11);
     const LongHorizonRun ref = long_horizon_run(in, prefill_tokens, DType::kFloat32, ctx, mem);
-    const LongHorizonRun bf16 = long_horizon_run(in, prefill_tokens, DType::kBFloat16, ctx, mem);
-    const LongHorizonRun fp16 = long_horizon_run(in, prefill_tokens, DType::kFloat16, ctx, mem);
-    const double o_bf = long_horizon_rel(bf16.o, ref.o), o_h = long_horizon_rel(fp16.o, ref.o);
-    const double s_bf = long_horizon_rel(bf16.state, ref.state), s_h = long_horizon_rel(fp16.state, ref.state);
+    body(mixed ? "mixed" : "long memory", [&](DType dt, bool once) {
+      const LongHorizonRun r = long_horizon_run(in, prefill_tokens, dt, ctx, mem, once);
+      return LongHorizonError{long_horizon_rel(r.o, ref.o), long_horizon_rel(r.state, ref.state)};
+    });
+  }
+}
+
+}  // namespace
+
+void expect_long_horizon(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens,
+                         int64_t decode_steps, const char* backend) {
+  for_each_regime(ctx, mem, prefill_tokens, decode_steps, [&](const char* regime, const ErrorOf& error) {
+    const LongHorizonError bf = error(DType::kBFloat16, false), h = error(DType::kFloat16, false);
     std::printf("%s, %s, prefill %lld + decode %lld: o rel. error bf16 %.3e, fp16 %.3e; final state bf16 %.3e, "
                 "fp16 %.3e\n",
-                backend, regime, (long long)prefill_tokens, (long long)decode_steps, o_bf, o_h, s_bf, s_h);
-    EXPECT_TRUE(std::isfinite(o_h) && std::isfinite(o_bf)) << regime;
-    EXPECT_LT(o_h, o_bf / 4) << regime;
-    EXPECT_LT(s_h, s_bf / 4) << regime;
-    EXPECT_GT(o_h, 0.0) << regime << ": an fp16 pool that does not round: the test would prove nothing";
-  }
+                backend, regime, (long long)prefill_tokens, (long long)decode_steps, bf.o, h.o, bf.state, h.state);
+    EXPECT_TRUE(std::isfinite(h.o) && std::isfinite(bf.o)) << regime;
+    EXPECT_LT(h.o, bf.o / 4) << regime;
+    EXPECT_LT(h.state, bf.state / 4) << regime;
+    EXPECT_GT(h.o, 0.0) << regime << ": an fp16 pool that does not round: the test would prove nothing";
+  });
 }
 
 void expect_long_horizon_fp8(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens,
                              int64_t decode_steps, const char* backend) {
-  for (bool mixed : {false, true}) {
-    const char* regime = mixed ? "mixed" : "long memory";
-    const LongHorizonInputs in = long_horizon_inputs(prefill_tokens + decode_steps, mixed, mixed ? 12 : 11);
-    const LongHorizonRun ref = long_horizon_run(in, prefill_tokens, DType::kFloat32, ctx, mem);
-    const LongHorizonRun bf16 = long_horizon_run(in, prefill_tokens, DType::kBFloat16, ctx, mem);
-    const LongHorizonRun fp8 = long_horizon_run(in, prefill_tokens, DType::kFloat8E4M3, ctx, mem);
-    const double o_bf = long_horizon_rel(bf16.o, ref.o), o_8 = long_horizon_rel(fp8.o, ref.o);
-    const double s_bf = long_horizon_rel(bf16.state, ref.state), s_8 = long_horizon_rel(fp8.state, ref.state);
-    const LongHorizonRun once = long_horizon_run(in, prefill_tokens, DType::kFloat32, ctx, mem, true);
-    const double o_1 = long_horizon_rel(once.o, ref.o), s_1 = long_horizon_rel(once.state, ref.state);
+  for_each_regime(ctx, mem, prefill_tokens, decode_steps, [&](const char* regime, const ErrorOf& error) {
+    const LongHorizonError bf = error(DType::kBFloat16, false), e8 = error(DType::kFloat8E4M3, false);
+    const LongHorizonError once = error(DType::kFloat32, true);
     std::printf("%s, %s, prefill %lld + decode %lld: o rel. error float8_e4m3 %.3e (bf16 %.3e); final state "
                 "float8_e4m3 %.3e (bf16 %.3e); float8_e4m3 once after the prefill, fp32 after: o %.3e, state %.3e\n",
-                backend, regime, (long long)prefill_tokens, (long long)decode_steps, o_8, o_bf, s_8, s_bf, o_1, s_1);
-    EXPECT_GT(o_1, 0.0) << regime;
-    EXPECT_LT(o_1, o_8 / 4) << regime << ": one rounding should cost far less than one per step";
+                backend, regime, (long long)prefill_tokens, (long long)decode_steps, e8.o, bf.o, e8.state, bf.state,
+                once.o, once.state);
+    EXPECT_GT(once.o, 0.0) << regime;
+    EXPECT_LT(once.o, e8.o / 4) << regime << ": one rounding should cost far less than one per step";
     // 3 significant bits against bf16's 8: about 32x the rounding; far from garbage (o ~ 1 when unrelated).
-    EXPECT_GT(o_8, 4 * o_bf) << regime << ": an e4m3 pool that rounds like bf16 or finer: not e4m3";
-    EXPECT_GT(s_8, 4 * s_bf) << regime;
-    EXPECT_LT(o_8, 0.5) << regime;
-    EXPECT_LT(s_8, 0.5) << regime;
-  }
+    EXPECT_GT(e8.o, 4 * bf.o) << regime << ": an e4m3 pool that rounds like bf16 or finer: not e4m3";
+    EXPECT_GT(e8.state, 4 * bf.state) << regime;
+    EXPECT_LT(e8.o, 0.5) << regime;
+    EXPECT_LT(e8.state, 0.5) << regime;
+  });
 }
 
 }  // namespace gdnkit::test
