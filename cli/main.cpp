@@ -169,6 +169,10 @@ Options parse_bench(int argc, char** argv, int first) {
     }
   }
   o.ops = op == "all" ? std::vector<std::string>{"decode", "verify", "prefill"} : std::vector<std::string>{op};
+  const bool fp8 = std::find(o.states.begin(), o.states.end(), DType::kFloat8E4M3) != o.states.end();
+  if (fp8 && (op != "decode" || o.cpu || o.layouts != std::vector<StateLayout>{StateLayout::kKLast}))
+    usage_error("--state fp8: float8_e4m3 pools are benchmarked in decode of K-last pools on CUDA "
+                "(gdnkit bench decode --state fp8 --layout klast)");
   if (!o.json_path.empty() && o.json_path == o.markdown_path)
     usage_error("--json and --markdown name the same file '" + o.json_path + "'");
   return o;
@@ -225,6 +229,8 @@ int run_bench(int argc, char** argv) {
   } else {
     use_cuda = true;
   }
+  if (!use_cuda && std::find(o.states.begin(), o.states.end(), DType::kFloat8E4M3) != o.states.end())
+    usage_error("--state fp8: float8_e4m3 pools are benchmarked on CUDA only, and this run has no usable CUDA device");
   if (!use_cuda) std::printf("%s\n", info.note.c_str());
   std::fflush(stdout);
 

@@ -36,7 +36,7 @@ void require_cuda_states(const VerifyParams& p) {
 }
 void require_cuda_states(const PrefillParams& p) {
   refuse_cuda_fp8("state", p.state.data, p.state.dtype);
-  refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype);
+  if (p.checkpoint_interval > 0) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype);
 }
 void require_cuda_states(const LayoutParams& p) { refuse_cuda_fp8("src", p.src.data, p.src.dtype); }
 
@@ -77,6 +77,7 @@ void convert_layout(const LayoutParams& p, const Context& ctx) {
 }
 
 size_t prefill_workspace_bytes(const PrefillParams& p) {
+  require_cuda_states(p);
 #ifdef GDNKIT_WITH_CUDA
   return cuda::prefill_workspace_bytes(p);
 #else

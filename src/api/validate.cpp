@@ -436,9 +436,17 @@ void validate(const LayoutParams& p, Backend backend) {
   if (s0 < d1 && d0 < s1)
     fail("dst: overlaps src (", pointer_str(p.dst.data), " vs ", pointer_str(p.src.data),
          "); convert in place with dst.data == src.data, or use separate buffers");
-  if (p.src.dtype == DType::kFloat8E4M3 && p.dst.scales == p.src.scales)
-    fail("dst: scales are those of src (", pointer_str(p.dst.scales),
-         "); out of place, dst needs scales of its own");
+  if (p.src.dtype == DType::kFloat8E4M3) {
+    // The scales of the two pools, [P, HV*K*V/32] bytes each: apart from each other and from both pools' data.
+    const uintptr_t scale_bytes = uintptr_t(p.src.num_slots) * uintptr_t(per_slot / kFp8Block);
+    const auto ss = reinterpret_cast<uintptr_t>(p.src.scales), ds = reinterpret_cast<uintptr_t>(p.dst.scales);
+    const auto apart = [&](uintptr_t a, uintptr_t a1, uintptr_t b, uintptr_t b1) { return a1 <= b || b1 <= a; };
+    if (!apart(ss, ss + scale_bytes, ds, ds + scale_bytes))
+      fail("dst: scales overlap those of src (", pointer_str(p.dst.scales), " vs ", pointer_str(p.src.scales),
+           "); out of place, dst needs scales of its own");
+    if (!apart(ds, ds + scale_bytes, s0, s1) || !apart(ds, ds + scale_bytes, d0, d1))
+      fail("dst: scales overlap a pool's data (", pointer_str(p.dst.scales), ")");
+  }
 }
 
 }  // namespace gdnkit

@@ -285,6 +285,7 @@ TEST_P(Fp8Ops, CommitByRecompute) {
   EXPECT_TRUE(pool.quantizes_twin(0));
   EXPECT_TRUE(pool.quantizes_twin(2));
   EXPECT_TRUE(pool.untouched(pool0, 1));
+  EXPECT_FALSE(pool.untouched(pool0, 0)) << "commit wrote nothing";
 }
 
 TEST_P(Fp8Ops, PrefillStatesAndCheckpoints) {
@@ -322,7 +323,9 @@ TEST_P(Fp8Ops, PrefillStatesAndCheckpoints) {
     // slot 1 keeps its start (compared through the twin, whose step 2 was not written either).
     EXPECT_TRUE(ckpt.quantizes_twin(0));
     EXPECT_TRUE(ckpt.quantizes_twin(1));
+    EXPECT_FALSE(pool.untouched(pool0, 3)) << "prefill stored no final state";
   }
+  EXPECT_NE(ckpt.q, Fp8States(2, 3, 3 * HV * kHead + 32, 9).q) << "prefill stored no checkpoint";
 }
 
 TEST_P(Fp8Ops, LayoutConversion) {
@@ -396,6 +399,22 @@ TEST(Fp8, MissingScalesRejectedAndNothingWritten) {
   EXPECT_EQ(error_of([&] { prefill(p, kCpu); }, ErrorCode::kInvalidArgument),
             "checkpoints: float8_e4m3 states need their scales (one byte per 32 elements), got a null pointer");
   EXPECT_TRUE(pool.untouched(pool0, 0));
+
+  Fp8States cache(2, 2, 2 * HV * kHead, 23);
+  const Fp8States cache0 = cache;
+  VerifyParams v;
+  tok = Tokens(4, 24);
+  tok.into(v, false);
+  v.batch = 2, v.num_draft_tokens = 2;
+  v.state = pool.pool(StateLayout::kKLast);
+  v.state_indices = slots.data();
+  v.intermediate = cache.cache(StateLayout::kKLast);
+  v.intermediate.scales = nullptr;
+  v.intermediate_indices = slots.data();
+  EXPECT_EQ(error_of([&] { verify(v, kCpu); }, ErrorCode::kInvalidArgument),
+            "intermediate: float8_e4m3 states need their scales (one byte per 32 elements), got a null pointer");
+  EXPECT_TRUE(pool.untouched(pool0, 0) && pool.untouched(pool0, 1));
+  EXPECT_TRUE(cache.untouched(cache0, 0) && cache.untouched(cache0, 1));
 }
 
 TEST(Fp8, LayoutScalesRules) {
@@ -405,8 +424,18 @@ TEST(Fp8, LayoutScalesRules) {
   p.src = src.pool(StateLayout::kKLast);
   p.dst = dst.pool(StateLayout::kVLast);
   p.dst.scales = src.scales.data();
-  EXPECT_NE(error_of([&] { convert_layout(p, kCpu); }, ErrorCode::kInvalidArgument).find("dst: scales are those of src"),
+  EXPECT_NE(error_of([&] { convert_layout(p, kCpu); }, ErrorCode::kInvalidArgument).find("dst: scales overlap those of src"),
             std::string::npos);
+  p.dst = dst.pool(StateLayout::kVLast);
+  p.dst.scales = src.scales.data() + 1;  // overlapping, not equal
+  EXPECT_NE(error_of([&] { convert_layout(p, kCpu); }, ErrorCode::kInvalidArgument).find("dst: scales overlap those of src"),
+            std::string::npos);
+  p.dst.scales = src.q.data();  // inside src's data
+  EXPECT_NE(error_of([&] { convert_layout(p, kCpu); }, ErrorCode::kInvalidArgument).find("dst: scales overlap a pool's data"),
+            std::string::npos);
+  p.dst.scales = nullptr;
+  EXPECT_EQ(error_of([&] { convert_layout(p, kCpu); }, ErrorCode::kInvalidArgument),
+            "dst: float8_e4m3 states need their scales (one byte per 32 elements), got a null pointer");
   p.dst = src.pool(StateLayout::kVLast);
   p.dst.scales = dst.scales.data();
   EXPECT_NE(error_of([&] { convert_layout(p, kCpu); }, ErrorCode::kInvalidArgument)
@@ -445,6 +474,36 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecode) {
   EXPECT_EQ(error_of([&] { verify(v, cuda); }, ErrorCode::kNotImplemented),
             "intermediate: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend "
             "runs every op)");
+  CommitParams c;
+  tok.into(c, false);
+  const std::vector<int32_t> accepted{1, 2};
+  c.batch = 2, c.num_draft_tokens = 2;
+  c.state = pool.pool(StateLayout::kKLast);
+  c.state_indices = slots.data();
+  c.accepted = accepted.data();
+  c.source = CommitSource::kRecompute;
+  EXPECT_EQ(error_of([&] { commit(c, cuda); }, ErrorCode::kNotImplemented),
+            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
+            "every op)");
+  const std::vector<int32_t> cu{0, 4}, fin{0};
+  PrefillParams pf;
+  tok.into(pf, false);
+  pf.num_seqs = 1, pf.total_tokens = 4, pf.cu_seqlens = cu.data();
+  pf.state = pool.pool(StateLayout::kKLast);
+  pf.final_indices = fin.data();
+  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
+            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
+            "every op)");
+  EXPECT_EQ(error_of([&] { (void)prefill_path(pf); }, ErrorCode::kNotImplemented),
+            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
+            "every op)");
+  Fp8States dst(2, 1, kStride, 25);
+  LayoutParams l;
+  l.num_v_heads = HV, l.head_dim_k = K, l.head_dim_v = V;
+  l.src = pool.pool(StateLayout::kKLast), l.dst = dst.pool(StateLayout::kVLast);
+  EXPECT_EQ(error_of([&] { convert_layout(l, cuda); }, ErrorCode::kNotImplemented),
+            "src: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
+            "every op)");
   EXPECT_TRUE(pool.untouched(pool0, 0) && pool.untouched(pool0, 1));
   for (float x : tok.o) EXPECT_TRUE(std::isnan(x)) << "o written";
 }
