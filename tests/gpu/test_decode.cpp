@@ -24,6 +24,7 @@ std::string short_name(DType d) {
     case DType::kFloat32: return "f32";
     case DType::kBFloat16: return "bf16";
     case DType::kFloat16: return "f16";
+    case DType::kFloat8E4M3: return "f8";
     default: return "x";
   }
 }
@@ -79,6 +80,20 @@ std::vector<Named> decode_cases() {
         c.seed = 200 + i++;
         out.push_back({case_name(c), c});
       }
+  // float8_e4m3 K-last pools (fp8_decode.cuh) against the CPU backend's e4m3 stores.
+  for (int d : {64, 128, 256})
+    for (DType in : {DType::kBFloat16, DType::kFloat32}) {
+      ProblemConfig c;
+      c.op = OpKind::kDecode;
+      c.batch = 7;
+      c.padding_rows = 1;
+      c.H = d == 128 ? 16 : 2, c.HV = d == 128 ? 32 : 8, c.K = d, c.V = d;
+      c.layout = StateLayout::kKLast, c.state_dtype = DType::kFloat8E4M3, c.in_dtype = in;
+      c.gate_mode = in == DType::kFloat32 ? GateMode::kGiven : GateMode::kFused;
+      c.slot_pad = 32;
+      c.seed = 300 + i++;
+      out.push_back({case_name(c), c});
+    }
   return out;
 }
 

@@ -17,6 +17,7 @@ double state_tolerance(OpFamily op, DType state_dtype) {
   const bool step = op == OpFamily::kStep;
   if (state_dtype == DType::kFloat32) return step ? kStepStateFp32 : kPrefillStateFp32;
   if (state_dtype == DType::kFloat16) return step ? kStepStateFp16 : kPrefillStateFp16;
+  if (state_dtype == DType::kFloat8E4M3) return step ? kStepStateFp8 : kPrefillStateFp8;
   return step ? kStepStateBf16 : kPrefillStateBf16;
 }
 
@@ -112,6 +113,17 @@ ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& 
       return ::testing::AssertionFailure() << name << ": untouched slot " << slot << " changed at element "
                                            << elem - slot * before.slot_stride() << " (byte " << i << ")";
     }
+  if (!before.has(name + "_scales")) return ::testing::AssertionSuccess();
+  // float8_e4m3: the untouched slots' block scales too
+  const auto& sa = after.buffer(name + "_scales").bytes;
+  const auto& sb = before.buffer(name + "_scales").bytes;
+  const int64_t blocks = before.state_elems() / kFp8Block;
+  std::vector<char> sskip(sa.size(), 0);
+  for (int64_t slot : written) std::fill_n(sskip.begin() + slot * blocks, blocks, 1);
+  for (size_t i = 0; i < sa.size(); ++i)
+    if (!sskip[i] && sa[i] != sb[i])
+      return ::testing::AssertionFailure() << name << ": the scales of untouched slot " << int64_t(i) / blocks
+                                           << " changed at block " << int64_t(i) % blocks;
   return ::testing::AssertionSuccess();
 }
 

@@ -41,6 +41,9 @@ void fill_nan(void* data, DType dtype, int64_t count) {
     case DType::kFloat16:
       std::fill_n(static_cast<uint16_t*>(data), count, uint16_t(0x7e00));
       return;
+    case DType::kFloat8E4M3:
+      std::fill_n(static_cast<uint8_t*>(data), count, uint8_t(0x7f));
+      return;
     default:
       throw std::invalid_argument("fill_nan: not a float dtype");
   }
@@ -87,6 +90,45 @@ Buffer& Problem::add(const std::string& name, size_t bytes, bool is_output) {
   return buffers_.back();
 }
 
+Buffer& Problem::add_states(const std::string& name, DType dtype, int64_t elems, int64_t states) {
+  if (dtype == DType::kFloat8E4M3) {
+    Buffer& sc = add(name + "_scales", size_t(states * state_elems() / kFp8Block), true);
+    std::fill(sc.bytes.begin(), sc.bytes.end(), std::byte{0xff});  // the NaN scale
+  }
+  Buffer& b = add(name, size_t(elems) * dtype_size(dtype), true);
+  fill_nan(b.bytes.data(), dtype, elems);
+  return b;
+}
+
+std::vector<double> Problem::load_storage(const std::string& name, DType dtype, int64_t first,
+                                          int64_t first_block) const {
+  const Buffer& b = buffer(name);
+  std::vector<double> x(static_cast<size_t>(state_elems()));
+  if (dtype != DType::kFloat8E4M3) {
+    for (size_t i = 0; i < x.size(); ++i) x[i] = host::load(b.bytes.data(), dtype, first + int64_t(i));
+    return x;
+  }
+  const auto* q = b.as<uint8_t>() + first;
+  const auto* sc = buffer(name + "_scales").as<uint8_t>() + first_block;
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = double(host::e4m3_to_float(q[i])) * host::e8m0_to_float(sc[i / kFp8Block]);
+  return x;
+}
+
+void Problem::store_storage(const std::string& name, DType dtype, int64_t first, int64_t first_block,
+                            const std::vector<double>& x) {
+  Buffer& b = buffer(name);
+  if (dtype != DType::kFloat8E4M3) {
+    for (size_t i = 0; i < x.size(); ++i) host::store(b.bytes.data(), dtype, first + int64_t(i), x[i]);
+    return;
+  }
+  std::vector<float> f(x.begin(), x.end());
+  auto* q = b.as<uint8_t>() + first;
+  auto* sc = buffer(name + "_scales").as<uint8_t>() + first_block;
+  for (size_t blk = 0; blk < f.size() / kFp8Block; ++blk)
+    sc[blk] = host::quantize_e4m3_block(&f[blk * kFp8Block], kFp8Block, q + blk * kFp8Block);
+}
+
 int64_t Problem::state_elems() const { return int64_t(cfg_.HV) * cfg_.K * cfg_.V; }
 int64_t Problem::slot_stride() const { return state_elems() + cfg_.slot_pad; }
 
@@ -121,16 +163,6 @@ struct Rng {
     return p;
   }
 };
-
-// Random N(0, sd^2) states in the pool slots rows start from (slots[r] >= 0), in row order.
-void random_start_states(Buffer& state, DType dtype, const int32_t* slots, int32_t rows, int64_t elems,
-                         int64_t slot_stride, double sd, Rng& rng) {
-  for (int32_t r = 0; r < rows; ++r) {
-    if (slots[r] < 0) continue;
-    for (int64_t i = 0; i < elems; ++i)
-      host::store(state.bytes.data(), dtype, int64_t(slots[r]) * slot_stride + i, rng.normal(sd));
-  }
-}
 
 // Per-token tensor [T, heads, dim] with strides: NaN everywhere, then N(0,1) in the logical elements.
 void fill_token_tensor(Buffer& buf, DType dtype, int64_t T, int heads, int dim, int64_t ts, int64_t hs, Rng* rng,
@@ -258,15 +290,13 @@ void Problem::build_decode_verify() {
   build_tokens(rng.gen);
 
   // Pool: NaN everywhere, random states in the slots the rows start from.
-  Buffer& state = add("state", size_t(pool_slots_ * slot_stride()) * dtype_size(cfg_.state_dtype), true);
-  fill_nan(state.bytes.data(), cfg_.state_dtype, pool_slots_ * slot_stride());
+  add_states("state", cfg_.state_dtype, pool_slots_ * slot_stride(), pool_slots_);
   const std::vector<int32_t> perm = rng.permutation(pool_slots_);
   Buffer& si = add("state_indices", size_t(rows_) * 4, false);
   for (int32_t r = 0; r < rows_; ++r) si.as<int32_t>()[r] = perm[r % pool_slots_];
   const std::vector<int32_t> row_perm = rng.permutation(rows_);
   for (int32_t i = 0; i < std::min(cfg_.padding_rows, rows_); ++i) si.as<int32_t>()[row_perm[i]] = -1;
-  random_start_states(state, cfg_.state_dtype, si.as<int32_t>(), rows_, state_elems(), slot_stride(), cfg_.state_scale,
-                      rng);
+  random_start_states(si.as<int32_t>(), rng.gen);
   Buffer& ef = add("error_flag", 4, true);
   ef.as<int32_t>()[0] = 0;
 
@@ -284,8 +314,7 @@ void Problem::build_decode_verify() {
     cache_steps_ = T;
     if (cfg_.intermediate) {
       const int64_t stride = cache_steps_ * state_elems() + cfg_.slot_pad;
-      Buffer& im = add("intermediate", size_t(cache_slots_ * stride) * dtype_size(cfg_.cache_dtype), true);
-      fill_nan(im.bytes.data(), cfg_.cache_dtype, cache_slots_ * stride);
+      add_states("intermediate", cfg_.cache_dtype, cache_slots_ * stride, cache_slots_ * cache_steps_);
       const std::vector<int32_t> iperm = rng.permutation(cache_slots_);
       Buffer& ii = add("intermediate_indices", size_t(rows_) * 4, false);
       for (int32_t r = 0; r < rows_; ++r) ii.as<int32_t>()[r] = iperm[r];
@@ -317,8 +346,7 @@ void Problem::build_decode_verify() {
     if (!cfg_.tree) buffers_.pop_back();  // chains pass no accepted_path
   }
   if (cfg_.layout_target) {
-    Buffer& st = add("state_t", size_t(pool_slots_ * slot_stride()) * dtype_size(cfg_.state_dtype), true);
-    fill_nan(st.bytes.data(), cfg_.state_dtype, pool_slots_ * slot_stride());
+    add_states("state_t", cfg_.state_dtype, pool_slots_ * slot_stride(), pool_slots_);
   }
 }
 
@@ -348,8 +376,7 @@ void Problem::build_prefill() {
   }
 
   // Pool and slots: initial slots hold random states; final slots are distinct (or the same).
-  Buffer& state = add("state", size_t(pool_slots_ * slot_stride()) * dtype_size(cfg_.state_dtype), true);
-  fill_nan(state.bytes.data(), cfg_.state_dtype, pool_slots_ * slot_stride());
+  add_states("state", cfg_.state_dtype, pool_slots_ * slot_stride(), pool_slots_);
   const std::vector<int32_t> perm = rng.permutation(pool_slots_);
   Buffer& ini = add("initial_indices", size_t(rows_) * 4, false);
   Buffer& fin = add("final_indices", size_t(rows_) * 4, false);
@@ -358,8 +385,7 @@ void Problem::build_prefill() {
     fin.as<int32_t>()[r] = cfg_.same_slot ? perm[r % pool_slots_] : perm[(rows_ + r) % pool_slots_];
     if (r >= rows_ - cfg_.no_final_rows) fin.as<int32_t>()[r] = -1;
   }
-  random_start_states(state, cfg_.state_dtype, ini.as<int32_t>(), rows_, state_elems(), slot_stride(), cfg_.state_scale,
-                      rng);
+  random_start_states(ini.as<int32_t>(), rng.gen);
   Buffer& ef = add("error_flag", 4, true);
   ef.as<int32_t>()[0] = 0;
 
@@ -370,15 +396,13 @@ void Problem::build_prefill() {
     cache_steps_ =
         cfg_.checkpoint_steps > 0 ? cfg_.checkpoint_steps : std::max<int64_t>(1, max_len / cfg_.checkpoint_interval);
     const int64_t stride = cache_steps_ * state_elems() + cfg_.slot_pad;
-    Buffer& cp = add("checkpoints", size_t(cache_slots_ * stride) * dtype_size(cfg_.cache_dtype), true);
-    fill_nan(cp.bytes.data(), cfg_.cache_dtype, cache_slots_ * stride);
+    add_states("checkpoints", cfg_.cache_dtype, cache_slots_ * stride, cache_slots_ * cache_steps_);
     const std::vector<int32_t> cperm = rng.permutation(cache_slots_);
     Buffer& ci = add("checkpoint_indices", size_t(rows_) * 4, false);
     for (int32_t r = 0; r < rows_; ++r) ci.as<int32_t>()[r] = cperm[r];
   }
   if (cfg_.layout_target) {
-    Buffer& st = add("state_t", size_t(pool_slots_ * slot_stride()) * dtype_size(cfg_.state_dtype), true);
-    fill_nan(st.bytes.data(), cfg_.state_dtype, pool_slots_ * slot_stride());
+    add_states("state_t", cfg_.state_dtype, pool_slots_ * slot_stride(), pool_slots_);
   }
 }
 
@@ -475,6 +499,7 @@ StatePool Problem::pool(const Resolver& r, const std::string& name, StateLayout 
   p.layout = layout;
   p.num_slots = pool_slots_;
   p.slot_stride = slot_stride();
+  if (has(name + "_scales")) p.scales = static_cast<uint8_t*>(ptr(r, name + "_scales"));
   return p;
 }
 
@@ -487,6 +512,7 @@ StateCache Problem::cache(const Resolver& r, const std::string& name) {
   c.num_slots = cache_slots_;
   c.num_steps = cache_steps_;
   c.slot_stride = cache_steps_ * state_elems() + cfg_.slot_pad;
+  if (has(name + "_scales")) c.scales = static_cast<uint8_t*>(ptr(r, name + "_scales"));
   return c;
 }
 
@@ -625,40 +651,45 @@ std::vector<double> Problem::read_tokens(const std::string& name) const {
 }
 
 std::vector<double> Problem::read_state(const std::string& name, int64_t slot) const {
-  const Buffer& b = buffer(name);
   const StateLayout layout = name == "state_t" ? other(cfg_.layout) : cfg_.layout;
-  const int K = cfg_.K, V = cfg_.V;
-  std::vector<double> s(static_cast<size_t>(state_elems()));
-  for (int h = 0; h < cfg_.HV; ++h)
-    for (int k = 0; k < K; ++k)
-      for (int v = 0; v < V; ++v)
-        s[(int64_t(h) * K + k) * V + v] =
-            host::load(b.bytes.data(), cfg_.state_dtype, slot * slot_stride() + state_offset(layout, K, V, h, k, v));
-  return s;
+  const std::vector<double> x =
+      load_storage(name, cfg_.state_dtype, slot * slot_stride(), slot * (state_elems() / kFp8Block));
+  return canonical(x, layout);
 }
 
 void Problem::write_state(const std::string& name, int64_t slot, const std::vector<double>& s) {
-  Buffer& b = buffer(name);
   const StateLayout layout = name == "state_t" ? other(cfg_.layout) : cfg_.layout;
+  std::vector<double> x(s.size());
   const int K = cfg_.K, V = cfg_.V;
   for (int h = 0; h < cfg_.HV; ++h)
     for (int k = 0; k < K; ++k)
-      for (int v = 0; v < V; ++v)
-        host::store(b.bytes.data(), cfg_.state_dtype, slot * slot_stride() + state_offset(layout, K, V, h, k, v),
-                    s[(int64_t(h) * K + k) * V + v]);
+      for (int v = 0; v < V; ++v) x[size_t(state_offset(layout, K, V, h, k, v))] = s[(int64_t(h) * K + k) * V + v];
+  store_storage(name, cfg_.state_dtype, slot * slot_stride(), slot * (state_elems() / kFp8Block), x);
 }
 
 std::vector<double> Problem::read_cache(const std::string& name, int64_t slot, int64_t step) const {
-  const Buffer& b = buffer(name);
+  const std::vector<double> x = load_storage(name, cfg_.cache_dtype, slot * cache_slot_stride() + step * state_elems(),
+                                             (slot * cache_steps_ + step) * (state_elems() / kFp8Block));
+  return canonical(x, cfg_.layout);
+}
+
+std::vector<double> Problem::canonical(const std::vector<double>& x, StateLayout layout) const {
   const int K = cfg_.K, V = cfg_.V;
-  const int64_t base = slot * (cache_steps_ * state_elems() + cfg_.slot_pad) + step * state_elems();
-  std::vector<double> s(static_cast<size_t>(state_elems()));
+  std::vector<double> s(x.size());
   for (int h = 0; h < cfg_.HV; ++h)
     for (int k = 0; k < K; ++k)
-      for (int v = 0; v < V; ++v)
-        s[(int64_t(h) * K + k) * V + v] =
-            host::load(b.bytes.data(), cfg_.cache_dtype, base + state_offset(cfg_.layout, K, V, h, k, v));
+      for (int v = 0; v < V; ++v) s[(int64_t(h) * K + k) * V + v] = x[size_t(state_offset(layout, K, V, h, k, v))];
   return s;
+}
+
+void Problem::random_start_states(const int32_t* slots, std::mt19937_64& gen) {
+  for (int32_t r = 0; r < rows_; ++r) {
+    if (slots[r] < 0) continue;
+    std::vector<double> x(static_cast<size_t>(state_elems()));
+    // A distribution per draw (as Rng::normal): the draws, and so every config's later ones, stay as they were.
+    for (double& e : x) e = std::normal_distribution<double>(0.0, cfg_.state_scale)(gen);
+    store_storage("state", cfg_.state_dtype, slots[r] * slot_stride(), slots[r] * (state_elems() / kFp8Block), x);
+  }
 }
 
 // ---- written slots ----------------------------------------------------------------------------
@@ -751,6 +782,15 @@ int64_t Problem::first_changed_cache_byte(const Problem& before, const std::stri
     std::fill_n(written.begin() + (slot * cache_slot_stride() + j * entry) * es, entry * es, 1);
   for (size_t i = 0; i < a.size(); ++i)
     if (!written[i] && a[i] != b[i]) return int64_t(i);
+  if (!has(name + "_scales")) return -1;
+  // float8_e4m3: the scales of the entries not written (reported past the data's bytes)
+  const auto& sa = before.buffer(name + "_scales").bytes;
+  const auto& sb = buffer(name + "_scales").bytes;
+  const int64_t blocks = entry / kFp8Block;
+  std::vector<char> sw(sa.size(), 0);
+  for (auto [slot, j] : entries) std::fill_n(sw.begin() + (slot * cache_steps_ + j) * blocks, blocks, 1);
+  for (size_t i = 0; i < sa.size(); ++i)
+    if (!sw[i] && sa[i] != sb[i]) return int64_t(a.size() + i);
   return -1;
 }
 

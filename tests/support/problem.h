@@ -13,6 +13,7 @@
 //                                NaN between rows and heads, so a read of padding shows up as NaN)
 //   g beta | a b A_log dt_bias   gates ([T_total, HV] strided by token_pad; A_log/dt_bias [HV] fp32)
 //   state                        pool [P, HV, <layout>], slot stride HV*K*V + slot_pad
+//   <state buffer>_scales        float8_e4m3 pools and caches: [P|Q*S, HV*K*V / 32] E8M0 block scales
 //   state_indices                [B] int32 (decode/verify/commit)
 //   cu_seqlens                   [B+1] int32 (varlen verify) or [N+1] int32/int64 (prefill)
 //   parent                       [B, T] int32 (tree verify)
@@ -178,6 +179,17 @@ class Problem {
 
  private:
   Buffer& add(const std::string& name, size_t bytes, bool is_output);
+  // A state buffer (pool or cache) of `elems` elements, NaN-poisoned; a float8_e4m3 one with "<name>_scales",
+  // one E8M0 byte per kFp8Block elements of its `states` unpadded states (NaN scales).
+  Buffer& add_states(const std::string& name, DType dtype, int64_t elems, int64_t states);
+  // One state of buffer `name` in storage order, its first element and its first scale block (float8_e4m3).
+  std::vector<double> load_storage(const std::string& name, DType dtype, int64_t first, int64_t first_block) const;
+  void store_storage(const std::string& name, DType dtype, int64_t first, int64_t first_block,
+                     const std::vector<double>& x);
+  // Storage order (layout) -> S[h][k][v].
+  std::vector<double> canonical(const std::vector<double>& x, StateLayout layout) const;
+  // N(0, state_scale^2) states in the pool slots the rows start from (slots[r] >= 0), in row order.
+  void random_start_states(const int32_t* slots, std::mt19937_64& gen);
   void* ptr(const Resolver& r, const std::string& name);
   const void* ptr_or_null(const Resolver& r, const std::string& name);
   void build_tokens(std::mt19937_64& gen);
