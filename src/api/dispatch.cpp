@@ -19,20 +19,23 @@ void require_cuda() {
 #endif
 }
 
-// The CUDA kernels take float32, bfloat16 and float16 states everywhere, float8_e4m3 in decode of K-last pools;
-// the CPU backend runs every op on float8_e4m3.
+// The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools in decode of K-last
+// pools, float8_e4m3 intermediate caches of K-last pools (verify stores them, commit reads them); the CPU backend
+// runs every op on float8_e4m3.
+constexpr const char* kFp8Cuda =
+    ": the CUDA backend takes float8_e4m3 pools in decode and float8_e4m3 intermediate caches, of K-last pools only";
 void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char* got = "") {
   if (data != nullptr && dtype == DType::kFloat8E4M3)
-    throw Error(ErrorCode::kNotImplemented, std::string(name) +
-                                                ": the CUDA backend takes float8_e4m3 states in decode of K-last pools "
-                                                "only" + got + " (the CPU backend runs every op)");
+    throw Error(ErrorCode::kNotImplemented,
+                std::string(name) + kFp8Cuda + got + " (the CPU backend runs every op)");
 }
 void require_cuda_states(const DecodeParams& p) {
   if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
 }
 void require_cuda_states(const VerifyParams& p) {
   refuse_cuda_fp8("state", p.state.data, p.state.dtype);
-  refuse_cuda_fp8("intermediate", p.intermediate.data, p.intermediate.dtype);
+  if (p.intermediate.layout != StateLayout::kKLast)
+    refuse_cuda_fp8("intermediate", p.intermediate.data, p.intermediate.dtype, ", got V-last");
 }
 void require_cuda_states(const PrefillParams& p) {
   refuse_cuda_fp8("state", p.state.data, p.state.dtype);

@@ -443,37 +443,36 @@ TEST(Fp8, LayoutScalesRules) {
             std::string::npos);
 }
 
-// The CUDA backend takes fp8 states in decode of K-last pools only: the rest is refused after validation and before
-// any device work, whether or not a GPU is present.
-TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecode) {
+// The CUDA backend takes fp8 pools in decode and fp8 intermediate caches, of K-last pools: the rest is refused
+// after validation and before any device work, whether or not a GPU is present.
+TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecodeAndCaches) {
   Fp8States pool(2, 1, kStride, 19), cache(2, 2, 2 * HV * kHead, 21);
   const Fp8States pool0 = pool;
   Tokens tok(4, 20);
   const std::vector<int32_t> slots{0, 1};
   const Context cuda{Backend::kCUDA, nullptr};
+  const std::string tail = ": the CUDA backend takes float8_e4m3 pools in decode and float8_e4m3 intermediate caches, "
+                           "of K-last pools only";
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;
   d.state = pool.pool(StateLayout::kVLast);
   d.state_indices = slots.data();
   EXPECT_EQ(error_of([&] { decode(d, cuda); }, ErrorCode::kNotImplemented),
-            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only, got V-last (the CPU "
-            "backend runs every op)");
+            "state" + tail + ", got V-last (the CPU backend runs every op)");
   VerifyParams v;
   tok.into(v, false);
   v.batch = 2, v.num_draft_tokens = 2;
   v.state = pool.pool(StateLayout::kKLast);
   v.state_indices = slots.data();
   EXPECT_EQ(error_of([&] { verify(v, cuda); }, ErrorCode::kNotImplemented),
-            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
-            "every op)");
-  Fp8States pool32(2, 1, kStride, 22);  // an fp32 pool beside an fp8 cache
-  v.state = pool32.twin_pool(StateLayout::kKLast);
-  v.intermediate = cache.cache(StateLayout::kKLast);
+            "state" + tail + " (the CPU backend runs every op)");
+  Fp8States pool32(2, 1, kStride, 22);  // an fp32 V-last pool beside a V-last fp8 cache
+  v.state = pool32.twin_pool(StateLayout::kVLast);
+  v.intermediate = cache.cache(StateLayout::kVLast);
   v.intermediate_indices = slots.data();
   EXPECT_EQ(error_of([&] { verify(v, cuda); }, ErrorCode::kNotImplemented),
-            "intermediate: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend "
-            "runs every op)");
+            "intermediate" + tail + ", got V-last (the CPU backend runs every op)");
   CommitParams c;
   tok.into(c, false);
   const std::vector<int32_t> accepted{1, 2};
@@ -483,8 +482,7 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecode) {
   c.accepted = accepted.data();
   c.source = CommitSource::kRecompute;
   EXPECT_EQ(error_of([&] { commit(c, cuda); }, ErrorCode::kNotImplemented),
-            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
-            "every op)");
+            "state" + tail + " (the CPU backend runs every op)");
   const std::vector<int32_t> cu{0, 4}, fin{0};
   PrefillParams pf;
   tok.into(pf, false);
@@ -492,18 +490,15 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecode) {
   pf.state = pool.pool(StateLayout::kKLast);
   pf.final_indices = fin.data();
   EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
-            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
-            "every op)");
+            "state" + tail + " (the CPU backend runs every op)");
   EXPECT_EQ(error_of([&] { (void)prefill_path(pf); }, ErrorCode::kNotImplemented),
-            "state: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
-            "every op)");
+            "state" + tail + " (the CPU backend runs every op)");
   Fp8States dst(2, 1, kStride, 25);
   LayoutParams l;
   l.num_v_heads = HV, l.head_dim_k = K, l.head_dim_v = V;
   l.src = pool.pool(StateLayout::kKLast), l.dst = dst.pool(StateLayout::kVLast);
   EXPECT_EQ(error_of([&] { convert_layout(l, cuda); }, ErrorCode::kNotImplemented),
-            "src: the CUDA backend takes float8_e4m3 states in decode of K-last pools only (the CPU backend runs "
-            "every op)");
+            "src" + tail + " (the CPU backend runs every op)");
   EXPECT_TRUE(pool.untouched(pool0, 0) && pool.untouched(pool0, 1));
   for (float x : tok.o) EXPECT_TRUE(std::isnan(x)) << "o written";
 }

@@ -31,7 +31,9 @@ const char* shape_name(Shape s) {
   return "?";
 }
 
-std::string dt(DType d) { return d == DType::kFloat32 ? "f32" : d == DType::kBFloat16 ? "bf16" : "f16"; }
+std::string dt(DType d) {
+  return d == DType::kFloat32 ? "f32" : d == DType::kBFloat16 ? "bf16" : d == DType::kFloat16 ? "f16" : "f8";
+}
 
 struct Named {
   std::string name;
@@ -80,6 +82,19 @@ std::vector<Named> verify_cases() {
           if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 24;
           out.push_back({name_of(s, c), c});
         }
+  // float8_e4m3 intermediate caches of K-last pools (WarpTile::store_e4m3), every shape, 16-bit and fp32 pools.
+  for (Shape s : kShapes)
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat8E4M3, 4, seed++);
+      if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
+      out.push_back({name_of(s, c), c});
+    }
+  for (int d : {64, 256}) {  // runs of 2 and 4 (fp32) / 8 (bf16) k a lane
+    ProblemConfig c = make(Shape::kTree, StateLayout::kKLast, d == 64 ? DType::kFloat32 : DType::kBFloat16,
+                           DType::kFloat8E4M3, 4, seed++);
+    c.K = c.V = d;
+    out.push_back({name_of(Shape::kTree, c), c});
+  }
   // Other inputs, gating, dims, T and the qwen3-next heads.
   for (Shape s : {Shape::kChainUpdate, Shape::kTree})
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
@@ -200,6 +215,13 @@ std::vector<CommitCase> commit_cases() {
             if (seed % 2) c.token_pad = 8, c.slot_pad = 24;
             out.push_back({std::string(src == CommitSource::kCache ? "cache_" : "recompute_") + name_of(s, c), c, src});
           }
+  // From float8_e4m3 caches of K-last pools (commit_cache_kernel dequantizes by block).
+  for (Shape s : {Shape::kChain, Shape::kVarlenTree})
+    for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat8E4M3, 4, seed++);
+      c.update_state = false;
+      out.push_back({"cache_" + name_of(s, c), c, CommitSource::kCache});
+    }
   // Replay past one chunk of the chain kernel (8 tokens), along a chain and along a tree's path.
   for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree})
     for (DType state : {DType::kFloat32, DType::kBFloat16}) {

@@ -12,6 +12,7 @@
 #include "cuda/backend.h"
 #include "cuda/host/check.h"
 #include "cuda/arch/dtype.cuh"
+#include "cuda/arch/fp8.cuh"
 #include "cuda/recurrent/fp8_decode.cuh"
 #include "cuda/recurrent/row.cuh"
 
@@ -38,8 +39,8 @@ void check_recurrent(const char* op, const CommitParams& p) {
   if (p.intermediate.data != nullptr) {
     check_aligned("intermediate", p.intermediate.data, p.intermediate.slot_stride, p.intermediate.dtype);
     if (p.intermediate.dtype != DType::kFloat32 && p.intermediate.dtype != DType::kBFloat16 &&
-        p.intermediate.dtype != DType::kFloat16)
-      invalid(std::string("intermediate: expected dtype float32, bfloat16 or float16, got ") +
+        p.intermediate.dtype != DType::kFloat16 && p.intermediate.dtype != DType::kFloat8E4M3)
+      invalid(std::string("intermediate: expected dtype float32, bfloat16, float16 or float8_e4m3, got ") +
               dtype_name(p.intermediate.dtype));
   }
   if (p.parent != nullptr && p.num_draft_tokens > 64)
@@ -153,10 +154,26 @@ __global__ void __launch_bounds__(kCopyThreads) commit_cache_kernel(const Commit
   const TC* src = static_cast<const TC*>(p.intermediate.data) + int64_t(islot) * p.intermediate.slot_stride +
                   (int64_t(step) * p.heads.num_v_heads + hv) * head_elems;
   TState* dst = static_cast<TState*>(p.state.data) + int64_t(slot) * p.state.slot_stride + hv * head_elems;
+  // float8_e4m3 caches (TC uint8_t): each run of kCopyRun lies in one block of kFp8Block.
+  [[maybe_unused]] const uint8_t* scales = nullptr;
+  if constexpr (std::is_same_v<TC, uint8_t>)
+    scales = p.intermediate.scales +
+             ((int64_t(islot) * p.intermediate.num_steps + step) * p.heads.num_v_heads + hv) * (head_elems / kFp8Block);
 #pragma unroll 4
   for (int64_t i = int64_t(threadIdx.x) * kCopyRun; i < head_elems; i += kCopyThreads * kCopyRun) {
     float x[kCopyRun];
-    load_vec<TC, kCopyRun>(src + i, x);
+    if constexpr (std::is_same_v<TC, uint8_t>) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(src + i);
+      const float sc = e8m0_scale(scales[i / kFp8Block]);
+      const uint32_t w[2] = {raw.x, raw.y};
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const float2 f = e4m3x2_to_float2(w[h / 2] >> (16 * (h % 2)), sc);
+        x[2 * h] = f.x, x[2 * h + 1] = f.y;
+      }
+    } else {
+      load_vec<TC, kCopyRun>(src + i, x);
+    }
     store_vec<TState, kCopyRun>(dst + i, x);
   }
 }
@@ -183,8 +200,9 @@ void commit_from_cache(const CommitParams& p, Stream stream) {
     case DType::kFloat32: return commit_cache_by_state<float>(p, stream);
     case DType::kBFloat16: return commit_cache_by_state<__nv_bfloat16>(p, stream);
     case DType::kFloat16: return commit_cache_by_state<__half>(p, stream);
+    case DType::kFloat8E4M3: return commit_cache_by_state<uint8_t>(p, stream);
     default:
-      invalid(std::string("intermediate: expected dtype float32, bfloat16 or float16, got ") +
+      invalid(std::string("intermediate: expected dtype float32, bfloat16, float16 or float8_e4m3, got ") +
               dtype_name(p.intermediate.dtype));
   }
 }

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "cuda/arch/dtype.cuh"
+#include "cuda/arch/fp8.cuh"
 #include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
 #include "gdnkit/params.h"
@@ -38,11 +39,6 @@ struct Fp8DecodeTile {
   static_assert(K % 32 == 0 && kLanesPerCol >= 2 && kLoads >= 1, "fp8 decode: K in {64, 128, 256}");
 };
 
-// 2^(e - 127) of an E8M0 byte (255: NaN; 0: the subnormal 2^-127).
-__device__ __forceinline__ float e8m0_scale(uint32_t e) {
-  return e == 0u ? __uint_as_float(0x00400000u) : e == 255u ? __uint_as_float(0x7fffffffu) : __uint_as_float(e << 23);
-}
-
 // 16 e4m3 bytes (one uint4) times scale, as fp32.
 __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float scale, float (&x)[16]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -50,38 +46,23 @@ __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float scale, fl
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const __half2_raw pair =
-          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
-      const float2 f = __half22float2(__half2(pair));
-      x[4 * i + 2 * h] = f.x * scale;
-      x[4 * i + 2 * h + 1] = f.y * scale;
+      const float2 f = e4m3x2_to_float2(w[i] >> (16 * h), scale);
+      x[4 * i + 2 * h] = f.x, x[4 * i + 2 * h + 1] = f.y;
     }
 }
 
 // A 32-element block held by lanes (2m, 2m + 1), 16 values each, to e4m3 bytes and its E8M0 scale byte (the same
 // on both lanes).
 __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t& scale_byte) {
-  uint32_t m = 0;  // the largest |x| as bits: NaN and infinities compare above every finite value
+  uint32_t m = 0;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) m = max(m, __float_as_uint(x[j]) & 0x7fffffffu);
+  for (int j = 0; j < 16; ++j) m = max(m, abs_bits(x[j]));
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-  if (m >= 0x7f800000u) {
-    scale_byte = 255u;
-    return make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
-  }
-  const int e = int((m + 0x7ffffu + ((m >> 20) & 1u)) >> 23) - 127;  // exponent of amax rounded to 4 bits
-  const int s = max(e - 7, -127);                                      // <= 121 for finite amax
-  scale_byte = uint32_t(s + 127);
-  const float inv = __uint_as_float(uint32_t(127 - s) << 23);  // 2^-s, exact
+  const Fp8Scale sc = e4m3_block_scale(m);
+  scale_byte = sc.byte;
   uint32_t w[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x[4 * i] * inv, x[4 * i + 1] * inv), __NV_SATFINITE,
-                                                 __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x[4 * i + 2] * inv, x[4 * i + 3] * inv), __NV_SATFINITE,
-                                                 __NV_E4M3);
-    w[i] = lo | (hi << 16);
-  }
+  for (int i = 0; i < 4; ++i) w[i] = e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], sc);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 

@@ -69,6 +69,16 @@ struct IntermediateStore {
     if (kOp != RecurrentOp::kVerify || cache_slot < 0 || t >= p.intermediate.num_steps) return;
     const int64_t off = int64_t(cache_slot) * p.intermediate.slot_stride +
                         (int64_t(t) * num_v_heads + hv) * kHeadElems + Tile::origin(v0);
+    if constexpr (Tile::kStoresE4m3) {
+      if (p.intermediate.dtype == DType::kFloat8E4M3) {
+        const int64_t blocks = kHeadElems / kFp8Block;
+        uint8_t* const scales = p.intermediate.scales +
+                                ((int64_t(cache_slot) * p.intermediate.num_steps + t) * num_v_heads + hv) * blocks +
+                                Tile::origin(v0) / kFp8Block;
+        Tile::store_e4m3(static_cast<uint8_t*>(p.intermediate.data) + off, scales, s, lane);
+        return;
+      }
+    }
     if (p.intermediate.dtype == DType::kFloat32)
       Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane, stage);
     else if (p.intermediate.dtype == DType::kFloat16)

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "cuda/arch/dtype.cuh"
+#include "cuda/arch/fp8.cuh"
 #include "gdnkit/types.h"
 
 namespace gdnkit::cuda::recurrent {
@@ -179,10 +180,45 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
         }
       }
   }
+  // float8_e4m3 (verify's intermediate cache; docs/semantics.md): a lane's run of kVec k is its share of a 32-element
+  // block held by 32 / kVec neighbouring lanes, whose largest magnitude gives the block's scale (arch/fp8.cuh);
+  // `scales` holds the blocks of the warp's first column, K / 32 per column.
+  static constexpr bool kStoresE4m3 = !kPacked && (kVec == 2 || kVec == 4 || kVec == 8);
+  __device__ static void store_e4m3(uint8_t* tile, uint8_t* scales, const Regs& s, int lane) {
+    static_assert(kStoresE4m3, "fp32 registers, runs of 2, 4 or 8 k");
+    constexpr int kLanesPerBlock = kFp8Block / kVec;
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPerLane; j += kVec) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int x = 0; x < kVec; ++x) m = max(m, abs_bits(s.v[i][j + x]));
+#pragma unroll
+        for (int off = 1; off < kLanesPerBlock; off <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+        const Fp8Scale sc = e4m3_block_scale(m);
+        const int k = k_of(lane, j);
+        uint8_t* at = tile + i * K + k;
+        if constexpr (kVec == 2) {
+          *reinterpret_cast<uint16_t*>(at) = uint16_t(e4m3x2(s.v[i][j], s.v[i][j + 1], sc));
+        } else {
+          uint32_t w[kVec / 4];
+#pragma unroll
+          for (int x = 0; x < kVec / 4; ++x)
+            w[x] = e4m3x4(s.v[i][j + 4 * x], s.v[i][j + 4 * x + 1], s.v[i][j + 4 * x + 2], s.v[i][j + 4 * x + 3], sc);
+          if constexpr (kVec == 4)
+            *reinterpret_cast<uint32_t*>(at) = w[0];
+          else
+            *reinterpret_cast<uint2*>(at) = make_uint2(w[0], w[1]);
+        }
+        if (k % kFp8Block == 0) scales[i * (K / kFp8Block) + k / kFp8Block] = uint8_t(sc.byte);
+      }
+  }
 };
 
 template <class TState, int K, int V, TileWidth kWidth>
 struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
+  static constexpr bool kStoresE4m3 = false;  // V-last fp8 caches: not built (api/dispatch.cpp refuses them)
   static_assert(kWidth == TileWidth::kRegular, "V-last tiles are whole 128-byte row pieces per CTA");
   static constexpr int kRows = K <= 128 ? 8 : 4;
   static constexpr int kKPerLane = K / 32;

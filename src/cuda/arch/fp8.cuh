@@ -1,0 +1,53 @@
+// float8_e4m3 states on the device (docs/semantics.md "float8_e4m3 states"): E8M0 block scales and e4m3 packing,
+// the rounding of host_dtype.h quantize_e4m3_block, so that the same fp32 values store the same bytes.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+namespace gdnkit::cuda {
+
+// 2^(e - 127) of an E8M0 byte (255: NaN; 0: the subnormal 2^-127).
+__device__ __forceinline__ float e8m0_scale(uint32_t e) {
+  return e == 0u ? __uint_as_float(0x00400000u) : e == 255u ? __uint_as_float(0x7fffffffu) : __uint_as_float(e << 23);
+}
+
+// |x| as bits: their max over a block orders NaN and infinities above every finite value.
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+// A block's scale from its largest magnitude as bits: the E8M0 byte (s + 127, s = e - 7 with e the exponent of amax
+// after rounding its mantissa to 3 bits; 255 for a block holding NaN or an infinity) and 2^-s.
+struct Fp8Scale {
+  uint32_t byte;
+  float inv;
+};
+__device__ __forceinline__ Fp8Scale e4m3_block_scale(uint32_t amax_bits) {
+  if (amax_bits >= 0x7f800000u) return {255u, 0.0f};
+  const int e = int((amax_bits + 0x7ffffu + ((amax_bits >> 20) & 1u)) >> 23) - 127;
+  const int s = max(e - 7, -127);  // <= 121 for finite amax
+  return {uint32_t(s + 127), __uint_as_float(uint32_t(127 - s) << 23)};
+}
+
+// Four values x 2^-s as e4m3 bytes, the first in the low byte (all NaN codes under the NaN scale).
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, const Fp8Scale& sc) {
+  if (sc.byte == 255u) return 0x7f7f7f7fu;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a * sc.inv, b * sc.inv), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c * sc.inv, d * sc.inv), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+// Two values, the first in the low byte.
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b, const Fp8Scale& sc) {
+  if (sc.byte == 255u) return 0x7f7fu;
+  return __nv_cvt_float2_to_fp8x2(make_float2(a * sc.inv, b * sc.inv), __NV_SATFINITE, __NV_E4M3);
+}
+
+// The two e4m3 bytes of the low half of w (w >> 16 for the high half) times scale, as fp32.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w, float scale) {
+  const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(pair));
+  return make_float2(f.x * scale, f.y * scale);
+}
+
+}  // namespace gdnkit::cuda
