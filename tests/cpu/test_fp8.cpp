@@ -451,8 +451,8 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecodeAndCaches) {
   Tokens tok(4, 20);
   const std::vector<int32_t> slots{0, 1};
   const Context cuda{Backend::kCUDA, nullptr};
-  const std::string tail = ": the CUDA backend takes float8_e4m3 pools in decode and float8_e4m3 intermediate caches, "
-                           "of K-last pools only";
+  const std::string tail = ": the CUDA backend takes float8_e4m3 pools in decode and float8_e4m3 intermediate caches "
+                           "and checkpoints, of K-last pools only";
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;
@@ -493,6 +493,18 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecodeAndCaches) {
             "state" + tail + " (the CPU backend runs every op)");
   EXPECT_EQ(error_of([&] { (void)prefill_path(pf); }, ErrorCode::kNotImplemented),
             "state" + tail + " (the CPU backend runs every op)");
+  // fp8 checkpoints beside an fp32 pool: K-last, 16-bit inputs, K <= 128, V in {64, 128} (the head state pass).
+  Fp8States ckpt(1, 1, HV * kHead, 26);
+  const std::vector<int32_t> cps{0};
+  pf.state = pool32.twin_pool(StateLayout::kKLast);
+  pf.checkpoints = ckpt.cache(StateLayout::kKLast);
+  pf.checkpoint_interval = 64, pf.checkpoint_indices = cps.data();
+  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
+            "checkpoints" + tail + ", with bf16 or fp16 inputs, K <= 128 and V in {64, 128} (the CPU backend runs every op)");
+  pf.state = pool32.twin_pool(StateLayout::kVLast);
+  pf.checkpoints = ckpt.cache(StateLayout::kVLast);
+  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
+            "checkpoints" + tail + ", got V-last (the CPU backend runs every op)");
   Fp8States dst(2, 1, kStride, 25);
   LayoutParams l;
   l.num_v_heads = HV, l.head_dim_k = K, l.head_dim_v = V;

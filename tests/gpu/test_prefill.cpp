@@ -36,6 +36,8 @@ std::string short_name(DType d) {
       return "bf16";
     case DType::kFloat16:
       return "f16";
+    case DType::kFloat8E4M3:
+      return "f8";
     case DType::kInt64:
       return "i64";
     default:
@@ -272,6 +274,15 @@ std::vector<Case> shape_cases() {
     c.checkpoint_interval = 64, c.checkpoint_steps = 2;
     add(c, "fewsteps");
   }
+  // float8_e4m3 checkpoints beside fp32 and bf16 pools (head_state_io.cuh store_head_state_e4m3), K 64 and 128, with
+  // and without the prep warpgroup's M.
+  for (int K : {64, 128})
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      ProblemConfig c = base({300, 64, 127, 0, 256}, 1, 2, K, K);
+      c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3, c.state_dtype = state;
+      c.slot_pad = 32;
+      add(c, "");
+    }
   // Initial == final slot (read before write), sequences without a final slot, all from zero.
   {
     ProblemConfig c = base({100, 64, 0, 33}, 1, 2);
@@ -437,6 +448,8 @@ std::vector<Case> cp_cases() {
     add(c, "", 192);
     c.checkpoint_interval = 128, c.cache_dtype = DType::kBFloat16, c.checkpoint_steps = 5;
     add(c, "fewsteps", 128);
+    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3, c.checkpoint_steps = 0, c.slot_pad = 32;
+    add(c, "", 192);  // float8_e4m3 checkpoints from the final pass of every segment
   }
   add_slot_cases(add, {600, 64, 0, 333}, "", 128);
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})

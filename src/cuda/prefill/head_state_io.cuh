@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cuda/arch/fp8.cuh"
 #include "cuda/prefill/head_stage.cuh"
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/plan.h"
@@ -37,6 +38,37 @@ __device__ __forceinline__ void store_head_state(const float (&s)[S::KT][4], con
     }
 }
 
+// S to a float8_e4m3 entry of a K-last buffer at byte `offset`, its block scales at `scales` (the entry's first
+// block; docs/semantics.md "float8_e4m3 states"). The 32-element block b of column v (k = 32 b .. 32 b + 31) is this
+// thread's tiles j = 4 b .. 4 b + 3 (k pairs q2, q2 + 1) in the 4 lanes of its row r: two shuffles for its amax.
+template <class S>
+__device__ __forceinline__ void store_head_state_e4m3(const float (&s)[S::KT][4], const HeadCoords& at, uint8_t* base,
+                                                      uint8_t* scales, int64_t offset) {
+  constexpr int K = S::K, kBlocks = K / kFp8Block;
+  static_assert(S::KT == 4 * kBlocks, "four n8 tiles of k per block");
+  uint8_t* const head = base + offset + int64_t(at.h) * K * S::V;
+  uint8_t* const head_scales = scales + int64_t(at.h) * (K * S::V / kFp8Block);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int v = at.vw + at.r + 8 * hh;
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) {
+      uint32_t m = 0;
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+        m = max(m, max(abs_bits(s[4 * b + jj][2 * hh]), abs_bits(s[4 * b + jj][2 * hh + 1])));
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const Fp8Scale sc = e4m3_block_scale(m);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+        *reinterpret_cast<uint16_t*>(head + int64_t(v) * K + 8 * (4 * b + jj) + at.q2) =
+            uint16_t(e4m3x2(s[4 * b + jj][2 * hh], s[4 * b + jj][2 * hh + 1], sc));
+      if (at.q2 == 0) head_scales[v * kBlocks + b] = uint8_t(sc.byte);
+    }
+  }
+}
+
 // After chunk c: checkpoint entry j holds the state after token (j+1)*C, for j < min(steps, len / C).
 template <class S>
 __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4], const PrefillParams& p,
@@ -46,9 +78,15 @@ __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4]
     const int64_t done = (c + 1) * kChunk;
     if (done % C == 0 && done <= sq.len && done / C - 1 < p.checkpoints.num_steps) {
       const int64_t j = done / C - 1;
-      store_head_state<S>(s, p, at, p.checkpoints.data, p.checkpoints.dtype,
-                          int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(at.HV) * S::K * S::V),
-                          plan.checkpoint_pairs);
+      const int64_t offset = int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(at.HV) * S::K * S::V);
+      if (p.checkpoints.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
+        const int64_t blocks = int64_t(at.HV) * S::K * S::V / kFp8Block;
+        store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(p.checkpoints.data),
+                                 p.checkpoints.scales + (int64_t(sq.cslot) * p.checkpoints.num_steps + j) * blocks,
+                                 offset);
+      } else {
+        store_head_state<S>(s, p, at, p.checkpoints.data, p.checkpoints.dtype, offset, plan.checkpoint_pairs);
+      }
     }
   }
 }
