@@ -274,8 +274,9 @@ std::vector<Case> shape_cases() {
     c.checkpoint_interval = 64, c.checkpoint_steps = 2;
     add(c, "fewsteps");
   }
-  // float8_e4m3 checkpoints beside fp32 and bf16 pools (head_state_io.cuh store_head_state_e4m3), K 64 and 128, with
-  // and without the prep warpgroup's M.
+  // float8_e4m3 checkpoints beside fp32 and bf16 pools (head_state_io.cuh store_head_state_e4m3), K 64 and 128, as
+  // the heuristics choose (a head split here), then each head pass build with one CTA per head: the wgmma build with
+  // and without the prep warpgroup, and the mma.sync build.
   for (int K : {64, 128})
     for (DType state : {DType::kFloat32, DType::kBFloat16}) {
       ProblemConfig c = base({300, 64, 127, 0, 256}, 1, 2, K, K);
@@ -283,6 +284,12 @@ std::vector<Case> shape_cases() {
       c.slot_pad = 32;
       add(c, "");
     }
+  {
+    ProblemConfig c = base({700, 64, 333}, 1, 2);
+    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
+    for (int aux : {0, 1}) add(c, "f8ckpt_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
+    add(c, "f8ckpt_warp", cuda::chunked_prefill::kVTileHeadWarp, 1);
+  }
   // Initial == final slot (read before write), sequences without a final slot, all from zero.
   {
     ProblemConfig c = base({100, 64, 0, 33}, 1, 2);

@@ -153,6 +153,13 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
                                 head_grid(p, kRegularCols), kThreads, choice.prefetch, stream, p, write_state);
       break;
     case RecurrentKernel::kWarpRegular:
+      if constexpr (kLayout == StateLayout::kKLast && kOp == RecurrentOp::kVerify &&
+                    WarpTile<kLayout, TState, K, V>::kStoresE4m3) {
+        if (p.intermediate.data != nullptr && p.intermediate.dtype == DType::kFloat8E4M3)
+          return launch_recurrent(
+              warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp, TileWidth::kRegular, false, true>,
+              head_grid(p, kRegularCols), kThreads, choice.prefetch, stream, p, write_state);
+      }
       if constexpr (!kVLastBuilt)
         return launch_recurrent(warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp>, head_grid(p, kRegularCols),
                                 kThreads, choice.prefetch, stream, p, write_state);

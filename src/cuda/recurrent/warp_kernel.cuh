@@ -53,7 +53,8 @@ constexpr int warp_kernel_min_warps() {
 }
 
 // Verify's intermediate state after token t into the row's cache slot (-1: none), from the kernel's locals.
-template <class Tile, RecurrentOp kOp, int K, int V>
+// kFp8Cache: the cache is float8_e4m3 (a kernel of its own, so that the other caches' kernels carry none of its code).
+template <class Tile, RecurrentOp kOp, int K, int V, bool kFp8Cache>
 struct IntermediateStore {
   const RecurrentParams& p;
   const int& cache_slot;
@@ -69,15 +70,13 @@ struct IntermediateStore {
     if (kOp != RecurrentOp::kVerify || cache_slot < 0 || t >= p.intermediate.num_steps) return;
     const int64_t off = int64_t(cache_slot) * p.intermediate.slot_stride +
                         (int64_t(t) * num_v_heads + hv) * kHeadElems + Tile::origin(v0);
-    if constexpr (Tile::kStoresE4m3) {
-      if (p.intermediate.dtype == DType::kFloat8E4M3) {
-        const int64_t blocks = kHeadElems / kFp8Block;
-        uint8_t* const scales = p.intermediate.scales +
-                                ((int64_t(cache_slot) * p.intermediate.num_steps + t) * num_v_heads + hv) * blocks +
-                                Tile::origin(v0) / kFp8Block;
-        Tile::store_e4m3(static_cast<uint8_t*>(p.intermediate.data) + off, scales, s, lane);
-        return;
-      }
+    if constexpr (kFp8Cache) {
+      const int64_t blocks = kHeadElems / kFp8Block;
+      uint8_t* const scales = p.intermediate.scales +
+                              ((int64_t(cache_slot) * p.intermediate.num_steps + t) * num_v_heads + hv) * blocks +
+                              Tile::origin(v0) / kFp8Block;
+      Tile::store_e4m3(static_cast<uint8_t*>(p.intermediate.data) + off, scales, s, lane);
+      return;
     }
     if (p.intermediate.dtype == DType::kFloat32)
       Tile::store(static_cast<float*>(p.intermediate.data) + off, s, lane, stage);
@@ -117,7 +116,7 @@ __device__ __forceinline__ void replay_tree(const RecurrentParams& p, int b, int
 // kWidth: the tile's columns per warp (warp_tile.cuh). kPinSlot: decode reads the slot index as a volatile
 // load (below).
 template <StateLayout kLayout, class TState, class TInput, int K, int V, RecurrentOp kOp,
-          TileWidth kWidth = TileWidth::kRegular, bool kPinSlot = false>
+          TileWidth kWidth = TileWidth::kRegular, bool kPinSlot = false, bool kFp8Cache = false>
 __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaWarps * 32,
                                   warp_kernel_min_warps<kLayout, K, kOp, kWidth>() /
                                       WarpTile<kLayout, TState, K, V, kWidth>::kCtaWarps)
@@ -226,7 +225,9 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   }
   if (!kDecode) step.gate_math(lane_gate, lane_decay, lane_beta);
 
-  const IntermediateStore<Tile, kOp, K, V> store_intermediate{p, cache_slot, num_v_heads, hv, v0, s, lane, stage};
+  static_assert(!kFp8Cache || (Tile::kStoresE4m3 && kOp == RecurrentOp::kVerify), "fp8 caches: K-last verify");
+  const IntermediateStore<Tile, kOp, K, V, kFp8Cache> store_intermediate{p, cache_slot, num_v_heads, hv, v0, s, lane,
+                                                                         stage};
 
   if (chain) {
 #pragma unroll 1
