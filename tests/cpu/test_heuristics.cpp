@@ -142,6 +142,24 @@ TEST(RecurrentHeuristics, ChainsOnTensorCoresFromThreeTokens) {
   }
 }
 
+TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {
+  const Overrides o;
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 128, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(2, 128, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(3, 128, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(127, 128, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(128, 128, o), 32);
+  EXPECT_EQ(recurrent::fp8_decode_columns(512, 64, o), 16);  // 32 columns built at K = 128 only
+  EXPECT_EQ(recurrent::fp8_decode_columns(512, 256, o), 16);
+  Overrides forced;
+  forced.decode_fp8_columns = 16;
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 128, forced), 16);
+  forced.decode_fp8_columns = 32;
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 256, forced), 8);  // not built there: the heuristic
+  forced.decode_fp8_columns = 12;
+  EXPECT_EQ(recurrent::fp8_decode_columns(512, 128, forced), 32);
+}
+
 TEST(RecurrentHeuristics, OverridesMoveTheChoice) {
   RecurrentCall verify = decode_call(DType::kFloat32, DType::kBFloat16, 128);
   verify.op = RecurrentOp::kVerify;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/host/overrides.h"
 #include "gdnkit/gdnkit.h"
 #include "gdnkit/host_dtype.h"
 #include "support/compare.h"
@@ -61,6 +62,7 @@ std::vector<double> read_floats(const std::vector<uint8_t>& b, DType dt) {
 struct Fp8DecodeCase {
   int K;
   DType in;
+  int cols;  // columns per warp (Overrides::decode_fp8_columns; 0: the heuristic)
 };
 
 class Fp8DecodeGpu : public ::testing::TestWithParam<Fp8DecodeCase> {};
@@ -68,6 +70,9 @@ class Fp8DecodeGpu : public ::testing::TestWithParam<Fp8DecodeCase> {};
 TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
   const int K = GetParam().K, V = K, H = 2, HV = 4, P = 6;
   const DType in = GetParam().in;
+  cuda::Overrides ov;
+  ov.decode_fp8_columns = GetParam().cols;
+  const cuda::ScopedOverrides scoped(ov);
   const int64_t head = int64_t(K) * V, stride = HV * head + 128;  // slot padding no kernel may touch
   const std::vector<int32_t> slots{3, 0, -1, 7, 5};                 // a padding row, a slot past the pool
   const int B = int(slots.size());
@@ -178,11 +183,17 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dims, Fp8DecodeGpu,
-                         ::testing::Values(Fp8DecodeCase{64, DType::kBFloat16}, Fp8DecodeCase{128, DType::kBFloat16},
-                                           Fp8DecodeCase{128, DType::kFloat32}, Fp8DecodeCase{256, DType::kBFloat16}),
+                         ::testing::Values(Fp8DecodeCase{64, DType::kBFloat16, 0}, Fp8DecodeCase{64, DType::kBFloat16, 16},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 8},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 16},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 32},
+                                           Fp8DecodeCase{128, DType::kFloat32, 32},
+                                           Fp8DecodeCase{256, DType::kBFloat16, 8},
+                                           Fp8DecodeCase{256, DType::kFloat32, 16}),
                          [](const auto& info) {
                            return "K" + std::to_string(info.param.K) +
-                                  (info.param.in == DType::kFloat32 ? "_f32" : "_bf16");
+                                  (info.param.in == DType::kFloat32 ? "_f32" : "_bf16") + "_cols" +
+                                  std::to_string(info.param.cols);
                          });
 
 }  // namespace

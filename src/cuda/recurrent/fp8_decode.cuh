@@ -1,6 +1,7 @@
 // Decode of K-last float8_e4m3 pools (docs/semantics.md "float8_e4m3 states"; docs/design/decode.md "fp8 pools").
 //
-// A warp owns 16 columns v of one value head (column v = S[:, v], K e4m3 bytes, contiguous in a K-last pool).
+// A warp owns kCols columns v of one value head (8, 16 or 32: heuristics.cpp fp8_decode_columns; column v =
+// S[:, v], K e4m3 bytes, contiguous in a K-last pool).
 // Lane l = kLanesPerCol g + c holds, for each of its kLoads columns v0 + kColsPerLoad i + g, the 16 bytes
 // k = 16 c .. 16 c + 15: one 16-byte load per column, and each 32-element scale block is the pair of lanes
 // (2m, 2m + 1) of a column group. Per column, in fp32 (the warp kernel's math, warp_step.cuh):
@@ -28,15 +29,16 @@
 
 namespace gdnkit::cuda::recurrent {
 
-template <int K>
+template <int K, int kColsPerWarp>
 struct Fp8DecodeTile {
   static constexpr int kLanesPerCol = K / 16;             // 16 e4m3 bytes per lane and column
   static constexpr int kColsPerLoad = 32 / kLanesPerCol;  // columns one warp-wide load covers
-  static constexpr int kCols = 16;                        // columns per warp
+  static constexpr int kCols = kColsPerWarp;              // columns per warp
   static constexpr int kLoads = kCols / kColsPerLoad;     // 16-byte state loads per lane
   static constexpr int kWarps = 4;                        // neighbouring columns of one head per CTA
   static constexpr int kCtaCols = kCols * kWarps;
-  static_assert(K % 32 == 0 && kLanesPerCol >= 2 && kLoads >= 1, "fp8 decode: K in {64, 128, 256}");
+  static_assert(K % 32 == 0 && kLanesPerCol >= 2 && kLoads >= 1 && kCols % kColsPerLoad == 0,
+                "fp8 decode: K in {64, 128, 256}, whole loads of columns");
 };
 
 // 16 e4m3 bytes (one uint4) times scale, as fp32.
@@ -66,15 +68,15 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <class TInput, int K, int V>
-__global__ void __launch_bounds__(Fp8DecodeTile<K>::kWarps * 32)
+template <class TInput, int K, int V, int kColsPerWarp>
+__global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     fp8_decode_kernel(const RecurrentParams p, const bool prefetch) {
-  using Tile = Fp8DecodeTile<K>;
+  using Tile = Fp8DecodeTile<K, kColsPerWarp>;
   constexpr int kLPC = Tile::kLanesPerCol, kCPL = Tile::kColsPerLoad, kLoads = Tile::kLoads;
   constexpr int kColCtas = V / Tile::kCtaCols;
   constexpr int kColBlocks = K / kFp8Block;  // scale blocks per column
   constexpr int64_t kHeadElems = int64_t(K) * V, kHeadBlocks = kHeadElems / kFp8Block;
-  static_assert(V % Tile::kCtaCols == 0, "fp8 decode: V a multiple of 64");
+  static_assert(V % Tile::kCtaCols == 0, "fp8 decode: V a multiple of the CTA's columns");
   (void)prefetch;  // every grid runs the same way
 
   const int lane = int(threadIdx.x) % 32, c = lane % kLPC, g = lane / kLPC;
@@ -114,12 +116,15 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K>::kWarps * 32)
   const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
   const HeadGates hg = head_gates(p.gating, hv);
 
-  float kf[16], qf[16];
-  kr.to_floats(kf), qr.to_floats(qf);
-  // Norms over the column group's lanes (each group holds all of k and q).
+  // Norms over the column group's lanes (each group holds all of k and q). k and q stay as loaded and are
+  // converted again at each use (RawVec::opaque), so that 32 fp32 copies do not hold registers across the loop.
   float kk = 0.0f, qq = 0.0f, kq = 0.0f;
+  {
+    float kf[16], qf[16];
+    kr.to_floats(kf), qr.to_floats(qf);
 #pragma unroll
-  for (int j = 0; j < 16; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
+    for (int j = 0; j < 16; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
+  }
 #pragma unroll
   for (int off = 1; off < kLPC; off <<= 1) {
     kk += __shfl_xor_sync(0xffffffffu, kk, off);
@@ -136,7 +141,9 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K>::kWarps * 32)
 
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
-    float s[16];
+    kr.opaque(), qr.opaque();
+    float kf[16], qf[16], s[16];
+    kr.to_floats(kf), qr.to_floats(qf);
     unpack_e4m3x16(raw[i], e8m0_scale(sbyte[i]), s);
     float dk = 0.0f, dq = 0.0f;
 #pragma unroll

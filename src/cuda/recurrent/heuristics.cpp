@@ -30,6 +30,16 @@ const char* kernel_name(RecurrentKernel k) {
   return "?";
 }
 
+constexpr int kFp8NarrowMaxBatch = 2;  // 8 columns per warp up to this batch
+constexpr int kFp8WideMinBatch = 128;  // 32 columns per warp from this batch
+
+int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o) {
+  const bool wide_built = head_dim_k == 128;
+  if (o.decode_fp8_columns == 8 || o.decode_fp8_columns == 16 || (o.decode_fp8_columns == 32 && wide_built))
+    return o.decode_fp8_columns;
+  return batch <= kFp8NarrowMaxBatch ? 8 : batch >= kFp8WideMinBatch && wide_built ? 32 : 16;
+}
+
 bool chain_mma_built(const RecurrentCall& c) {
   return c.layout == StateLayout::kKLast && c.input_dtype == DType::kBFloat16 && c.head_dim_k <= 128 &&
          c.op != RecurrentOp::kDecode;
