@@ -41,9 +41,8 @@ __device__ __forceinline__ void store_head_state(const float (&s)[S::KT][4], con
 // S to a float8_e4m3 entry of a K-last buffer at byte `offset`, its block scales at `scales` (the entry's first
 // block; docs/semantics.md "float8_e4m3 states"). The 32-element block b of column v (k = 32 b .. 32 b + 31) is this
 // thread's tiles j = 4 b .. 4 b + 3 (k pairs q2, q2 + 1) in the 4 lanes of its row r: two shuffles for its amax.
-// Not inlined: inlined, its registers weigh on every head pass (ptxas spilled in the context-parallel final pass).
 template <class S>
-__device__ __noinline__ void store_head_state_e4m3(const float (&s)[S::KT][4], const HeadCoords& at, uint8_t* base,
+__device__ __forceinline__ void store_head_state_e4m3(const float (&s)[S::KT][4], const HeadCoords& at, uint8_t* base,
                                                       uint8_t* scales, int64_t offset) {
   constexpr int K = S::K, kBlocks = K / kFp8Block;
   static_assert(S::KT == 4 * kBlocks, "four n8 tiles of k per block");
