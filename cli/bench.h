@@ -170,6 +170,8 @@ StatePool make_pool(const Shape& s, void* data, DType dtype, StateLayout layout,
                     uint8_t* scales = nullptr);
 // Bytes a state element moves: its dtype, and for float8_e4m3 its share of the block's scale byte.
 double state_elem_bytes(DType state);
+// The dtype of verify's intermediate cache in the bench: float8_e4m3 beside float8_e4m3 pools, float32 otherwise.
+DType verify_cache_dtype(DType state);
 
 // Byte and FLOP models (shared by both backends).
 double decode_bytes(const Shape& s, int32_t B, DType in, DType state);

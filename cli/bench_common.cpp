@@ -163,6 +163,8 @@ void set_token_views(const Shape& s, DType in, const TokenBuffers& t, int64_t fi
   g.dt_bias = t.dt_bias;
 }
 
+DType verify_cache_dtype(DType state) { return state == DType::kFloat8E4M3 ? state : DType::kFloat32; }
+
 double state_elem_bytes(DType state) {
   return dtype_size(state) + (state == DType::kFloat8E4M3 ? 1.0 / kFp8Block : 0.0);
 }
@@ -197,18 +199,19 @@ double decode_bytes(const Shape& s, int32_t B, DType in, DType state) {
 
 double verify_bytes(const Shape& s, int32_t B, int32_t T, DType in, DType state, VerifyMode mode,
                     int64_t accepted_total) {
-  const double sb = dtype_size(state), ib = dtype_size(in);
+  const double sb = state_elem_bytes(state), ib = dtype_size(in);
+  const double cb = state_elem_bytes(verify_cache_dtype(state));
   const double slot = slot_elems(s);
   // verify: the pool state is read once per sequence, every token's q, k, v, gates read and o written.
   double bytes = B * slot * sb + double(B) * T * token_bytes(s, in) + 4.0 * B + gate_param_bytes(s);
-  if (mode != VerifyMode::kCommitRecompute) bytes += double(B) * T * slot * 4 + 4.0 * B;  // fp32 cache written
+  if (mode != VerifyMode::kCommitRecompute) bytes += double(B) * T * slot * cb + 4.0 * B;  // the cache written
   if (mode == VerifyMode::kCommitRecompute) {
     // commit by recompute: pool read + written, and k, v, gates of the kept tokens only.
     bytes += 2.0 * B * slot * sb + double(accepted_total) * (s.H * s.K + s.HV * s.V + 2.0 * s.HV) * ib +
              8.0 * B + gate_param_bytes(s);
   } else if (mode == VerifyMode::kCommitCache) {
-    // commit from the cache: one cached fp32 state read, the pool slot written (every accepted >= 1).
-    bytes += B * slot * 4 + B * slot * sb + 12.0 * B;
+    // commit from the cache: one cached state read, the pool slot written (every accepted >= 1).
+    bytes += B * slot * cb + B * slot * sb + 12.0 * B;
   }
   return bytes;
 }

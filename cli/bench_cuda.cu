@@ -445,6 +445,8 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
   const int calls = std::max(sets, kMinCallsPerReplay);
   const int64_t pool_slots = int64_t(sets) * B + 8;
   const bool cache = mode != VerifyMode::kCommitRecompute;
+  const bool fp8 = state == DType::kFloat8E4M3;
+  const DType cache_dtype = verify_cache_dtype(state);
   const bool commit_after = mode != VerifyMode::kCache;
   r.slot_sets = sets;
   r.pool_slots = pool_slots;
@@ -461,9 +463,13 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
   const uint64_t seed = 7000003ull * B + 101 * T + 17 * int(state) + int(layout) + 3 * int(mode);
   const int64_t cache_slots = cache ? int64_t(sets) * B : 0;
   DevBuf pool(size_t(pool_slots * slot_bytes)), indices(size_t(sets) * B * 4), flag(4);
-  DevBuf inter(size_t(cache_slots) * T * slot_elems * 4), inter_indices(size_t(std::max<int64_t>(cache_slots, 1)) * 4);
+  DevBuf scales(fp8 ? size_t(pool_slots * slot_elems / kFp8Block) : 0);
+  const int64_t cache_elems = cache_slots * T * slot_elems;
+  DevBuf inter(size_t(cache_elems * dtype_size(cache_dtype))), inter_indices(size_t(std::max<int64_t>(cache_slots, 1)) * 4);
+  DevBuf inter_scales(fp8 ? size_t(cache_elems / kFp8Block) : 0);
   DevBuf d_accepted(size_t(B) * 4);
   fill(pool.get(), state, pool_slots * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  if (fp8) fill_fp8_scales(scales.get(), pool_slots * slot_elems, d.stream);
   DeviceTokens tok(s, g_input, int64_t(sets) * B * T, seed, d.stream);
   upload(indices.get(), random_slots(pool_slots, int64_t(sets) * B, seed).data(), indices.bytes(), d.stream);
   if (cache)
@@ -479,13 +485,14 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
     p.batch = B;
     p.num_draft_tokens = T;
     set_token_views(s, g_input, tok.views, int64_t(i) * B * T, p.q, p.k, p.v, p.o, p.gating);
-    p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+    p.state = make_pool(s, pool.get(), state, layout, pool_slots, fp8 ? scales.get<uint8_t>() : nullptr);
     p.state_indices = indices.get<int32_t>() + int64_t(i) * B;
     p.error_flag = flag.get<int32_t>();
     p.update_state = false;
     if (cache) {
       p.intermediate.data = inter.get();
-      p.intermediate.dtype = DType::kFloat32;
+      p.intermediate.scales = fp8 ? inter_scales.get<uint8_t>() : nullptr;
+      p.intermediate.dtype = cache_dtype;
       p.intermediate.layout = layout;
       p.intermediate.num_slots = cache_slots;
       p.intermediate.num_steps = T;

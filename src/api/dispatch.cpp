@@ -19,13 +19,13 @@ void require_cuda() {
 #endif
 }
 
-// The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools in decode of K-last
-// pools, float8_e4m3 intermediate caches (verify stores them, commit reads them) and checkpoints of K-last pools
-// (prefill with bf16 or fp16 inputs, K <= 128, V in {64, 128}: the head state pass); the CPU backend runs every op
-// on float8_e4m3.
+// The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools in decode, verify and
+// commit, float8_e4m3 intermediate caches (verify stores them, commit reads them) and checkpoints (prefill with bf16
+// or fp16 inputs, K <= 128, V in {64, 128}: the head state pass), all K-last; the CPU backend runs every op on
+// float8_e4m3.
 constexpr const char* kFp8Cuda =
-    ": the CUDA backend takes float8_e4m3 pools in decode and float8_e4m3 intermediate caches and checkpoints, of "
-    "K-last pools only";
+    ": the CUDA backend takes float8_e4m3 pools in decode, verify and commit and float8_e4m3 intermediate caches and "
+    "checkpoints, all K-last";
 void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char* got = "") {
   if (data != nullptr && dtype == DType::kFloat8E4M3)
     throw Error(ErrorCode::kNotImplemented,
@@ -34,8 +34,8 @@ void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char
 void require_cuda_states(const DecodeParams& p) {
   if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
 }
-void require_cuda_states(const VerifyParams& p) {
-  refuse_cuda_fp8("state", p.state.data, p.state.dtype);
+void require_cuda_states(const VerifyParams& p) {  // and CommitParams
+  if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
   if (p.intermediate.layout != StateLayout::kKLast)
     refuse_cuda_fp8("intermediate", p.intermediate.data, p.intermediate.dtype, ", got V-last");
 }

@@ -443,16 +443,16 @@ TEST(Fp8, LayoutScalesRules) {
             std::string::npos);
 }
 
-// The CUDA backend takes fp8 pools in decode and fp8 intermediate caches, of K-last pools: the rest is refused
-// after validation and before any device work, whether or not a GPU is present.
-TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecodeAndCaches) {
+// The CUDA backend takes fp8 pools in decode, verify and commit, fp8 intermediate caches and checkpoints, all K-last:
+// the rest is refused after validation and before any device work, whether or not a GPU is present.
+TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
   Fp8States pool(2, 1, kStride, 19), cache(2, 2, 2 * HV * kHead, 21);
   const Fp8States pool0 = pool;
   Tokens tok(4, 20);
   const std::vector<int32_t> slots{0, 1};
   const Context cuda{Backend::kCUDA, nullptr};
-  const std::string tail = ": the CUDA backend takes float8_e4m3 pools in decode and float8_e4m3 intermediate caches "
-                           "and checkpoints, of K-last pools only";
+  const std::string tail = ": the CUDA backend takes float8_e4m3 pools in decode, verify and commit and float8_e4m3 "
+                           "intermediate caches and checkpoints, all K-last";
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;
@@ -463,10 +463,10 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecodeAndCaches) {
   VerifyParams v;
   tok.into(v, false);
   v.batch = 2, v.num_draft_tokens = 2;
-  v.state = pool.pool(StateLayout::kKLast);
+  v.state = pool.pool(StateLayout::kVLast);
   v.state_indices = slots.data();
   EXPECT_EQ(error_of([&] { verify(v, cuda); }, ErrorCode::kNotImplemented),
-            "state" + tail + " (the CPU backend runs every op)");
+            "state" + tail + ", got V-last (the CPU backend runs every op)");
   Fp8States pool32(2, 1, kStride, 22);  // an fp32 V-last pool beside a V-last fp8 cache
   v.state = pool32.twin_pool(StateLayout::kVLast);
   v.intermediate = cache.cache(StateLayout::kVLast);
@@ -477,12 +477,12 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastDecodeAndCaches) {
   tok.into(c, false);
   const std::vector<int32_t> accepted{1, 2};
   c.batch = 2, c.num_draft_tokens = 2;
-  c.state = pool.pool(StateLayout::kKLast);
+  c.state = pool.pool(StateLayout::kVLast);
   c.state_indices = slots.data();
   c.accepted = accepted.data();
   c.source = CommitSource::kRecompute;
   EXPECT_EQ(error_of([&] { commit(c, cuda); }, ErrorCode::kNotImplemented),
-            "state" + tail + " (the CPU backend runs every op)");
+            "state" + tail + ", got V-last (the CPU backend runs every op)");
   const std::vector<int32_t> cu{0, 4}, fin{0};
   PrefillParams pf;
   tok.into(pf, false);

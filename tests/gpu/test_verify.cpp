@@ -142,6 +142,36 @@ std::vector<Named> verify_cases() {
     c.intermediate = false, c.in_dtype = DType::kFloat16;  // the warp kernel
     out.push_back({name_of(s, c), c});
   }
+  // float8_e4m3 K-last pools (WarpTile::load_e4m3 / store_e4m3): every shape beside fp32, bf16 and fp8 caches,
+  // chains without a cache (the warp kernel even where bf16 inputs would take the chain kernel), K = 64 and 256
+  // (runs of 2 and 8 bytes a lane), fp32 and fp16 inputs, the qwen3-next heads.
+  for (Shape s : kShapes)
+    for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat8E4M3}) {
+      ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, cache, 4, seed++);
+      if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
+      out.push_back({name_of(s, c), c});
+    }
+  for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain}) {
+    ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 13, seed++);
+    c.intermediate = false, c.long_memory = s == Shape::kChainUpdate;
+    out.push_back({name_of(s, c), c});
+  }
+  for (int d : {64, 256})
+    for (Shape s : {Shape::kChainUpdate, Shape::kTree}) {
+      ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+      c.K = c.V = d;
+      out.push_back({name_of(s, c), c});
+    }
+  for (DType in : {DType::kFloat32, DType::kFloat16}) {
+    ProblemConfig c = make(Shape::kVarlenTree, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 6, seed++);
+    c.in_dtype = in, c.gate_mode = in == DType::kFloat16 ? GateMode::kGiven : GateMode::kFused;
+    out.push_back({name_of(Shape::kVarlenTree, c), c});
+  }
+  {
+    ProblemConfig c = make(Shape::kVarlenChain, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+    c.H = 16, c.HV = 32, c.batch = 24, c.padding_rows = 4, c.seq_lens = many_lens(c.batch, 4);
+    out.push_back({name_of(Shape::kVarlenChain, c) + "_b24", c});
+  }
   return out;
 }
 
@@ -237,6 +267,24 @@ std::vector<CommitCase> commit_cases() {
       if (s == Shape::kVarlenTree) c.seq_lens = many_lens(c.batch, 10);
       out.push_back({"recompute_" + name_of(s, c) + "_b24", c, CommitSource::kRecompute});
     }
+  // Into float8_e4m3 K-last pools: from fp32 and fp8 caches (commit_cache_kernel quantizes by block), by replay.
+  for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree}) {
+    for (DType cache : {DType::kFloat32, DType::kFloat8E4M3}) {
+      ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, cache, 4, seed++);
+      c.update_state = false;
+      if (seed % 2) c.token_pad = 8, c.slot_pad = 32;
+      out.push_back({"cache_" + name_of(s, c), c, CommitSource::kCache});
+    }
+    ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 12, seed++);
+    c.update_state = false, c.long_memory = s == Shape::kChain;
+    out.push_back({"recompute_" + name_of(s, c), c, CommitSource::kRecompute});
+  }
+  for (int d : {64, 256}) {
+    ProblemConfig c = make(Shape::kVarlenTree, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+    c.update_state = false, c.K = c.V = d;
+    out.push_back({"cache_" + name_of(Shape::kVarlenTree, c), c, CommitSource::kCache});
+    out.push_back({"recompute_" + name_of(Shape::kVarlenTree, c), c, CommitSource::kRecompute});
+  }
   for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute})
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
       ProblemConfig c = make(Shape::kChain, layout, DType::kBFloat16, DType::kBFloat16, 2, seed++);

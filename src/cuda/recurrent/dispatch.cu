@@ -82,12 +82,15 @@ void by_input(const RecurrentParams& p, bool write_state, Stream stream) {
   }
 }
 
-template <class Kernel>
+template <class Kernel, bool kFp8Built>
 void by_state(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.state.dtype) {
     case DType::kFloat32: return by_input<Kernel, float>(p, write_state, stream);
     case DType::kBFloat16: return by_input<Kernel, __nv_bfloat16>(p, write_state, stream);
     case DType::kFloat16: return by_input<Kernel, __half>(p, write_state, stream);
+    case DType::kFloat8E4M3:
+      if constexpr (kFp8Built) return by_input<Kernel, uint8_t>(p, write_state, stream);
+      throw Error(ErrorCode::kNotImplemented, "state: float8_e4m3 pools are not built for this op and layout");
     default: invalid(std::string("state: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.state.dtype));
   }
 }
@@ -95,8 +98,10 @@ void by_state(const RecurrentParams& p, bool write_state, Stream stream) {
 template <RecurrentOp kOp>
 void by_layout(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.state.layout) {
-    case StateLayout::kKLast: return by_state<OpLauncher<StateLayout::kKLast, kOp>>(p, write_state, stream);
-    case StateLayout::kVLast: return by_state<OpLauncher<StateLayout::kVLast, kOp>>(p, write_state, stream);
+    case StateLayout::kKLast:  // float8_e4m3 pools: verify, recompute (decode: launch_fp8_decode)
+      return by_state<OpLauncher<StateLayout::kKLast, kOp>,
+                      kOp == RecurrentOp::kVerify || kOp == RecurrentOp::kRecompute>(p, write_state, stream);
+    case StateLayout::kVLast: return by_state<OpLauncher<StateLayout::kVLast, kOp>, false>(p, write_state, stream);
     default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
   }
 }
@@ -154,11 +159,16 @@ __global__ void __launch_bounds__(kCopyThreads) commit_cache_kernel(const Commit
   const TC* src = static_cast<const TC*>(p.intermediate.data) + int64_t(islot) * p.intermediate.slot_stride +
                   (int64_t(step) * p.heads.num_v_heads + hv) * head_elems;
   TState* dst = static_cast<TState*>(p.state.data) + int64_t(slot) * p.state.slot_stride + hv * head_elems;
-  // float8_e4m3 caches (TC uint8_t): each run of kCopyRun lies in one block of kFp8Block.
+  // float8_e4m3 caches and pools (uint8_t): each run of kCopyRun lies in one block of kFp8Block, whose
+  // kFp8Block / kCopyRun runs are neighbouring lanes (the block's amax: shuffles among them).
   [[maybe_unused]] const uint8_t* scales = nullptr;
+  [[maybe_unused]] uint8_t* dst_scales = nullptr;
   if constexpr (std::is_same_v<TC, uint8_t>)
     scales = p.intermediate.scales +
              ((int64_t(islot) * p.intermediate.num_steps + step) * p.heads.num_v_heads + hv) * (head_elems / kFp8Block);
+  if constexpr (std::is_same_v<TState, uint8_t>)
+    dst_scales = p.state.scales + (int64_t(slot) * p.heads.num_v_heads + hv) * (head_elems / kFp8Block);
+  static_assert(kCopyThreads * kCopyRun % kFp8Block == 0 && kFp8Block % kCopyRun == 0, "whole blocks per pass");
 #pragma unroll 4
   for (int64_t i = int64_t(threadIdx.x) * kCopyRun; i < head_elems; i += kCopyThreads * kCopyRun) {
     float x[kCopyRun];
@@ -174,7 +184,19 @@ __global__ void __launch_bounds__(kCopyThreads) commit_cache_kernel(const Commit
     } else {
       load_vec<TC, kCopyRun>(src + i, x);
     }
-    store_vec<TState, kCopyRun>(dst + i, x);
+    if constexpr (std::is_same_v<TState, uint8_t>) {  // head_elems is a multiple of the pass: whole warps here
+      uint32_t m = 0;
+#pragma unroll
+      for (int j = 0; j < kCopyRun; ++j) m = max(m, abs_bits(x[j]));
+#pragma unroll
+      for (int off = 1; off < kFp8Block / kCopyRun; off <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+      const Fp8Scale sc = e4m3_block_scale(m);
+      *reinterpret_cast<uint2*>(dst + i) =
+          make_uint2(e4m3x4(x[0], x[1], x[2], x[3], sc), e4m3x4(x[4], x[5], x[6], x[7], sc));
+      if (i % kFp8Block == 0) dst_scales[i / kFp8Block] = uint8_t(sc.byte);
+    } else {
+      store_vec<TState, kCopyRun>(dst + i, x);
+    }
   }
 }
 
@@ -185,7 +207,10 @@ void commit_cache_by_state(const CommitParams& p, Stream stream) {
     case DType::kFloat32: commit_cache_kernel<TC, float><<<grid, kCopyThreads, 0, stream>>>(p); break;
     case DType::kBFloat16: commit_cache_kernel<TC, __nv_bfloat16><<<grid, kCopyThreads, 0, stream>>>(p); break;
     case DType::kFloat16: commit_cache_kernel<TC, __half><<<grid, kCopyThreads, 0, stream>>>(p); break;
-    default: invalid(std::string("state: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.state.dtype));
+    case DType::kFloat8E4M3: commit_cache_kernel<TC, uint8_t><<<grid, kCopyThreads, 0, stream>>>(p); break;
+    default:
+      invalid(std::string("state: expected dtype float32, bfloat16, float16 or float8_e4m3, got ") +
+              dtype_name(p.state.dtype));
   }
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
@@ -195,6 +220,11 @@ void commit_from_cache(const CommitParams& p, Stream stream) {
     invalid("intermediate: commit from the cache needs the intermediate buffer and intermediate_indices");
   check_aligned("state", p.state.data, p.state.slot_stride, p.state.dtype);
   check_aligned("intermediate", p.intermediate.data, p.intermediate.slot_stride, p.intermediate.dtype);
+  if (p.state.dtype == DType::kFloat8E4M3 && int64_t(p.heads.head_dim_k) * p.heads.head_dim_v % (kCopyThreads * kCopyRun) != 0)
+    throw Error(ErrorCode::kNotImplemented, "state: float8_e4m3 pools need K*V a multiple of " +
+                                                std::to_string(kCopyThreads * kCopyRun) + " (whole copy passes), got K=" +
+                                                std::to_string(p.heads.head_dim_k) + ", V=" +
+                                                std::to_string(p.heads.head_dim_v));
   if (p.batch == 0 || p.heads.num_v_heads == 0) return;
   switch (p.intermediate.dtype) {
     case DType::kFloat32: return commit_cache_by_state<float>(p, stream);

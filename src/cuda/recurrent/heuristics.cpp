@@ -42,7 +42,7 @@ int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o) {
 
 bool chain_mma_built(const RecurrentCall& c) {
   return c.layout == StateLayout::kKLast && c.input_dtype == DType::kBFloat16 && c.head_dim_k <= 128 &&
-         c.op != RecurrentOp::kDecode;
+         c.op != RecurrentOp::kDecode && c.state_dtype != DType::kFloat8E4M3;
 }
 
 bool mma_decode_built(const RecurrentCall& c) {

@@ -28,6 +28,7 @@ template <class T>
 constexpr DType dtype_of() {
   if constexpr (std::is_same_v<T, float>) return DType::kFloat32;
   else if constexpr (std::is_same_v<T, __nv_bfloat16>) return DType::kBFloat16;
+  else if constexpr (std::is_same_v<T, uint8_t>) return DType::kFloat8E4M3;  // a pool's storage only
   else return DType::kFloat16;
 }
 
@@ -67,7 +68,8 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
                                                 std::to_string(kRegularCols) + " < 2^31)");
   const RecurrentCall call = describe_call<kLayout, TState, TInput, K, V, kOp>(p);
   constexpr bool kKLastBf16Input = kLayout == StateLayout::kKLast && std::is_same_v<TInput, __nv_bfloat16>;
-  constexpr bool kChainBuilt = kKLastBf16Input && K <= 128 && kOp != RecurrentOp::kDecode;
+  constexpr bool kFp8State = std::is_same_v<TState, uint8_t>;  // float8_e4m3 pools: the warp kernel only
+  constexpr bool kChainBuilt = kKLastBf16Input && K <= 128 && kOp != RecurrentOp::kDecode && !kFp8State;
   constexpr bool kMmaDecodeBuilt = kKLastBf16Input && kOp == RecurrentOp::kDecode &&
                                    std::is_same_v<TState, __nv_bfloat16> && K <= 128 && V % 64 == 0;
   constexpr bool kVLastBuilt = kLayout == StateLayout::kVLast && kOp == RecurrentOp::kDecode && K <= 128;
@@ -181,6 +183,16 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
   GDNKIT_RECURRENT_INSTANTIATE_OPS(L, TState, TInput, 64)    \
   GDNKIT_RECURRENT_INSTANTIATE_OPS(L, TState, TInput, 128)   \
   GDNKIT_RECURRENT_INSTANTIATE_OPS(L, TState, TInput, 256)
+// K-last float8_e4m3 pools: verify and commit by recompute (decode has its own kernel, fp8_decode.cuh).
+#define GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(TInput, D)                                                           \
+  template void launch_recurrent_op<StateLayout::kKLast, uint8_t, TInput, D, D, RecurrentOp::kVerify>(            \
+      const RecurrentParams&, bool, Stream);                                                                       \
+  template void launch_recurrent_op<StateLayout::kKLast, uint8_t, TInput, D, D, RecurrentOp::kRecompute>(         \
+      const RecurrentParams&, bool, Stream);
+#define GDNKIT_RECURRENT_INSTANTIATE_FP8(TInput)     \
+  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(TInput, 64)  \
+  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(TInput, 128) \
+  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(TInput, 256)
 // Prefill's short sequences: 16-bit inputs, K = V in {64, 128} (prefill_short_supported).
 #define GDNKIT_RECURRENT_INSTANTIATE_PREFILL(L, TState, TInput)                                                   \
   template void launch_recurrent_op<L, TState, TInput, 64, 64, RecurrentOp::kPrefill>(const RecurrentParams&,     \

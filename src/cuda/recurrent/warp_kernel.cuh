@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/arch/dtype.cuh"
 #include "cuda/recurrent/row.cuh"
@@ -87,10 +88,9 @@ struct IntermediateStore {
   }
 };
 
-// Verify of a tree: token t continues from the state after parent[t] (-1: the pool state at `tile`).
-template <class Tile, class TState, class Step, class StoreIntermediate>
-__device__ __forceinline__ void replay_tree(const RecurrentParams& p, int b, int T, int len, const TState* tile,
-                                            typename Tile::Regs& s, int lane, typename Tile::Stage& stage,
+// Verify of a tree: token t continues from the state after parent[t] (-1: the pool state, load_pool()).
+template <class LoadPool, class Step, class StoreIntermediate>
+__device__ __forceinline__ void replay_tree(const RecurrentParams& p, int b, int T, int len, const LoadPool& load_pool,
                                             const Step& step, const StoreIntermediate& store_intermediate) {
   const int32_t* parent = p.parent + int64_t(b) * T;  // checked above: -1 <= parent[t] < t
   int held = -1;  // the token whose state the registers hold; -1: the pool state
@@ -100,7 +100,7 @@ __device__ __forceinline__ void replay_tree(const RecurrentParams& p, int b, int
     if (pt != held) {
       uint64_t ancestors = 0;
       for (int x = pt; x >= 0; x = parent[x]) ancestors |= uint64_t(1) << x;
-      Tile::load(tile, s, lane, stage);
+      load_pool();
       while (ancestors != 0) {
         const int x = __ffsll(static_cast<long long>(ancestors)) - 1;
         ancestors &= ancestors - 1;
@@ -114,7 +114,7 @@ __device__ __forceinline__ void replay_tree(const RecurrentParams& p, int b, int
 }
 
 // kWidth: the tile's columns per warp (warp_tile.cuh). kPinSlot: decode reads the slot index as a volatile
-// load (below).
+// load (below). TState uint8_t: a float8_e4m3 pool (K-last; verify, commit by recompute), block scales beside it.
 template <StateLayout kLayout, class TState, class TInput, int K, int V, RecurrentOp kOp,
           TileWidth kWidth = TileWidth::kRegular, bool kPinSlot = false, bool kFp8Cache = false>
 __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaWarps * 32,
@@ -126,6 +126,9 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   constexpr int kRows = Tile::kRows;
   constexpr bool kDecode = kOp == RecurrentOp::kDecode, kRecompute = kOp == RecurrentOp::kRecompute;
   constexpr bool kPrefill = kOp == RecurrentOp::kPrefill;
+  constexpr bool kFp8State = std::is_same_v<TState, uint8_t>;
+  static_assert(!kFp8State || (kLayout == StateLayout::kKLast && !kDecode && !kPrefill),
+                "float8_e4m3 pools: K-last verify and recompute (decode: fp8_decode.cuh)");
   constexpr int kColBlocks = V / kRows;  // column blocks per head
   constexpr int kCtaWarps = Tile::kCtaWarps;
   __shared__ typename Tile::Stage stage;
@@ -171,7 +174,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   // Decode in prefetch mode loads the state of the early slot now, beside the index rather than after it
   // (after the wait: that slot's current state). If the index differs, the right slot's state is loaded
   // below and this one is dropped.
-  if (kDecode && early_slot >= 0) Tile::load(head_block + int64_t(early_slot) * p.state.slot_stride, s, lane, stage);
+  if constexpr (kDecode)
+    if (early_slot >= 0) Tile::load(head_block + int64_t(early_slot) * p.state.slot_stride, s, lane, stage);
 
   // ---- which tokens, which slots (the same checks, in the same order, as the CPU reference) -----
   int64_t tok0;
@@ -218,10 +222,21 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   if (!kDecode && chain && n_tokens > 0) cur = step.load_token(token_index(0));
 
   TState* const tile = head_block + int64_t(slot) * p.state.slot_stride;
+  // The scale blocks of the warp's columns in slot `slot` (float8_e4m3 pools).
+  [[maybe_unused]] uint8_t* const tile_scales =
+      kFp8State ? p.state.scales + (int64_t(slot) * num_v_heads + hv) * (kHeadElems / kFp8Block) +
+                      Tile::origin(v0) / kFp8Block
+                : nullptr;
+  const auto load_pool = [&] {  // every state load issued before any use
+    if constexpr (kFp8State)
+      Tile::load_e4m3(tile, tile_scales, s, lane);
+    else
+      Tile::load(tile, s, lane, stage);
+  };
   if (kPrefill && slot < 0) {  // prefill from S = 0
     s.set_zero();
   } else if (!kDecode || early_slot != slot) {
-    Tile::load(tile, s, lane, stage);  // every state load issued before any use
+    load_pool();
   }
   if (!kDecode) step.gate_math(lane_gate, lane_decay, lane_beta);
 
@@ -241,12 +256,15 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
     if constexpr (kPrefill) {
       if (row.final_slot >= 0) Tile::store(head_block + int64_t(row.final_slot) * p.state.slot_stride, s, lane, stage);
     } else if (kOp != RecurrentOp::kVerify || write_state) {
-      Tile::store(tile, s, lane, stage);
+      if constexpr (kFp8State)
+        Tile::store_e4m3(tile, tile_scales, s, lane);
+      else
+        Tile::store(tile, s, lane, stage);
     }
     return;
   }
   if constexpr (kOp == RecurrentOp::kVerify)
-    replay_tree<Tile>(p, b, T, len, tile, s, lane, stage, step, store_intermediate);
+    replay_tree(p, b, T, len, load_pool, step, store_intermediate);
 }
 
 }  // namespace gdnkit::cuda::recurrent

@@ -214,6 +214,39 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
         if (k % kFp8Block == 0) scales[i * (K / kFp8Block) + k / kFp8Block] = uint8_t(sc.byte);
       }
   }
+  // s <- a float8_e4m3 tile (a pool of TState uint8_t): each run's bytes times its block's scale, exact in fp32;
+  // `scales` as in store_e4m3. Every load is issued before any use.
+  __device__ static void load_e4m3(const uint8_t* tile, const uint8_t* scales, Regs& s, int lane) {
+    static_assert(kStoresE4m3 && std::is_same_v<TState, uint8_t>, "float8_e4m3 pools: runs of 2, 4 or 8 bytes");
+    using Run = std::conditional_t<kVec == 2, uint16_t, std::conditional_t<kVec == 4, uint32_t, uint2>>;
+    Run raw[kRows][kKPerLane / kVec];
+    uint8_t sbyte[kRows][kKPerLane / kVec];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPerLane; j += kVec) {
+        const int k = k_of(lane, j);
+        raw[i][j / kVec] = *reinterpret_cast<const Run*>(tile + i * K + k);
+        sbyte[i][j / kVec] = scales[i * (K / kFp8Block) + k / kFp8Block];
+      }
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kKPerLane; j += kVec) {
+        const float sc = e8m0_scale(sbyte[i][j / kVec]);
+        uint32_t w[(kVec + 3) / 4];
+        if constexpr (kVec == 8) {
+          w[0] = raw[i][j / kVec].x, w[1] = raw[i][j / kVec].y;
+        } else {
+          w[0] = uint32_t(raw[i][j / kVec]);
+        }
+#pragma unroll
+        for (int x = 0; x < kVec; x += 2) {
+          const float2 f = e4m3x2_to_float2(w[x / 4] >> (8 * (x % 4)), sc);
+          s.v[i][j + x] = f.x, s.v[i][j + x + 1] = f.y;
+        }
+      }
+  }
 };
 
 template <class TState, int K, int V, TileWidth kWidth>
