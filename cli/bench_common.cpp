@@ -218,7 +218,7 @@ double verify_bytes(const Shape& s, int32_t B, int32_t T, DType in, DType state,
 
 double prefill_floor_bytes(const Shape& s, const SeqSet& set, DType in, DType state) {
   const double n = double(set.lengths.size());
-  return double(set.total()) * token_bytes(s, in) + 2.0 * n * slot_elems(s) * dtype_size(state) +
+  return double(set.total()) * token_bytes(s, in) + 2.0 * n * slot_elems(s) * state_elem_bytes(state) +
          4.0 * (n + 1) + 8.0 * n + gate_param_bytes(s);
 }
 

@@ -541,9 +541,11 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   std::vector<int32_t> cu32(cu_host.begin(), cu_host.end());
 
   const uint64_t seed = 90000049ull + uint64_t(T) * 7 + uint64_t(N) + 17 * int(state) + int(layout);
+  const bool fp8 = state == DType::kFloat8E4M3;
   DevBuf pool(size_t(pool_slots * slot_elems * dtype_size(state))), cu(cu32.size() * 4), slots(size_t(N) * 4),
-      flag(4);
+      flag(4), scales(fp8 ? size_t(pool_slots * slot_elems / kFp8Block) : 0);
   fill(pool.get(), state, pool_slots * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, d.stream);
+  if (fp8) fill_fp8_scales(scales.get(), pool_slots * slot_elems, d.stream);
   DeviceTokens tok(s, g_input, T, seed, d.stream);
   upload(cu.get(), cu32.data(), cu.bytes(), d.stream);
   upload(slots.get(), random_slots(pool_slots, N, seed).data(), slots.bytes(), d.stream);
@@ -557,7 +559,7 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   p.cu_seqlens = cu.get();
   p.cu_seqlens_dtype = DType::kInt32;
   p.cu_seqlens_host = cu_host.data();
-  p.state = make_pool(s, pool.get(), state, layout, pool_slots);
+  p.state = make_pool(s, pool.get(), state, layout, pool_slots, fp8 ? scales.get<uint8_t>() : nullptr);
   // In place: each sequence starts from its slot and stores its final state there (read before write).
   p.initial_indices = slots.get<int32_t>();
   p.final_indices = slots.get<int32_t>();

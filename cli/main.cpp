@@ -35,7 +35,7 @@ bench options:
   --shape NAME[,NAME]|all    qwen3-next | qwen3.5-397b-tp8 | qwen3.5-27b | qwen3.5-397b
                              (default: qwen3-next; prefill also qwen3.5-397b-tp8)
   --state LIST               state dtypes, comma-separated: fp32, bf16, fp16, fp8 (float8_e4m3 with block
-                             scales: decode, verify of K-last pools), both (= fp32,bf16), all (= fp32,bf16,fp16)
+                             scales: K-last pools on CUDA), both (= fp32,bf16), all (= fp32,bf16,fp16)
                              (default: decode all, verify/prefill fp32)
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
   --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
@@ -170,9 +170,9 @@ Options parse_bench(int argc, char** argv, int first) {
   }
   o.ops = op == "all" ? std::vector<std::string>{"decode", "verify", "prefill"} : std::vector<std::string>{op};
   const bool fp8 = std::find(o.states.begin(), o.states.end(), DType::kFloat8E4M3) != o.states.end();
-  if (fp8 && ((op != "decode" && op != "verify") || o.cpu || o.layouts != std::vector<StateLayout>{StateLayout::kKLast}))
-    usage_error("--state fp8: float8_e4m3 pools are benchmarked in decode and verify of K-last pools on CUDA "
-                "(gdnkit bench decode --state fp8 --layout klast)");
+  for (const std::string& x : o.ops)
+    if (fp8 && (o.cpu || layouts_for(o, x) != std::vector<StateLayout>{StateLayout::kKLast}))
+      usage_error("--state fp8: float8_e4m3 pools are benchmarked on CUDA, K-last (--layout klast)");
   if (!o.json_path.empty() && o.json_path == o.markdown_path)
     usage_error("--json and --markdown name the same file '" + o.json_path + "'");
   return o;

@@ -19,13 +19,12 @@ void require_cuda() {
 #endif
 }
 
-// The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools in decode, verify and
-// commit, float8_e4m3 intermediate caches (verify stores them, commit reads them) and checkpoints (prefill with bf16
-// or fp16 inputs, K <= 128, V in {64, 128}: the head state pass), all K-last; the CPU backend runs every op on
-// float8_e4m3.
+// The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools, intermediate caches and
+// checkpoints of K-last pools in decode, verify, commit and prefill (pools and checkpoints with bf16 or fp16 inputs,
+// K <= 128, V in {64, 128}: the head state pass); the CPU backend runs every op on float8_e4m3.
 constexpr const char* kFp8Cuda =
-    ": the CUDA backend takes float8_e4m3 pools in decode, verify and commit and float8_e4m3 intermediate caches and "
-    "checkpoints, all K-last";
+    ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, verify, commit and "
+    "prefill, all K-last";
 void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char* got = "") {
   if (data != nullptr && dtype == DType::kFloat8E4M3)
     throw Error(ErrorCode::kNotImplemented,
@@ -40,15 +39,15 @@ void require_cuda_states(const VerifyParams& p) {  // and CommitParams
     refuse_cuda_fp8("intermediate", p.intermediate.data, p.intermediate.dtype, ", got V-last");
 }
 void require_cuda_states(const PrefillParams& p) {
-  refuse_cuda_fp8("state", p.state.data, p.state.dtype);
+  constexpr const char* kHeadPass = ", with bf16 or fp16 inputs, K <= 128 and V in {64, 128}";
+  const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) &&
+                         p.heads.head_dim_k <= 128 && (p.heads.head_dim_v == 64 || p.heads.head_dim_v == 128);
+  if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
+  if (!head_pass) refuse_cuda_fp8("state", p.state.data, p.state.dtype, kHeadPass);
   if (p.checkpoint_interval <= 0) return;
   if (p.checkpoints.layout != StateLayout::kKLast)
     refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, ", got V-last");
-  const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) &&
-                         p.heads.head_dim_k <= 128 && (p.heads.head_dim_v == 64 || p.heads.head_dim_v == 128);
-  if (!head_pass)
-    refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype,
-                    ", with bf16 or fp16 inputs, K <= 128 and V in {64, 128}");
+  if (!head_pass) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, kHeadPass);
 }
 void require_cuda_states(const LayoutParams& p) { refuse_cuda_fp8("src", p.src.data, p.src.dtype); }
 

@@ -443,16 +443,16 @@ TEST(Fp8, LayoutScalesRules) {
             std::string::npos);
 }
 
-// The CUDA backend takes fp8 pools in decode, verify and commit, fp8 intermediate caches and checkpoints, all K-last:
-// the rest is refused after validation and before any device work, whether or not a GPU is present.
+// The CUDA backend takes fp8 pools, intermediate caches and checkpoints of K-last pools (prefill: where the head
+// state pass runs): the rest is refused after validation and before any device work, whether or not a GPU is present.
 TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
   Fp8States pool(2, 1, kStride, 19), cache(2, 2, 2 * HV * kHead, 21);
   const Fp8States pool0 = pool;
   Tokens tok(4, 20);
   const std::vector<int32_t> slots{0, 1};
   const Context cuda{Backend::kCUDA, nullptr};
-  const std::string tail = ": the CUDA backend takes float8_e4m3 pools in decode, verify and commit and float8_e4m3 "
-                           "intermediate caches and checkpoints, all K-last";
+  const std::string tail = ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, "
+                           "verify, commit and prefill, all K-last";
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;
@@ -487,20 +487,21 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
   PrefillParams pf;
   tok.into(pf, false);
   pf.num_seqs = 1, pf.total_tokens = 4, pf.cu_seqlens = cu.data();
-  pf.state = pool.pool(StateLayout::kKLast);
+  pf.state = pool.pool(StateLayout::kKLast);  // fp32 inputs: not the head state pass
   pf.final_indices = fin.data();
+  const std::string head_pass = ", with bf16 or fp16 inputs, K <= 128 and V in {64, 128} (the CPU backend runs every op)";
+  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented), "state" + tail + head_pass);
+  EXPECT_EQ(error_of([&] { (void)prefill_path(pf); }, ErrorCode::kNotImplemented), "state" + tail + head_pass);
+  pf.state = pool.pool(StateLayout::kVLast);
   EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
-            "state" + tail + " (the CPU backend runs every op)");
-  EXPECT_EQ(error_of([&] { (void)prefill_path(pf); }, ErrorCode::kNotImplemented),
-            "state" + tail + " (the CPU backend runs every op)");
+            "state" + tail + ", got V-last (the CPU backend runs every op)");
   // fp8 checkpoints beside an fp32 pool: K-last, 16-bit inputs, K <= 128, V in {64, 128} (the head state pass).
   Fp8States ckpt(1, 1, HV * kHead, 26);
   const std::vector<int32_t> cps{0};
   pf.state = pool32.twin_pool(StateLayout::kKLast);
   pf.checkpoints = ckpt.cache(StateLayout::kKLast);
   pf.checkpoint_interval = 64, pf.checkpoint_indices = cps.data();
-  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
-            "checkpoints" + tail + ", with bf16 or fp16 inputs, K <= 128 and V in {64, 128} (the CPU backend runs every op)");
+  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented), "checkpoints" + tail + head_pass);
   pf.state = pool32.twin_pool(StateLayout::kVLast);
   pf.checkpoints = ckpt.cache(StateLayout::kVLast);
   EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),

@@ -298,6 +298,24 @@ std::vector<Case> shape_cases() {
     c.same_slot = false, c.zero_initial_rows = 4, c.no_final_rows = 2;
     add(c, "zero_init_no_final");
   }
+  // float8_e4m3 K-last pools (head_state_io.cuh load_head_state_e4m3, store_head_state_e4m3): K 64 and 128 as the
+  // heuristics choose, fp16 inputs, then each head pass build with fp8 checkpoints, initial == final slot.
+  for (int K : {64, 128}) {
+    ProblemConfig c = base({300, 64, 127, 0, 256}, 1, 2, K, K);
+    c.state_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
+    add(c, "");
+  }
+  {
+    ProblemConfig c = base({200, 65, 0, 130}, 2, 4);
+    c.state_dtype = DType::kFloat8E4M3, c.in_dtype = DType::kFloat16, c.gate_mode = GateMode::kGiven;
+    add(c, "");
+    c = base({700, 64, 333}, 1, 2);
+    c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
+    for (int aux : {0, 1}) add(c, "f8pool_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
+    add(c, "f8pool_warp", cuda::chunked_prefill::kVTileHeadWarp, 1);
+    c.checkpoint_interval = 0, c.same_slot = true;
+    add(c, "f8pool");
+  }
   return out;
 }
 
@@ -380,6 +398,21 @@ std::vector<Case> short_cases() {
     add(c, "auto_nohost", -1);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kBFloat16;
     add(c, "auto_nohost", -1);
+  }
+  // float8_e4m3 K-last pools on the warp kernel (WarpTile::load_e4m3 / store_e4m3) beside the chunked kernels, and
+  // alone.
+  for (int K : {64, 128}) {
+    ProblemConfig c = base({1, 7, 32, 0, 33, 100, 5, 2, 3}, 2, 4, K, K);
+    c.state_dtype = DType::kFloat8E4M3, c.slot_pad = K == 64 ? 32 : 0;
+    add(c, "short32", 32);
+  }
+  {
+    ProblemConfig c = base({1, 7, 16, 0, 20, 3}, 2, 4);
+    c.state_dtype = DType::kFloat8E4M3, c.in_dtype = DType::kFloat16;
+    c.seed = 4000 + i++;
+    out.push_back({case_name(c, "short_only"), c, kShortOnly, 0, 32});
+    c.same_slot = true;
+    add(c, "short16", 16);
   }
   return out;
 }
@@ -479,6 +512,17 @@ std::vector<Case> cp_cases() {
     add(c, "long", 256);
     c.use_qk_l2norm = false;
     add(c, "long_nol2", 320);
+  }
+  // float8_e4m3 K-last pools: the scan reads a cut sequence's initial state and writes its final state (cp_scan_kernel),
+  // the final pass those of the uncut ones; with fp8 checkpoints, and in place.
+  {
+    ProblemConfig c = base({1000, 130, 640, 0}, 1, 2);
+    c.state_dtype = DType::kFloat8E4M3;
+    add(c, "", 128);
+    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
+    for (int aux : {0, 1}) add(c, "aux" + std::to_string(aux), 192, aux);
+    c.checkpoint_interval = 0, c.same_slot = true;
+    add(c, "", 256);
   }
   return out;
 }

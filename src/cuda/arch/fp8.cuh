@@ -43,6 +43,17 @@ __device__ __forceinline__ uint32_t e4m3x2(float a, float b, const Fp8Scale& sc)
   return __nv_cvt_float2_to_fp8x2(make_float2(a * sc.inv, b * sc.inv), __NV_SATFINITE, __NV_E4M3);
 }
 
+// One value x 2^-s as an e4m3 byte (the NaN code under the NaN scale).
+__device__ __forceinline__ uint32_t e4m3x1(float a, const Fp8Scale& sc) {
+  if (sc.byte == 255u) return 0x7fu;
+  return __nv_cvt_float_to_fp8(a * sc.inv, __NV_SATFINITE, __NV_E4M3);
+}
+
+// An e4m3 byte times scale, as fp32.
+__device__ __forceinline__ float e4m3_to_float(uint32_t byte, float scale) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(byte & 0xffu), __NV_E4M3))) * scale;
+}
+
 // The two e4m3 bytes of the low half of w (w >> 16 for the high half) times scale, as fp32.
 __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w, float scale) {
   const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xffffu), __NV_E4M3);

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "cuda/arch/fp8.cuh"
 #include "cuda/host/check.h"
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/plan.h"
@@ -173,8 +174,13 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int64_t off = state_offset(layout, h, k, v0 + c, K, V);
-      init[off] = islot >= 0 ? load_state_elem(p.state.data, p.state.dtype, int64_t(islot) * p.state.slot_stride + off)
-                             : 0.0f;
+      if (islot < 0)
+        init[off] = 0.0f;
+      else if (p.state.dtype == DType::kFloat8E4M3)  // K-last (api/dispatch.cpp refuses the rest)
+        init[off] = e4m3_to_float(static_cast<const uint8_t*>(p.state.data)[int64_t(islot) * p.state.slot_stride + off],
+                                  e8m0_scale(p.state.scales[(int64_t(islot) * per_segment + off) / kFp8Block]));
+      else
+        init[off] = load_state_elem(p.state.data, p.state.dtype, int64_t(islot) * p.state.slot_stride + off);
     }
     load_local(0, s);
     if (first.count > 1) load_local(1, local);
@@ -233,11 +239,24 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
       }
     }
   }
-  if (part == 0 && fslot >= 0)
+  if (part == 0 && fslot >= 0 && p.state.dtype == DType::kFloat8E4M3) {
+    // K-last: the 32 k of a warp are one block of each column, the warp's max its scale.
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      uint32_t m = abs_bits(s[c]);
+#pragma unroll
+      for (int x = 1; x < 32; x <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, x));
+      const Fp8Scale sc = e4m3_block_scale(m);
+      const int64_t off = state_offset(layout, h, k, v0 + c, K, V);
+      static_cast<uint8_t*>(p.state.data)[int64_t(fslot) * p.state.slot_stride + off] = uint8_t(e4m3x1(s[c], sc));
+      if (k % kFp8Block == 0) p.state.scales[(int64_t(fslot) * per_segment + off) / kFp8Block] = uint8_t(sc.byte);
+    }
+  } else if (part == 0 && fslot >= 0) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c)
       store_state_elem(p.state.data, p.state.dtype,
                        int64_t(fslot) * p.state.slot_stride + state_offset(layout, h, k, v0 + c, K, V), s[c]);
+  }
 }
 
 inline void launch_cp_segment_table(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {

@@ -69,6 +69,32 @@ __device__ __forceinline__ void store_head_state_e4m3(const float (&s)[S::KT][4]
   }
 }
 
+// S <- a float8_e4m3 K-last slot at `slot` (its first byte), its block scales at `scales` (its first block): a lane's
+// k pair (q2, q2 + 1) of tile j is two adjacent bytes of column v, in block j / 4.
+template <class S>
+__device__ __forceinline__ void load_head_state_e4m3(float (&s)[S::KT][4], const HeadCoords& at, const uint8_t* slot,
+                                                     const uint8_t* scales) {
+  constexpr int K = S::K, kBlocks = K / kFp8Block;
+  const uint8_t* const head = slot + int64_t(at.h) * K * S::V;
+  const uint8_t* const head_scales = scales + int64_t(at.h) * (K * S::V / kFp8Block);
+  uint32_t raw[S::KT][2], sbyte[S::KT / 4][2];  // every load issued before any use
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int v = at.vw + at.r + 8 * hh;
+#pragma unroll
+    for (int j = 0; j < S::KT; ++j) raw[j][hh] = *reinterpret_cast<const uint16_t*>(head + int64_t(v) * K + 8 * j + at.q2);
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) sbyte[b][hh] = head_scales[v * kBlocks + b];
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+    for (int j = 0; j < S::KT; ++j) {
+      const float2 f = e4m3x2_to_float2(raw[j][hh], e8m0_scale(sbyte[j / 4][hh]));
+      s[j][2 * hh] = f.x, s[j][2 * hh + 1] = f.y;
+    }
+}
+
 // After chunk c: checkpoint entry j holds the state after token (j+1)*C, for j < min(steps, len / C).
 template <class S>
 __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4], const PrefillParams& p,

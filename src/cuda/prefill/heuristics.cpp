@@ -70,6 +70,7 @@ bool head_tensor_maps_ok(const PrefillParams& p) {
 // bf16 inputs) reaches further than the warp kernel, and a 16-bit pool (half the state bytes) further than fp32.
 int short_len_default(const PrefillParams& p) {
   const bool half_pool = dtype_size(p.state.dtype) == 2;
+  if (p.state.dtype == DType::kFloat8E4M3) return 16;  // the warp kernel (no chain kernel), a quarter of fp32's bytes
   if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return half_pool ? 32 : 24;
   return half_pool ? 16 : 8;
 }
@@ -213,10 +214,13 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(c.vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(V));
-  // float8_e4m3 checkpoints: stored by the head pass only (head_state_io.cuh), which api/dispatch.cpp's rule admits.
+  // float8_e4m3 pools and checkpoints: the head pass only (head_state_io.cuh), which api/dispatch.cpp's rule admits.
   if (p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoints.dtype == DType::kFloat8E4M3 &&
       !is_head_tile(c.vtile))
     throw Error(ErrorCode::kNotImplemented, "checkpoints: float8_e4m3 checkpoints are stored by the head state pass "
+                                            "only, not by value tile " + std::to_string(c.vtile));
+  if (p.state.dtype == DType::kFloat8E4M3 && !is_head_tile(c.vtile))
+    throw Error(ErrorCode::kNotImplemented, "state: float8_e4m3 pools are read and written by the head state pass "
                                             "only, not by value tile " + std::to_string(c.vtile));
   c.wgmma_pass = c.vtile == kVTileHead && K <= 128 && (V / c.head_split) % 64 == 0 && head_tensor_maps_ok(p);
   const bool m_warpgroup_possible = c.wgmma_pass && c.head_split == 1 && V == 128 && K % 64 == 0;

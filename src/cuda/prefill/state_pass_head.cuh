@@ -192,6 +192,9 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     for (int j = 0; j < S::KT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = plan.cp_initial[cp_offset + head_state_offset<S>(p, at, j, e)];
+  } else if (sq.islot >= 0 && p.state.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
+    load_head_state_e4m3<S>(s, at, static_cast<const uint8_t*>(p.state.data) + int64_t(sq.islot) * p.state.slot_stride,
+                            p.state.scales + int64_t(sq.islot) * at.HV * (K * V / kFp8Block));
   } else {
     const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
 #pragma unroll
@@ -243,8 +246,13 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     float* dst = transition ? plan.cp_transition : plan.cp_local;
     store_head_state<S>(s, p, at, dst, DType::kFloat32, cp_offset, p.state.layout == StateLayout::kKLast);
   } else if (sq.fslot >= 0 && (kCpMode == 0 || seg.count == 1)) {  // a cut sequence's: the scan's
-    store_head_state<S>(s, p, at, p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride,
-                        plan.state_pairs);
+    if (p.state.dtype == DType::kFloat8E4M3)
+      store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(p.state.data),
+                               p.state.scales + int64_t(sq.fslot) * at.HV * (K * V / kFp8Block),
+                               int64_t(sq.fslot) * p.state.slot_stride);
+    else
+      store_head_state<S>(s, p, at, p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride,
+                          plan.state_pairs);
   }
 }
 

@@ -98,9 +98,8 @@ void by_state(const RecurrentParams& p, bool write_state, Stream stream) {
 template <RecurrentOp kOp>
 void by_layout(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.state.layout) {
-    case StateLayout::kKLast:  // float8_e4m3 pools: verify, recompute (decode: launch_fp8_decode)
-      return by_state<OpLauncher<StateLayout::kKLast, kOp>,
-                      kOp == RecurrentOp::kVerify || kOp == RecurrentOp::kRecompute>(p, write_state, stream);
+    case StateLayout::kKLast:  // float8_e4m3 pools: all but decode (launch_fp8_decode)
+      return by_state<OpLauncher<StateLayout::kKLast, kOp>, kOp != RecurrentOp::kDecode>(p, write_state, stream);
     case StateLayout::kVLast: return by_state<OpLauncher<StateLayout::kVLast, kOp>, false>(p, write_state, stream);
     default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
   }

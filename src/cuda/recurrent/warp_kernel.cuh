@@ -114,7 +114,8 @@ __device__ __forceinline__ void replay_tree(const RecurrentParams& p, int b, int
 }
 
 // kWidth: the tile's columns per warp (warp_tile.cuh). kPinSlot: decode reads the slot index as a volatile
-// load (below). TState uint8_t: a float8_e4m3 pool (K-last; verify, commit by recompute), block scales beside it.
+// load (below). TState uint8_t: a float8_e4m3 pool (K-last; verify, commit by recompute, short prefill), block scales
+// beside it.
 template <StateLayout kLayout, class TState, class TInput, int K, int V, RecurrentOp kOp,
           TileWidth kWidth = TileWidth::kRegular, bool kPinSlot = false, bool kFp8Cache = false>
 __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaWarps * 32,
@@ -127,8 +128,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   constexpr bool kDecode = kOp == RecurrentOp::kDecode, kRecompute = kOp == RecurrentOp::kRecompute;
   constexpr bool kPrefill = kOp == RecurrentOp::kPrefill;
   constexpr bool kFp8State = std::is_same_v<TState, uint8_t>;
-  static_assert(!kFp8State || (kLayout == StateLayout::kKLast && !kDecode && !kPrefill),
-                "float8_e4m3 pools: K-last verify and recompute (decode: fp8_decode.cuh)");
+  static_assert(!kFp8State || (kLayout == StateLayout::kKLast && !kDecode),
+                "float8_e4m3 pools: K-last verify, recompute and prefill (decode: fp8_decode.cuh)");
   constexpr int kColBlocks = V / kRows;  // column blocks per head
   constexpr int kCtaWarps = Tile::kCtaWarps;
   __shared__ typename Tile::Stage stage;
@@ -253,7 +254,13 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
       store_intermediate(j);
       cur = next;
     }
-    if constexpr (kPrefill) {
+    if constexpr (kPrefill && kFp8State) {
+      if (row.final_slot >= 0)
+        Tile::store_e4m3(head_block + int64_t(row.final_slot) * p.state.slot_stride,
+                         p.state.scales + (int64_t(row.final_slot) * num_v_heads + hv) * (kHeadElems / kFp8Block) +
+                             Tile::origin(v0) / kFp8Block,
+                         s, lane);
+    } else if constexpr (kPrefill) {
       if (row.final_slot >= 0) Tile::store(head_block + int64_t(row.final_slot) * p.state.slot_stride, s, lane, stage);
     } else if (kOp != RecurrentOp::kVerify || write_state) {
       if constexpr (kFp8State)

@@ -1,9 +1,0 @@
-// The recurrent ops' warp kernel and launcher for K-last float8_e4m3 pools: verify and commit by recompute (decode:
-// launch_klast_fp8.cu).
-#include "cuda/recurrent/launcher.cuh"
-
-namespace gdnkit::cuda::recurrent {
-GDNKIT_RECURRENT_INSTANTIATE_FP8(float)
-GDNKIT_RECURRENT_INSTANTIATE_FP8(__nv_bfloat16)
-GDNKIT_RECURRENT_INSTANTIATE_FP8(__half)
-}  // namespace gdnkit::cuda::recurrent
