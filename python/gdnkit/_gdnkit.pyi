@@ -42,6 +42,7 @@ def decode(
     dt_bias: Optional[_Array] = None,
     scale: Optional[float] = None,
     use_qk_l2norm: bool = True,
+    state_scales: Optional[_Array] = None,
     error_flag: Optional[_Array] = None,
     stream: int = 0,
 ) -> None:
@@ -70,6 +71,8 @@ def verify(
     intermediate_indices: Optional[_Array] = None,
     update_state: bool = False,
     num_draft_tokens: int = 0,
+    state_scales: Optional[_Array] = None,
+    intermediate_scales: Optional[_Array] = None,
     error_flag: Optional[_Array] = None,
     stream: int = 0,
 ) -> None:
@@ -99,6 +102,8 @@ def commit(
     intermediate_indices: Optional[_Array] = None,
     accepted_path: Optional[_Array] = None,
     num_draft_tokens: int = 0,
+    state_scales: Optional[_Array] = None,
+    intermediate_scales: Optional[_Array] = None,
     error_flag: Optional[_Array] = None,
     stream: int = 0,
 ) -> None:
@@ -129,12 +134,22 @@ def prefill(
     cu_seqlens_cpu: Optional[_Array] = None,
     cpu_algorithm: str = "auto",
     workspace: Optional[_Array] = None,
+    state_scales: Optional[_Array] = None,
+    checkpoint_scales: Optional[_Array] = None,
     error_flag: Optional[_Array] = None,
     stream: int = 0,
 ) -> None:
     """gdnkit::prefill; see gdnkit.ops.prefill."""
 
-def convert_layout(src: _Array, dst: _Array, *, src_layout: str, stream: int = 0) -> None:
+def convert_layout(
+    src: _Array,
+    dst: _Array,
+    *,
+    src_layout: str,
+    src_scales: Optional[_Array] = None,
+    dst_scales: Optional[_Array] = None,
+    stream: int = 0,
+) -> None:
     """gdnkit::convert_layout; see gdnkit.ops.convert_layout."""
 
 def cuda_compiled() -> bool:

@@ -293,7 +293,7 @@ def decode(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
            a: Optional[DLPackArray] = None, b: Optional[DLPackArray] = None, A_log: Optional[DLPackArray] = None,
            dt_bias: Optional[DLPackArray] = None, scale: Optional[float] = None, use_qk_l2norm: bool = True,
            o: Optional[ArrayT] = None, error_flag: Optional[DLPackArray] = None,
-           stream: Optional[int] = None) -> ArrayT:
+           stream: Optional[int] = None, state_scales: Optional[DLPackArray] = None) -> ArrayT:
     """One token per sequence: one step of the recurrence from and back into the state pool.
 
     For each sequence ``i``: ``S = state[state_indices[i]]``, then the token's update of ``S`` and its
@@ -308,10 +308,14 @@ def decode(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
     v : array, [B, HV, V] or [B, 1, HV, V]
         Values, q's dtype.
     state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
-        The state pool, float32, bfloat16 or float16; the slots named in ``state_indices`` are updated in place.
+        The state pool, float32, bfloat16, float16 or float8_e4m3fn (with ``state_scales``); the slots named in
+        ``state_indices`` are updated in place.
     state_indices : array, [B], int32
         Pool slot of each sequence. Negative: a padding row (its output is 0, no state is read or
         written). Slots ``>= P`` are skipped (output 0) and counted in ``error_flag``.
+    state_scales : array, [P, HV*K*V/32], uint8 or float8_e8m0fnu, optional
+        With a float8_e4m3fn ``state`` (required there, refused otherwise): its block scales, one E8M0 byte
+        (``2^(e-127)``) per 32 consecutive elements of a head in its layout, contiguous; updated with the slots.
     layout : {"k_last", "v_last"}, default "k_last"
         Layout of ``state``.
     g : array, [B, HV], float32, optional
@@ -351,7 +355,7 @@ def decode(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
         o = _empty(v, v.shape)
     _C.decode(_dl(q), _dl(k), _dl(v), _dl(o), _dl(state), _dl(state_indices), layout=layout,
               **_gates(g, beta, a, b, A_log, dt_bias), scale=scale, use_qk_l2norm=use_qk_l2norm,
-              error_flag=_dl(error_flag), stream=_stream(stream, v))
+              state_scales=_dl(state_scales), error_flag=_dl(error_flag), stream=_stream(stream, v))
     return o
 
 
@@ -363,7 +367,8 @@ def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
            cu_seqlens: Optional[DLPackArray] = None, parent: Optional[DLPackArray] = None,
            intermediate: Optional[DLPackArray] = None, intermediate_indices: Optional[DLPackArray] = None,
            update_state: bool = False, num_draft_tokens: Optional[int] = None, o: Optional[ArrayT] = None,
-           error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None) -> ArrayT:
+           error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None,
+           state_scales: Optional[DLPackArray] = None, intermediate_scales: Optional[DLPackArray] = None) -> ArrayT:
     """Speculative verify: score the draft tokens of every sequence at once.
 
     Sequence ``b`` starts from ``state[state_indices[b]]`` and runs its tokens in order (a chain), or
@@ -380,10 +385,13 @@ def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
     v : array, [B*T, HV, V] or [B, T, HV, V]; [T_total, HV, V] with cu_seqlens
         Values, q's dtype.
     state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
-        The state pool, float32, bfloat16 or float16.
+        The state pool, float32, bfloat16, float16 or float8_e4m3fn (with ``state_scales``).
     state_indices : array, [B], int32
         Pool slot of each sequence; negative: padding (outputs 0, no state I/O); ``>= P``: skipped and
         counted in ``error_flag``.
+    state_scales : array, [P, HV*K*V/32], uint8 or float8_e8m0fnu, optional
+        With a float8_e4m3fn ``state`` (required there, refused otherwise): its block scales, one E8M0 byte
+        (``2^(e-127)``) per 32 consecutive elements of a head in its layout, contiguous; written with ``update_state``.
     layout : {"k_last", "v_last"}, default "k_last"
         Layout of ``state`` and ``intermediate``.
     g, beta, a, b, A_log, dt_bias : array, optional
@@ -400,10 +408,13 @@ def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
         Tree drafts: token ``t`` continues from the state after token ``parent[b, t]`` (``< t``; -1:
         the pool state). None: chains.
     intermediate : array, [Q, S, HV, V, K] (k_last) or [Q, S, HV, K, V] (v_last), optional
-        Cache of the state after every token (``S >= T``), float32, bfloat16 or float16: the state after token
-        ``t`` of sequence ``b`` is written to ``intermediate[intermediate_indices[b], t]``.
+        Cache of the state after every token (``S >= T``), float32, bfloat16, float16 or float8_e4m3fn (with
+        ``intermediate_scales``): the state after token ``t`` of sequence ``b`` is written to
+        ``intermediate[intermediate_indices[b], t]``.
     intermediate_indices : array, [B], int32, optional
         Cache slot of each sequence, required with ``intermediate``; negative: not stored.
+    intermediate_scales : array, [Q*S, HV*K*V/32], uint8 or float8_e8m0fnu, optional
+        With a float8_e4m3fn ``intermediate``: its block scales, as ``state_scales`` per cache entry.
     update_state : bool, default False
         Chains only: store the state after the last token of each sequence in its pool slot.
     num_draft_tokens : int, optional
@@ -436,8 +447,8 @@ def verify(q: DLPackArray, k: DLPackArray, v: ArrayT, state: DLPackArray, state_
               **_gates(g, beta, a, b, A_log, dt_bias), scale=scale, use_qk_l2norm=use_qk_l2norm,
               cu_seqlens=_dl(cu_seqlens), parent=_dl(parent), intermediate=_dl(intermediate),
               intermediate_indices=_dl(intermediate_indices), update_state=update_state,
-              num_draft_tokens=_int_arg("num_draft_tokens", num_draft_tokens), error_flag=_dl(error_flag),
-              stream=_stream(stream, v))
+              num_draft_tokens=_int_arg("num_draft_tokens", num_draft_tokens), state_scales=_dl(state_scales),
+              intermediate_scales=_dl(intermediate_scales), error_flag=_dl(error_flag), stream=_stream(stream, v))
     return o
 
 
@@ -450,7 +461,8 @@ def commit(k: DLPackArray, v: DLPackArray, state: DLPackArray, state_indices: DL
            cu_seqlens: Optional[DLPackArray] = None, parent: Optional[DLPackArray] = None,
            intermediate: Optional[DLPackArray] = None, intermediate_indices: Optional[DLPackArray] = None,
            accepted_path: Optional[DLPackArray] = None, num_draft_tokens: Optional[int] = None,
-           error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None) -> None:
+           error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None,
+           state_scales: Optional[DLPackArray] = None, intermediate_scales: Optional[DLPackArray] = None) -> None:
     """After verification, keep the first ``accepted[b]`` draft tokens of each sequence in the pool.
 
     The arguments are those of the :func:`verify` call whose drafts were judged. Sequences with
@@ -463,7 +475,7 @@ def commit(k: DLPackArray, v: DLPackArray, state: DLPackArray, state_indices: DL
     v : array, [B*T, HV, V] or [B, T, HV, V]; [T_total, HV, V] with cu_seqlens
         Values of the verify call.
     state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
-        The state pool, float32, bfloat16 or float16, updated in place.
+        The state pool, float32, bfloat16, float16 or float8_e4m3fn (with ``state_scales``), updated in place.
     state_indices : array, [B], int32
         Pool slot of each sequence (negative: padding, skipped).
     accepted : array, [B], int32
@@ -512,8 +524,8 @@ def commit(k: DLPackArray, v: DLPackArray, state: DLPackArray, state_indices: DL
               q=_dl(q), **_gates(g, beta, a, b, A_log, dt_bias), scale=scale, use_qk_l2norm=use_qk_l2norm,
               cu_seqlens=_dl(cu_seqlens), parent=_dl(parent), intermediate=_dl(intermediate),
               intermediate_indices=_dl(intermediate_indices), accepted_path=_dl(accepted_path),
-              num_draft_tokens=_int_arg("num_draft_tokens", num_draft_tokens), error_flag=_dl(error_flag),
-              stream=_stream(stream, v))
+              num_draft_tokens=_int_arg("num_draft_tokens", num_draft_tokens), state_scales=_dl(state_scales),
+              intermediate_scales=_dl(intermediate_scales), error_flag=_dl(error_flag), stream=_stream(stream, v))
 
 
 @_names_bad_arguments
@@ -526,7 +538,8 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPa
             checkpoint_interval: int = 0, checkpoint_indices: Optional[DLPackArray] = None,
             cu_seqlens_cpu: Optional[DLPackArray] = None, cpu_algorithm: str = "auto",
             workspace: Optional[DLPackArray] = None, o: Optional[ArrayT] = None,
-            error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None) -> ArrayT:
+            error_flag: Optional[DLPackArray] = None, stream: Optional[int] = None,
+            state_scales: Optional[DLPackArray] = None, checkpoint_scales: Optional[DLPackArray] = None) -> ArrayT:
     """Chunked prefill of ``N`` sequences packed along the token axis.
 
     Sequence ``n`` owns tokens ``cu_seqlens[n] .. cu_seqlens[n+1]-1`` (any length, 0 too). It starts
@@ -546,7 +559,11 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPa
         ``[B, T, ...]`` q is B sequences of T tokens and a ``[T, ...]`` q one sequence; a small index
         array is then allocated, so pass ``cu_seqlens`` inside CUDA-graph capture.
     state : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last), optional
-        The state pool, float32, bfloat16 or float16; required with ``initial_indices`` or ``final_indices``.
+        The state pool, float32, bfloat16, float16 or float8_e4m3fn (with ``state_scales``); required with
+        ``initial_indices`` or ``final_indices``.
+    state_scales : array, [P, HV*K*V/32], uint8 or float8_e8m0fnu, optional
+        With a float8_e4m3fn ``state`` (required there, refused otherwise): its block scales, one E8M0 byte
+        (``2^(e-127)``) per 32 consecutive elements of a head in its layout, contiguous; the final slots' written with them.
     initial_indices : array, [N], int32, optional
         Slot each sequence starts from; negative (or None): ``S = 0``.
     final_indices : array, [N], int32, optional
@@ -561,13 +578,16 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPa
     use_qk_l2norm : bool, default True
         L2-normalize q and k per head before scaling q.
     checkpoints : array, [Q, S, HV, V, K] (k_last) or [Q, S, HV, K, V] (v_last), optional
-        States for prefix caching, float32, bfloat16 or float16: entry ``j`` of sequence n's slot
+        States for prefix caching, float32, bfloat16, float16 or float8_e4m3fn (with ``checkpoint_scales``):
+        entry ``j`` of sequence n's slot
         ``checkpoint_indices[n]`` receives the state after token ``(j+1) * checkpoint_interval``, for
         ``j < min(S, len_n // checkpoint_interval)``.
     checkpoint_interval : int, default 0
         Tokens between checkpoints, a multiple of 64; required (> 0) with ``checkpoints``.
     checkpoint_indices : array, [N], int32, optional
         Checkpoint slot of each sequence; negative: none stored.
+    checkpoint_scales : array, [Q*S, HV*K*V/32], uint8 or float8_e8m0fnu, optional
+        With float8_e4m3fn ``checkpoints``: their block scales, as ``state_scales`` per entry.
     cu_seqlens_cpu : array, [N+1], int32 or int64, optional
         A host copy of ``cu_seqlens``: validated before launch; on the CUDA backend it also lets the
         library launch only the kernels the batch needs.
@@ -612,25 +632,30 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: Optional[DLPa
                checkpoints=_dl(checkpoints),
                checkpoint_interval=_int_arg("checkpoint_interval", checkpoint_interval),
                checkpoint_indices=_dl(checkpoint_indices), cu_seqlens_cpu=_dl(cu_seqlens_cpu),
-               cpu_algorithm=cpu_algorithm, workspace=_dl(workspace), error_flag=_dl(error_flag),
-               stream=_stream(stream, v))
+               cpu_algorithm=cpu_algorithm, workspace=_dl(workspace), state_scales=_dl(state_scales),
+               checkpoint_scales=_dl(checkpoint_scales), error_flag=_dl(error_flag), stream=_stream(stream, v))
     return o
 
 
 @_names_bad_arguments
 def convert_layout(src: ArrayT, *, src_layout: str, dst: Optional[ArrayT] = None,
-                   stream: Optional[int] = None) -> ArrayT:
+                   stream: Optional[int] = None, src_scales: Optional[DLPackArray] = None,
+                   dst_scales: Optional[DLPackArray] = None) -> ArrayT:
     """Convert a state pool between the K-last and the V-last layout.
 
     Parameters
     ----------
     src : array, [P, HV, V, K] (k_last) or [P, HV, K, V] (v_last)
-        The pool to convert, float32, bfloat16 or float16; the last three dims contiguous.
+        The pool to convert, float32, bfloat16, float16 or float8_e4m3fn (with ``src_scales``, and ``dst`` and
+        ``dst_scales`` given: the blocks of the other layout are requantized); the last three dims contiguous.
     src_layout : {"k_last", "v_last"}
         Layout of ``src``; ``dst`` has the other one.
     dst : array, src's shape with the last two dims swapped, optional
         The converted pool (src's dtype and ``P``). May be ``src`` itself when ``K == V`` (in place);
         otherwise the two must not overlap. None: a new array like ``src``.
+    src_scales, dst_scales : array, [P, HV*K*V/32], uint8 or float8_e8m0fnu, optional
+        With a float8_e4m3fn ``src``: the block scales of ``src`` and ``dst`` (``dst_scales`` may be
+        ``src_scales`` in place).
     stream : int, optional
         ``cudaStream_t`` for CUDA arrays; None: the current stream of the arrays' framework.
 
@@ -646,10 +671,13 @@ def convert_layout(src: ArrayT, *, src_layout: str, dst: Optional[ArrayT] = None
     GdnkitRuntimeError
         No usable CUDA device, or a CUDA runtime call failed.
     """
+    if dst is None and src_scales is not None:
+        raise _C.GdnkitError("dst: required with src_scales (a float8_e4m3fn conversion writes dst and dst_scales)")
     if dst is None:
         shape = tuple(src.shape)
         if len(shape) != 4:
             raise _C.GdnkitError(f"src: expected 4 dims [P, HV, ..], got shape {list(shape)}")
         dst = _empty(src, (shape[0], shape[1], shape[3], shape[2]), name="dst")
-    _C.convert_layout(_dl(src), _dl(dst), src_layout=src_layout, stream=_stream(stream, src))
+    _C.convert_layout(_dl(src), _dl(dst), src_layout=src_layout, src_scales=_dl(src_scales),
+                      dst_scales=_dl(dst_scales), stream=_stream(stream, src))
     return dst

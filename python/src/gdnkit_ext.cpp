@@ -41,8 +41,15 @@ std::string shape_str(const Array& a) {
   return s + "]";
 }
 
+// DLPack 1.1's codes of the 8-bit float types a state and its scales may have (torch.float8_e4m3fn,
+// torch.float8_e8m0fnu), as numbers: older nanobind headers do not name them.
+constexpr uint8_t kDLFloat8E4M3FN = 10, kDLFloat8E8M0FNU = 14;
+
 std::string dl_dtype_name(nb::dlpack::dtype d) {
   using C = nb::dlpack::dtype_code;
+  if (d.lanes == 1 && d.bits == 8 && d.code == kDLFloat8E4M3FN) return "float8_e4m3fn";
+  if (d.lanes == 1 && d.bits == 8 && d.code == kDLFloat8E8M0FNU) return "float8_e8m0fnu";
+  if (d.bits == 8 && d.code >= 7 && d.code <= 14) return "float8 (DLPack type code " + std::to_string(d.code) + ")";
   const char* kind = "dtype";
   switch (C(d.code)) {
     case C::Int: kind = "int"; break;
@@ -277,7 +284,43 @@ StateLayout parse_layout(const std::string& s, const char* name = "layout") {
 
 const char* layout_shape(StateLayout l) { return l == StateLayout::kKLast ? "[.., HV, V, K]" : "[.., HV, K, V]"; }
 
-DType state_dtype(const Array& a, const char* name) { return float_dtype(a, name); }
+// A state pool or cache: the float dtypes, or float8_e4m3fn with block scales (state_scales below).
+DType state_dtype(const Array& a, const char* name) {
+  const auto d = a.dtype();
+  if (d.lanes == 1 && d.bits == 8 && d.code == kDLFloat8E4M3FN) return DType::kFloat8E4M3;
+  if (d == nb::dtype<float>()) return DType::kFloat32;
+  if (d.lanes == 1 && d.bits == 16 && d.code == uint8_t(nb::dlpack::dtype_code::Bfloat)) return DType::kBFloat16;
+  if (d.lanes == 1 && d.bits == 16 && d.code == uint8_t(nb::dlpack::dtype_code::Float)) return DType::kFloat16;
+  fail(name, ": expected dtype float32, bfloat16, float16 or float8_e4m3fn, got ", dl_dtype_name(d));
+}
+
+// The block scales of a state array of `entries` slots (or slots x steps): for float8_e4m3fn, one E8M0 byte per
+// 32 consecutive elements of a head in its layout (docs/semantics.md "float8_e4m3 states"), `per_entry` a slot,
+// contiguous, uint8 or float8_e8m0fnu; none for the other dtypes.
+uint8_t* state_scales(const OptArray& s, const char* name, const char* state_name, DType dt, int64_t entries,
+                      int64_t hv, int64_t k, int64_t v, const char* entries_what) {
+  if (dt != DType::kFloat8E4M3) {
+    if (s) fail(name, ": only with a float8_e4m3fn ", state_name, ", got ", state_name, " of dtype ", dtype_name(dt));
+    return nullptr;
+  }
+  if (hv * k * v % kFp8Block != 0)
+    fail(state_name, ": float8_e4m3fn needs HV*K*V a multiple of ", kFp8Block, ", got HV=", hv, ", K=", k, ", V=", v);
+  const int64_t per_entry = hv * k * v / kFp8Block;
+  const std::string want = msg::cat("[", entries_what, ", HV*K*V/", kFp8Block, "] = [", entries, ", ", per_entry, "]");
+  if (!s) fail(name, ": required with a float8_e4m3fn ", state_name, " (uint8 ", want, ": one E8M0 scale byte per ",
+               kFp8Block, " elements)");
+  const auto d = s->dtype();
+  const bool byte = d.lanes == 1 && d.bits == 8 && (d.code == uint8_t(nb::dlpack::dtype_code::UInt) || d.code == kDLFloat8E8M0FNU);
+  if (!byte) fail(name, ": expected dtype uint8 or float8_e8m0fnu, got ", dl_dtype_name(d));
+  if (int64_t(s->size()) != entries * per_entry) fail(name, ": expected ", want, " bytes, got shape ", shape_str(*s));
+  int64_t expect = 1;
+  for (size_t i = s->ndim(); i-- > 0;) {
+    if (s->shape(i) > 1 && s->stride(i) != expect)
+      fail(name, ": expected a contiguous array, got shape ", shape_str(*s), " with stride ", s->stride(i), " on dim ", i);
+    expect *= s->shape(i);
+  }
+  return static_cast<uint8_t*>(s->data());
+}
 
 // The last three dims [HV, d1, d2] must be packed (heads of one slot are HV*K*V contiguous elements);
 // `lead` leading dims (slots, or slots and steps) may be strided. Returns the stride of dim 0.
@@ -297,7 +340,8 @@ void check_state_tail(const Array& a, const char* name, size_t lead, int64_t hv,
          ", ", a.stride(lead + 1), ", ", a.stride(lead + 2), ")");
 }
 
-StatePool make_pool(const Array& a, const char* name, int64_t hv, int64_t k, int64_t v, StateLayout layout) {
+StatePool make_pool(const Array& a, const char* name, int64_t hv, int64_t k, int64_t v, StateLayout layout,
+                    const OptArray& scales, const char* scales_name) {
   check_state_tail(a, name, 1, hv, k, v, layout);
   StatePool p;
   p.data = a.data();
@@ -305,10 +349,12 @@ StatePool make_pool(const Array& a, const char* name, int64_t hv, int64_t k, int
   p.layout = layout;
   p.num_slots = a.shape(0);
   p.slot_stride = a.shape(0) > 1 ? a.stride(0) : hv * k * v;
+  p.scales = state_scales(scales, scales_name, name, p.dtype, p.num_slots, hv, k, v, "P");
   return p;
 }
 
-StateCache make_cache(const Array& a, const char* name, int64_t hv, int64_t k, int64_t v, StateLayout layout) {
+StateCache make_cache(const Array& a, const char* name, int64_t hv, int64_t k, int64_t v, StateLayout layout,
+                      const OptArray& scales, const char* scales_name) {
   check_state_tail(a, name, 2, hv, k, v, layout);
   const int64_t steps = a.shape(1);
   if (steps > 1 && a.stride(1) != hv * k * v)
@@ -320,6 +366,7 @@ StateCache make_cache(const Array& a, const char* name, int64_t hv, int64_t k, i
   c.num_slots = a.shape(0);
   c.num_steps = steps;
   c.slot_stride = a.shape(0) > 1 ? a.stride(0) : steps * hv * k * v;
+  c.scales = state_scales(scales, scales_name, name, c.dtype, c.num_slots * steps, hv, k, v, "Q*S");
   return c;
 }
 
@@ -480,10 +527,12 @@ void raise_error(int mode) {
 
 // Fills the fields decode, verify and commit share. q and o may be absent (commit).
 void fill_decode_like(DecodeParams& p, Devices& dev, const OptArray& q, const Array& k, const Array& v,
-                      const OptArray& o, const Array& state, const Array& state_indices, const std::string& layout,
-                      const GateArgs& gates, std::optional<double> scale, bool use_qk_l2norm,
-                      const OptArray& error_flag, int64_t batch, const char* batch_what, Tokens* tokens_out) {
+                      const OptArray& o, const Array& state, const OptArray& state_scales_arg,
+                      const Array& state_indices, const std::string& layout, const GateArgs& gates,
+                      std::optional<double> scale, bool use_qk_l2norm, const OptArray& error_flag, int64_t batch,
+                      const char* batch_what, Tokens* tokens_out) {
   dev.add(q, "q");
+  dev.add(state_scales_arg, "state_scales");
   dev.add(k, "k");
   dev.add(v, "v");
   dev.add(o, "o");
@@ -513,7 +562,7 @@ void fill_decode_like(DecodeParams& p, Devices& dev, const OptArray& q, const Ar
   p.v = to_view<InView>(tv);
   p.batch = int32_t(batch);
   p.gating = make_gating(gates, tk.count, tv.heads, dev);
-  p.state = make_pool(state, "state", tv.heads, tk.dim, tv.dim, l);
+  p.state = make_pool(state, "state", tv.heads, tk.dim, tv.dim, l, state_scales_arg, "state_scales");
   p.state_indices = index_array(state_indices, "state_indices", batch, batch_what);
   p.error_flag = error_flag_ptr(error_flag);
   if (tokens_out) *tokens_out = tk;
@@ -522,12 +571,12 @@ void fill_decode_like(DecodeParams& p, Devices& dev, const OptArray& q, const Ar
 void decode_op(const Array& q, const Array& k, const Array& v, const Array& o, const Array& state,
                const Array& state_indices, const std::string& layout, OptArray g, OptArray beta, OptArray a,
                OptArray b, OptArray A_log, OptArray dt_bias, std::optional<double> scale, bool use_qk_l2norm,
-               OptArray error_flag, uintptr_t stream) {
+               OptArray state_scales, OptArray error_flag, uintptr_t stream) {
   Devices dev;
   DecodeParams p;
   Tokens tk;
   const int64_t B = int64_t(state_indices.size());
-  fill_decode_like(p, dev, q, k, v, o, state, state_indices, layout, {g, beta, a, b, A_log, dt_bias}, scale,
+  fill_decode_like(p, dev, q, k, v, o, state, state_scales, state_indices, layout, {g, beta, a, b, A_log, dt_bias}, scale,
                    use_qk_l2norm, error_flag, B, "[B] (one slot per sequence)", &tk);
   if (tk.count != B)
     fail("q: decode takes one token per sequence: expected ", B, " tokens (the length of state_indices), got ",
@@ -539,9 +588,11 @@ void decode_op(const Array& q, const Array& k, const Array& v, const Array& o, c
 // B and T of a verify/commit call: varlen from cu_seqlens ([B+1]) and an explicit T, or fixed from the
 // token count and the number of sequences (state_indices).
 void fill_verify(VerifyParams& p, Devices& dev, const Tokens& tk, int64_t B, const OptArray& cu_seqlens,
-                 const OptArray& parent, const OptArray& intermediate, const OptArray& intermediate_indices,
-                 int64_t num_draft_tokens, const std::string& layout, const Array& k) {
+                 const OptArray& parent, const OptArray& intermediate, const OptArray& intermediate_scales,
+                 const OptArray& intermediate_indices, int64_t num_draft_tokens, const std::string& layout,
+                 const Array& k) {
   dev.add(cu_seqlens, "cu_seqlens");
+  dev.add(intermediate_scales, "intermediate_scales");
   dev.add(parent, "parent");
   dev.add(intermediate, "intermediate");
   dev.add(intermediate_indices, "intermediate_indices");
@@ -570,8 +621,10 @@ void fill_verify(VerifyParams& p, Devices& dev, const Tokens& tk, int64_t B, con
   p.parent = opt_index(parent, "parent", B * T, "[B, T] int32 (B = len(state_indices))");
   if (intermediate) {
     p.intermediate = make_cache(*intermediate, "intermediate", p.heads.num_v_heads, p.heads.head_dim_k,
-                                p.heads.head_dim_v, parse_layout(layout));
+                                p.heads.head_dim_v, parse_layout(layout), intermediate_scales, "intermediate_scales");
     if (!intermediate_indices) fail("intermediate_indices: required with intermediate ([B] int32 slots)");
+  } else if (intermediate_scales) {
+    fail("intermediate_scales: only with intermediate (a float8_e4m3fn cache)");
   }
   p.intermediate_indices =
       opt_index(intermediate_indices, "intermediate_indices", B, "[B] int32 (B = len(state_indices))");
@@ -581,14 +634,16 @@ void verify_op(const Array& q, const Array& k, const Array& v, const Array& o, c
                const Array& state_indices, const std::string& layout, OptArray g, OptArray beta, OptArray a,
                OptArray b, OptArray A_log, OptArray dt_bias, std::optional<double> scale, bool use_qk_l2norm,
                OptArray cu_seqlens, OptArray parent, OptArray intermediate, OptArray intermediate_indices,
-               bool update_state, int64_t num_draft_tokens, OptArray error_flag, uintptr_t stream) {
+               bool update_state, int64_t num_draft_tokens, OptArray state_scales, OptArray intermediate_scales,
+               OptArray error_flag, uintptr_t stream) {
   Devices dev;
   VerifyParams p;
   Tokens tk;
   const int64_t B = int64_t(state_indices.size());
-  fill_decode_like(p, dev, q, k, v, o, state, state_indices, layout, {g, beta, a, b, A_log, dt_bias}, scale,
-                   use_qk_l2norm, error_flag, B, "[B] (one slot per sequence)", &tk);
-  fill_verify(p, dev, tk, B, cu_seqlens, parent, intermediate, intermediate_indices, num_draft_tokens, layout, k);
+  fill_decode_like(p, dev, q, k, v, o, state, state_scales, state_indices, layout, {g, beta, a, b, A_log, dt_bias},
+                   scale, use_qk_l2norm, error_flag, B, "[B] (one slot per sequence)", &tk);
+  fill_verify(p, dev, tk, B, cu_seqlens, parent, intermediate, intermediate_scales, intermediate_indices,
+              num_draft_tokens, layout, k);
   p.update_state = update_state;
   DeviceGuard guard(dev);
   call_library([&] { verify(p, make_context(dev, stream)); });
@@ -599,14 +654,17 @@ void commit_op(const Array& k, const Array& v, const Array& state, const Array& 
                OptArray g, OptArray beta, OptArray a, OptArray b, OptArray A_log, OptArray dt_bias,
                std::optional<double> scale, bool use_qk_l2norm, OptArray cu_seqlens, OptArray parent,
                OptArray intermediate, OptArray intermediate_indices, OptArray accepted_path,
-               int64_t num_draft_tokens, OptArray error_flag, uintptr_t stream) {
+               int64_t num_draft_tokens, OptArray state_scales, OptArray intermediate_scales, OptArray error_flag,
+               uintptr_t stream) {
   Devices dev;
   CommitParams p;
   Tokens tk;
   const int64_t B = int64_t(state_indices.size());
-  fill_decode_like(p, dev, q, k, v, std::nullopt, state, state_indices, layout, {g, beta, a, b, A_log, dt_bias},
-                   scale, use_qk_l2norm, error_flag, B, "[B] (one slot per sequence)", &tk);
-  fill_verify(p, dev, tk, B, cu_seqlens, parent, intermediate, intermediate_indices, num_draft_tokens, layout, k);
+  fill_decode_like(p, dev, q, k, v, std::nullopt, state, state_scales, state_indices, layout,
+                   {g, beta, a, b, A_log, dt_bias}, scale, use_qk_l2norm, error_flag, B, "[B] (one slot per sequence)",
+                   &tk);
+  fill_verify(p, dev, tk, B, cu_seqlens, parent, intermediate, intermediate_scales, intermediate_indices,
+              num_draft_tokens, layout, k);
   if (source == "cache") {
     p.source = CommitSource::kCache;
   } else if (source == "recompute") {
@@ -645,10 +703,13 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
                 OptArray g, OptArray beta, OptArray a, OptArray b, OptArray A_log, OptArray dt_bias,
                 std::optional<double> scale, bool use_qk_l2norm, OptArray checkpoints,
                 int64_t checkpoint_interval, OptArray checkpoint_indices, OptArray cu_seqlens_cpu,
-                const std::string& cpu_algorithm, OptArray workspace, OptArray error_flag, uintptr_t stream) {
+                const std::string& cpu_algorithm, OptArray workspace, OptArray state_scales,
+                OptArray checkpoint_scales, OptArray error_flag, uintptr_t stream) {
   Devices dev;
   PrefillParams p;
   dev.add(q, "q");
+  dev.add(state_scales, "state_scales");
+  dev.add(checkpoint_scales, "checkpoint_scales");
   dev.add(k, "k");
   dev.add(v, "v");
   dev.add(o, "o");
@@ -703,14 +764,18 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
 
   p.gating = make_gating({g, beta, a, b, A_log, dt_bias}, tq.count, tv.heads, dev);
   p.state.layout = l;
-  if (state) p.state = make_pool(*state, "state", tv.heads, tq.dim, tv.dim, l);
+  if (state) p.state = make_pool(*state, "state", tv.heads, tq.dim, tv.dim, l, state_scales, "state_scales");
+  else if (state_scales) fail("state_scales: only with state (a float8_e4m3fn pool)");
   if ((initial_indices || final_indices) && !state)
     fail("state: required with initial_indices or final_indices (the pool [P, HV, ..] they index)");
   p.initial_indices = opt_index(initial_indices, "initial_indices", N, "[N] int32 (N = len(cu_seqlens) - 1)");
   p.final_indices = opt_index(final_indices, "final_indices", N, "[N] int32 (N = len(cu_seqlens) - 1)");
   if (checkpoints) {
-    p.checkpoints = make_cache(*checkpoints, "checkpoints", tv.heads, tq.dim, tv.dim, l);
+    p.checkpoints = make_cache(*checkpoints, "checkpoints", tv.heads, tq.dim, tv.dim, l, checkpoint_scales,
+                               "checkpoint_scales");
     if (checkpoint_interval <= 0) fail("checkpoint_interval: required (> 0, a multiple of 64) with checkpoints");
+  } else if (checkpoint_scales) {
+    fail("checkpoint_scales: only with checkpoints (a float8_e4m3fn buffer)");
   } else if (checkpoint_interval != 0) {
     fail("checkpoints: required with checkpoint_interval=", checkpoint_interval);
   }
@@ -743,10 +808,13 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
   });
 }
 
-void convert_layout_op(const Array& src, const Array& dst, const std::string& src_layout, uintptr_t stream) {
+void convert_layout_op(const Array& src, const Array& dst, const std::string& src_layout, OptArray src_scales,
+                       OptArray dst_scales, uintptr_t stream) {
   Devices dev;
   dev.add(src, "src");
   dev.add(dst, "dst");
+  dev.add(src_scales, "src_scales");
+  dev.add(dst_scales, "dst_scales");
   const StateLayout ls = parse_layout(src_layout, "src_layout");
   const StateLayout ld = ls == StateLayout::kKLast ? StateLayout::kVLast : StateLayout::kKLast;
   if (src.ndim() != 4) fail("src: expected 4 dims [P, HV, ..], got shape ", shape_str(src));
@@ -757,8 +825,8 @@ void convert_layout_op(const Array& src, const Array& dst, const std::string& sr
   p.num_v_heads = int32_t(hv);
   p.head_dim_k = int32_t(k);
   p.head_dim_v = int32_t(vd);
-  p.src = make_pool(src, "src", hv, k, vd, ls);
-  p.dst = make_pool(dst, "dst", hv, k, vd, ld);
+  p.src = make_pool(src, "src", hv, k, vd, ls, src_scales, "src_scales");
+  p.dst = make_pool(dst, "dst", hv, k, vd, ld, dst_scales, "dst_scales");
   if (p.dst.num_slots != p.src.num_slots)
     fail("dst: expected ", p.src.num_slots, " slots (those of src), got ", p.dst.num_slots);
   DeviceGuard guard(dev);
@@ -804,26 +872,30 @@ NB_MODULE(_gdnkit, m) {
   m.def("decode", &decode_op, "q"_a, "k"_a, "v"_a, "o"_a, "state"_a, "state_indices"_a, nb::kw_only(),
         "layout"_a, "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(), "b"_a = nb::none(),
         "A_log"_a = nb::none(), "dt_bias"_a = nb::none(), "scale"_a = nb::none(), "use_qk_l2norm"_a = true,
-        "error_flag"_a = nb::none(), "stream"_a = 0);
+        "state_scales"_a = nb::none(), "error_flag"_a = nb::none(), "stream"_a = 0);
   m.def("verify", &verify_op, "q"_a, "k"_a, "v"_a, "o"_a, "state"_a, "state_indices"_a, nb::kw_only(),
         "layout"_a, "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(), "b"_a = nb::none(),
         "A_log"_a = nb::none(), "dt_bias"_a = nb::none(), "scale"_a = nb::none(), "use_qk_l2norm"_a = true,
         "cu_seqlens"_a = nb::none(), "parent"_a = nb::none(), "intermediate"_a = nb::none(),
         "intermediate_indices"_a = nb::none(), "update_state"_a = false, "num_draft_tokens"_a = 0,
-        "error_flag"_a = nb::none(), "stream"_a = 0);
+        "state_scales"_a = nb::none(), "intermediate_scales"_a = nb::none(), "error_flag"_a = nb::none(),
+        "stream"_a = 0);
   m.def("commit", &commit_op, "k"_a, "v"_a, "state"_a, "state_indices"_a, "accepted"_a, nb::kw_only(), "layout"_a,
         "source"_a, "q"_a = nb::none(), "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(),
         "b"_a = nb::none(), "A_log"_a = nb::none(), "dt_bias"_a = nb::none(), "scale"_a = nb::none(),
         "use_qk_l2norm"_a = true, "cu_seqlens"_a = nb::none(), "parent"_a = nb::none(),
         "intermediate"_a = nb::none(), "intermediate_indices"_a = nb::none(), "accepted_path"_a = nb::none(),
-        "num_draft_tokens"_a = 0, "error_flag"_a = nb::none(), "stream"_a = 0);
+        "num_draft_tokens"_a = 0, "state_scales"_a = nb::none(), "intermediate_scales"_a = nb::none(),
+        "error_flag"_a = nb::none(), "stream"_a = 0);
   m.def("prefill", &prefill_op, "q"_a, "k"_a, "v"_a, "o"_a, "cu_seqlens"_a, nb::kw_only(), "layout"_a,
         "state"_a = nb::none(), "initial_indices"_a = nb::none(), "final_indices"_a = nb::none(),
         "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(), "b"_a = nb::none(), "A_log"_a = nb::none(),
         "dt_bias"_a = nb::none(), "scale"_a = nb::none(), "use_qk_l2norm"_a = true, "checkpoints"_a = nb::none(),
         "checkpoint_interval"_a = 0, "checkpoint_indices"_a = nb::none(), "cu_seqlens_cpu"_a = nb::none(),
-        "cpu_algorithm"_a = "auto", "workspace"_a = nb::none(), "error_flag"_a = nb::none(), "stream"_a = 0);
-  m.def("convert_layout", &convert_layout_op, "src"_a, "dst"_a, nb::kw_only(), "src_layout"_a, "stream"_a = 0);
+        "cpu_algorithm"_a = "auto", "workspace"_a = nb::none(), "state_scales"_a = nb::none(),
+        "checkpoint_scales"_a = nb::none(), "error_flag"_a = nb::none(), "stream"_a = 0);
+  m.def("convert_layout", &convert_layout_op, "src"_a, "dst"_a, nb::kw_only(), "src_layout"_a,
+        "src_scales"_a = nb::none(), "dst_scales"_a = nb::none(), "stream"_a = 0);
   m.def("cuda_compiled", &g::cuda_compiled);
   m.def("cuda_available", &g::cuda_available);
   m.def("build_info", &g::build_info);

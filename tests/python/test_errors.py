@@ -87,7 +87,7 @@ def test_k_dtype_must_match_q():
 def test_state_dtype():
     args = decode_case()
     args["state"] = args["state"].astype(np.int32)
-    raises_exact(gdnkit.GdnkitError, "state: expected dtype float32, bfloat16 or float16, got int32", args)
+    raises_exact(gdnkit.GdnkitError, "state: expected dtype float32, bfloat16, float16 or float8_e4m3fn, got int32", args)
 
 
 def test_state_shape_vs_layout():

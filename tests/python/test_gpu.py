@@ -268,3 +268,40 @@ def test_torch_compile_layer():
     torch.cuda.synchronize()
     assert rel(f64(out), f64(ref)) < 1e-2
     assert rel(f64(s_comp), f64(s_eager)) < 1e-5
+
+
+# ---- float8_e4m3fn pools through the binding: CUDA against the CPU backend --------------------------------
+
+def fp8_pool(g, P):
+    x = (0.5 * randn(g, P, HV, V, K, device="cpu")).to(torch.float8_e4m3fn)
+    scales = torch.randint(118, 126, (P, HV * V * K // 32), generator=g, dtype=torch.uint8)
+    return x, scales
+
+
+@pytest.mark.parametrize("op", ["decode", "verify_update"])
+def test_fp8_pool_cuda_matches_cpu(op):
+    g = gen("fp8-gpu", op)
+    B, T, P = 6, 1 if op == "decode" else 4, 9
+    pool, scales = fp8_pool(g, P)
+    tok = {n: t.to(DEV) for n, t in tokens(g, B * T).items()}
+    slots = torch.tensor([8, 0, -1, 3, 5, 1], dtype=torch.int32)
+    gates = dict(a=tok["a"], b=tok["b"], A_log=tok["A_log"], dt_bias=tok["dt_bias"])
+    results = {}
+    for dev in ("cpu", DEV):
+        p, s = pool.clone().to(dev), scales.clone().to(dev)
+        args = [tok[n].to(dev) for n in ("q", "k", "v")]
+        kw = {n: t.to(dev) for n, t in gates.items()}
+        if op == "decode":
+            o = cuda_or_skip(lambda: gdnkit.decode(*args, p, slots.to(dev), state_scales=s, **kw))
+        else:
+            o = cuda_or_skip(lambda: gdnkit.verify(*args, p, slots.to(dev), state_scales=s, update_state=True, **kw))
+        if dev == DEV:
+            torch.cuda.synchronize()
+        results[dev] = (cpu(o), cpu(p), cpu(s))
+    (o0, p0, s0), (o1, p1, s1) = results["cpu"], results[DEV]
+    assert rel(f64(o1), f64(o0)) < 4e-3
+    sc = lambda x, y: (x.to(torch.float32).reshape(P, -1, 32) * torch.pow(2.0, y.to(torch.float32) - 127)[..., None])
+    assert rel(f64(sc(p1, s1)), f64(sc(p0, s0))) < 1e-2
+    for untouched in (2, 4, 6, 7):
+        assert torch.equal(p1[untouched].view(torch.uint8), pool[untouched].view(torch.uint8))
+        assert torch.equal(s1[untouched], scales[untouched])

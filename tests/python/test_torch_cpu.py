@@ -103,6 +103,137 @@ def test_cuda_tensor_mixed_with_cpu_is_named():
                       g=torch.zeros(2, 1), beta=torch.ones(2, 1))
 
 
+# ---- float8_e4m3fn states: the pool, caches and checkpoints with their block scales --------------------
+#
+# An fp8 array (torch.float8_e4m3fn) and its scales (uint8, one E8M0 byte per 32 elements of a head in its layout)
+# against an fp32 twin holding the dequantized values: the CPU backend computes in the same precision either way,
+# so the outputs agree to fp32 rounding and the stored fp8 states dequantize to the twin's states within e4m3's
+# rounding (2^-4 per element, rel ~2e-2 over a state); untouched slots and scales stay bit-identical.
+
+FP8_BLOCK = 32
+
+
+def fp8_states(g, lead, HV, K, V):
+    """Random e4m3 values and scale bytes for `lead` entries ([lead..., HV, V, K] k_last) and their fp32 value."""
+    x = randn(g, *lead, HV, V, K).to(torch.float8_e4m3fn)
+    n = int(np.prod(lead))
+    scales = torch.randint(118, 126, (n, HV * V * K // FP8_BLOCK), generator=g, dtype=torch.uint8)
+    return x, scales, dequant(x, scales)
+
+
+def dequant(x, scales):
+    f = x.to(torch.float32).reshape(scales.shape[0], -1, FP8_BLOCK)
+    sc = torch.pow(2.0, scales.to(torch.float32) - 127).reshape(scales.shape[0], -1, 1)
+    return (f * sc).reshape(x.shape)
+
+
+def fp8_tokens(g, T, H, HV, K, V):
+    return dict(q=randn(g, T, H, K), k=randn(g, T, H, K), v=randn(g, T, HV, V), a=randn(g, T, HV),
+                b=randn(g, T, HV), A_log=torch.log(torch.rand(HV, generator=g) * 15 + 1), dt_bias=0.5 * randn(g, HV))
+
+
+def test_fp8_pool_decode_verify_commit_against_fp32_twin():
+    g = gen("fp8-steps")
+    B, T, H, HV, K, V, P = 3, 3, 1, 2, 64, 64, 5
+    pool, pscales, twin = fp8_states(g, (P,), HV, K, V)
+    pool0, pscales0 = pool.clone(), pscales.clone()
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
+    tok = fp8_tokens(g, B, H, HV, K, V)
+    gates = dict(a=tok["a"], b=tok["b"], A_log=tok["A_log"], dt_bias=tok["dt_bias"])
+    o8 = gdnkit.decode(tok["q"], tok["k"], tok["v"], pool, slots, state_scales=pscales, **gates)
+    o32 = gdnkit.decode(tok["q"], tok["k"], tok["v"], twin, slots, **gates)
+    assert rel(f64(o8), f64(o32)) < 1e-6
+    for s in slots.tolist():
+        assert rel(f64(dequant(pool[s:s + 1], pscales[s:s + 1])), f64(twin[s:s + 1])) < 3e-2
+    for s in (1, 3):
+        assert torch.equal(pool[s].view(torch.uint8), pool0[s].view(torch.uint8))
+        assert torch.equal(pscales[s], pscales0[s])
+
+    # verify with an fp8 cache, then commit from it: the kept state is the cached bytes
+    twin = dequant(pool, pscales)
+    tv = fp8_tokens(g, B * T, H, HV, K, V)
+    gates = dict(a=tv["a"], b=tv["b"], A_log=tv["A_log"], dt_bias=tv["dt_bias"])
+    cache = torch.full((B, T, HV, V, K), float("nan")).to(torch.float8_e4m3fn)
+    cscales = torch.zeros(B * T, HV * V * K // FP8_BLOCK, dtype=torch.uint8)
+    cache32 = torch.full((B, T, HV, V, K), float("nan"))
+    cidx = torch.tensor([2, 0, 1], dtype=torch.int32)
+    o8 = gdnkit.verify(tv["q"], tv["k"], tv["v"], pool, slots, intermediate=cache, intermediate_indices=cidx,
+                       state_scales=pscales, intermediate_scales=cscales, **gates)
+    o32 = gdnkit.verify(tv["q"], tv["k"], tv["v"], twin, slots, intermediate=cache32, intermediate_indices=cidx,
+                        **gates)
+    assert rel(f64(o8), f64(o32)) < 1e-6
+    got = dequant(cache.reshape(B * T, HV, V, K), cscales).reshape(cache.shape)
+    assert rel(f64(got), f64(cache32)) < 3e-2
+    accepted = torch.tensor([2, 0, 3], dtype=torch.int32)
+    gdnkit.commit(tv["k"], tv["v"], pool, slots, accepted, source="cache", intermediate=cache,
+                  intermediate_indices=cidx, state_scales=pscales, intermediate_scales=cscales, **gates)
+    for b, s in enumerate(slots.tolist()):
+        if accepted[b] == 0:
+            continue
+        entry = int(cidx[b]) * T + int(accepted[b]) - 1
+        assert torch.equal(pool[s].view(torch.uint8), cache[int(cidx[b]), int(accepted[b]) - 1].view(torch.uint8))
+        assert torch.equal(pscales[s], cscales[entry])
+
+
+def test_fp8_pool_prefill_with_fp8_checkpoints_against_fp32_twin():
+    g = gen("fp8-prefill")
+    H, HV, K, V, P = 1, 2, 64, 64, 3
+    lens = [130, 64]
+    pool, pscales, twin = fp8_states(g, (P,), HV, K, V)
+    tok = fp8_tokens(g, sum(lens), H, HV, K, V)
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    init, fin = torch.tensor([0, -1], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32)
+    ck8 = torch.zeros(2, 2, HV, V, K).to(torch.float8_e4m3fn)
+    ck_scales = torch.zeros(4, HV * V * K // FP8_BLOCK, dtype=torch.uint8)
+    ck32 = torch.zeros(2, 2, HV, V, K)
+    cidx = torch.tensor([1, 0], dtype=torch.int32)
+    common = dict(a=tok["a"], b=tok["b"], A_log=tok["A_log"], dt_bias=tok["dt_bias"], initial_indices=init,
+                  final_indices=fin, checkpoint_interval=64, checkpoint_indices=cidx, cpu_algorithm="recurrent")
+    o8 = gdnkit.prefill(tok["q"], tok["k"], tok["v"], cu, state=pool, state_scales=pscales, checkpoints=ck8,
+                        checkpoint_scales=ck_scales, **common)
+    o32 = gdnkit.prefill(tok["q"], tok["k"], tok["v"], cu, state=twin, checkpoints=ck32, **common)
+    assert rel(f64(o8), f64(o32)) < 1e-6
+    for s in (1, 2):
+        assert rel(f64(dequant(pool[s:s + 1], pscales[s:s + 1])), f64(twin[s:s + 1])) < 3e-2
+    got = dequant(ck8.reshape(4, HV, V, K), ck_scales).reshape(ck8.shape)
+    assert rel(f64(got), f64(ck32)) < 3e-2
+
+
+def test_fp8_pool_layout_round_trip():
+    g = gen("fp8-layout")
+    HV, K, V, P = 2, 64, 64, 3
+    pool, pscales, twin = fp8_states(g, (P,), HV, K, V)
+    dst = torch.empty(P, HV, K, V).to(torch.float8_e4m3fn)
+    dscales = torch.empty_like(pscales)
+    gdnkit.convert_layout(pool, src_layout="k_last", dst=dst, src_scales=pscales, dst_scales=dscales)
+    back = dequant(dst, dscales)
+    assert rel(f64(back.transpose(-1, -2)), f64(twin)) < 3e-2
+    with pytest.raises(gdnkit.GdnkitError, match=r"^dst: required with src_scales"):
+        gdnkit.convert_layout(pool, src_layout="k_last", src_scales=pscales)
+
+
+def test_fp8_scales_named_in_errors():
+    g = gen("fp8-errors")
+    HV, K, V, P = 2, 64, 64, 3
+    pool, pscales, twin = fp8_states(g, (P,), HV, K, V)
+    tok = fp8_tokens(g, 2, 1, HV, K, V)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    call = dict(a=tok["a"], b=tok["b"], A_log=tok["A_log"], dt_bias=tok["dt_bias"])
+    before = pool.clone()
+    with pytest.raises(gdnkit.GdnkitError, match=r"^state_scales: required with a float8_e4m3fn state \(uint8 "
+                                                  r"\[P, HV\*K\*V/32\] = \[3, 256\]"):
+        gdnkit.decode(tok["q"], tok["k"], tok["v"], pool, slots, **call)
+    with pytest.raises(gdnkit.GdnkitError, match=r"^state_scales: expected dtype uint8 or float8_e8m0fnu, got int32"):
+        gdnkit.decode(tok["q"], tok["k"], tok["v"], pool, slots, state_scales=pscales.to(torch.int32), **call)
+    with pytest.raises(gdnkit.GdnkitError, match=r"^state_scales: expected \[P, HV\*K\*V/32\] = \[3, 256\] bytes, "
+                                                  r"got shape \[2, 256\]"):
+        gdnkit.decode(tok["q"], tok["k"], tok["v"], pool, slots, state_scales=pscales[:2], **call)
+    with pytest.raises(gdnkit.GdnkitError, match=r"^state_scales: only with a float8_e4m3fn state, got state of "
+                                                  r"dtype float32"):
+        gdnkit.decode(tok["q"], tok["k"], tok["v"], twin, slots, state_scales=pscales, **call)
+    assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))
+
+
 # ---- custom ops -------------------------------------------------------------------------------
 
 def small_decode_args(g, B=3, P=5):
