@@ -42,6 +42,8 @@ void check_recurrent(const char* op, const CommitParams& p) {
         p.intermediate.dtype != DType::kFloat16 && p.intermediate.dtype != DType::kFloat8E4M3)
       invalid(std::string("intermediate: expected dtype float32, bfloat16, float16 or float8_e4m3, got ") +
               dtype_name(p.intermediate.dtype));
+    if (p.intermediate.dtype == DType::kFloat8E4M3 && p.intermediate.layout != StateLayout::kKLast)
+      throw Error(ErrorCode::kNotImplemented, "intermediate: float8_e4m3 caches are built for K-last pools only");
   }
   if (p.parent != nullptr && p.num_draft_tokens > 64)
     throw Error(ErrorCode::kNotImplemented, std::string("cuda ") + op +
@@ -91,7 +93,9 @@ void by_state(const RecurrentParams& p, bool write_state, Stream stream) {
     case DType::kFloat8E4M3:
       if constexpr (kFp8Built) return by_input<Kernel, uint8_t>(p, write_state, stream);
       throw Error(ErrorCode::kNotImplemented, "state: float8_e4m3 pools are not built for this op and layout");
-    default: invalid(std::string("state: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.state.dtype));
+    default:
+      invalid(std::string("state: expected dtype float32, bfloat16, float16 or float8_e4m3, got ") +
+              dtype_name(p.state.dtype));
   }
 }
 
