@@ -223,11 +223,11 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   if (!kDecode && chain && n_tokens > 0) cur = step.load_token(token_index(0));
 
   TState* const tile = head_block + int64_t(slot) * p.state.slot_stride;
-  // The scale blocks of the warp's columns in slot `slot` (float8_e4m3 pools).
-  [[maybe_unused]] uint8_t* const tile_scales =
-      kFp8State ? p.state.scales + (int64_t(slot) * num_v_heads + hv) * (kHeadElems / kFp8Block) +
-                      Tile::origin(v0) / kFp8Block
-                : nullptr;
+  // The scale blocks of the warp's columns in a slot (float8_e4m3 pools).
+  const auto pool_scales = [&](int sl) {
+    return p.state.scales + (int64_t(sl) * num_v_heads + hv) * (kHeadElems / kFp8Block) + Tile::origin(v0) / kFp8Block;
+  };
+  [[maybe_unused]] uint8_t* const tile_scales = kFp8State ? pool_scales(slot) : nullptr;
   const auto load_pool = [&] {  // every state load issued before any use
     if constexpr (kFp8State)
       Tile::load_e4m3(tile, tile_scales, s, lane);
@@ -256,10 +256,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
     }
     if constexpr (kPrefill && kFp8State) {
       if (row.final_slot >= 0)
-        Tile::store_e4m3(head_block + int64_t(row.final_slot) * p.state.slot_stride,
-                         p.state.scales + (int64_t(row.final_slot) * num_v_heads + hv) * (kHeadElems / kFp8Block) +
-                             Tile::origin(v0) / kFp8Block,
-                         s, lane);
+        Tile::store_e4m3(head_block + int64_t(row.final_slot) * p.state.slot_stride, pool_scales(row.final_slot), s,
+                         lane);
     } else if constexpr (kPrefill) {
       if (row.final_slot >= 0) Tile::store(head_block + int64_t(row.final_slot) * p.state.slot_stride, s, lane, stage);
     } else if (kOp != RecurrentOp::kVerify || write_state) {

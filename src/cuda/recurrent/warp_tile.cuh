@@ -56,23 +56,17 @@ struct StateRegs {
       for (int j = 0; j < kKPerLane; j += 2) set2(i, j, 0.0f, 0.0f);
   }
 };
+// The 16-bit pairs of StateRegs<..., bf16 / fp16>: the lower k in the low half, as in memory.
 template <int kRows, int kKPerLane>
-struct StateRegs<kRows, kKPerLane, __nv_bfloat16> {
-  static_assert(kKPerLane % 2 == 0, "bf16 pairs");
-  uint32_t v[kRows][kKPerLane / 2];  // the lower k in the low half, as in memory
-  __device__ __forceinline__ float get(int i, int j) const {
-    const uint32_t u = v[i][j / 2];
-    return __uint_as_float(j % 2 ? u & 0xffff0000u : u << 16);
-  }
-  __device__ __forceinline__ void set2(int i, int j, float a, float b) {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v[i][j / 2]) : "f"(b), "f"(a));  // b: the high half
-  }
-  // S = 0 (prefill of a sequence without an initial slot).
+struct PackedStateRegs {
+  static_assert(kKPerLane % 2 == 0, "16-bit pairs");
+  uint32_t v[kRows][kKPerLane / 2];
+  // S = 0 (zero bits are 0 in both dtypes).
   __device__ __forceinline__ void set_zero() {
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
 #pragma unroll
-      for (int j = 0; j < kKPerLane; j += 2) set2(i, j, 0.0f, 0.0f);
+      for (int j = 0; j < kKPerLane / 2; ++j) v[i][j] = 0u;
   }
   // Hides the pairs from the compiler, so that a get() after this one unpacks again rather than keeping the
   // earlier get()'s fp32 values alive (64 more registers).
@@ -84,30 +78,25 @@ struct StateRegs<kRows, kKPerLane, __nv_bfloat16> {
   }
 };
 template <int kRows, int kKPerLane>
-struct StateRegs<kRows, kKPerLane, __half> {
-  static_assert(kKPerLane % 2 == 0, "fp16 pairs");
-  uint32_t v[kRows][kKPerLane / 2];  // the lower k in the low half, as in memory
+struct StateRegs<kRows, kKPerLane, __nv_bfloat16> : PackedStateRegs<kRows, kKPerLane> {
+  using PackedStateRegs<kRows, kKPerLane>::v;
+  __device__ __forceinline__ float get(int i, int j) const {
+    const uint32_t u = v[i][j / 2];
+    return __uint_as_float(j % 2 ? u & 0xffff0000u : u << 16);
+  }
+  __device__ __forceinline__ void set2(int i, int j, float a, float b) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v[i][j / 2]) : "f"(b), "f"(a));  // b: the high half
+  }
+};
+template <int kRows, int kKPerLane>
+struct StateRegs<kRows, kKPerLane, __half> : PackedStateRegs<kRows, kKPerLane> {
+  using PackedStateRegs<kRows, kKPerLane>::v;
   __device__ __forceinline__ float get(int i, int j) const {
     const uint32_t u = v[i][j / 2];
     return __half2float(__ushort_as_half(static_cast<unsigned short>(j % 2 ? u >> 16 : u & 0xffffu)));
   }
   __device__ __forceinline__ void set2(int i, int j, float a, float b) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(v[i][j / 2]) : "f"(b), "f"(a));  // b: the high half
-  }
-  // S = 0 (prefill of a sequence without an initial slot).
-  __device__ __forceinline__ void set_zero() {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-      for (int j = 0; j < kKPerLane; j += 2) set2(i, j, 0.0f, 0.0f);
-  }
-  // Hides the pairs from the compiler, so that a get() after this one unpacks again rather than keeping the
-  // earlier get()'s fp32 values alive (64 more registers).
-  __device__ __forceinline__ void opaque() {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-      for (int j = 0; j < kKPerLane / 2; ++j) asm volatile("" : "+r"(v[i][j]));
   }
 };
 
