@@ -248,10 +248,8 @@ const float* head_params(const Array& a, const char* name, int64_t hv) {
   return static_cast<const float*>(a.data());
 }
 
-// An int32 index array of `count` elements (any shape, contiguous): state_indices, accepted, parent ...
-int32_t* index_array(const Array& a, const char* name, int64_t count, const char* what) {
-  if (a.dtype() != nb::dtype<int32_t>()) fail(name, ": expected dtype int32, got ", dl_dtype_name(a.dtype()));
-  if (int64_t(a.size()) != count) fail(name, ": expected ", what, ", got shape ", shape_str(a));
+// Any shape, its elements contiguous in row-major order.
+void require_contiguous(const Array& a, const char* name) {
   int64_t expect = 1;
   for (size_t i = a.ndim(); i-- > 0;) {
     if (a.shape(i) > 1 && a.stride(i) != expect)
@@ -259,6 +257,13 @@ int32_t* index_array(const Array& a, const char* name, int64_t count, const char
            " on dim ", i);
     expect *= a.shape(i);
   }
+}
+
+// An int32 index array of `count` elements (any shape, contiguous): state_indices, accepted, parent ...
+int32_t* index_array(const Array& a, const char* name, int64_t count, const char* what) {
+  if (a.dtype() != nb::dtype<int32_t>()) fail(name, ": expected dtype int32, got ", dl_dtype_name(a.dtype()));
+  if (int64_t(a.size()) != count) fail(name, ": expected ", what, ", got shape ", shape_str(a));
+  require_contiguous(a, name);
   return static_cast<int32_t*>(a.data());
 }
 
@@ -313,12 +318,7 @@ uint8_t* state_scales(const OptArray& s, const char* name, const char* state_nam
   const bool byte = d.lanes == 1 && d.bits == 8 && (d.code == uint8_t(nb::dlpack::dtype_code::UInt) || d.code == kDLFloat8E8M0FNU);
   if (!byte) fail(name, ": expected dtype uint8 or float8_e8m0fnu, got ", dl_dtype_name(d));
   if (int64_t(s->size()) != entries * per_entry) fail(name, ": expected ", want, " bytes, got shape ", shape_str(*s));
-  int64_t expect = 1;
-  for (size_t i = s->ndim(); i-- > 0;) {
-    if (s->shape(i) > 1 && s->stride(i) != expect)
-      fail(name, ": expected a contiguous array, got shape ", shape_str(*s), " with stride ", s->stride(i), " on dim ", i);
-    expect *= s->shape(i);
-  }
+  require_contiguous(*s, name);
   return static_cast<uint8_t*>(s->data());
 }
 

@@ -228,6 +228,8 @@ def test_fp8_scales_named_in_errors():
     with pytest.raises(gdnkit.GdnkitError, match=r"^state_scales: expected \[P, HV\*K\*V/32\] = \[3, 256\] bytes, "
                                                   r"got shape \[2, 256\]"):
         gdnkit.decode(tok["q"], tok["k"], tok["v"], pool, slots, state_scales=pscales[:2], **call)
+    with pytest.raises(gdnkit.GdnkitError, match=r"^state_scales: expected a contiguous array, got shape \[3, 256\]"):
+        gdnkit.decode(tok["q"], tok["k"], tok["v"], pool, slots, state_scales=pscales.t().contiguous().t(), **call)
     with pytest.raises(gdnkit.GdnkitError, match=r"^state_scales: only with a float8_e4m3fn state, got state of "
                                                   r"dtype float32"):
         gdnkit.decode(tok["q"], tok["k"], tok["v"], twin, slots, state_scales=pscales, **call)
