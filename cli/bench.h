@@ -49,6 +49,7 @@ struct Options {
   std::vector<int32_t> batches;  // empty: per-op default
   std::vector<int32_t> drafts;   // verify T; empty: default
   std::vector<SeqSet> seqsets;   // prefill; empty: default
+  std::vector<int32_t> gpus;     // prefill-split: GPU counts; empty: 1, 2, 4, ... up to the machine's
   std::string json_path, markdown_path;
   DType input = DType::kBFloat16;  // q, k, v, a, b (and o)
   int32_t dim = 0;               // > 0: K = V = dim in every shape (name gets "-d<dim>")
@@ -67,7 +68,7 @@ std::vector<DType> states_for(const Options& o, const std::string& op);
 std::vector<StateLayout> layouts_for(const Options& o, const std::string& op);
 std::vector<int32_t> batches_for(const Options& o, const std::string& op);
 std::vector<int32_t> drafts_for(const Options& o);
-std::vector<SeqSet> seqsets_for(const Options& o);
+std::vector<SeqSet> seqsets_for(const Options& o, const std::string& op = "prefill");
 std::vector<VerifyMode> verify_modes();
 
 // One measured configuration. Fields that do not apply to the op stay at their defaults and are
@@ -106,6 +107,10 @@ struct Row {
   double floor_bytes = -1;      // q, k, v read once, o written once, gates, states
   double floor_us = -1;         // floor_bytes / copy ceiling
   double pct_floor = -1;        // floor_us / time_us * 100
+  // Prefill split over GPUs (op prefill-split).
+  int32_t ranks = 0;             // GPUs
+  double efficiency = -1;        // time on 1 GPU / (ranks x time), the 1-GPU prefill of the same run
+  double exchange_us = -1;       // the all-gather of the summaries
   // Sanity of the result the timing ran on.
   int64_t nonfinite_outputs = -1;  // o entries that are NaN/inf after the runs (o is NaN-poisoned first)
   int64_t error_flag = -1;         // the op's device error counter (out-of-range slots); must be 0

@@ -77,6 +77,7 @@ std::vector<Shape> with_dim(const Options& o, std::vector<Shape> shapes) {
 
 std::vector<Shape> shapes_for(const Options& o, const std::string& op) {
   if (!o.shapes.empty()) return with_dim(o, o.shapes);
+  if (op == "prefill-split") return with_dim(o, {*find_shape("qwen3-next"), *find_shape("qwen3.5-397b-tp8")});
   if (op == "prefill" && !o.quick)
     return with_dim(o, {*find_shape("qwen3-next"), *find_shape("qwen3.5-397b-tp8"), *find_shape("qwen3.5-27b"),
                         *find_shape("qwen3.5-397b")});
@@ -113,8 +114,14 @@ std::vector<int32_t> drafts_for(const Options& o) {
   return {2, 3, 4, 8};
 }
 
-std::vector<SeqSet> seqsets_for(const Options& o) {
+std::vector<SeqSet> seqsets_for(const Options& o, const std::string& op) {
   if (!o.seqsets.empty()) return o.seqsets;
+  if (op == "prefill-split") {  // one long prompt, where spreading it over GPUs pays
+    std::vector<SeqSet> sets;
+    for (const char* n : o.quick ? std::vector<const char*>{"1x65536"} : std::vector<const char*>{"1x262144", "1x1048576"})
+      sets.push_back(parse_seqset(n));
+    return sets;
+  }
   // The twelve standard sets (docs/benchmarks.md) (NxL = N sequences of L tokens), then the four NxL sets with
   // N and L swapped (4x2048 = four sequences of 2048 tokens...): peers write "1024 x 8" for eight sequences of
   // 1024, so both readings are measured and each row names its set unambiguously.
@@ -328,7 +335,7 @@ class Obj {
 };
 
 std::string row_json(const Row& r) {
-  const bool tok = r.op != "prefill";
+  const bool tok = r.op != "prefill" && r.op != "prefill-split";
   Obj o(4);
   o.str("op", r.op).str("mode", r.mode).str("backend", r.backend).str("status", r.status).str("message", r.message);
   o.str("shape", r.shape.name).integer("H", r.shape.H).integer("HV", r.shape.HV).integer("K", r.shape.K)
@@ -345,6 +352,7 @@ std::string row_json(const Row& r) {
   o.num("bytes", r.bytes).num("tbps", r.tbps).num("pct_copy_ceiling", r.pct_copy);
   o.num("flops", r.flops).num("tflops", r.tflops).num("floor_bytes", r.floor_bytes).num("floor_us", r.floor_us)
       .num("pct_memory_floor", r.pct_floor);
+  o.integer("ranks", r.ranks, true).num("efficiency", r.efficiency).num("exchange_us", r.exchange_us);
   o.integer("nonfinite_outputs", r.nonfinite_outputs).integer("error_flag", r.error_flag);
   return o.done();
 }
@@ -426,6 +434,9 @@ std::string table(const std::vector<Row>& rows, const std::string& op) {
   } else if (op == "verify") {
     s += std::string("| shape | mode | state | layout | T | B | µs/call | MB/call | ") + bw + " | % copy | status |\n";
     s += "|---|---|---|---|--:|--:|--:|--:|--:|--:|---|\n";
+  } else if (op == "prefill-split") {
+    s += "| shape | seqs | tokens | GPUs | path | ms | TFLOP/s | efficiency | exchange ms | exchange share | status |\n";
+    s += "|---|---|--:|--:|---|--:|--:|--:|--:|--:|---|\n";
   } else {
     s += std::string("| shape | mode | seqs | tokens | state | layout | ms | ") + (cpu ? "GFLOP/s" : "TFLOP/s") +
          " | floor ms | floor/time | status |\n";
@@ -443,6 +454,12 @@ std::string table(const std::vector<Row>& rows, const std::string& op) {
       s += "| " + r.shape.name + " | " + r.mode + " | " + st + " | " + ly + " | " + std::to_string(r.draft_tokens) +
            " | " + std::to_string(r.batch) + " | " + fmt(r.time_us, "%.2f") + " | " + fmt(r.bytes / 1e6, "%.2f") +
            " | " + fmt(tb, "%.3f") + " | " + fmt(r.pct_copy, "%.1f") + " | " + status_cell(r) + " |\n";
+    } else if (op == "prefill-split") {
+      const double share = r.exchange_us > 0 && r.time_us > 0 ? 100.0 * r.exchange_us / r.time_us : -1;
+      s += "| " + r.shape.name + " | " + r.seqset + " | " + std::to_string(r.total_tokens) + " | " +
+           std::to_string(r.ranks) + " | " + r.mode + " | " + fmt(r.time_us / 1e3, "%.3f") + " | " +
+           fmt(r.tflops, "%.2f") + " | " + fmt(r.efficiency, "%.2f") + " | " + fmt(r.exchange_us / 1e3, "%.3f") +
+           " | " + fmt(share, "%.1f%%") + " | " + status_cell(r) + " |\n";
     } else {
       s += "| " + r.shape.name + " | " + (r.mode.empty() ? "chunked" : r.mode) + " | " + r.seqset + " | " +
            std::to_string(r.total_tokens) + " | " + st + " | " + ly + " | " + fmt(r.time_us / 1e3, "%.3f") + " | " +
@@ -480,7 +497,12 @@ std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
          "(q, k, v, o, gates, states) / copy ceiling\n";
   }
   s += "\n";
-  for (const char* op : {"decode", "verify", "prefill"}) {
+  if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.op == "prefill-split"; }))
+    s += "- prefill-split: one sequence set over G GPUs of the machine (split_prefill_nccl, a thread and an NCCL rank "
+         "per GPU, each rank a contiguous piece of every sequence); ms per call of the slowest rank; efficiency = "
+         "time on 1 GPU (the prefill row of the same run) / (G x time); exchange = the all-gather of the summaries "
+         "on the rank that reaches it last\n";
+  for (const char* op : {"decode", "verify", "prefill", "prefill-split"}) {
     if (std::none_of(rows.begin(), rows.end(), [&](const Row& r) { return r.op == op; })) continue;
     s += std::string("### ") + op + "\n\n" + table(rows, op) + "\n";
   }
@@ -526,6 +548,9 @@ std::string progress_line(const Row& r) {
   if (r.op == "prefill") {
     std::snprintf(buf, sizeof buf, ": %.3f ms, %.2f %sFLOP/s, floor %.1f%%", r.time_us / 1e3, r.tflops * scale, g,
                   r.pct_floor);
+  } else if (r.op == "prefill-split") {
+    std::snprintf(buf, sizeof buf, ": %.3f ms, efficiency %.2f, exchange %.3f ms", r.time_us / 1e3, r.efficiency,
+                  r.exchange_us / 1e3);
   } else {
     std::snprintf(buf, sizeof buf, ": %.2f us/call, %.3f %sB/s, %.1f%% of copy", r.time_us, r.tbps * scale, g,
                   r.pct_copy);

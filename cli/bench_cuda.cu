@@ -19,6 +19,12 @@
 #include "bench.h"
 #include "cuda_util.cuh"
 #include "gdnkit/gdnkit.h"
+#ifdef GDNKIT_WITH_NCCL
+#include <barrier>
+#include <thread>
+
+#include "gdnkit/nccl.h"
+#endif
 
 namespace gdnkit::bench {
 namespace {
@@ -178,10 +184,22 @@ class Arena {
   std::vector<Block> blocks_;
 };
 
+// Device memory from the arena of the first device, or (arena = false: the other devices of a split run) its own
+// cudaMalloc on the current device.
 class DevBuf {
  public:
-  explicit DevBuf(size_t bytes) : bytes_(bytes) { p_ = Arena::get().alloc(std::max<size_t>(bytes, 16)); }
-  ~DevBuf() { Arena::get().release(p_); }
+  explicit DevBuf(size_t bytes, bool arena = true) : bytes_(bytes), arena_(arena) {
+    if (arena_)
+      p_ = Arena::get().alloc(std::max<size_t>(bytes, 16));
+    else
+      BENCH_CUDA_CHECK(cudaMalloc(&p_, std::max<size_t>(bytes, 16)));
+  }
+  ~DevBuf() {
+    if (arena_)
+      Arena::get().release(p_);
+    else
+      cudaFree(p_);
+  }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   template <class T = void>
@@ -191,6 +209,7 @@ class DevBuf {
  private:
   void* p_ = nullptr;
   size_t bytes_ = 0;
+  bool arena_ = true;
 };
 
 struct Device {
@@ -320,15 +339,15 @@ void upload(void* dst, const void* src, size_t bytes, cudaStream_t st) {
 struct DeviceTokens {
   DevBuf q, k, v, o, a, b, A_log, dt_bias;
   TokenBuffers views;
-  DeviceTokens(const Shape& s, DType in, int64_t tokens, uint64_t seed, cudaStream_t st)
-      : q(size_t(tokens) * s.H * s.K * dtype_size(in)),
-        k(q.bytes()),
-        v(size_t(tokens) * s.HV * s.V * dtype_size(in)),
-        o(v.bytes()),
-        a(size_t(tokens) * s.HV * dtype_size(in)),
-        b(a.bytes()),
-        A_log(size_t(s.HV) * 4),
-        dt_bias(size_t(s.HV) * 4) {
+  DeviceTokens(const Shape& s, DType in, int64_t tokens, uint64_t seed, cudaStream_t st, bool arena = true)
+      : q(size_t(tokens) * s.H * s.K * dtype_size(in), arena),
+        k(q.bytes(), arena),
+        v(size_t(tokens) * s.HV * s.V * dtype_size(in), arena),
+        o(v.bytes(), arena),
+        a(size_t(tokens) * s.HV * dtype_size(in), arena),
+        b(a.bytes(), arena),
+        A_log(size_t(s.HV) * 4, arena),
+        dt_bias(size_t(s.HV) * 4, arena) {
     const int64_t nqk = tokens * s.H * s.K, nv = tokens * s.HV * s.V, ng = tokens * s.HV;
     fill(q.get(), in, nqk, seed + 1, Fill::kNormal, 0.f, 1.f, st);
     fill(k.get(), in, nqk, seed + 2, Fill::kNormal, 0.f, 1.f, st);
@@ -604,6 +623,149 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   return r;
 }
 
+// ---- prefill split over GPUs ------------------------------------------------------------------
+
+#ifdef GDNKIT_WITH_NCCL
+// One sequence set over G GPUs of this machine (split_prefill_nccl, one thread and one NCCL rank per GPU): rank q
+// holds tokens [L q / G, L (q + 1) / G) of each sequence of L tokens (cut on chunks), fp32 pool slots of its own
+// (initial state read on rank 0, final state written on the last). Time per call: the slowest rank's, between events
+// on each rank's stream after a host barrier; median over the timed calls. The exchange: the all-gather alone, timed
+// in calls run in their three steps, on the rank that reached it last (the others' time there includes waiting).
+Row bench_prefill_split(const Options& o, const Shape& s, DType state, StateLayout layout, const SeqSet& set, int G,
+                        double one_gpu_us) {
+  Row r = make_prefill_row("cuda", s, g_input, state, layout, set);
+  r.op = "prefill-split";
+  r.mode = std::to_string(G) + " GPUs";
+  r.ranks = G;
+  int devices = 0;
+  BENCH_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  if (G > devices) {
+    r.status = "not run";
+    r.message = "needs " + std::to_string(G) + " GPUs, this machine has " + std::to_string(devices);
+    return r;
+  }
+  const int32_t N = r.num_seqs;
+  std::vector<std::vector<int64_t>> cut(static_cast<size_t>(N), std::vector<int64_t>(static_cast<size_t>(G) + 1));
+  for (int32_t n = 0; n < N; ++n)
+    for (int q = 0; q <= G; ++q)
+      cut[size_t(n)][size_t(q)] = q == G ? set.lengths[size_t(n)] : set.lengths[size_t(n)] * q / G / 64 * 64;
+  std::vector<ncclComm_t> comms(static_cast<size_t>(G));
+  std::vector<int> ids(static_cast<size_t>(G));
+  std::iota(ids.begin(), ids.end(), 0);
+  if (ncclCommInitAll(comms.data(), G, ids.data()) != ncclSuccess)
+    throw Error(ErrorCode::kCudaError, "bench: ncclCommInitAll failed");
+  std::vector<std::vector<double>> total(static_cast<size_t>(G)), exchange(static_cast<size_t>(G));
+  std::vector<std::string> errors(static_cast<size_t>(G));
+  std::vector<int64_t> nonfinite(static_cast<size_t>(G), 0), flags(static_cast<size_t>(G), 0);
+  std::barrier sync(G);
+  const int iters = o.prefill_iters, warmup = 2;
+  const auto rank_main = [&](int q) {
+    cudaSetDevice(q);
+    cudaStream_t st = nullptr;
+    cudaEvent_t ev[4];
+    BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
+    std::vector<int32_t> cu(static_cast<size_t>(N) + 1, 0);
+    std::vector<int64_t> offsets(static_cast<size_t>(N));
+    for (int32_t n = 0; n < N; ++n) {
+      offsets[size_t(n)] = cut[size_t(n)][size_t(q)];
+      cu[size_t(n) + 1] = cu[size_t(n)] + int32_t(cut[size_t(n)][size_t(q) + 1] - cut[size_t(n)][size_t(q)]);
+    }
+    std::vector<int64_t> cu_host(cu.begin(), cu.end());
+    const int64_t T = cu.back(), slot_elems = int64_t(s.HV) * s.K * s.V;
+    const bool arena = q == 0;  // device 0's memory is the bench arena's
+    const uint64_t seed = 91000049ull + uint64_t(set.total()) * 7 + uint64_t(q);
+    DeviceTokens tok(s, g_input, T, seed, st, arena);
+    DevBuf pool(size_t(N * slot_elems * dtype_size(state)), arena), d_cu(cu.size() * 4, arena),
+        d_off(offsets.size() * 8, arena), slots(size_t(N) * 4, arena), flag(4, arena);
+    fill(pool.get(), state, N * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, st);
+    upload(d_cu.get(), cu.data(), d_cu.bytes(), st);
+    upload(d_off.get(), offsets.data(), d_off.bytes(), st);
+    std::vector<int32_t> idx(static_cast<size_t>(N));
+    std::iota(idx.begin(), idx.end(), 0);
+    upload(slots.get(), idx.data(), slots.bytes(), st);
+    BENCH_CUDA_CHECK(cudaMemsetAsync(flag.get(), 0, 4, st));
+    SplitPrefillParams sp;
+    PrefillParams& p = sp.local;
+    p.heads = head_config(s);
+    p.num_seqs = N;
+    p.total_tokens = T;
+    set_token_views(s, g_input, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
+    p.cu_seqlens = d_cu.get();
+    p.cu_seqlens_host = cu_host.data();
+    p.state = make_pool(s, pool.get(), state, layout, N);
+    p.initial_indices = p.final_indices = slots.get<int32_t>();
+    p.error_flag = flag.get<int32_t>();
+    sp.rank = q;
+    sp.num_ranks = G;
+    sp.piece_offsets = d_off.get<int64_t>();
+    sp.piece_offsets_host = offsets.data();
+    const int64_t elems = split_prefill_exchange_elems(p);
+    DevBuf ex(size_t(G * elems) * 4, arena), ws(split_prefill_workspace_bytes(sp), arena);
+    sp.exchange = ex.get<float>();
+    p.workspace = ws.get();
+    p.workspace_bytes = ws.bytes();
+    const Context ctx{Backend::kCUDA, st};
+    try {
+      for (int i = 0; i < warmup + iters; ++i) {
+        sync.arrive_and_wait();
+        BENCH_CUDA_CHECK(cudaEventRecord(ev[0], st));
+        split_prefill_nccl(sp, comms[size_t(q)], ctx);
+        BENCH_CUDA_CHECK(cudaEventRecord(ev[3], st));
+        BENCH_CUDA_CHECK(cudaEventSynchronize(ev[3]));
+        float ms = 0;
+        BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[3]));
+        if (i >= warmup) total[size_t(q)].push_back(ms * 1e3);
+      }
+      for (int i = 0; i < iters; ++i) {  // the same call in its three steps, the all-gather between events
+        sync.arrive_and_wait();
+        split_prefill_begin(sp, ctx);
+        BENCH_CUDA_CHECK(cudaEventRecord(ev[1], st));
+        if (ncclAllGather(sp.exchange + q * elems, sp.exchange, size_t(elems), ncclFloat32, comms[size_t(q)], st) !=
+            ncclSuccess)
+          throw Error(ErrorCode::kCudaError, "bench: ncclAllGather failed");
+        BENCH_CUDA_CHECK(cudaEventRecord(ev[2], st));
+        split_prefill_end(sp, ctx);
+        BENCH_CUDA_CHECK(cudaEventSynchronize(ev[2]));
+        float ms = 0;
+        BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[1], ev[2]));
+        exchange[size_t(q)].push_back(ms * 1e3);
+      }
+      nonfinite[size_t(q)] = count_nonfinite(tok.o.get(), g_input, T * s.HV * s.V, st);
+      flags[size_t(q)] = read_flag(flag);
+    } catch (const std::exception& e) {
+      errors[size_t(q)] = e.what();
+      sync.arrive_and_drop();
+    }
+    BENCH_CUDA_CHECK(cudaStreamSynchronize(st));
+    for (cudaEvent_t& e : ev) cudaEventDestroy(e);
+    cudaStreamDestroy(st);
+  };
+  std::vector<std::thread> threads;
+  for (int q = 0; q < G; ++q) threads.emplace_back(rank_main, q);
+  for (auto& t : threads) t.join();
+  for (ncclComm_t c : comms) ncclCommDestroy(c);
+  cudaSetDevice(0);
+  for (int q = 0; q < G; ++q)
+    if (!errors[size_t(q)].empty()) throw Error(ErrorCode::kCudaError, "rank " + std::to_string(q) + ": " + errors[size_t(q)]);
+  std::vector<double> slowest(static_cast<size_t>(iters), 0), first_in(static_cast<size_t>(iters), 1e30);
+  for (int q = 0; q < G; ++q)
+    for (int i = 0; i < iters; ++i) {
+      slowest[size_t(i)] = std::max(slowest[size_t(i)], total[size_t(q)][size_t(i)]);
+      first_in[size_t(i)] = std::min(first_in[size_t(i)], exchange[size_t(q)][size_t(i)]);
+    }
+  r.time_us = median(slowest);
+  r.time_us_min = *std::min_element(slowest.begin(), slowest.end());
+  r.time_us_max = *std::max_element(slowest.begin(), slowest.end());
+  r.samples = iters;
+  r.exchange_us = median(first_in);
+  if (one_gpu_us > 0) r.efficiency = one_gpu_us / (G * r.time_us);
+  r.nonfinite_outputs = std::accumulate(nonfinite.begin(), nonfinite.end(), int64_t(0));
+  r.error_flag = std::accumulate(flags.begin(), flags.end(), int64_t(0));
+  return r;
+}
+#endif
+
 // Runs one configuration; failures of the harness itself (allocation, CUDA errors) become error rows.
 template <class Fn>
 void guarded(Row fallback, const RowSink& sink, double ceiling, Fn&& fn) {
@@ -701,7 +863,13 @@ std::string cuda_device_summary() {
   return s;
 }
 
-void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
+void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
+  Options o = o_in;
+  if (o.gpus.empty()) {  // 1, 2, 4, ... up to the machine's GPUs
+    int devices = 1;
+    BENCH_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    for (int g = 1; g <= devices; g *= 2) o.gpus.push_back(g);
+  }
   g_input = o.input;
   Device d;
   int dev = 0;
@@ -751,8 +919,40 @@ void run_cuda(const Options& o, RunInfo& info, const RowSink& sink) {
                 }
               }
             }
+          } else if (op == "prefill-split") {
+            for (const SeqSet& set : seqsets_for(o, op)) {
+              // the single-GPU prefill first: the others' efficiency is against its time in this run
+              auto one_gpu = std::make_shared<double>(-1.0);
+              for (int G : o.gpus) {
+                Row fb = base_row(op, s, st, ly);
+                fb.seqset = set.name;
+                fb.total_tokens = set.total();
+                fb.num_seqs = int32_t(set.lengths.size());
+                fb.ranks = G;
+                fb.mode = std::to_string(G) + (G == 1 ? " GPU" : " GPUs");
+                jobs.push_back({fb, [=, &d, &o]() -> Row {
+                  if (G == 1) {
+                    Row r = bench_prefill(d, o, s, st, ly, set);
+                    r.op = "prefill-split";
+                    r.mode = "1 GPU (" + (r.mode.empty() ? std::string("chunked") : r.mode) + ")";
+                    r.ranks = 1;
+                    *one_gpu = r.status == "ok" ? r.time_us : -1.0;
+                    if (*one_gpu > 0) r.efficiency = 1.0;
+                    return r;
+                  }
+#ifdef GDNKIT_WITH_NCCL
+                  return bench_prefill_split(o, s, st, ly, set, G, *one_gpu);
+#else
+                  Row r = fb;
+                  r.status = "not implemented";
+                  r.message = "gdnkit was built without NCCL (GDNKIT_NCCL)";
+                  return r;
+#endif
+                }});
+              }
+            }
           } else {
-            for (const SeqSet& set : seqsets_for(o)) {
+            for (const SeqSet& set : seqsets_for(o, op)) {
               Row fb = base_row(op, s, st, ly);
               fb.seqset = set.name;
               fb.total_tokens = set.total();

@@ -28,6 +28,7 @@ constexpr const char* kUsage = R"(usage: gdnkit <command> [options]
 commands:
   info                       build information, devices, supported configurations
   bench [decode|verify|prefill|all]   benchmark (default: all), method of docs/benchmarks.md
+  bench prefill-split        a prefill split over the machine's GPUs (NCCL), against the 1-GPU prefill
   help                       this text
   --version                  the version ("gdnkit 0.1.0")
 
@@ -45,6 +46,8 @@ bench options:
   --draft 2,3,...            verify draft tokens T (default: 2,3,4,8)
   --seqs SET[,SET]           prefill sequence sets: NxL = N sequences of L tokens, A+B = lengths A and B
                              (default: the 10 standard sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
+  --gpus 1,2,4               prefill-split GPU counts (default: 1, 2, 4, ... up to the machine's; sets
+                             1x262144, 1x1048576 on qwen3-next and qwen3.5-397b-tp8)
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)
@@ -98,7 +101,7 @@ Options parse_bench(int argc, char** argv, int first) {
   };
   for (int i = first; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "decode" || a == "verify" || a == "prefill" || a == "all") {
+    if (a == "decode" || a == "verify" || a == "prefill" || a == "prefill-split" || a == "all") {
       op = a;
     } else if (a == "--shape") {
       const std::string v = value(i);
@@ -149,6 +152,8 @@ Options parse_bench(int argc, char** argv, int first) {
       } catch (const Error& e) {
         usage_error(e.what());
       }
+    } else if (a == "--gpus") {
+      o.gpus = int_list(a, value(i), 1, 64);
     } else if (a == "--replays") {
       o.replays = int_list(a, value(i), 15, 10000).front();
     } else if (a == "--prefill-iters") {
@@ -173,6 +178,7 @@ Options parse_bench(int argc, char** argv, int first) {
   for (const std::string& x : o.ops)
     if (fp8 && (o.cpu || layouts_for(o, x) != std::vector<StateLayout>{StateLayout::kKLast}))
       usage_error("--state fp8: float8_e4m3 pools are benchmarked on CUDA, K-last (--layout klast)");
+  if (op == "prefill-split" && o.cpu) usage_error("prefill-split: the split over GPUs is benchmarked on CUDA (no --cpu)");
   if (!o.json_path.empty() && o.json_path == o.markdown_path)
     usage_error("--json and --markdown name the same file '" + o.json_path + "'");
   return o;

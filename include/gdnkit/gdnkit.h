@@ -37,6 +37,15 @@ void validate(const LayoutParams& params, Backend backend);
 // Scratch bytes the CUDA prefill needs for these params (0 on the CPU backend).
 size_t prefill_workspace_bytes(const PrefillParams& params);
 
+// Prefill split over ranks (SplitPrefillParams). begin writes this rank's block of the exchange; end, after the
+// all-gather, writes o, the checkpoints and the final states. Both take the same params and, on CUDA, the same
+// workspace (local.workspace, or the library's own for the device): no other prefill may use it in between.
+int64_t split_prefill_exchange_elems(const PrefillParams& local);  // fp32 elements of one rank's block: N HV K (K + V)
+size_t split_prefill_workspace_bytes(const SplitPrefillParams& params);  // 0 on the CPU backend
+void split_prefill_begin(const SplitPrefillParams& params, const Context& ctx);
+void split_prefill_end(const SplitPrefillParams& params, const Context& ctx);
+void validate(const SplitPrefillParams& params, Backend backend);
+
 // How the CUDA backend runs a prefill call's sequences (for tools and logs): sequences of at most
 // short_max_len tokens on the recurrent kernels of decode and verify, the others on the chunked kernels, which
 // cut sequences longer than context_parallel_segment tokens into segments of that length that run at once.

@@ -95,6 +95,27 @@ struct PrefillParams {
   size_t workspace_bytes = 0;
 };
 
+// prefill split over ranks (context parallelism across GPUs; docs/semantics.md "Split prefill"): rank r of
+// num_ranks holds one contiguous piece of every sequence (possibly empty), and the pieces of sequence n on ranks
+// 0, 1, ..., num_ranks - 1, in that order, make the sequence. Every rank calls split_prefill_begin, the ranks
+// all-gather the exchange in place (rank r wrote block r), then every rank calls split_prefill_end with the same
+// params; gdnkit/nccl.h runs the three over NCCL.
+struct SplitPrefillParams {
+  // This rank's pieces, packed by local.cu_seqlens ([N+1], the same N on every rank), and this rank's pool and
+  // buffers. initial_indices are read on rank 0 only; final_indices written on the last rank (on every rank with
+  // final_on_every_rank); each rank stores the checkpoints whose token falls in its piece.
+  PrefillParams local;
+  int32_t rank = 0;
+  int32_t num_ranks = 1;
+  bool final_on_every_rank = false;
+  // [N] tokens of sequence n held by lower ranks, where the backend computes: required with checkpoints (a piece
+  // that holds one must start at a multiple of 64 tokens), else may be nullptr.
+  const int64_t* piece_offsets = nullptr;
+  const int64_t* piece_offsets_host = nullptr;  // optional host copy [N]: validated before launch when given
+  // [num_ranks, split_prefill_exchange_elems(local)] fp32, 16-byte aligned: begin writes block `rank`, end reads all.
+  float* exchange = nullptr;
+};
+
 // layout: convert a pool between K-last and V-last. dst.data == src.data is allowed when K == V.
 struct LayoutParams {
   int32_t num_v_heads = 0;  // HV

@@ -141,6 +141,44 @@ def prefill(
 ) -> None:
     """gdnkit::prefill; see gdnkit.ops.prefill."""
 
+def split_prefill(
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    o: _Array,
+    cu_seqlens: _Array,
+    *,
+    begin: bool,
+    rank: int,
+    num_ranks: int,
+    exchange: _Array,
+    layout: str,
+    state: Optional[_Array] = None,
+    initial_indices: Optional[_Array] = None,
+    final_indices: Optional[_Array] = None,
+    g: Optional[_Array] = None,
+    beta: Optional[_Array] = None,
+    a: Optional[_Array] = None,
+    b: Optional[_Array] = None,
+    A_log: Optional[_Array] = None,
+    dt_bias: Optional[_Array] = None,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = True,
+    checkpoints: Optional[_Array] = None,
+    checkpoint_interval: int = 0,
+    checkpoint_indices: Optional[_Array] = None,
+    cu_seqlens_cpu: Optional[_Array] = None,
+    piece_offsets: Optional[_Array] = None,
+    piece_offsets_cpu: Optional[_Array] = None,
+    final_on_every_rank: bool = False,
+    workspace: Optional[_Array] = None,
+    state_scales: Optional[_Array] = None,
+    checkpoint_scales: Optional[_Array] = None,
+    error_flag: Optional[_Array] = None,
+    stream: int = 0,
+) -> None:
+    """gdnkit::split_prefill_begin (begin=True) or split_prefill_end; see gdnkit.distributed."""
+
 def convert_layout(
     src: _Array,
     dst: _Array,

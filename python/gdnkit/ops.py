@@ -184,6 +184,8 @@ _SCALARS = {
     "update_state": ("bool", "a bool"),
     "num_draft_tokens": ("int", "an int T or None"),
     "checkpoint_interval": ("int", "an int (a multiple of 64)"),
+    "rank": ("int", "an int"),
+    "num_ranks": ("int", "an int >= 1"),
     "stream": ("int", "an int cudaStream_t, or None for the current stream of the arrays' framework"),
 }
 _ARRAY_KINDS = "an array: torch.Tensor, numpy.ndarray, cupy.ndarray or another object with __dlpack__"

@@ -698,14 +698,15 @@ std::vector<int64_t> host_offsets(const Array& a, const char* name) {
   return out;
 }
 
-void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, const Array& cu_seqlens,
-                const std::string& layout, OptArray state, OptArray initial_indices, OptArray final_indices,
-                OptArray g, OptArray beta, OptArray a, OptArray b, OptArray A_log, OptArray dt_bias,
-                std::optional<double> scale, bool use_qk_l2norm, OptArray checkpoints,
-                int64_t checkpoint_interval, OptArray checkpoint_indices, OptArray cu_seqlens_cpu,
-                const std::string& cpu_algorithm, OptArray workspace, OptArray state_scales,
-                OptArray checkpoint_scales, OptArray error_flag, uintptr_t stream) {
-  Devices dev;
+// A prefill call's params from its arguments (the devices added to `dev`); `host` holds the host copy of cu_seqlens.
+PrefillParams prefill_params(Devices& dev, std::vector<int64_t>& host, const Array& q, const Array& k, const Array& v,
+                             const Array& o, const Array& cu_seqlens, const std::string& layout, OptArray state,
+                             OptArray initial_indices, OptArray final_indices, OptArray g, OptArray beta, OptArray a,
+                             OptArray b, OptArray A_log, OptArray dt_bias, std::optional<double> scale,
+                             bool use_qk_l2norm, OptArray checkpoints, int64_t checkpoint_interval,
+                             OptArray checkpoint_indices, OptArray cu_seqlens_cpu, const std::string& cpu_algorithm,
+                             OptArray workspace, OptArray state_scales, OptArray checkpoint_scales,
+                             OptArray error_flag) {
   PrefillParams p;
   dev.add(q, "q");
   dev.add(state_scales, "state_scales");
@@ -754,7 +755,6 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
     fail("cu_seqlens: expected dtype int32 or int64, got ", dl_dtype_name(cu_seqlens.dtype()));
   }
   p.cu_seqlens = cu_seqlens.data();
-  std::vector<int64_t> host;
   if (cu_seqlens_cpu) {
     host = host_offsets(*cu_seqlens_cpu, "cu_seqlens_cpu");
     if (int64_t(host.size()) != N + 1)
@@ -795,16 +795,92 @@ void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, 
     p.workspace_bytes = workspace->nbytes();
   }
   p.error_flag = error_flag_ptr(error_flag);
+  return p;
+}
+
+// The library names its host copies *_host; the arguments that fill them are *_cpu.
+template <class Fn>
+void call_with_host_names(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    for (const char* field : {"cu_seqlens_host:", "piece_offsets_host:"}) {
+      const std::string f = field;
+      if (m.compare(0, f.size(), f) == 0)
+        throw Error(e.code(), f.substr(0, f.size() - 6) + "_cpu:" + m.substr(f.size()));
+    }
+    throw;
+  }
+}
+
+void prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, const Array& cu_seqlens,
+                const std::string& layout, OptArray state, OptArray initial_indices, OptArray final_indices,
+                OptArray g, OptArray beta, OptArray a, OptArray b, OptArray A_log, OptArray dt_bias,
+                std::optional<double> scale, bool use_qk_l2norm, OptArray checkpoints,
+                int64_t checkpoint_interval, OptArray checkpoint_indices, OptArray cu_seqlens_cpu,
+                const std::string& cpu_algorithm, OptArray workspace, OptArray state_scales,
+                OptArray checkpoint_scales, OptArray error_flag, uintptr_t stream) {
+  Devices dev;
+  std::vector<int64_t> host;
+  const PrefillParams p = prefill_params(dev, host, q, k, v, o, cu_seqlens, layout, state, initial_indices,
+                                         final_indices, g, beta, a, b, A_log, dt_bias, scale, use_qk_l2norm,
+                                         checkpoints, checkpoint_interval, checkpoint_indices, cu_seqlens_cpu,
+                                         cpu_algorithm, workspace, state_scales, checkpoint_scales, error_flag);
+  DeviceGuard guard(dev);
+  call_library([&] { call_with_host_names([&] { prefill(p, make_context(dev, stream)); }); });
+}
+
+// One half of a prefill split over ranks (begin, or end after the all-gather of `exchange`).
+void split_prefill_op(const Array& q, const Array& k, const Array& v, const Array& o, const Array& cu_seqlens,
+                      bool begin, int32_t rank, int32_t num_ranks, const Array& exchange, const std::string& layout,
+                      OptArray state, OptArray initial_indices, OptArray final_indices, OptArray g, OptArray beta,
+                      OptArray a, OptArray b, OptArray A_log, OptArray dt_bias, std::optional<double> scale,
+                      bool use_qk_l2norm, OptArray checkpoints, int64_t checkpoint_interval,
+                      OptArray checkpoint_indices, OptArray cu_seqlens_cpu, OptArray piece_offsets,
+                      OptArray piece_offsets_cpu, bool final_on_every_rank, OptArray workspace,
+                      OptArray state_scales, OptArray checkpoint_scales, OptArray error_flag, uintptr_t stream) {
+  Devices dev;
+  std::vector<int64_t> host;
+  SplitPrefillParams sp;
+  sp.local = prefill_params(dev, host, q, k, v, o, cu_seqlens, layout, state, initial_indices, final_indices, g,
+                            beta, a, b, A_log, dt_bias, scale, use_qk_l2norm, checkpoints, checkpoint_interval,
+                            checkpoint_indices, cu_seqlens_cpu, "auto", workspace, state_scales, checkpoint_scales,
+                            error_flag);
+  const int64_t N = sp.local.num_seqs;
+  dev.add(exchange, "exchange");
+  dev.add(piece_offsets, "piece_offsets");
+  const int64_t elems = int64_t(num_ranks) * split_prefill_exchange_elems(sp.local);
+  if (exchange.dtype() != nb::dtype<float>() || exchange.ndim() != 1 || int64_t(exchange.shape(0)) != elems ||
+      (elems > 1 && exchange.stride(0) != 1))
+    fail("exchange: expected a contiguous float32 array of ", elems, " elements (num_ranks x N x HV x K x (K + V)), "
+         "got ", dl_dtype_name(exchange.dtype()), " of shape ", shape_str(exchange));
+  sp.exchange = static_cast<float*>(exchange.data());
+  std::vector<int64_t> offsets_host;
+  if (piece_offsets) {
+    if (piece_offsets->dtype() != nb::dtype<int64_t>() || piece_offsets->ndim() != 1 ||
+        int64_t(piece_offsets->shape(0)) != N || (N > 1 && piece_offsets->stride(0) != 1))
+      fail("piece_offsets: expected a contiguous int64 array of ", N, " elements (one per sequence), got ",
+           dl_dtype_name(piece_offsets->dtype()), " of shape ", shape_str(*piece_offsets));
+    sp.piece_offsets = static_cast<const int64_t*>(piece_offsets->data());
+  }
+  if (piece_offsets_cpu) {
+    offsets_host = host_offsets(*piece_offsets_cpu, "piece_offsets_cpu");
+    if (int64_t(offsets_host.size()) != N)
+      fail("piece_offsets_cpu: expected ", N, " elements (one per sequence), got ", offsets_host.size());
+    sp.piece_offsets_host = offsets_host.data();
+  }
+  sp.rank = rank;
+  sp.num_ranks = num_ranks;
+  sp.final_on_every_rank = final_on_every_rank;
   DeviceGuard guard(dev);
   call_library([&] {
-    try {
-      prefill(p, make_context(dev, stream));
-    } catch (const Error& e) {
-      // The library names its field cu_seqlens_host; the argument that fills it is cu_seqlens_cpu.
-      const std::string m = e.what(), field = "cu_seqlens_host:";
-      if (m.compare(0, field.size(), field) != 0) throw;
-      throw Error(e.code(), "cu_seqlens_cpu:" + m.substr(field.size()));
-    }
+    call_with_host_names([&] {
+      if (begin)
+        split_prefill_begin(sp, make_context(dev, stream));
+      else
+        split_prefill_end(sp, make_context(dev, stream));
+    });
   });
 }
 
@@ -894,6 +970,15 @@ NB_MODULE(_gdnkit, m) {
         "checkpoint_interval"_a = 0, "checkpoint_indices"_a = nb::none(), "cu_seqlens_cpu"_a = nb::none(),
         "cpu_algorithm"_a = "auto", "workspace"_a = nb::none(), "state_scales"_a = nb::none(),
         "checkpoint_scales"_a = nb::none(), "error_flag"_a = nb::none(), "stream"_a = 0);
+  m.def("split_prefill", &split_prefill_op, "q"_a, "k"_a, "v"_a, "o"_a, "cu_seqlens"_a, nb::kw_only(), "begin"_a,
+        "rank"_a, "num_ranks"_a, "exchange"_a, "layout"_a, "state"_a = nb::none(), "initial_indices"_a = nb::none(),
+        "final_indices"_a = nb::none(), "g"_a = nb::none(), "beta"_a = nb::none(), "a"_a = nb::none(),
+        "b"_a = nb::none(), "A_log"_a = nb::none(), "dt_bias"_a = nb::none(), "scale"_a = nb::none(),
+        "use_qk_l2norm"_a = true, "checkpoints"_a = nb::none(), "checkpoint_interval"_a = 0,
+        "checkpoint_indices"_a = nb::none(), "cu_seqlens_cpu"_a = nb::none(), "piece_offsets"_a = nb::none(),
+        "piece_offsets_cpu"_a = nb::none(), "final_on_every_rank"_a = false, "workspace"_a = nb::none(),
+        "state_scales"_a = nb::none(), "checkpoint_scales"_a = nb::none(), "error_flag"_a = nb::none(),
+        "stream"_a = 0);
   m.def("convert_layout", &convert_layout_op, "src"_a, "dst"_a, nb::kw_only(), "src_layout"_a,
         "src_scales"_a = nb::none(), "dst_scales"_a = nb::none(), "stream"_a = 0);
   m.def("cuda_compiled", &g::cuda_compiled);

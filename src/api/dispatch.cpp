@@ -1,4 +1,5 @@
 // Public entries: validate, then hand the params to the chosen backend.
+#include <algorithm>
 #include <string>
 
 #include "cpu/backend.h"
@@ -96,6 +97,36 @@ size_t prefill_workspace_bytes(const PrefillParams& p) {
   return 0;
 #endif
 }
+
+int64_t split_prefill_exchange_elems(const PrefillParams& p) {
+  return int64_t(std::max(p.num_seqs, 0)) * std::max(p.heads.num_v_heads, 0) * int64_t(p.heads.head_dim_k) *
+         (int64_t(p.heads.head_dim_k) + p.heads.head_dim_v);
+}
+
+size_t split_prefill_workspace_bytes(const SplitPrefillParams& p) {
+  require_cuda_states(p.local);
+#ifdef GDNKIT_WITH_CUDA
+  return cuda::split_prefill_workspace_bytes(p);
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+namespace {
+void split_prefill_half(const SplitPrefillParams& p, const Context& ctx, bool begin) {
+  validate(p, ctx.backend);
+  if (ctx.backend == Backend::kCPU) return cpu::split_prefill(p, begin);
+  require_cuda_states(p.local);
+  require_cuda();
+#ifdef GDNKIT_WITH_CUDA
+  cuda::split_prefill(p, begin, ctx.stream);
+#endif
+}
+}  // namespace
+
+void split_prefill_begin(const SplitPrefillParams& p, const Context& ctx) { split_prefill_half(p, ctx, true); }
+void split_prefill_end(const SplitPrefillParams& p, const Context& ctx) { split_prefill_half(p, ctx, false); }
 
 PrefillPath prefill_path(const PrefillParams& p) {
   PrefillPath path;

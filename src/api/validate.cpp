@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "common/message.h"
+#include "common/split.h"
 #include "gdnkit/gdnkit.h"
 
 namespace gdnkit {
@@ -377,6 +378,48 @@ void validate(const PrefillParams& p, Backend backend) {
       fail("workspace: expected at least ", need, " bytes (prefill_workspace_bytes), got ", p.workspace_bytes);
     if (!aligned(p.workspace, kVectorBytes))
       fail("workspace: data pointer ", pointer_str(p.workspace), " is not 16-byte aligned");
+  }
+}
+
+void validate(const SplitPrefillParams& p, Backend backend) {
+  if (p.num_ranks < 1) fail("num_ranks: must be >= 1, got ", p.num_ranks);
+  if (p.rank < 0 || p.rank >= p.num_ranks) fail("rank: expected 0..", p.num_ranks - 1, ", got ", p.rank);
+  // The local params as a prefill, but for the workspace, which a split call sizes itself.
+  PrefillParams local = p.local;
+  local.workspace = nullptr;
+  validate(local, backend);
+  const PrefillParams& q = p.local;
+  const int64_t N = q.num_seqs;
+  if (N > 0 && p.exchange == nullptr)
+    fail("exchange: required pointer is null (", int64_t(p.num_ranks), " x ", split_prefill_exchange_elems(q),
+         " float32 elements expected)");
+  if (!aligned(p.exchange, kVectorBytes)) fail("exchange: data pointer ", pointer_str(p.exchange), " is not 16-byte aligned");
+  const bool checkpoints = q.checkpoint_interval > 0 && q.checkpoint_indices != nullptr;
+  if (checkpoints && N > 0 && p.piece_offsets == nullptr)
+    fail("piece_offsets: required pointer is null with checkpoints (", N, " elements expected)");
+  if (!aligned(p.piece_offsets, 8))
+    fail("piece_offsets: data pointer ", pointer_str(p.piece_offsets), " is not aligned to its int64 elements");
+  if (p.piece_offsets_host != nullptr)
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t off = p.piece_offsets_host[n];
+      if (off < 0) fail("piece_offsets_host: entry ", n, " is ", off, " (expected >= 0)");
+      // A piece that holds a checkpoint must start on a chunk of its sequence (with the host copy of cu_seqlens,
+      // only those that hold one; else every piece).
+      if (!checkpoints || off % 64 == 0) continue;
+      const bool holds = q.cu_seqlens_host == nullptr ||
+                         split_piece_holds_checkpoint(off, q.cu_seqlens_host[n + 1] - q.cu_seqlens_host[n],
+                                                      q.checkpoint_interval, q.checkpoints.num_steps);
+      if (holds)
+        fail("piece_offsets_host: sequence ", n, "'s piece starts ", off,
+             " tokens into it, not a multiple of 64, and would hold checkpoints (every ", q.checkpoint_interval,
+             " tokens)");
+    }
+  if (backend == Backend::kCUDA && q.workspace != nullptr) {
+    const size_t need = split_prefill_workspace_bytes(p);
+    if (q.workspace_bytes < need)
+      fail("workspace: expected at least ", need, " bytes (split_prefill_workspace_bytes), got ", q.workspace_bytes);
+    if (!aligned(q.workspace, kVectorBytes))
+      fail("workspace: data pointer ", pointer_str(q.workspace), " is not 16-byte aligned");
   }
 }
 

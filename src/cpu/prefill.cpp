@@ -9,12 +9,12 @@
 
 namespace gdnkit::cpu {
 namespace detail {
-namespace {
 
 int64_t cu_at(const PrefillParams& p, int64_t i) {
   return p.cu_seqlens_dtype == DType::kInt64 ? static_cast<const int64_t*>(p.cu_seqlens)[i]
                                              : static_cast<const int32_t*>(p.cu_seqlens)[i];
 }
+namespace {
 
 void recurrent_sequence(const TokenReader& reader, const OutView& o, int64_t start, int64_t len, int h,
                         int64_t interval, double* S, const CheckpointFn& checkpoint) {

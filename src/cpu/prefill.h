@@ -18,6 +18,9 @@ using CheckpointFn = std::function<void(int64_t j, const double* S)>;
 using SequenceFn = void (*)(const TokenReader& reader, const OutView& o, int64_t start, int64_t len, int h,
                             int64_t interval, double* S, const CheckpointFn& checkpoint);
 
+// cu_seqlens[i] in either index dtype.
+int64_t cu_at(const PrefillParams& p, int64_t i);
+
 // For each sequence: checks its range and slots, loads the initial state (or zeros), runs `fn` per
 // value head and stores the final state and the checkpoints.
 void run_prefill(const PrefillParams& p, SequenceFn fn);

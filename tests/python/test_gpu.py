@@ -305,3 +305,22 @@ def test_fp8_pool_cuda_matches_cpu(op):
     for untouched in (2, 4, 6, 7):
         assert torch.equal(p1[untouched].view(torch.uint8), pool[untouched].view(torch.uint8))
         assert torch.equal(s1[untouched], scales[untouched])
+
+
+def test_distributed_prefill_over_nccl():
+    """gdnkit.distributed.prefill over every GPU of the machine (torchrun, one process a GPU) against the whole
+    prefill on one GPU: each rank's rows of o and every rank's final states."""
+    import os
+    import subprocess
+    import sys
+
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs 2 or more GPUs (found {n})")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here] + sys.path))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                          os.path.join(here, "split_worker.py")], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.stdout.count(" o ") == n, run.stdout

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "common/split.h"
 #include "cuda/arch/fp8.cuh"
 #include "cuda/host/check.h"
 #include "cuda/prefill/io.cuh"
@@ -68,7 +69,8 @@ __device__ __forceinline__ int64_t cp_block_scan(int64_t x, int64_t* warp_sums, 
 }
 
 // One CTA: the segments of every sequence in order (a sequence's segments adjacent), then unused entries; the
-// segments of cut sequences numbered in the same order for the state buffers. Where a malformed cu_seqlens would
+// segments of cut sequences (in a split call every piece, Plan::cp_split) numbered in the same order for the state
+// buffers. Where a malformed cu_seqlens would
 // need more entries or states than the workspace holds, no sequence is cut. (A template: one definition however
 // many translation units include it.)
 template <int kThreadsPerCta = kCpTableThreads>
@@ -81,7 +83,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
     int64_t start, len, total, total_states;
     const int64_t count = base + tid < N ? cp_segment_count(p, plan, base + tid, true, start, len) : 0;
     cp_block_scan(count, warp_sums, total);
-    cp_block_scan(count > 1 ? count : 0, warp_sums, total_states);
+    cp_block_scan(count > 1 || plan.cp_split ? count : 0, warp_sums, total_states);
     needed += total;
     needed_states += total_states;
   }
@@ -92,7 +94,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
     int64_t start = 0, len = 0, total, total_states, total_cuts;
     const int64_t count = n < N ? cp_segment_count(p, plan, n, split, start, len) : 0;
     const int64_t first = at + cp_block_scan(count, warp_sums, total) - count;
-    const int64_t cut = count > 1 ? count : 0;
+    const int64_t cut = count > 1 || plan.cp_split ? count : 0;  // a split call's pieces: every one
     const int64_t first_state = at_states + cp_block_scan(cut, warp_sums, total_states) - cut;
     const int64_t ordinal = at_cuts + cp_block_scan(cut > 0 ? 1 : 0, warp_sums, total_cuts) - (cut > 0 ? 1 : 0);
     if (cut > 0) plan.cp_cut_first[ordinal] = int32_t(first);
@@ -102,9 +104,9 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
       s.start = start + (count > 1 ? off : 0);
       s.len = count > 1 ? min(plan.cp_segment_len, len - off) : len;
       s.seq = int32_t(n), s.index = int32_t(i), s.count = int32_t(count), s.first_chunk = int32_t(off / kChunk);
-      s.state = count > 1 ? int32_t(first_state + i) : -1;
+      s.state = cut > 0 ? int32_t(first_state + i) : -1;
       plan.cp_segments[first + i] = s;
-      if (count > 1) plan.cp_state_entry[first_state + i] = int32_t(first + i);
+      if (cut > 0) plan.cp_state_entry[first_state + i] = int32_t(first + i);
     }
     at += total;
     at_states += total_states;
@@ -120,12 +122,22 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 }
 
 // The scan over the segments of one cut sequence (Plan::cp_cut_first[blockIdx.x] its first entry), value head
-// blockIdx.y, value columns kScanCols blockIdx.z .. + kScanCols - 1. Thread k < K owns row k of those columns; the
-// sum over j in P_i S_in(i) is split into kScanSplit ranges, one per group of K threads, which meet in shared memory
-// (the chain of steps is the kernel's time). Reads the sequence's initial state (before writing the final one: they
-// may be the same slot), writes every segment's true initial state and the final state. A sequence with a bad slot
-// is left to the final pass, which skips and counts it. Each step's P arrives in shared memory by cp.async while the
-// step before runs, as rows of the pool's layout kScanLd = K + 4 floats apart (conflict-free reads in either layout).
+// blockIdx.y, value columns kScanCols blockIdx.z .. + kScanCols - 1: S_in of segment i + 1 = P_i S_in(i) + L_i. Thread
+// k < K owns row k of those columns; the sum over j in P_i S_in(i) is split into kScanSplit ranges, one per group of K
+// threads, which meet in shared memory (the chain of steps is the kernel's time). Each step's P arrives in shared
+// memory by cp.async while the step before runs, as rows of the pool's layout kScanLd = K + 4 floats apart
+// (conflict-free reads in either layout). Three roles:
+//   kSegments: the single-GPU path. Reads the sequence's initial state (before writing the final one: they may be the
+//     same slot), writes every segment's true initial state and the final state. A sequence with a bad slot is left
+//     to the final pass, which skips and counts it.
+//   kCompose: a split call's piece summary (Plan::cp_split): from [S_0 | I] (S_0 the initial state on rank 0, else
+//     zero) through every segment of the piece, into this rank's block of the exchange: the piece's state and its
+//     transition (blockIdx.z past V / kScanCols: the transition's columns). A bad piece sends the identity's
+//     summary [0 | I].
+//   kFold: after the exchange, from S_0 through the lower ranks' summaries (the piece's true initial state), this
+//     piece's segments (writing each one's true initial state for the final pass) and, where this rank stores the
+//     final state, the higher ranks' summaries.
+enum class ScanRole { kSegments, kCompose, kFold };
 constexpr int kScanCols = 8, kScanSplit = 4;
 template <int K>
 constexpr int kScanLd = K + 4;
@@ -134,69 +146,114 @@ constexpr size_t cp_scan_smem_bytes() {
   return size_t(2 * K * kScanLd<K>) * sizeof(float);
 }
 
-template <int K>
+// A split piece runs (its span and slots are good): the final pass runs it, else it skips and counts it.
+__device__ __forceinline__ bool split_piece_ok(const PrefillParams& p, int n, int islot, int fslot, int cslot) {
+  const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
+  return start >= 0 && end >= start && end <= p.total_tokens && islot < p.state.num_slots &&
+         fslot < p.state.num_slots && cslot < p.checkpoints.num_slots;
+}
+
+template <int K, ScanRole kRole>
 __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillParams p, const Plan plan) {
   constexpr int kCols = kScanCols, LD = kScanLd<K>, kRange = K / kScanSplit;
   const int entry = plan.cp_cut_first[blockIdx.x];
   if (entry < 0) return;
   const CpSegment first = plan.cp_segments[entry];
-  const int n = first.seq, h = blockIdx.y, v0 = blockIdx.z * kCols, tid = threadIdx.x;
+  const int n = first.seq, h = blockIdx.y, tid = threadIdx.x;
   const int k = tid % K, part = tid / K;  // row k, the sum's range part (warp-uniform: K is a multiple of 32)
   const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v;
+  const bool p_cols = kRole == ScanRole::kCompose && int(blockIdx.z) * kCols >= V;  // the transition's columns
+  const int v0 = p_cols ? int(blockIdx.z) * kCols - V : int(blockIdx.z) * kCols;
   const int islot = p.initial_indices ? p.initial_indices[n] : -1;
   const int fslot = p.final_indices ? p.final_indices[n] : -1;
   const int cslot = (p.checkpoint_interval > 0 && p.checkpoint_indices) ? p.checkpoint_indices[n] : -1;
-  if (islot >= p.state.num_slots || fslot >= p.state.num_slots || cslot >= p.checkpoints.num_slots) return;
+  bool ok = islot < p.state.num_slots && fslot < p.state.num_slots && cslot < p.checkpoints.num_slots;
+  if constexpr (kRole == ScanRole::kSegments) {
+    if (!ok) return;
+  } else {
+    ok = split_piece_ok(p, n, islot, fslot, cslot);
+  }
   const int64_t per_segment = int64_t(HV) * K * V;
+  const int64_t summary = int64_t(HV) * K * (V + K);  // one piece's in the exchange: its state, then its P
   const StateLayout layout = p.state.layout;
+  const int rank = plan.split_rank;
+  // The chain: the piece's own segments (first.state + i), and in the fold the other ranks' summaries around them.
+  const int own = kRole == ScanRole::kSegments || ok ? first.count : 0;
+  const int before = kRole == ScanRole::kFold ? rank : 0;
+  const int after = kRole == ScanRole::kFold && plan.split_final ? plan.split_ranks - 1 - rank : 0;
+  const int steps = before + own + after;
+  // step i's P (this head's K x K block, contiguous in either layout) and L (nullptr: zero)
+  const auto source = [&](int i, const float*& P, const float*& L) {
+    if (i >= before && i < before + own) {
+      const int64_t at = (int64_t(first.state) + i - before) * per_segment;
+      P = plan.cp_transition + at + int64_t(h) * K * K;
+      L = p_cols ? nullptr : plan.cp_local + at;
+    } else {
+      const int j = i < before ? i : i - own + 1;  // the rank of this summary
+      const float* b = plan.split_exchange + (int64_t(j) * p.num_seqs + n) * summary;
+      P = b + per_segment + int64_t(h) * K * K;
+      L = b;
+    }
+  };
   extern __shared__ __align__(16) float p_smem[];             // two buffers of P, K rows of LD
   __shared__ __align__(16) float cols[K][kCols];              // S_in(i), read as float4
   __shared__ float partial[kScanSplit - 1][kCols][K];         // the other ranges' sums
 
-  // P of the sequence's segment i (this head's K x K block, contiguous in either layout) into buffer i & 1
-  const auto fetch_p = [&](int i) {
-    const float* src = plan.cp_transition + (int64_t(first.state) + i) * per_segment + int64_t(h) * K * K;
+  const auto fetch_p = [&](int i) {  // into buffer i & 1
+    const float *src, *unused;
+    source(i, src, unused);
     float* dst = p_smem + (i & 1) * K * LD;
     for (int u = tid; u < K * K / 4; u += K * kScanSplit)
       cp_async16(dst + (4 * u / K) * LD + 4 * u % K, src + 4 * u, true);
     cp_async_commit();
   };
   const auto load_local = [&](int i, float (&x)[kCols]) {
-    const float* local = plan.cp_local + (int64_t(first.state) + i) * per_segment;
+    const float *unused, *local;
+    source(i, unused, local);
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) x[c] = local[state_offset(layout, h, k, v0 + c, K, V)];
+    for (int c = 0; c < kCols; ++c) x[c] = local ? local[state_offset(layout, h, k, v0 + c, K, V)] : 0.0f;
+  };
+  // The sequence's initial state on the rank that reads it (rank 0 of a split call), else zero; the identity in a
+  // summary's transition columns.
+  const auto initial = [&](int c) -> float {
+    if (p_cols) return k == v0 + c ? 1.0f : 0.0f;
+    if (islot < 0 || !ok || (kRole != ScanRole::kSegments && rank != 0)) return 0.0f;
+    const int64_t off = state_offset(layout, h, k, v0 + c, K, V);
+    if (p.state.dtype == DType::kFloat8E4M3)  // K-last (api/dispatch.cpp refuses the rest)
+      return e4m3_to_float(static_cast<const uint8_t*>(p.state.data)[int64_t(islot) * p.state.slot_stride + off],
+                           e8m0_scale(p.state.scales[(int64_t(islot) * per_segment + off) / kFp8Block]));
+    return load_state_elem(p.state.data, p.state.dtype, int64_t(islot) * p.state.slot_stride + off);
+  };
+  // The true initial state of own segment i (the final pass starts there).
+  const auto record = [&](int i, const float (&x)[kCols]) {
+    if (kRole == ScanRole::kCompose || i < before || i >= before + own) return;
+    float* init = plan.cp_initial + (int64_t(first.state) + i - before) * per_segment;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) init[state_offset(layout, h, k, v0 + c, K, V)] = x[c];
   };
 
-  if (first.count > 1) fetch_p(1);
+  // kSegments: the first segment ran from the initial state, so its local state is already S_in of the second.
+  const int i0 = kRole == ScanRole::kSegments ? 1 : 0;
+  if (i0 < steps) fetch_p(i0);
   float s[kCols] = {}, local[kCols] = {};  // part 0's
   if (part == 0) {
-    float* init = plan.cp_initial + int64_t(first.state) * per_segment;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int64_t off = state_offset(layout, h, k, v0 + c, K, V);
-      if (islot < 0)
-        init[off] = 0.0f;
-      else if (p.state.dtype == DType::kFloat8E4M3)  // K-last (api/dispatch.cpp refuses the rest)
-        init[off] = e4m3_to_float(static_cast<const uint8_t*>(p.state.data)[int64_t(islot) * p.state.slot_stride + off],
-                                  e8m0_scale(p.state.scales[(int64_t(islot) * per_segment + off) / kFp8Block]));
-      else
-        init[off] = load_state_elem(p.state.data, p.state.dtype, int64_t(islot) * p.state.slot_stride + off);
+    for (int c = 0; c < kCols; ++c) s[c] = initial(c);
+    if constexpr (kRole == ScanRole::kSegments) {
+      record(0, s);
+      load_local(0, s);
     }
-    load_local(0, s);
-    if (first.count > 1) load_local(1, local);
+    if (i0 < steps) load_local(i0, local);
   }
-  for (int i = 1; i < first.count; ++i) {
-    const bool more = i + 1 < first.count;
+  for (int i = i0; i < steps; ++i) {
+    const bool more = i + 1 < steps;
     if (more) fetch_p(i + 1);  // into the buffer step i - 1 read (every thread passed its last barrier)
     float next[kCols] = {};
     if (part == 0) {
       if (more) load_local(i + 1, next);
-      float* init = plan.cp_initial + (int64_t(first.state) + i) * per_segment;
+      record(i, s);
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        init[state_offset(layout, h, k, v0 + c, K, V)] = s[c];
-        cols[k][c] = s[c];
-      }
+      for (int c = 0; c < kCols; ++c) cols[k][c] = s[c];
     }
     if (more)
       cp_async_wait_group<1>();
@@ -239,7 +296,24 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
       }
     }
   }
-  if (part == 0 && fslot >= 0 && p.state.dtype == DType::kFloat8E4M3) {
+  if (part != 0) return;
+  if constexpr (kRole == ScanRole::kCompose) {
+    float* dst = plan.split_exchange + (int64_t(rank) * p.num_seqs + n) * summary + (p_cols ? per_segment : 0);
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) dst[state_offset(layout, h, k, v0 + c, K, V)] = s[c];  // K == V
+    return;
+  }
+  if constexpr (kRole == ScanRole::kFold) {
+    // Checkpoints of a piece that does not start on a chunk boundary of its sequence cannot be stored: counted once.
+    if (ok && cslot >= 0 && blockIdx.y == 0 && blockIdx.z == 0 && k == 0 && p.error_flag != nullptr) {
+      const int64_t offset = plan.split_offsets ? plan.split_offsets[n] : 0;
+      if (offset % kChunk != 0 && split_piece_holds_checkpoint(offset, load_cu(p, n + 1) - load_cu(p, n),
+                                                               p.checkpoint_interval, p.checkpoints.num_steps))
+        atomicAdd(p.error_flag, 1);
+    }
+    if (!ok || !plan.split_final) return;
+  }
+  if (fslot >= 0 && p.state.dtype == DType::kFloat8E4M3) {
     // K-last: the 32 k of a warp are one block of each column, the warp's max its scale.
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
@@ -251,7 +325,7 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
       static_cast<uint8_t*>(p.state.data)[int64_t(fslot) * p.state.slot_stride + off] = uint8_t(e4m3x1(s[c], sc));
       if (k % kFp8Block == 0) p.state.scales[(int64_t(fslot) * per_segment + off) / kFp8Block] = uint8_t(sc.byte);
     }
-  } else if (part == 0 && fslot >= 0) {
+  } else if (fslot >= 0) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c)
       store_state_elem(p.state.data, p.state.dtype,
@@ -264,15 +338,15 @@ inline void launch_cp_segment_table(const PrefillParams& p, const Plan& plan, cu
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
-template <int K>
+template <int K, ScanRole kRole = ScanRole::kSegments>
 void launch_cp_scan(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
   constexpr size_t smem = cp_scan_smem_bytes<K>();
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(cp_scan_kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  const auto kernel = cp_scan_kernel<K, kRole>;
+  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   GDNKIT_CUDA_CHECK(attr);
-  const dim3 grid(unsigned(plan.cp_max_cuts), unsigned(p.heads.num_v_heads),
-                  unsigned(p.heads.head_dim_v / kScanCols));
-  cp_scan_kernel<K><<<grid, K * kScanSplit, smem, stream>>>(p, plan);
+  const int cols = p.heads.head_dim_v + (kRole == ScanRole::kCompose ? K : 0);  // a summary's: state and transition
+  const dim3 grid(unsigned(plan.cp_max_cuts), unsigned(p.heads.num_v_heads), unsigned(cols / kScanCols));
+  kernel<<<grid, K * kScanSplit, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 

@@ -167,11 +167,11 @@ namespace {
 size_t round_256(int64_t bytes) { return size_t((bytes + 255) / 256 * 256); }
 }  // namespace
 
-CpLayout cp_layout(const PrefillParams& p, int64_t segments, int64_t states) {
+CpLayout cp_layout(const PrefillParams& p, int64_t segments, int64_t states, int64_t cuts) {
   CpLayout l;
   l.state_entry = round_256(segments * int64_t(sizeof(CpSegment)));
   l.cut_first = l.state_entry + round_256(states * 4);
-  l.states = l.cut_first + round_256(cp_max_cuts(states) * 4);
+  l.states = l.cut_first + round_256((cuts >= 0 ? cuts : cp_max_cuts(states)) * 4);
   l.state_bytes = round_256(states * p.heads.num_v_heads * int64_t(p.heads.head_dim_k) * p.heads.head_dim_v * 4);
   l.total = l.states + 3 * l.state_bytes;
   return l;
@@ -234,6 +234,59 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   const int64_t rows = cp ? 2 * cp_max_states(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;
   c.early_state_pass = prep && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
   return c;
+}
+
+bool split_supported(const PrefillParams& p) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  constexpr int64_t kMax = int64_t(1) << 31;  // the head pass's TMA coordinates
+  return head_pass_ok(p) && K == V && (K == 64 || K == 128) && p.heads.num_v_heads > 0 &&
+         p.total_tokens + kChunk < kMax;
+}
+
+int64_t split_segment_len(const PrefillParams& p, int num_sms, const Overrides& o) {
+  const int64_t whole = std::max<int64_t>(kChunk, (std::max<int64_t>(p.total_tokens, 0) + kChunk - 1) / kChunk * kChunk);
+  if (o.prefill_cp_segment_len == 0) return whole;
+  if (o.prefill_cp_segment_len > 0) {
+    if (o.prefill_cp_segment_len % kChunk != 0)
+      throw Error(ErrorCode::kInvalidArgument, "prefill: context-parallel segments of " +
+                                                   std::to_string(o.prefill_cp_segment_len) +
+                                                   " tokens are not a multiple of 64");
+    return o.prefill_cp_segment_len;
+  }
+  // Every segment already runs twice before its final pass (from zero, and its transition): the rank's tokens in
+  // about one wave of (segment, value head) CTAs, as the single-GPU path cuts one long sequence.
+  const int64_t per_wave = std::max<int64_t>(1, num_sms / std::max(p.heads.num_v_heads, 1));
+  const int64_t tokens = (std::max<int64_t>(p.total_tokens, 0) + per_wave - 1) / per_wave;
+  return std::min(whole, std::max(kCpMinSegment, (tokens + kChunk - 1) / kChunk * kChunk));
+}
+
+PrefillChoice choose_split(const PrefillParams& p, int num_sms, const Overrides& o) {
+  if (!split_supported(p))
+    throw Error(ErrorCode::kNotImplemented,
+                "prefill split: the CUDA backend runs a prefill split over ranks on its context-parallel passes: "
+                "bf16 or fp16 q, k, v and o with 16-byte aligned rows, K == V in {64, 128}; got K=" +
+                    std::to_string(p.heads.head_dim_k) + ", V=" + std::to_string(p.heads.head_dim_v) + ", q " +
+                    dtype_name(p.q.dtype) + " (the CPU backend runs every call)");
+  PrefillChoice c;
+  c.stages = kStagesAll;
+  c.cp_segment_len = split_segment_len(p, num_sms, o);
+  c.vtile = kVTileHead;
+  c.head_split = 1;
+  c.wgmma_pass = true;
+  const int V = p.heads.head_dim_v;
+  c.m_warpgroup = V == 128 && (o.prefill_m_warpgroup >= 0
+                                   ? o.prefill_m_warpgroup > 0
+                                   : p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs);
+  c.m_in_pass = c.m_warpgroup || head_pass_forms_m(true, V);
+  const int64_t rows = 2 * cp_max_segments(p, c.cp_segment_len);
+  c.early_state_pass = p.total_tokens > 0 && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
+  return c;
+}
+
+size_t split_cp_workspace_bytes(const PrefillParams& p, int num_sms, const Overrides& o) {
+  if (p.num_seqs <= 0) return 0;
+  const int64_t segments = cp_max_segments(p, split_segment_len(p, num_sms, o));
+  return cp_layout(p, segments, segments, p.num_seqs).total;  // every piece is a cut sequence
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

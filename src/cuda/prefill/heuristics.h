@@ -71,15 +71,29 @@ constexpr int64_t cp_max_cuts(int64_t states) { return states / 2 > 0 ? states /
 // and heads, and only where that sequence gets at least eight segments; an override forces it.
 int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
 // The path's workspace for a table of `segments` entries and `states` states, each part 256-byte aligned: the table,
-// the entry of each state and of each cut sequence's first segment (int32), then three regions of fp32 states (one
-// per cut segment and value head). Byte offsets from the region's start.
+// the entry of each state and of each cut sequence's first segment (int32; `cuts` of them, by default
+// cp_max_cuts(states)), then three regions of fp32 states (one per cut segment and value head). Byte offsets from
+// the region's start.
 struct CpLayout {
   size_t state_entry, cut_first, states, state_bytes, total;
 };
-CpLayout cp_layout(const PrefillParams& p, int64_t segments, int64_t states);
+CpLayout cp_layout(const PrefillParams& p, int64_t segments, int64_t states, int64_t cuts = -1);
 // Workspace bytes of the path, sized for the shortest segments any choice makes, so that a buffer sized for a call
 // serves every smaller one.
 size_t cp_workspace_bytes(const PrefillParams& p, const Overrides& o);
+
+// A prefill split over ranks (split_prefill_begin / _end) runs on the context-parallel passes: built for the calls
+// they take, without their bound on tokens (a rank may hold none of them).
+bool split_supported(const PrefillParams& p);
+// Segments of a split call's pieces: about one CTA per SM for the rank's tokens and heads (an override forces the
+// length; 0 there: each piece in one segment). Every piece holds per-segment states, so the workspace holds
+// cp_max_segments of them.
+int64_t split_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
+// The choice for a split call (context-parallel passes, no short path); throws kNotImplemented where
+// split_supported is false.
+PrefillChoice choose_split(const PrefillParams& p, int num_sms, const Overrides& o);
+// Workspace bytes of a split call: the chunk prep's factors and the per-segment states of every piece.
+size_t split_cp_workspace_bytes(const PrefillParams& p, int num_sms, const Overrides& o);
 
 // Value tiles the state pass is built for, per head dim K (the head tiles also need head_pass_ok).
 bool vtile_supported(int K, int vtile);

@@ -104,6 +104,28 @@ void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t
   }
 }
 
+// A split call's half (Plan::cp_split; K = V in {64, 128}): begin runs the segment table, the chunk prep, the local
+// pass and the summaries; end the fold and the final pass, on the workspace begin filled.
+template <int K, class Op>
+void launch_split_op(const PrefillParams& p, const Plan& plan, bool begin, cudaStream_t stream) {
+  const bool prep = begin && plan.num_slots > 0 && p.total_tokens > 0;
+  if (begin) launch_cp_segment_table(p, plan, stream);
+  if (prep) {
+    if (plan.m_in_pass)
+      launch_chunk_prep<K, Op, false>(p, plan, stream);
+    else
+      launch_chunk_prep<K, Op, true>(p, plan, stream);
+  }
+  launch_split_passes<K, Op>(p, plan, begin, prep && plan.early_state_pass, stream);
+}
+template <int K>
+void launch_split(const PrefillParams& p, const Plan& plan, bool begin, cudaStream_t stream) {
+  if (plan.fp16_operands)
+    launch_split_op<K, __half>(p, plan, begin, stream);
+  else
+    launch_split_op<K, __nv_bfloat16>(p, plan, begin, stream);
+}
+
 // Operands are bf16 for bf16 inputs (exact) and fp16 for fp16 / fp32 inputs (exact for fp16, and
 // 3 more mantissa bits than bf16 for fp32, which the fp32-output tolerance needs).
 template <int K>

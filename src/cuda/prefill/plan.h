@@ -78,6 +78,15 @@ struct Plan {
   float* cp_local = nullptr;
   float* cp_transition = nullptr;
   float* cp_initial = nullptr;
+  // A prefill split over ranks (split_prefill_begin / _end; context_parallel.cuh): every piece's segments hold
+  // states, the first one's from zero with its transition too; the scan's compose and fold roles meet the other
+  // ranks' pieces through the exchange, where each piece's summary is its state from zero (or from the initial state
+  // on rank 0) in the pool's layout, then its transition P: [ranks, N, HV K (V + K)] fp32.
+  bool cp_split = false;
+  int32_t split_rank = 0, split_ranks = 1;
+  bool split_final = false;                 // this rank stores the final states
+  const int64_t* split_offsets = nullptr;   // [N] tokens of sequence n on lower ranks (checkpoint positions), may be null
+  float* split_exchange = nullptr;
 };
 
 // The TMA descriptors of a head pass launch of the wgmma build (a __grid_constant__ kernel parameter): k
@@ -97,5 +106,8 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
 // Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
 template <int K>
 void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages);
+// A split call's half (prefill_k64.cu and prefill_k128.cu): begin (true) or end.
+template <int K>
+void launch_split(const PrefillParams& p, const Plan& plan, bool begin, cudaStream_t stream);
 
 }  // namespace gdnkit::cuda::chunked_prefill

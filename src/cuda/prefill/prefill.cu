@@ -11,6 +11,7 @@
 
 #include <cudaTypedefs.h>
 
+#include "common/split.h"
 #include "cuda/backend.h"
 #include "cuda/host/check.h"
 #include "cuda/prefill/plan.h"
@@ -89,7 +90,7 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
   if (plan.cp_segment_len > 0) {  // the segment table and its indices, then the three per-segment states
     char* cp = at + 2 * t_bytes(p) + f_bytes(p);
-    const CpLayout l = cp_layout(p, plan.cp_max_segments, plan.cp_max_states);
+    const CpLayout l = cp_layout(p, plan.cp_max_segments, plan.cp_max_states, plan.cp_max_cuts);
     plan.cp_segments = reinterpret_cast<CpSegment*>(cp);
     plan.cp_state_entry = reinterpret_cast<int32_t*>(cp + l.state_entry);
     plan.cp_cut_first = reinterpret_cast<int32_t*>(cp + l.cut_first);
@@ -146,16 +147,10 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
   return m;
 }
 
-void run(const PrefillParams& p_in, cudaStream_t stream) {
-  if (p_in.num_seqs <= 0) return;
-  PrefillParams p = p_in;
-  const PrefillChoice choice = choose_prefill(p, device_sms(), overrides());
-  if (choice.only_short) return prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
-
+namespace {
+// The plan of a call from its choice (without the workspace). Clears p.checkpoint_interval where nothing is stored.
+Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   const int K = p.heads.head_dim_k;
-  if (K != 64 && K != 128 && K != 256)
-    throw Error(ErrorCode::kInvalidArgument,
-                "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
   Plan plan;
   plan.scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / std::sqrt(float(K));
   plan.qkv_vec = qkv_vectorized(p);
@@ -182,25 +177,61 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
   plan.cp_max_segments = choice.cp_segment_len > 0 ? int32_t(cp_max_segments(p, choice.cp_segment_len)) : 0;
   plan.cp_max_states = choice.cp_segment_len > 0 ? int32_t(cp_max_states(p, choice.cp_segment_len)) : 0;
   plan.cp_max_cuts = int32_t(cp_max_cuts(plan.cp_max_states));
+  return plan;
+}
 
-  const size_t need = workspace_bytes(p);
-  void* ws = nullptr;
-  if (need > 0) {
-    if (p.workspace != nullptr) {
-      if (p.workspace_bytes < need)
-        throw Error(ErrorCode::kInvalidArgument, "workspace: expected at least " + std::to_string(need) +
-                                                     " bytes (prefill_workspace_bytes), got " +
-                                                     std::to_string(p.workspace_bytes));
-      ws = p.workspace;
-    } else {
-      ws = owned_workspace(need, stream);
-    }
-  }
+// The caller's workspace (checked against `need`) or the library's.
+void* call_workspace(const PrefillParams& p, size_t need, const char* sizer, cudaStream_t stream) {
+  if (need == 0) return nullptr;
+  if (p.workspace == nullptr) return owned_workspace(need, stream);
+  if (p.workspace_bytes < need)
+    throw Error(ErrorCode::kInvalidArgument, "workspace: expected at least " + std::to_string(need) + " bytes (" +
+                                                 sizer + "), got " + std::to_string(p.workspace_bytes));
+  return p.workspace;
+}
+}  // namespace
+
+void run(const PrefillParams& p_in, cudaStream_t stream) {
+  if (p_in.num_seqs <= 0) return;
+  PrefillParams p = p_in;
+  const PrefillChoice choice = choose_prefill(p, device_sms(), overrides());
+  if (choice.only_short) return prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
+
+  const int K = p.heads.head_dim_k;
+  if (K != 64 && K != 128 && K != 256)
+    throw Error(ErrorCode::kInvalidArgument,
+                "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
+  Plan plan = make_plan(p, choice);
+  void* ws = call_workspace(p, workspace_bytes(p), "prefill_workspace_bytes", stream);
   carve_workspace(p, ws, plan);
   if (choice.short_len > 0) prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
   if (K == 64) launch<64>(p, plan, choice.vtile, stream, choice.stages);
   if (K == 128) launch<128>(p, plan, choice.vtile, stream, choice.stages);
   if (K == 256) launch<256>(p, plan, choice.vtile, stream, choice.stages);
+}
+
+size_t split_workspace_bytes(const SplitPrefillParams& sp) {
+  const PrefillParams p = split_local_params(sp);
+  if (p.num_seqs <= 0) return 0;
+  return 2 * t_bytes(p) + f_bytes(p) + split_cp_workspace_bytes(p, device_sms(), overrides());
+}
+
+void run_split(const SplitPrefillParams& sp, bool begin, cudaStream_t stream) {
+  PrefillParams p = split_local_params(sp);
+  if (p.num_seqs <= 0) return;
+  const PrefillChoice choice = choose_split(p, device_sms(), overrides());
+  Plan plan = make_plan(p, choice);
+  plan.cp_max_states = plan.cp_max_segments;  // every piece's segments hold states
+  plan.cp_max_cuts = p.num_seqs;
+  plan.cp_split = true;
+  plan.split_rank = sp.rank;
+  plan.split_ranks = sp.num_ranks;
+  plan.split_final = p.final_indices != nullptr;
+  plan.split_offsets = sp.piece_offsets;
+  plan.split_exchange = sp.exchange;
+  carve_workspace(p, call_workspace(p, split_workspace_bytes(sp), "split_prefill_workspace_bytes", stream), plan);
+  if (p.heads.head_dim_k == 64) launch_split<64>(p, plan, begin, stream);
+  if (p.heads.head_dim_k == 128) launch_split<128>(p, plan, begin, stream);
 }
 
 }  // namespace chunked_prefill
@@ -210,5 +241,11 @@ void prefill(const PrefillParams& p, Stream stream) {
 }
 
 size_t prefill_workspace_bytes(const PrefillParams& p) { return chunked_prefill::workspace_bytes(p); }
+
+void split_prefill(const SplitPrefillParams& p, bool begin, Stream stream) {
+  chunked_prefill::run_split(p, begin, reinterpret_cast<cudaStream_t>(stream));
+}
+
+size_t split_prefill_workspace_bytes(const SplitPrefillParams& p) { return chunked_prefill::split_workspace_bytes(p); }
 
 }  // namespace gdnkit::cuda

@@ -3,4 +3,5 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 template void launch<64>(const PrefillParams&, const Plan&, int, cudaStream_t, int);
+template void launch_split<64>(const PrefillParams&, const Plan&, bool, cudaStream_t);
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -138,11 +138,13 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   bool run;
   [[maybe_unused]] const bool transition = kCpMode == 1 && blockIdx.y == 1;
   if constexpr (kCpMode != 0) {
-    // The local pass runs the segments of cut sequences (the transition of every one but the first); the final
-    // pass every entry, and counts a bad sequence once (its first segment's CTA of head 0).
+    // The local pass runs the segments of cut sequences (the transition of every one but the first; of every one
+    // in a split call); the final pass every entry, and counts a bad sequence once (its first segment's CTA of
+    // head 0).
     const int entry = kCpMode == 1 ? plan.cp_state_entry[at.n] : at.n;
     if (entry >= 0) seg = plan.cp_segments[entry];
-    run = entry >= 0 && seg.seq >= 0 && (kCpMode == 2 || (seg.count > 1 && (!transition || seg.index > 0)));
+    run = entry >= 0 && seg.seq >= 0 &&
+          (kCpMode == 2 || (seg.state >= 0 && (!transition || seg.index > 0 || plan.cp_split)));
     run = run && begin_sequence<head_pass_threads<V, kSplit, kMWarpgroup>()>(
                      p, plan, seg.seq, at.h, at.v0, S::kCols, kCpMode == 2 && seg.index == 0 && at.h == 0, sq);
   } else {
@@ -181,13 +183,13 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   // under context parallelism from zero, the identity or the segment's true initial state (Plan::cp_initial)
   float s[S::KT][4];
   const int64_t cp_offset = int64_t(seg.state) * at.HV * K * V;  // a cut segment's states in the cp_* buffers
-  if (kCpMode == 1 && (transition || seg.index > 0)) {
+  if (kCpMode == 1 && (transition || seg.index > 0 || plan.cp_split)) {
 #pragma unroll
     for (int j = 0; j < S::KT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         s[j][e] = transition && 8 * j + at.q2 + (e & 1) == at.vw + at.r + 8 * (e >> 1) ? 1.0f : 0.0f;
-  } else if (kCpMode == 2 && seg.count > 1) {
+  } else if (kCpMode == 2 && seg.state >= 0) {
 #pragma unroll
     for (int j = 0; j < S::KT; ++j)
 #pragma unroll
@@ -238,14 +240,14 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     else
       warps.template chunk<false>(b, s, c, L, nchunks, loader, stage);
     if constexpr (kMWarpgroup) mbarrier_arrive(&prep_bars[kStages + c % kStages]);  // this thread is done with b
-    if constexpr (kCpMode == 0) store_head_checkpoint<S>(s, p, plan, at, sq, c, C);
-    if constexpr (kCpMode == 2) store_head_checkpoint<S>(s, p, plan, at, sq, seg.first_chunk + c, C);
+    if constexpr (kCpMode == 0) store_head_checkpoint<S>(s, p, plan, at, sq, c, C, -1);
+    if constexpr (kCpMode == 2) store_head_checkpoint<S>(s, p, plan, at, sq, seg.first_chunk + c, C, seg.seq);
   }
 
   if constexpr (kCpMode == 1) {  // the segment's local state or transition, fp32, for the scan
     float* dst = transition ? plan.cp_transition : plan.cp_local;
     store_head_state<S>(s, p, at, dst, DType::kFloat32, cp_offset, p.state.layout == StateLayout::kKLast);
-  } else if (sq.fslot >= 0 && (kCpMode == 0 || seg.count == 1)) {  // a cut sequence's: the scan's
+  } else if (sq.fslot >= 0 && (kCpMode == 0 || seg.state < 0)) {  // a cut sequence's: the scan's
     if (p.state.dtype == DType::kFloat8E4M3)
       store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(p.state.data),
                                p.state.scales + int64_t(sq.fslot) * at.HV * (K * V / kFp8Block),
@@ -285,6 +287,25 @@ void launch_cp_build(const PrefillParams& p, const Plan& plan, bool after_prep, 
   launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 1>(p, plan, after_prep, stream);
   launch_cp_scan<K>(p, plan, stream);
   launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 2>(p, plan, false, stream);
+}
+// A split call's halves (split_prefill_begin / _end) on the same passes: the local pass and the piece summaries, then
+// after the exchange the fold and the final pass. A rank without tokens runs the scans alone.
+template <int K, class Op, bool kMWarpgroup>
+void launch_split_build(const PrefillParams& p, const Plan& plan, bool begin, bool after_prep, cudaStream_t stream) {
+  const bool tokens = p.total_tokens > 0;
+  if (begin) {
+    if (tokens) launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 1>(p, plan, after_prep, stream);
+    launch_cp_scan<K, ScanRole::kCompose>(p, plan, stream);
+  } else {
+    launch_cp_scan<K, ScanRole::kFold>(p, plan, stream);
+    if (tokens) launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 2>(p, plan, false, stream);
+  }
+}
+template <int K, class Op>
+void launch_split_passes(const PrefillParams& p, const Plan& plan, bool begin, bool after_prep, cudaStream_t stream) {
+  if constexpr (K == 128)
+    if (plan.m_warpgroup) return launch_split_build<K, Op, true>(p, plan, begin, after_prep, stream);
+  launch_split_build<K, Op, false>(p, plan, begin, after_prep, stream);
 }
 template <int K, class Op>
 void launch_cp_passes(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {

@@ -1,0 +1,201 @@
+// Prefill split over ranks (split_prefill_begin / _end) on the CPU backend: ranks simulated in one process, the
+// exchange one buffer (an all-gather in place). Outputs, the final states, checkpoints and error counts must equal
+// the whole prefill's on the same problem; untouched slots and entries stay bit-identical.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "cpu/backend.h"
+#include "gdnkit/gdnkit.h"
+#include "support/compare.h"
+#include "support/problem.h"
+#include "support/split_ranks.h"
+
+namespace gdnkit::test {
+namespace {
+
+ProblemConfig split_config(std::vector<int32_t> lens, uint64_t seed) {
+  ProblemConfig c;
+  c.op = OpKind::kPrefill;
+  c.seq_lens = std::move(lens);
+  c.H = 1, c.HV = 2, c.K = 64, c.V = 64;
+  c.seed = seed;
+  return c;
+}
+
+// The split run (`got`, ranks' results collected from `state_rank`) against the whole prefill (`ref`). The
+// summaries are rounded to fp32 once per rank, so the split run stays within fp32 rounding of the whole one.
+void check_split(const Problem& before, const Problem& got, const Problem& ref) {
+  const ProblemConfig& cfg = before.config();
+  const double out_tol = cfg.in_dtype == DType::kFloat32 ? 1e-5 : 2e-3;  // an o rounding may flip in 16 bits
+  EXPECT_TRUE(RelClose("o", got.read_tokens("o"), ref.read_tokens("o"), out_tol));
+  const double state_tol = cfg.state_dtype == DType::kFloat32 ? 1e-5 : state_tolerance(OpFamily::kStep, cfg.state_dtype);
+  const std::vector<int64_t> written = before.written_final_slots();
+  for (int64_t s : written)
+    EXPECT_TRUE(RelClose("final slot " + std::to_string(s), got.read_state("state", s), ref.read_state("state", s),
+                         state_tol, storage_floor(cfg.state_dtype)));
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
+  if (before.has("checkpoints")) {
+    const auto entries = before.written_checkpoints();
+    for (auto [slot, j] : entries)
+      EXPECT_TRUE(RelClose("checkpoint " + std::to_string(slot) + "/" + std::to_string(j),
+                           got.read_cache("checkpoints", slot, j), ref.read_cache("checkpoints", slot, j),
+                           cfg.cache_dtype == DType::kFloat32 ? 1e-5 : state_tolerance(OpFamily::kStep, cfg.cache_dtype),
+                           storage_floor(cfg.cache_dtype)));
+    EXPECT_EQ(got.first_changed_cache_byte(before, "checkpoints", entries), -1);
+  }
+  EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
+}
+
+void run_split_case(const ProblemConfig& cfg, const std::vector<int64_t>& cuts, bool every_rank) {
+  const Problem before(cfg);
+  Problem ref = before, got = before;
+  cpu::prefill_recurrent(ref.prefill_params());
+  SplitRanks ranks(got, cuts);
+  ranks.run_cpu(got, every_rank);
+  for (int r = every_rank ? 0 : ranks.ranks() - 1; r < ranks.ranks(); ++r) {
+    SCOPED_TRACE("pool of rank " + std::to_string(r));
+    Problem collected = got;
+    ranks.collect(collected, r);
+    check_split(before, collected, ref);
+  }
+}
+
+TEST(SplitPrefill, OneRankIsTheWholePrefill) {
+  ProblemConfig c = split_config({300, 0, 129, 64}, 11);
+  run_split_case(c, {0, 493}, false);
+}
+
+TEST(SplitPrefill, CutsInsideAndBetweenSequences) {
+  // 4 sequences packed as [0, 300) [300, 300) [300, 429) [429, 493): cuts inside the first (at 100 and 250), at a
+  // boundary (300), inside the third (301: a one-token piece on a middle rank) and an empty last rank.
+  ProblemConfig c = split_config({300, 0, 129, 64}, 12);
+  run_split_case(c, {0, 100, 250, 300, 301, 493, 493}, false);
+}
+
+TEST(SplitPrefill, EveryRankStoresTheFinalStates) {
+  ProblemConfig c = split_config({200, 90}, 13);
+  c.same_slot = true;
+  run_split_case(c, {0, 37, 150, 290}, true);
+}
+
+TEST(SplitPrefill, LayoutsDtypesAndGates) {
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      ProblemConfig c = split_config({180, 70}, 20 + int(state));
+      c.layout = layout;
+      c.state_dtype = state;
+      c.in_dtype = state == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+      c.gate_mode = state == DType::kBFloat16 ? GateMode::kGiven : GateMode::kFused;
+      c.zero_initial_rows = 1;
+      c.HV = 4, c.H = 2;  // grouped value heads
+      SCOPED_TRACE(std::string(layout_name(layout)) + " " + dtype_name(state));
+      run_split_case(c, {0, 60, 121, 250}, false);
+    }
+}
+
+TEST(SplitPrefill, CheckpointsOnEveryRank) {
+  // Pieces start on chunk boundaries of their sequences (offsets 0, 128, 256 into the first; the second whole on
+  // the last rank): each checkpoint (every 64 tokens) is stored by the rank that holds its token.
+  ProblemConfig c = split_config({400, 150}, 31);
+  c.checkpoint_interval = 64;
+  c.cache_dtype = DType::kBFloat16;
+  run_split_case(c, {0, 128, 256, 550}, false);
+}
+
+TEST(SplitPrefill, MisalignedPieceWithCheckpointsIsCounted) {
+  // A piece that starts 100 tokens into its sequence cannot store its checkpoints: the device counts it, the host
+  // copy of the offsets refuses it before anything runs.
+  ProblemConfig c = split_config({300}, 41);
+  c.checkpoint_interval = 64;
+  Problem p(c);
+  SplitRanks ranks(p, {0, 100, 300});
+  const PrefillParams fp = p.prefill_params();
+  std::vector<float> exchange(size_t(ranks.exchange_elems(fp)));
+  SplitPrefillParams sp = ranks.params(fp, 1, ranks.host_pointers(1), exchange.data(), false);
+  try {
+    split_prefill_begin(sp, {Backend::kCPU, nullptr});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("piece_offsets_host: sequence 0's piece starts 100 tokens"),
+              std::string::npos)
+        << e.what();
+  }
+  // Without the host copy the call runs and counts the piece on the device side.
+  const Problem before = p;
+  for (int r = 0; r < 2; ++r) {
+    SplitPrefillParams q = ranks.params(fp, r, ranks.host_pointers(r), exchange.data(), false);
+    q.piece_offsets_host = nullptr;
+    split_prefill_begin(q, {Backend::kCPU, nullptr});
+  }
+  for (int r = 0; r < 2; ++r) {
+    SplitPrefillParams q = ranks.params(fp, r, ranks.host_pointers(r), exchange.data(), false);
+    q.piece_offsets_host = nullptr;
+    split_prefill_end(q, {Backend::kCPU, nullptr});
+  }
+  EXPECT_EQ(*ranks.buffer(1, "error_flag").as<int32_t>(), 1);
+  EXPECT_EQ(*ranks.buffer(0, "error_flag").as<int32_t>(), 0);
+  // rank 1 stored none of its checkpoints (entries 1..3), rank 0 its first
+  EXPECT_NE(ranks.buffer(0, "checkpoints").bytes, before.buffer("checkpoints").bytes);
+  Problem collected = p;
+  ranks.collect(collected, 1);
+  EXPECT_EQ(collected.first_changed_cache_byte(before, "checkpoints", {{0, 0}}), -1);
+}
+
+TEST(SplitPrefill, BadSlotOnOneRank) {
+  // The last rank's final slot is past the pool: it skips and counts that sequence (its o rows zero), as the whole
+  // prefill does; the other sequence is unaffected.
+  ProblemConfig c = split_config({120, 80}, 51);
+  Problem before(c);
+  before.as<int32_t>("final_indices")[1] = int32_t(before.num_slots()) + 3;
+  Problem ref = before, got = before;
+  cpu::prefill_recurrent(ref.prefill_params());
+  SplitRanks ranks(got, {0, 60, 200});
+  ranks.run_cpu(got, false);
+  ranks.collect(got, 1);
+  EXPECT_EQ(*ranks.buffer(1, "error_flag").as<int32_t>(), 1);
+  EXPECT_EQ(*ranks.buffer(0, "error_flag").as<int32_t>(), 0);
+  const int64_t row = 2 * 64;  // HV * V per token
+  EXPECT_TRUE(AllZero("o of the skipped sequence", token_rows(got.read_tokens("o"), row, 120, 200)));
+  EXPECT_TRUE(RelClose("o of the other", token_rows(got.read_tokens("o"), row, 0, 120),
+                       token_rows(ref.read_tokens("o"), row, 0, 120), 2e-3));
+}
+
+TEST(SplitPrefill, Validation) {
+  ProblemConfig c = split_config({100}, 61);
+  Problem p(c);
+  SplitRanks ranks(p, {0, 50, 100});
+  const PrefillParams fp = p.prefill_params();
+  std::vector<float> exchange(size_t(ranks.exchange_elems(fp)));
+  const auto expect_error = [&](SplitPrefillParams sp, const std::string& what) {
+    const Problem snapshot = p;
+    try {
+      split_prefill_begin(sp, {Backend::kCPU, nullptr});
+      ADD_FAILURE() << "expected an error naming " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(what, 0), 0u) << e.what();
+    }
+    EXPECT_EQ(p.buffer("o").bytes, snapshot.buffer("o").bytes);  // nothing written
+  };
+  SplitPrefillParams sp = ranks.params(fp, 0, ranks.host_pointers(0), exchange.data(), false);
+  SplitPrefillParams bad = sp;
+  bad.rank = 2;
+  expect_error(bad, "rank: expected 0..1, got 2");
+  bad = sp;
+  bad.num_ranks = 0;
+  expect_error(bad, "num_ranks: must be >= 1, got 0");
+  bad = sp;
+  bad.exchange = nullptr;
+  expect_error(bad, "exchange: required pointer is null");
+  bad = sp;
+  bad.exchange = exchange.data() + 1;
+  expect_error(bad, "exchange: data pointer");
+  bad = sp;
+  bad.local.heads.head_dim_v = 48;
+  expect_error(bad, "v: head dim V=48");
+  EXPECT_EQ(split_prefill_exchange_elems(fp), int64_t(1) * 2 * 64 * (64 + 64));
+}
+
+}  // namespace
+}  // namespace gdnkit::test

@@ -1,0 +1,143 @@
+#include "support/split_ranks.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "gdnkit/gdnkit.h"
+
+namespace gdnkit::test {
+namespace {
+
+template <class T>
+Buffer vector_buffer(const std::string& name, const std::vector<T>& values, bool is_output) {
+  Buffer b;
+  b.name = name;
+  b.is_output = is_output;
+  b.bytes.resize(values.size() * sizeof(T));
+  if (!values.empty()) std::memcpy(b.bytes.data(), values.data(), b.bytes.size());
+  return b;
+}
+
+const char* const kCopied[] = {"state", "state_scales", "checkpoints", "checkpoint_scales"};
+
+// A view moved `tokens` rows on.
+template <class View>
+View shifted(View v, int64_t tokens) {
+  if (v.data == nullptr) return v;
+  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(v.data)>>, const char, char>;
+  v.data = reinterpret_cast<Byte*>(v.data) + tokens * v.token_stride * dtype_size(v.dtype);
+  return v;
+}
+
+}  // namespace
+
+SplitRanks::SplitRanks(const Problem& full, std::vector<int64_t> cuts) : cuts_(std::move(cuts)) {
+  if (cuts_.size() < 2 || cuts_.front() != 0 || cuts_.back() != full.total_tokens() ||
+      !std::is_sorted(cuts_.begin(), cuts_.end()))
+    throw std::invalid_argument("SplitRanks: cuts must run from 0 to the total tokens, non-decreasing");
+  const int32_t N = full.rows();
+  for (const char* name : kCopied)
+    if (full.has(name)) before_.push_back(full.buffer(name));
+  for (int r = 0; r < ranks(); ++r) {
+    const int64_t t0 = cuts_[size_t(r)], t1 = cuts_[size_t(r) + 1];
+    std::vector<int32_t> cu(size_t(N) + 1);
+    std::vector<int64_t> offsets(static_cast<size_t>(N));
+    for (int32_t n = 0; n <= N; ++n) {
+      const int64_t at = n < N ? full.row_start(n) : full.total_tokens();
+      cu[size_t(n)] = int32_t(std::clamp(at, t0, t1) - t0);
+      if (n < N) offsets[size_t(n)] = std::clamp(t0, at, at + full.row_len(n)) - at;
+    }
+    std::vector<Buffer> own;
+    own.push_back(vector_buffer("cu_seqlens", cu, false));
+    own.push_back(vector_buffer("piece_offsets", offsets, false));
+    own.push_back(vector_buffer("error_flag", std::vector<int32_t>{0}, true));
+    for (const Buffer& b : before_) own.push_back(b);
+    ranks_.push_back(std::move(own));
+  }
+}
+
+const Buffer& SplitRanks::buffer(int r, const std::string& name) const {
+  for (const Buffer& b : ranks_[size_t(r)])
+    if (b.name == name) return b;
+  throw std::out_of_range("SplitRanks: rank " + std::to_string(r) + " has no buffer " + name);
+}
+
+RankPointers SplitRanks::host_pointers(int r) {
+  RankPointers at;
+  for (Buffer& b : ranks_[size_t(r)]) {
+    if (b.name == "cu_seqlens") at.cu_seqlens = b.as<int32_t>();
+    if (b.name == "piece_offsets") at.piece_offsets = b.as<int64_t>();
+    if (b.name == "error_flag") at.error_flag = b.as<int32_t>();
+    if (b.name == "state") at.state = b.bytes.data();
+    if (b.name == "state_scales") at.state_scales = b.as<uint8_t>();
+    if (b.name == "checkpoints") at.checkpoints = b.bytes.data();
+    if (b.name == "checkpoint_scales") at.checkpoint_scales = b.as<uint8_t>();
+  }
+  return at;
+}
+
+SplitPrefillParams SplitRanks::params(const PrefillParams& full, int r, const RankPointers& at, float* exchange,
+                                      bool final_on_every_rank) const {
+  const int64_t t0 = cuts_[size_t(r)];
+  SplitPrefillParams sp;
+  PrefillParams& p = sp.local;
+  p = full;
+  p.total_tokens = cuts_[size_t(r) + 1] - t0;
+  p.q = shifted(p.q, t0), p.k = shifted(p.k, t0), p.v = shifted(p.v, t0), p.o = shifted(p.o, t0);
+  p.gating.g = shifted(p.gating.g, t0), p.gating.beta = shifted(p.gating.beta, t0);
+  p.gating.a = shifted(p.gating.a, t0), p.gating.b = shifted(p.gating.b, t0);
+  p.cu_seqlens = at.cu_seqlens;
+  p.cu_seqlens_dtype = DType::kInt32;
+  const Buffer& cu = buffer(r, "cu_seqlens");
+  static thread_local std::vector<std::vector<int64_t>> host_cu;  // the host copies outlive the params' use
+  host_cu.resize(std::max(host_cu.size(), size_t(ranks())));
+  host_cu[size_t(r)].assign(cu.as<int32_t>(), cu.as<int32_t>() + cu.bytes.size() / 4);
+  p.cu_seqlens_host = full.cu_seqlens_host ? host_cu[size_t(r)].data() : nullptr;
+  if (p.state.data) p.state.data = at.state, p.state.scales = at.state_scales;
+  if (p.checkpoints.data) p.checkpoints.data = at.checkpoints, p.checkpoints.scales = at.checkpoint_scales;
+  p.error_flag = at.error_flag;
+  sp.rank = r;
+  sp.num_ranks = ranks();
+  sp.final_on_every_rank = final_on_every_rank;
+  sp.piece_offsets = at.piece_offsets;
+  sp.piece_offsets_host = buffer(r, "piece_offsets").as<int64_t>();
+  sp.exchange = exchange;
+  return sp;
+}
+
+int64_t SplitRanks::exchange_elems(const PrefillParams& full) const {
+  return int64_t(ranks()) * split_prefill_exchange_elems(full);
+}
+
+void SplitRanks::collect(Problem& got, int state_rank) const {
+  for (const char* name : {"state", "state_scales"})
+    if (got.has(name)) got.buffer(name).bytes = buffer(state_rank, name).bytes;
+  for (const Buffer& orig : before_) {
+    if (orig.name != "checkpoints" && orig.name != "checkpoint_scales") continue;
+    Buffer& merged = got.buffer(orig.name);
+    merged.bytes = orig.bytes;
+    for (int r = 0; r < ranks(); ++r) {
+      const Buffer& mine = buffer(r, orig.name);
+      for (size_t i = 0; i < orig.bytes.size(); ++i)
+        if (mine.bytes[i] != orig.bytes[i]) merged.bytes[i] = mine.bytes[i];
+    }
+  }
+  int32_t errors = 0;
+  for (int r = 0; r < ranks(); ++r) errors += *buffer(r, "error_flag").as<int32_t>();
+  *got.as<int32_t>("error_flag") = errors;
+}
+
+void SplitRanks::run_cpu(Problem& full, bool final_on_every_rank) {
+  const PrefillParams fp = full.prefill_params();
+  exchange_.assign(size_t(exchange_elems(fp)), std::numeric_limits<float>::quiet_NaN());
+  const Context cpu{Backend::kCPU, nullptr};
+  for (int r = 0; r < ranks(); ++r) split_prefill_begin(params(fp, r, host_pointers(r), exchange_.data(), final_on_every_rank), cpu);
+  for (int r = 0; r < ranks(); ++r) split_prefill_end(params(fp, r, host_pointers(r), exchange_.data(), final_on_every_rank), cpu);
+}
+
+}  // namespace gdnkit::test

@@ -1,0 +1,61 @@
+// A prefill problem (problem.h) split over ranks for split_prefill_begin / _end, cut at points of its packed token
+// stream: rank r holds tokens [cuts[r], cuts[r + 1]), so a sequence is split where a cut falls inside it and lives on
+// one rank otherwise (its pieces elsewhere empty). Each rank's token views point into the problem's own rows (each
+// rank writes its rows of o in place); each rank has its own copies of the pool, the checkpoint buffer and the error
+// flag, kept here as host buffers (a GPU test mirrors them).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "gdnkit/params.h"
+#include "support/problem.h"
+
+namespace gdnkit::test {
+
+// Where one rank's own buffers live (host here, device copies in the GPU suite).
+struct RankPointers {
+  const int32_t* cu_seqlens = nullptr;  // [N+1] the rank's pieces, packed
+  const int64_t* piece_offsets = nullptr;
+  void* state = nullptr;
+  uint8_t* state_scales = nullptr;
+  void* checkpoints = nullptr;
+  uint8_t* checkpoint_scales = nullptr;
+  int32_t* error_flag = nullptr;
+};
+
+class SplitRanks {
+ public:
+  // cuts: 0 = cuts[0] <= cuts[1] <= ... <= cuts[G] = the problem's total tokens.
+  SplitRanks(const Problem& full, std::vector<int64_t> cuts);
+  int ranks() const { return int(cuts_.size()) - 1; }
+  const std::vector<int64_t>& cuts() const { return cuts_; }
+
+  // Rank r's own buffers (names: cu_seqlens, piece_offsets, state, state_scales, checkpoints, checkpoint_scales,
+  // error_flag; the scales where the problem has them).
+  std::vector<Buffer>& buffers(int r) { return ranks_[size_t(r)]; }
+  const Buffer& buffer(int r, const std::string& name) const;
+  RankPointers host_pointers(int r);
+
+  // Rank r's params: `full` is the whole problem's (host or device pointers); its token views are moved to the
+  // rank's first token, its pool, checkpoints, cu_seqlens and error flag replaced by `at`'s.
+  SplitPrefillParams params(const PrefillParams& full, int r, const RankPointers& at, float* exchange,
+                            bool final_on_every_rank) const;
+  // fp32 elements of the exchange: ranks x split_prefill_exchange_elems.
+  int64_t exchange_elems(const PrefillParams& full) const;
+
+  // Into `got` (a copy of the problem before the run, whose o rows the ranks wrote): the pool of `state_rank`, the
+  // checkpoint entries each rank wrote (every other byte as before the run), the error flags summed.
+  void collect(Problem& got, int state_rank) const;
+
+  // Runs every rank's begin, then every rank's end, on the CPU backend (the exchange shared: an all-gather in place).
+  void run_cpu(Problem& full, bool final_on_every_rank);
+
+ private:
+  std::vector<int64_t> cuts_;
+  std::vector<std::vector<Buffer>> ranks_;
+  std::vector<Buffer> before_;  // the problem's pool, checkpoints and their scales before the run
+  std::vector<float> exchange_;
+};
+
+}  // namespace gdnkit::test
