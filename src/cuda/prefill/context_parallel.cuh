@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 //   kCompose: a split call's piece summary (Plan::cp_split): from [S_0 | I] (S_0 the initial state on rank 0, else
 //     zero) through every segment of the piece, into this rank's block of the exchange: the piece's state and its
 //     transition (blockIdx.z past V / kScanCols: the transition's columns). A bad piece sends the identity's
-//     summary [0 | I].
+//     summary [0 | I], an empty one [S_0 | I].
 //   kFold: after the exchange, from S_0 through the lower ranks' summaries (the piece's true initial state), this
 //     piece's segments (writing each one's true initial state for the final pass) and, where this rank stores the
 //     final state, the higher ranks' summaries.
@@ -168,17 +168,19 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
   const int fslot = p.final_indices ? p.final_indices[n] : -1;
   const int cslot = (p.checkpoint_interval > 0 && p.checkpoint_indices) ? p.checkpoint_indices[n] : -1;
   bool ok = islot < p.state.num_slots && fslot < p.state.num_slots && cslot < p.checkpoints.num_slots;
+  bool empty = false;  // a split call's empty piece: the identity (a rank without tokens runs no local pass)
   if constexpr (kRole == ScanRole::kSegments) {
     if (!ok) return;
   } else {
     ok = split_piece_ok(p, n, islot, fslot, cslot);
+    empty = load_cu(p, n + 1) == load_cu(p, n);
   }
   const int64_t per_segment = int64_t(HV) * K * V;
   const int64_t summary = int64_t(HV) * K * (V + K);  // one piece's in the exchange: its state, then its P
   const StateLayout layout = p.state.layout;
   const int rank = plan.split_rank;
   // The chain: the piece's own segments (first.state + i), and in the fold the other ranks' summaries around them.
-  const int own = kRole == ScanRole::kSegments || ok ? first.count : 0;
+  const int own = kRole == ScanRole::kSegments || (ok && !empty) ? first.count : 0;
   const int before = kRole == ScanRole::kFold ? rank : 0;
   const int after = kRole == ScanRole::kFold && plan.split_final ? plan.split_ranks - 1 - rank : 0;
   const int steps = before + own + after;
