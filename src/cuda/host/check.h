@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "cuda/host/overrides.h"
@@ -38,3 +40,18 @@ int device_sms();
 
 // After a kernel launch: reports launch-configuration errors without synchronizing.
 #define GDNKIT_CUDA_CHECK_LAUNCH() GDNKIT_CUDA_CHECK(cudaGetLastError())
+
+namespace gdnkit::cuda {
+// Lets kKernel take `bytes` of dynamic shared memory on the current device. The attribute is per device: it is set
+// once on each, so that a process driving several GPUs (one thread per GPU) launches on every one.
+template <auto kKernel>
+void allow_dynamic_smem(size_t bytes) {
+  static std::atomic<uint64_t> done{0};  // bit d: set on device d
+  int dev = 0;
+  GDNKIT_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? uint64_t(1) << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
+  GDNKIT_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  done.fetch_or(bit, std::memory_order_acq_rel);
+}
+}  // namespace gdnkit::cuda

@@ -344,8 +344,7 @@ template <int K, ScanRole kRole = ScanRole::kSegments>
 void launch_cp_scan(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
   constexpr size_t smem = cp_scan_smem_bytes<K>();
   const auto kernel = cp_scan_kernel<K, kRole>;
-  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  GDNKIT_CUDA_CHECK(attr);
+  allow_dynamic_smem<cp_scan_kernel<K, kRole>>(smem);
   const int cols = p.heads.head_dim_v + (kRole == ScanRole::kCompose ? K : 0);  // a summary's: state and transition
   const dim3 grid(unsigned(plan.cp_max_cuts), unsigned(p.heads.num_v_heads), unsigned(cols / kScanCols));
   kernel<<<grid, K * kScanSplit, smem, stream>>>(p, plan);

@@ -42,9 +42,7 @@ namespace gdnkit::cuda::chunked_prefill {
 template <int K, int VT, class Op>
 void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
   const size_t smem = sizeof(StateSmem<K, VT, Op>);
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(state_pass_kernel<K, VT, Op>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  GDNKIT_CUDA_CHECK(attr);
+  allow_dynamic_smem<state_pass_kernel<K, VT, Op>>(smem);
   const unsigned grid = unsigned(p.num_seqs) * unsigned(p.heads.num_v_heads) * unsigned(p.heads.head_dim_v / VT);
   state_pass_kernel<K, VT, Op><<<grid, kThreads, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
@@ -56,8 +54,7 @@ void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t st
   const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));  // a CTA per GVA group
   constexpr size_t smem = prep_smem_bytes<K, Op, kM>();
   const auto kernel = chunk_prep_kernel<K, Op, kM>;
-  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  GDNKIT_CUDA_CHECK(attr);
+  allow_dynamic_smem<chunk_prep_kernel<K, Op, kM>>(smem);
   kernel<<<grid, kThreads, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }

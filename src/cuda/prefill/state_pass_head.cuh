@@ -264,8 +264,7 @@ template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = fa
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWgmma, kMWarpgroup>();
   const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode>;
-  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  GDNKIT_CUDA_CHECK(attr);
+  allow_dynamic_smem<state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode>>(smem);
   const HeadTensorMaps maps = kWgmma ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
   cudaLaunchConfig_t cfg = {};
   const unsigned rows = kCpMode == 1   ? unsigned(plan.cp_max_states)
