@@ -548,9 +548,11 @@ std::string progress_line(const Row& r) {
   if (r.op == "prefill") {
     std::snprintf(buf, sizeof buf, ": %.3f ms, %.2f %sFLOP/s, floor %.1f%%", r.time_us / 1e3, r.tflops * scale, g,
                   r.pct_floor);
-  } else if (r.op == "prefill-split") {
+  } else if (r.op == "prefill-split" && r.ranks > 1) {
     std::snprintf(buf, sizeof buf, ": %.3f ms, efficiency %.2f, exchange %.3f ms", r.time_us / 1e3, r.efficiency,
                   r.exchange_us / 1e3);
+  } else if (r.op == "prefill-split") {
+    std::snprintf(buf, sizeof buf, ": %.3f ms", r.time_us / 1e3);
   } else {
     std::snprintf(buf, sizeof buf, ": %.2f us/call, %.3f %sB/s, %.1f%% of copy", r.time_us, r.tbps * scale, g,
                   r.pct_copy);
