@@ -22,7 +22,8 @@ void require_cuda() {
 
 // The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools, intermediate caches and
 // checkpoints of K-last pools in decode, verify, commit and prefill (pools and checkpoints with bf16 or fp16 inputs,
-// K <= 128, V in {64, 128}: the head state pass); the CPU backend runs every op on float8_e4m3.
+// K <= 128, V in {64, 128}: the head state pass) and layout conversion either way; the CPU backend runs every op
+// on float8_e4m3.
 constexpr const char* kFp8Cuda =
     ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, verify, commit and "
     "prefill, all K-last";
@@ -50,7 +51,7 @@ void require_cuda_states(const PrefillParams& p) {
     refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, ", got V-last");
   if (!head_pass) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, kHeadPass);
 }
-void require_cuda_states(const LayoutParams& p) { refuse_cuda_fp8("src", p.src.data, p.src.dtype); }
+void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
 
 template <class Params, class CpuFn, class CudaFn>
 void run(const Params& p, const Context& ctx, CpuFn cpu_fn, CudaFn cuda_fn) {

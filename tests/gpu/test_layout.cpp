@@ -41,6 +41,22 @@ std::vector<LayoutCase> layout_cases() {
                              "_V" + std::to_string(V) + (in_place ? "_in_place" : "") + (c.slot_pad ? "_slotpad" : ""),
                          c, in_place});
         }
+  // float8_e4m3 pools: requantized into the other layout's blocks, the CPU backend's bytes.
+  for (auto [K, V] : dims)
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+      for (bool in_place : {false, true}) {
+        if (in_place && K != V) continue;
+        ProblemConfig c;
+        c.op = OpKind::kDecode;
+        c.batch = 2, c.HV = 3, c.K = K, c.V = V;
+        c.layout = layout, c.state_dtype = DType::kFloat8E4M3, c.layout_target = true;
+        c.slot_pad = (seed % 2) ? 32 : 0;
+        c.seed = seed++;
+        out.push_back({std::string(K == 64 && V == 64 ? "Sanitize_" : "") +
+                           (layout == StateLayout::kKLast ? "klast" : "vlast") + "_to_other_f8_K" + std::to_string(K) +
+                           "_V" + std::to_string(V) + (in_place ? "_in_place" : "") + (c.slot_pad ? "_slotpad" : ""),
+                       c, in_place});
+      }
   return out;
 }
 
