@@ -19,6 +19,28 @@ namespace {
 constexpr int kTile = 32;
 constexpr int kRowsPerPass = 8;  // a CTA is kTile x kRowsPerPass threads
 
+// Work item w of the grid-stride loop -> its slot, head and tile (row tr, column tc of tiles); in place, the tiles of
+// the upper triangle (tr <= tc), row by row.
+struct TileAt {
+  int64_t slot;
+  int head, tr, tc;
+};
+template <bool kInPlace>
+__device__ __forceinline__ TileAt tile_at(int64_t w, int heads, int64_t tiles, int tr_n, int tc_n) {
+  TileAt at;
+  at.slot = w / (heads * tiles);
+  at.head = int((w / tiles) % heads);
+  int64_t t = w % tiles;
+  if (kInPlace) {
+    at.tr = 0;
+    while (t >= tr_n - at.tr) t -= tr_n - at.tr, ++at.tr;
+    at.tc = at.tr + int(t);
+  } else {
+    at.tr = int(t / tc_n), at.tc = int(t % tc_n);
+  }
+  return at;
+}
+
 // Grid-stride over (slot, head, tile) so any pool size fits the grid; offsets are int64.
 template <class E, bool kInPlace>
 __global__ void __launch_bounds__(kTile* kRowsPerPass)
@@ -33,17 +55,7 @@ __global__ void __launch_bounds__(kTile* kRowsPerPass)
   const int x = threadIdx.x, y = threadIdx.y;
   const int64_t head_elems = int64_t(R) * C;
   for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-    const int64_t slot = w / (heads * tiles);
-    const int head = int((w / tiles) % heads);
-    int64_t t = w % tiles;
-    int tr, tc;
-    if (kInPlace) {  // t -> (tr, tc), tr <= tc, row by row of the upper triangle
-      tr = 0;
-      while (t >= tr_n - tr) t -= tr_n - tr, ++tr;
-      tc = tr + int(t);
-    } else {
-      tr = int(t / tc_n), tc = int(t % tc_n);
-    }
+    const auto [slot, head, tr, tc] = tile_at<kInPlace>(w, heads, tiles, tr_n, tc_n);
     const E* s = src + slot * src_stride + head * head_elems;
     E* d = dst + slot * dst_stride + head * head_elems;
     // source [R, C] -> destination [C, R]
@@ -85,17 +97,7 @@ __global__ void __launch_bounds__(kTile* kRowsPerPass)
     if (x == 0) ds[int64_t(row) * (R / kTile) + block] = uint8_t(sc.byte);
   };
   for (int64_t w = blockIdx.x; w < total; w += gridDim.x) {
-    const int64_t slot = w / (heads * tiles);
-    const int head = int((w / tiles) % heads);
-    int64_t t = w % tiles;
-    int tr, tc;
-    if (kInPlace) {
-      tr = 0;
-      while (t >= tr_n - tr) t -= tr_n - tr, ++tr;
-      tc = tr + int(t);
-    } else {
-      tr = int(t / tc_n), tc = int(t % tc_n);
-    }
+    const auto [slot, head, tr, tc] = tile_at<kInPlace>(w, heads, tiles, tr_n, tc_n);
     const uint8_t* s = src + slot * src_stride + head * head_elems;
     const uint8_t* ss = src_scales + (slot * heads + head) * head_blocks;
     uint8_t* d = dst + slot * dst_stride + head * head_elems;
