@@ -113,6 +113,7 @@ void fill_fp8_scales(void* scales, int64_t elems, cudaStream_t st) {
 }
 
 int64_t count_nonfinite(const void* p, DType dtype, int64_t n, cudaStream_t st) {
+  if (n <= 0) return 0;
   unsigned long long* d_count = nullptr;
   BENCH_CUDA_CHECK(cudaMallocAsync(&d_count, sizeof *d_count, st));
   BENCH_CUDA_CHECK(cudaMemsetAsync(d_count, 0, sizeof *d_count, st));
@@ -659,12 +660,7 @@ Row bench_prefill_split(const Options& o, const Shape& s, DType state, StateLayo
   std::vector<int64_t> nonfinite(static_cast<size_t>(G), 0), flags(static_cast<size_t>(G), 0);
   std::barrier sync(G);
   const int iters = o.prefill_iters, warmup = 2;
-  const auto rank_main = [&](int q) {
-    cudaSetDevice(q);
-    cudaStream_t st = nullptr;
-    cudaEvent_t ev[4];
-    BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    for (cudaEvent_t& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
+  const auto rank_run = [&](int q, cudaStream_t st, cudaEvent_t* ev) {
     std::vector<int32_t> cu(static_cast<size_t>(N) + 1, 0);
     std::vector<int64_t> offsets(static_cast<size_t>(N));
     for (int32_t n = 0; n < N; ++n) {
@@ -677,8 +673,10 @@ Row bench_prefill_split(const Options& o, const Shape& s, DType state, StateLayo
     const uint64_t seed = 91000049ull + uint64_t(set.total()) * 7 + uint64_t(q);
     DeviceTokens tok(s, g_input, T, seed, st, arena);
     DevBuf pool(size_t(N * slot_elems * dtype_size(state)), arena), d_cu(cu.size() * 4, arena),
-        d_off(offsets.size() * 8, arena), slots(size_t(N) * 4, arena), flag(4, arena);
+        d_off(offsets.size() * 8, arena), slots(size_t(N) * 4, arena), flag(4, arena),
+        scales(state == DType::kFloat8E4M3 ? size_t(N * slot_elems / kFp8Block) : 0, arena);
     fill(pool.get(), state, N * slot_elems, seed, Fill::kNormal, 0.f, 0.05f, st);
+    if (state == DType::kFloat8E4M3) fill_fp8_scales(scales.get(), N * slot_elems, st);
     upload(d_cu.get(), cu.data(), d_cu.bytes(), st);
     upload(d_off.get(), offsets.data(), d_off.bytes(), st);
     std::vector<int32_t> idx(static_cast<size_t>(N));
@@ -693,7 +691,8 @@ Row bench_prefill_split(const Options& o, const Shape& s, DType state, StateLayo
     set_token_views(s, g_input, tok.views, 0, p.q, p.k, p.v, p.o, p.gating);
     p.cu_seqlens = d_cu.get();
     p.cu_seqlens_host = cu_host.data();
-    p.state = make_pool(s, pool.get(), state, layout, N);
+    p.state = make_pool(s, pool.get(), state, layout, N,
+                        state == DType::kFloat8E4M3 ? scales.get<uint8_t>() : nullptr);
     p.initial_indices = p.final_indices = slots.get<int32_t>();
     p.error_flag = flag.get<int32_t>();
     sp.rank = q;
@@ -706,40 +705,49 @@ Row bench_prefill_split(const Options& o, const Shape& s, DType state, StateLayo
     p.workspace = ws.get();
     p.workspace_bytes = ws.bytes();
     const Context ctx{Backend::kCUDA, st};
+    for (int i = 0; i < warmup + iters; ++i) {
+      sync.arrive_and_wait();
+      BENCH_CUDA_CHECK(cudaEventRecord(ev[0], st));
+      split_prefill_nccl(sp, comms[size_t(q)], ctx);
+      BENCH_CUDA_CHECK(cudaEventRecord(ev[3], st));
+      BENCH_CUDA_CHECK(cudaEventSynchronize(ev[3]));
+      float ms = 0;
+      BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[3]));
+      if (i >= warmup) total[size_t(q)].push_back(ms * 1e3);
+    }
+    for (int i = 0; i < iters; ++i) {  // the same call in its three steps, the all-gather between events
+      sync.arrive_and_wait();
+      split_prefill_begin(sp, ctx);
+      BENCH_CUDA_CHECK(cudaEventRecord(ev[1], st));
+      if (ncclAllGather(sp.exchange + q * elems, sp.exchange, size_t(elems), ncclFloat32, comms[size_t(q)], st) !=
+          ncclSuccess)
+        throw Error(ErrorCode::kCudaError, "bench: ncclAllGather failed");
+      BENCH_CUDA_CHECK(cudaEventRecord(ev[2], st));
+      split_prefill_end(sp, ctx);
+      BENCH_CUDA_CHECK(cudaEventSynchronize(ev[2]));
+      float ms = 0;
+      BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[1], ev[2]));
+      exchange[size_t(q)].push_back(ms * 1e3);
+    }
+    nonfinite[size_t(q)] = count_nonfinite(tok.o.get(), g_input, T * s.HV * s.V, st);
+    flags[size_t(q)] = read_flag(flag);
+  };
+  const auto rank_main = [&](int q) {
+    cudaStream_t st = nullptr;
+    cudaEvent_t ev[4] = {};
     try {
-      for (int i = 0; i < warmup + iters; ++i) {
-        sync.arrive_and_wait();
-        BENCH_CUDA_CHECK(cudaEventRecord(ev[0], st));
-        split_prefill_nccl(sp, comms[size_t(q)], ctx);
-        BENCH_CUDA_CHECK(cudaEventRecord(ev[3], st));
-        BENCH_CUDA_CHECK(cudaEventSynchronize(ev[3]));
-        float ms = 0;
-        BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[3]));
-        if (i >= warmup) total[size_t(q)].push_back(ms * 1e3);
-      }
-      for (int i = 0; i < iters; ++i) {  // the same call in its three steps, the all-gather between events
-        sync.arrive_and_wait();
-        split_prefill_begin(sp, ctx);
-        BENCH_CUDA_CHECK(cudaEventRecord(ev[1], st));
-        if (ncclAllGather(sp.exchange + q * elems, sp.exchange, size_t(elems), ncclFloat32, comms[size_t(q)], st) !=
-            ncclSuccess)
-          throw Error(ErrorCode::kCudaError, "bench: ncclAllGather failed");
-        BENCH_CUDA_CHECK(cudaEventRecord(ev[2], st));
-        split_prefill_end(sp, ctx);
-        BENCH_CUDA_CHECK(cudaEventSynchronize(ev[2]));
-        float ms = 0;
-        BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[1], ev[2]));
-        exchange[size_t(q)].push_back(ms * 1e3);
-      }
-      nonfinite[size_t(q)] = count_nonfinite(tok.o.get(), g_input, T * s.HV * s.V, st);
-      flags[size_t(q)] = read_flag(flag);
+      BENCH_CUDA_CHECK(cudaSetDevice(q));
+      BENCH_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      for (cudaEvent_t& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
+      rank_run(q, st, ev);
     } catch (const std::exception& e) {
       errors[size_t(q)] = e.what();
-      sync.arrive_and_drop();
+      sync.arrive_and_drop();  // the others' host barriers go on (a failure inside a collective still stalls them)
     }
-    BENCH_CUDA_CHECK(cudaStreamSynchronize(st));
-    for (cudaEvent_t& e : ev) cudaEventDestroy(e);
-    cudaStreamDestroy(st);
+    if (st != nullptr) cudaStreamSynchronize(st);
+    for (cudaEvent_t& e : ev)
+      if (e != nullptr) cudaEventDestroy(e);
+    if (st != nullptr) cudaStreamDestroy(st);
   };
   std::vector<std::thread> threads;
   for (int q = 0; q < G; ++q) threads.emplace_back(rank_main, q);

@@ -395,11 +395,11 @@ void validate(const SplitPrefillParams& p, Backend backend) {
          " float32 elements expected)");
   if (!aligned(p.exchange, kVectorBytes)) fail("exchange: data pointer ", pointer_str(p.exchange), " is not 16-byte aligned");
   const bool checkpoints = q.checkpoint_interval > 0 && q.checkpoint_indices != nullptr;
-  if (checkpoints && N > 0 && p.piece_offsets == nullptr)
-    fail("piece_offsets: required pointer is null with checkpoints (", N, " elements expected)");
+  if (checkpoints && N > 0 && p.rank > 0 && p.piece_offsets == nullptr)  // (rank 0's pieces start their sequences)
+    fail("piece_offsets: required pointer is null with checkpoints on rank ", p.rank, " (", N, " elements expected)");
   if (!aligned(p.piece_offsets, 8))
     fail("piece_offsets: data pointer ", pointer_str(p.piece_offsets), " is not aligned to its int64 elements");
-  if (p.piece_offsets_host != nullptr)
+  if (p.piece_offsets_host != nullptr)  // the host copy first: the same message on both backends
     for (int64_t n = 0; n < N; ++n) {
       const int64_t off = p.piece_offsets_host[n];
       if (off < 0) fail("piece_offsets_host: entry ", n, " is ", off, " (expected >= 0)");
@@ -414,6 +414,11 @@ void validate(const SplitPrefillParams& p, Backend backend) {
              " tokens into it, not a multiple of 64, and would hold checkpoints (every ", q.checkpoint_interval,
              " tokens)");
     }
+  // Then, on the CPU backend, the offsets themselves (host memory): none negative (the device skips and counts what a
+  // negative or misaligned offset would store, as the CPU backend does for a misaligned one).
+  if (backend == Backend::kCPU && p.piece_offsets != nullptr)
+    for (int64_t n = 0; n < N; ++n)
+      if (p.piece_offsets[n] < 0) fail("piece_offsets: entry ", n, " is ", p.piece_offsets[n], " (expected >= 0)");
   if (backend == Backend::kCUDA && q.workspace != nullptr) {
     const size_t need = split_prefill_workspace_bytes(p);
     if (q.workspace_bytes < need)

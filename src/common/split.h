@@ -30,4 +30,10 @@ GDNKIT_SPLIT_HD bool split_piece_holds_checkpoint(int64_t offset, int64_t len, i
   return C > 0 && (j + 1) * C <= offset + len && j < steps;
 }
 
+// The piece's checkpoints can be stored where they fall: its offset is >= 0, and a multiple of 64 (a chunk of the
+// sequence) unless it holds none.
+GDNKIT_SPLIT_HD bool split_piece_checkpoints_ok(int64_t offset, int64_t len, int64_t C, int64_t steps) {
+  return offset >= 0 && (offset % 64 == 0 || !split_piece_holds_checkpoint(offset, len, C, steps));
+}
+
 }  // namespace gdnkit

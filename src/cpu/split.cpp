@@ -106,8 +106,8 @@ void end(const SplitPrefillParams& sp, const PrefillParams& p) {
       continue;
     }
     const int64_t offset = sp.piece_offsets ? sp.piece_offsets[n] : 0;
-    const bool aligned = offset % 64 == 0;  // checkpoints count from the sequence's start, in whole chunks
-    if (s.cslot >= 0 && !aligned && split_piece_holds_checkpoint(offset, s.len, C, p.checkpoints.num_steps))
+    const bool aligned = offset >= 0 && offset % 64 == 0;  // checkpoints count from the sequence's start, in chunks
+    if (s.cslot >= 0 && !split_piece_checkpoints_ok(offset, s.len, C, p.checkpoints.num_steps))
       flag_error(p.error_flag);
     for (int h = 0; h < HV; ++h) {
       if (s.islot >= 0)

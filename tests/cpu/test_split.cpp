@@ -162,6 +162,25 @@ TEST(SplitPrefill, BadSlotOnOneRank) {
                        token_rows(ref.read_tokens("o"), row, 0, 120), 2e-3));
 }
 
+TEST(SplitPrefill, BadSlotOnARankWithoutTokens) {
+  // The last rank holds no tokens but stores the final states: its bad final slot is counted there, once; rank 0 ran
+  // both sequences (its rows of o written), and the pool slots the bad one would name stay untouched.
+  ProblemConfig c = split_config({120, 80}, 52);
+  Problem before(c);
+  before.as<int32_t>("final_indices")[1] = int32_t(before.num_slots()) + 3;
+  Problem ref = before, got = before;
+  cpu::prefill_recurrent(ref.prefill_params());
+  SplitRanks ranks(got, {0, 200, 200});
+  ranks.run_cpu(got, false);
+  EXPECT_EQ(*ranks.buffer(1, "error_flag").as<int32_t>(), 1);
+  EXPECT_EQ(*ranks.buffer(0, "error_flag").as<int32_t>(), 0);
+  const int64_t row = 2 * 64;
+  EXPECT_TRUE(RelClose("o of sequence 0", token_rows(got.read_tokens("o"), row, 0, 120),
+                       token_rows(ref.read_tokens("o"), row, 0, 120), 2e-3));
+  ranks.collect(got, 1);
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", before.written_final_slots()));
+}
+
 TEST(SplitPrefill, Validation) {
   ProblemConfig c = split_config({100}, 61);
   Problem p(c);
@@ -194,6 +213,14 @@ TEST(SplitPrefill, Validation) {
   bad = sp;
   bad.local.heads.head_dim_v = 48;
   expect_error(bad, "v: head dim V=48");
+  std::vector<int64_t> negative = {-64};
+  bad = sp;
+  bad.piece_offsets_host = negative.data();
+  expect_error(bad, "piece_offsets_host: entry 0 is -64 (expected >= 0)");
+  bad = sp;
+  bad.piece_offsets_host = nullptr;
+  bad.piece_offsets = negative.data();
+  expect_error(bad, "piece_offsets: entry 0 is -64 (expected >= 0)");
   EXPECT_EQ(split_prefill_exchange_elems(fp), int64_t(1) * 2 * 64 * (64 + 64));
 }
 

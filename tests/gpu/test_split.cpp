@@ -194,6 +194,29 @@ TEST(SplitPrefillGpu, LongSequenceTwoRanks) {
   run_case(c, {0, 12288, 20000}, false);
 }
 
+TEST(SplitPrefillGpu, BadSlotOnARankWithoutTokens) {
+  // The last rank holds no tokens but stores the final states: its bad final slot is counted there, once (no final
+  // pass runs on it), as the CPU backend counts it; rank 0's outputs and the untouched slots as they should be.
+  ProblemConfig c = split_config({1200, 300}, 128, 71);
+  Problem before(c);
+  before.as<int32_t>("final_indices")[1] = int32_t(before.num_slots()) + 3;
+  Problem ref = before, got = before;
+  cpu::prefill_recurrent(ref.prefill_params());
+  DeviceProblem dev(got);
+  const PrefillParams full = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+  SimulatedRanks sim(got, {0, 1500, 1500}, full);
+  SimulatedRanks::run(sim.params(full, false), dev.stream());
+  dev.download(got);
+  sim.download();
+  EXPECT_EQ(*sim.ranks.buffer(1, "error_flag").as<int32_t>(), 1);
+  EXPECT_EQ(*sim.ranks.buffer(0, "error_flag").as<int32_t>(), 0);
+  const int64_t row = int64_t(c.HV) * c.V;
+  EXPECT_TRUE(RelClose("o of sequence 0", token_rows(got.read_tokens("o"), row, 0, 1200),
+                       token_rows(ref.read_tokens("o"), row, 0, 1200), output_tolerance(OpFamily::kPrefill, c.in_dtype)));
+  sim.ranks.collect(got, 1);
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", before.written_final_slots()));
+}
+
 TEST(SplitPrefillGpu, GraphReplayAndRepeatBitwiseEqualEager) {
   ProblemConfig c = split_config({3000, 500}, 128, 41);
   c.checkpoint_interval = 1024;

@@ -306,12 +306,15 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
     return;
   }
   if constexpr (kRole == ScanRole::kFold) {
-    // Checkpoints of a piece that does not start on a chunk boundary of its sequence cannot be stored: counted once.
-    if (ok && cslot >= 0 && blockIdx.y == 0 && blockIdx.z == 0 && k == 0 && p.error_flag != nullptr) {
+    // Counted once per sequence: checkpoints of a piece that does not start on a chunk boundary of its sequence
+    // (they cannot be stored), and a bad piece on a rank without tokens (no final pass runs there to count it).
+    if (blockIdx.y == 0 && blockIdx.z == 0 && k == 0 && p.error_flag != nullptr) {
       const int64_t offset = plan.split_offsets ? plan.split_offsets[n] : 0;
-      if (offset % kChunk != 0 && split_piece_holds_checkpoint(offset, load_cu(p, n + 1) - load_cu(p, n),
-                                                               p.checkpoint_interval, p.checkpoints.num_steps))
+      if (ok && cslot >= 0 &&
+          !split_piece_checkpoints_ok(offset, load_cu(p, n + 1) - load_cu(p, n), p.checkpoint_interval,
+                                      p.checkpoints.num_steps))
         atomicAdd(p.error_flag, 1);
+      if (!ok && p.total_tokens == 0) atomicAdd(p.error_flag, 1);
     }
     if (!ok || !plan.split_final) return;
   }

@@ -97,7 +97,7 @@ __device__ __forceinline__ void load_head_state_e4m3(float (&s)[S::KT][4], const
 
 // After chunk c of a run: checkpoint entry j holds the state after token (j+1)*C of the sequence, for j < steps, within
 // the run. A split call's piece of sequence `piece` (else -1) starts Plan::split_offsets[piece] tokens into its
-// sequence (none stored where that is not a multiple of 64: the split call counts it as an error).
+// sequence (none stored where that is negative or not a multiple of 64: the split call counts it as an error).
 template <class S>
 __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4], const PrefillParams& p,
                                                       const Plan& plan, const HeadCoords& at, const SeqSlots& sq,
@@ -106,16 +106,16 @@ __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4]
     // (read here, not held across the chunk loop: the registers are the state's)
     const int64_t offset = piece >= 0 && plan.cp_split && plan.split_offsets ? plan.split_offsets[piece] : 0;
     const int64_t done = offset + (c + 1) * kChunk;  // tokens of the sequence after chunk c
-    if (done % C == 0 && done <= offset + sq.len && done / C - 1 < p.checkpoints.num_steps) {
+    if (done > 0 && done % C == 0 && done <= offset + sq.len && done / C - 1 < p.checkpoints.num_steps) {
       const int64_t j = done / C - 1;
-      const int64_t offset = int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(at.HV) * S::K * S::V);
+      const int64_t entry = int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(at.HV) * S::K * S::V);
       if (p.checkpoints.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
         const int64_t blocks = int64_t(at.HV) * S::K * S::V / kFp8Block;
         store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(p.checkpoints.data),
                                  p.checkpoints.scales + (int64_t(sq.cslot) * p.checkpoints.num_steps + j) * blocks,
-                                 offset);
+                                 entry);
       } else {
-        store_head_state<S>(s, p, at, p.checkpoints.data, p.checkpoints.dtype, offset, plan.checkpoint_pairs);
+        store_head_state<S>(s, p, at, p.checkpoints.data, p.checkpoints.dtype, entry, plan.checkpoint_pairs);
       }
     }
   }
