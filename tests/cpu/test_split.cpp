@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/backend.h"
@@ -143,42 +144,38 @@ TEST(SplitPrefill, MisalignedPieceWithCheckpointsIsCounted) {
   EXPECT_EQ(collected.first_changed_cache_byte(before, "checkpoints", {{0, 0}}), -1);
 }
 
-TEST(SplitPrefill, BadSlotOnOneRank) {
-  // The last rank's final slot is past the pool: it skips and counts that sequence (its o rows zero), as the whole
-  // prefill does; the other sequence is unaffected.
-  ProblemConfig c = split_config({120, 80}, 51);
+// Sequences {120, 80} with sequence 1's final slot past the pool, split at `cuts` over two ranks: the last rank
+// (which stores the final states) skips and counts that sequence once, as the whole prefill does; sequence 0 is
+// unaffected and the slots the bad one would name stay untouched. Returns the run's o and the whole prefill's.
+std::pair<std::vector<double>, std::vector<double>> bad_final_slot_case(std::vector<int64_t> cuts, uint64_t seed) {
+  ProblemConfig c = split_config({120, 80}, seed);
   Problem before(c);
   before.as<int32_t>("final_indices")[1] = int32_t(before.num_slots()) + 3;
   Problem ref = before, got = before;
   cpu::prefill_recurrent(ref.prefill_params());
-  SplitRanks ranks(got, {0, 60, 200});
+  SplitRanks ranks(got, std::move(cuts));
   ranks.run_cpu(got, false);
-  ranks.collect(got, 1);
   EXPECT_EQ(*ranks.buffer(1, "error_flag").as<int32_t>(), 1);
   EXPECT_EQ(*ranks.buffer(0, "error_flag").as<int32_t>(), 0);
+  ranks.collect(got, 1);
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", before.written_final_slots()));
   const int64_t row = 2 * 64;  // HV * V per token
-  EXPECT_TRUE(AllZero("o of the skipped sequence", token_rows(got.read_tokens("o"), row, 120, 200)));
-  EXPECT_TRUE(RelClose("o of the other", token_rows(got.read_tokens("o"), row, 0, 120),
+  EXPECT_TRUE(RelClose("o of sequence 0", token_rows(got.read_tokens("o"), row, 0, 120),
                        token_rows(ref.read_tokens("o"), row, 0, 120), 2e-3));
+  return {token_rows(got.read_tokens("o"), row, 120, 200), token_rows(ref.read_tokens("o"), row, 120, 200)};
+}
+
+TEST(SplitPrefill, BadSlotOnOneRank) {
+  // Sequence 1 lives on the last rank alone: its o rows are zero, as in the whole prefill.
+  const auto [got, ref] = bad_final_slot_case({0, 60, 200}, 51);
+  EXPECT_TRUE(AllZero("o of the skipped sequence", got));
 }
 
 TEST(SplitPrefill, BadSlotOnARankWithoutTokens) {
-  // The last rank holds no tokens but stores the final states: its bad final slot is counted there, once; rank 0 ran
-  // both sequences (its rows of o written), and the pool slots the bad one would name stay untouched.
-  ProblemConfig c = split_config({120, 80}, 52);
-  Problem before(c);
-  before.as<int32_t>("final_indices")[1] = int32_t(before.num_slots()) + 3;
-  Problem ref = before, got = before;
-  cpu::prefill_recurrent(ref.prefill_params());
-  SplitRanks ranks(got, {0, 200, 200});
-  ranks.run_cpu(got, false);
-  EXPECT_EQ(*ranks.buffer(1, "error_flag").as<int32_t>(), 1);
-  EXPECT_EQ(*ranks.buffer(0, "error_flag").as<int32_t>(), 0);
-  const int64_t row = 2 * 64;
-  EXPECT_TRUE(RelClose("o of sequence 0", token_rows(got.read_tokens("o"), row, 0, 120),
-                       token_rows(ref.read_tokens("o"), row, 0, 120), 2e-3));
-  ranks.collect(got, 1);
-  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", before.written_final_slots()));
+  // The last rank holds no tokens but stores the final states: it counts the bad slot (rank 0 ran both sequences,
+  // its rows of o written).
+  const auto [got, ref] = bad_final_slot_case({0, 200, 200}, 52);
+  EXPECT_FALSE(AllZero("o of sequence 1, run on rank 0", got));
 }
 
 TEST(SplitPrefill, Validation) {
