@@ -57,6 +57,7 @@ struct Options {
   bool cpu = false;
   int replays = 20;              // decode/verify graph replays (>= 15)
   int prefill_iters = 12;        // prefill timed runs (>= 10)
+  int64_t cp_segment = -1;       // A/B switch: prefill's context-parallel segments forced (0: off; -1: the heuristic)
   std::string command_line;
 };
 

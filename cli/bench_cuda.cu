@@ -18,6 +18,7 @@
 
 #include "bench.h"
 #include "cuda_util.cuh"
+#include "cuda/host/overrides.h"
 #include "gdnkit/gdnkit.h"
 #ifdef GDNKIT_WITH_NCCL
 #include <barrier>
@@ -879,6 +880,9 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
     for (int g = 1; g <= devices; g *= 2) o.gpus.push_back(g);
   }
   g_input = o.input;
+  cuda::Overrides overrides = cuda::overrides();
+  if (o.cp_segment >= 0) overrides.prefill_cp_segment_len = int(o.cp_segment);
+  const cuda::ScopedOverrides scoped(overrides);  // the A/B switches of this run
   Device d;
   int dev = 0;
   BENCH_CUDA_CHECK(cudaGetDevice(&dev));

@@ -48,6 +48,8 @@ bench options:
                              (default: the 10 standard sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
   --gpus 1,2,4               prefill-split GPU counts (default: 1, 2, 4, ... up to the machine's; sets
                              1x262144, 1x1048576 on qwen3-next and qwen3.5-397b-tp8)
+  --cp-segment N              A/B switch: prefill's context-parallel segments of N tokens (0: off) instead of
+                             the library's choice (the mode column says what ran)
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)
@@ -158,6 +160,9 @@ Options parse_bench(int argc, char** argv, int first) {
       o.replays = int_list(a, value(i), 15, 10000).front();
     } else if (a == "--prefill-iters") {
       o.prefill_iters = int_list(a, value(i), 10, 10000).front();
+    } else if (a == "--cp-segment") {
+      o.cp_segment = int_list(a, value(i), 0, 1 << 30).front();
+      if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
     } else if (a == "--json") {
       o.json_path = value(i);
     } else if (a == "--markdown") {
