@@ -242,7 +242,7 @@ TEST(PrefillHeuristics, FewHeadsSplitTheHead) {
 }
 
 // Context parallelism: segments so that the longest sequence's segments and heads give about one CTA per SM, where
-// that sequence holds at least eight of them.
+// that sequence holds at least eight of them, or four to seven in a prompt of 262144 tokens or more.
 TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   PrefillCall tp8({65536}, 2, 8);  // 16 segments of 4096 tokens x 8 heads = 128 CTAs
   const auto a = chunked_prefill::choose_prefill(tp8.p, kSms, {});
@@ -254,6 +254,14 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_32k.p, kSms, {}).cp_segment_len, 2048);
   PrefillCall next({32768});  // 32 heads: 4 segments per wave, too few to pay for three passes
   EXPECT_EQ(chunked_prefill::choose_prefill(next.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall next_131k({131072});  // ... below the very long prompts where they do
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_131k.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall next_256k({262144});  // one wave: 4 segments of 65536
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_256k.p, kSms, {}).cp_segment_len, 65536);
+  PrefillCall next_1m({1048576});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_1m.p, kSms, {}).cp_segment_len, 262144);
+  PrefillCall wide_1m({1048576}, 16, 64);  // 64 heads: 2 segments per wave, not even then
+  EXPECT_EQ(chunked_prefill::choose_prefill(wide_1m.p, kSms, {}).cp_segment_len, 0);
   PrefillCall batch(std::vector<int64_t>(8, 8192), 2, 8);  // 8 sequences of 2 segments each
   EXPECT_EQ(chunked_prefill::choose_prefill(batch.p, kSms, {}).cp_segment_len, 0);
   PrefillCall wide({32768}, 16, 64);  // 64 heads: 2 segments per wave
