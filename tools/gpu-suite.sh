@@ -3,7 +3,7 @@
 # Markdown and plots to $OUT, print a short table last.
 #
 #   tools/gpu-suite.sh [stage ...]     stages: build tests sanitize bench-decode bench-verify bench-prefill
-#                                      python all (default: all)
+#                                      bench-prefill-split (2 or more GPUs) python all (default: all)
 #   GDNKIT_GTEST_FILTER=...            restricts the GPU tests (gtest filter)
 #   GDNKIT_SANITIZE_TOOLS="memcheck ..." the sanitize stage's tools (default: all four; GDNKIT_SANITIZE_FILTER: its tests)
 #   GTEST_ROOT=<prefix>                a GoogleTest install (include/, lib/) where the system has none
@@ -120,7 +120,13 @@ fi
 echo
 echo "================ summary ================"
 for line in "${summary[@]}"; do echo "$line"; done
-for op in decode verify prefill; do
+# The split prefill over the machine's GPUs (stage bench-prefill-split; skipped on a machine of one GPU).
+if want bench-prefill-split && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  "$BUILD"/gdnkit bench prefill-split --json "$OUT/bench_prefill_split.json" --markdown "$OUT/bench_prefill_split.md" \
+    >"$OUT/bench_prefill_split.log" 2>&1
+  note "bench prefill-split: rc=$?"
+fi
+for op in decode verify prefill prefill_split; do
   [ -f "$OUT/bench_$op.md" ] && { echo; cat "$OUT/bench_$op.md"; }
 done
 [ -f "$OUT/fla_compare.md" ] && { echo; cat "$OUT/fla_compare.md"; }
