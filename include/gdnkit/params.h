@@ -108,8 +108,8 @@ struct SplitPrefillParams {
   int32_t rank = 0;
   int32_t num_ranks = 1;
   bool final_on_every_rank = false;
-  // [N] tokens of sequence n held by lower ranks, where the backend computes: required with checkpoints (a piece
-  // that holds one must start at a multiple of 64 tokens), else may be nullptr.
+  // [N] tokens of sequence n held by lower ranks, where the backend computes: required with checkpoints on ranks other
+  // than 0 (a piece that holds one must start at a multiple of 64 tokens), else may be nullptr (all 0).
   const int64_t* piece_offsets = nullptr;
   const int64_t* piece_offsets_host = nullptr;  // optional host copy [N]: validated before launch when given
   // [num_ranks, split_prefill_exchange_elems(local)] fp32, 16-byte aligned: begin writes block `rank`, end reads all.

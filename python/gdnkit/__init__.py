@@ -7,7 +7,8 @@ CUDA arrays the CUDA backend, on the caller's current stream. See python/README.
     o = gdnkit.decode(q, k, v, state, state_indices, layout="k_last",
                       a=a, b=b, A_log=A_log, dt_bias=dt_bias)
 
-With PyTorch installed, ``import gdnkit.torch_ops`` registers ``torch.ops.gdnkit.*`` custom ops
+``gdnkit.distributed`` runs a prefill split over the ranks of a ``torch.distributed`` group (each rank a piece of
+every sequence). With PyTorch installed, ``import gdnkit.torch_ops`` registers ``torch.ops.gdnkit.*`` custom ops
 (torch.compile / CUDA graphs), and ``gdnkit.adapters.fla`` / ``gdnkit.adapters.sglang`` offer the call
 signatures of FLA's and SGLang's kernels.
 """

@@ -102,9 +102,9 @@ def prefill(q: DLPackArray, k: DLPackArray, v: ArrayT, cu_seqlens: DLPackArray, 
     final_indices : int32 [N], optional
         Written on the last rank (on every rank with ``final_on_every_rank``).
     piece_offsets : int64 [N], optional
-        Tokens of sequence ``n`` on lower ranks: required with checkpoints (each rank stores those whose token
-        falls in its piece; such a piece must start at a multiple of 64 tokens). ``piece_offsets_cpu``: a host
-        copy, validated before launch.
+        Tokens of sequence ``n`` on lower ranks: required with checkpoints on ranks other than 0 (each rank stores
+        those whose token falls in its piece; such a piece must start at a multiple of 64 tokens). ``piece_offsets_cpu``:
+        a host copy, validated before launch.
 
     Returns ``o`` of this rank's tokens. The CUDA backend runs it for bf16/fp16 inputs with ``K == V`` in
     {64, 128}; the CPU backend for every call.
