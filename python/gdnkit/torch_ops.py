@@ -1,4 +1,5 @@
-"""torch.library custom ops over gdnkit: ``torch.ops.gdnkit.{decode,verify,commit,prefill,convert_layout}``.
+"""torch.library custom ops over gdnkit: ``torch.ops.gdnkit.{decode,verify,commit,prefill,convert_layout}``, and their
+``*_fp8`` twins for float8_e4m3fn pools (each fp8 buffer's block scales right after it).
 
 Importing this module registers them. Each op declares what it mutates (the state pool, the verify
 cache, prefill checkpoints, the error flag) and has a fake (meta) implementation, so torch.compile
@@ -26,7 +27,8 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["decode", "verify", "commit", "prefill", "convert_layout"]
+__all__ = ["decode", "verify", "commit", "prefill", "convert_layout", "decode_fp8", "verify_fp8", "commit_fp8",
+           "prefill_fp8", "convert_layout_fp8"]
 
 
 def _stream(t: Tensor) -> int:
@@ -217,3 +219,133 @@ def convert_layout(src: Tensor, src_layout: str) -> Tensor:
 @convert_layout.register_fake
 def _(src: Tensor, src_layout: str) -> Tensor:
     return src.new_empty((src.shape[0], src.shape[1], src.shape[3], src.shape[2]))
+
+
+# ---- float8_e4m3fn pools: the same ops with the block scales beside each fp8 state (mutated with it) ---------------
+# Separate ops, so that the signatures above stay as they are: each takes the scales right after the state they
+# belong to, positional like every mutated argument (uint8 or float8_e8m0fnu, [entries, HV*K*V/32]).
+
+@torch.library.custom_op("gdnkit::decode_fp8", mutates_args=("state", "state_scales", "error_flag"))
+def decode_fp8(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor,
+               error_flag: Optional[Tensor], g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+               a: Optional[Tensor] = None, b: Optional[Tensor] = None, A_log: Optional[Tensor] = None,
+               dt_bias: Optional[Tensor] = None, layout: str = "k_last", scale: Optional[float] = None,
+               use_qk_l2norm: bool = True) -> Tensor:
+    """:func:`decode` on a float8_e4m3fn pool and its block scales (both mutated)."""
+    return ops.decode(q, k, v, state, state_indices, layout=layout, g=g, beta=beta, a=a, b=b, A_log=A_log,
+                      dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, error_flag=error_flag,
+                      stream=_stream(v), state_scales=state_scales)
+
+
+@decode_fp8.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor,
+      error_flag: Optional[Tensor], g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+      a: Optional[Tensor] = None, b: Optional[Tensor] = None, A_log: Optional[Tensor] = None,
+      dt_bias: Optional[Tensor] = None, layout: str = "k_last", scale: Optional[float] = None,
+      use_qk_l2norm: bool = True) -> Tensor:
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("gdnkit::verify_fp8",
+                         mutates_args=("state", "state_scales", "intermediate", "intermediate_scales", "error_flag"))
+def verify_fp8(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor,
+               intermediate: Optional[Tensor], intermediate_scales: Optional[Tensor], error_flag: Optional[Tensor],
+               g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
+               b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+               layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True,
+               cu_seqlens: Optional[Tensor] = None, parent: Optional[Tensor] = None,
+               intermediate_indices: Optional[Tensor] = None, update_state: bool = False,
+               num_draft_tokens: int = 0) -> Tensor:
+    """:func:`verify` on a float8_e4m3fn pool (and cache, with its scales: a cache of another dtype takes None)."""
+    return ops.verify(q, k, v, state, state_indices, layout=layout, g=g, beta=beta, a=a, b=b, A_log=A_log,
+                      dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+                      parent=parent, intermediate=intermediate, intermediate_indices=intermediate_indices,
+                      update_state=update_state, num_draft_tokens=num_draft_tokens, error_flag=error_flag,
+                      stream=_stream(v), state_scales=state_scales, intermediate_scales=intermediate_scales)
+
+
+@verify_fp8.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor,
+      intermediate: Optional[Tensor], intermediate_scales: Optional[Tensor], error_flag: Optional[Tensor],
+      g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
+      b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+      layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True,
+      cu_seqlens: Optional[Tensor] = None, parent: Optional[Tensor] = None,
+      intermediate_indices: Optional[Tensor] = None, update_state: bool = False,
+      num_draft_tokens: int = 0) -> Tensor:
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("gdnkit::commit_fp8", mutates_args=("state", "state_scales", "error_flag"))
+def commit_fp8(k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor, accepted: Tensor,
+               error_flag: Optional[Tensor], source: str = "cache", q: Optional[Tensor] = None,
+               g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
+               b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+               layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True,
+               cu_seqlens: Optional[Tensor] = None, parent: Optional[Tensor] = None,
+               intermediate: Optional[Tensor] = None, intermediate_scales: Optional[Tensor] = None,
+               intermediate_indices: Optional[Tensor] = None, accepted_path: Optional[Tensor] = None,
+               num_draft_tokens: int = 0) -> None:
+    """:func:`commit` into a float8_e4m3fn pool (the cache, read only here, with its scales where it is fp8)."""
+    ops.commit(k, v, state, state_indices, accepted, source=source, layout=layout, q=q, g=g, beta=beta, a=a, b=b,
+               A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+               parent=parent, intermediate=intermediate, intermediate_indices=intermediate_indices,
+               accepted_path=accepted_path, num_draft_tokens=num_draft_tokens, error_flag=error_flag,
+               stream=_stream(v), state_scales=state_scales, intermediate_scales=intermediate_scales)
+
+
+@commit_fp8.register_fake
+def _(k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor, accepted: Tensor,
+      error_flag: Optional[Tensor], source: str = "cache", q: Optional[Tensor] = None, g: Optional[Tensor] = None,
+      beta: Optional[Tensor] = None, a: Optional[Tensor] = None, b: Optional[Tensor] = None,
+      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, layout: str = "k_last",
+      scale: Optional[float] = None, use_qk_l2norm: bool = True, cu_seqlens: Optional[Tensor] = None,
+      parent: Optional[Tensor] = None, intermediate: Optional[Tensor] = None,
+      intermediate_scales: Optional[Tensor] = None, intermediate_indices: Optional[Tensor] = None,
+      accepted_path: Optional[Tensor] = None, num_draft_tokens: int = 0) -> None:
+    return None
+
+
+@torch.library.custom_op("gdnkit::prefill_fp8",
+                         mutates_args=("state", "state_scales", "checkpoints", "checkpoint_scales", "error_flag"))
+def prefill_fp8(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, state: Tensor, state_scales: Tensor,
+                checkpoints: Optional[Tensor], checkpoint_scales: Optional[Tensor], error_flag: Optional[Tensor],
+                initial_indices: Optional[Tensor] = None, final_indices: Optional[Tensor] = None,
+                g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
+                b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
+                layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True,
+                checkpoint_interval: int = 0, checkpoint_indices: Optional[Tensor] = None,
+                cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
+    """:func:`prefill` on a float8_e4m3fn pool (and checkpoints, with their scales where they are fp8)."""
+    return ops.prefill(q, k, v, cu_seqlens, state=state, initial_indices=initial_indices,
+                       final_indices=final_indices, layout=layout, g=g, beta=beta, a=a, b=b, A_log=A_log,
+                       dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, checkpoints=checkpoints,
+                       checkpoint_interval=checkpoint_interval, checkpoint_indices=checkpoint_indices,
+                       cu_seqlens_cpu=cu_seqlens_cpu, error_flag=error_flag, stream=_stream(v),
+                       state_scales=state_scales, checkpoint_scales=checkpoint_scales)
+
+
+@prefill_fp8.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, state: Tensor, state_scales: Tensor,
+      checkpoints: Optional[Tensor], checkpoint_scales: Optional[Tensor], error_flag: Optional[Tensor],
+      initial_indices: Optional[Tensor] = None, final_indices: Optional[Tensor] = None, g: Optional[Tensor] = None,
+      beta: Optional[Tensor] = None, a: Optional[Tensor] = None, b: Optional[Tensor] = None,
+      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, layout: str = "k_last",
+      scale: Optional[float] = None, use_qk_l2norm: bool = True, checkpoint_interval: int = 0,
+      checkpoint_indices: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
+    return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("gdnkit::convert_layout_fp8", mutates_args=())
+def convert_layout_fp8(src: Tensor, src_scales: Tensor, src_layout: str) -> tuple[Tensor, Tensor]:
+    """:func:`convert_layout` of a float8_e4m3fn pool out of place: the converted pool and its new block scales."""
+    dst = src.new_empty((src.shape[0], src.shape[1], src.shape[3], src.shape[2]))
+    dst_scales = torch.empty_like(src_scales)
+    ops.convert_layout(src, src_layout=src_layout, dst=dst, src_scales=src_scales, dst_scales=dst_scales,
+                       stream=_stream(src))
+    return dst, dst_scales
+
+
+@convert_layout_fp8.register_fake
+def _(src: Tensor, src_scales: Tensor, src_layout: str) -> tuple[Tensor, Tensor]:
+    return src.new_empty((src.shape[0], src.shape[1], src.shape[3], src.shape[2])), torch.empty_like(src_scales)
