@@ -238,11 +238,7 @@ def decode_fp8(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_scales: Ten
 
 
 @decode_fp8.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor,
-      error_flag: Optional[Tensor], g: Optional[Tensor] = None, beta: Optional[Tensor] = None,
-      a: Optional[Tensor] = None, b: Optional[Tensor] = None, A_log: Optional[Tensor] = None,
-      dt_bias: Optional[Tensor] = None, layout: str = "k_last", scale: Optional[float] = None,
-      use_qk_l2norm: bool = True) -> Tensor:
+def _(q: Tensor, k: Tensor, v: Tensor, *args: object, **kwargs: object) -> Tensor:  # (the op's arguments)
     return v.new_empty(v.shape)
 
 
@@ -265,14 +261,7 @@ def verify_fp8(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_scales: Ten
 
 
 @verify_fp8.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor,
-      intermediate: Optional[Tensor], intermediate_scales: Optional[Tensor], error_flag: Optional[Tensor],
-      g: Optional[Tensor] = None, beta: Optional[Tensor] = None, a: Optional[Tensor] = None,
-      b: Optional[Tensor] = None, A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None,
-      layout: str = "k_last", scale: Optional[float] = None, use_qk_l2norm: bool = True,
-      cu_seqlens: Optional[Tensor] = None, parent: Optional[Tensor] = None,
-      intermediate_indices: Optional[Tensor] = None, update_state: bool = False,
-      num_draft_tokens: int = 0) -> Tensor:
+def _(q: Tensor, k: Tensor, v: Tensor, *args: object, **kwargs: object) -> Tensor:  # (the op's arguments)
     return v.new_empty(v.shape)
 
 
@@ -295,14 +284,7 @@ def commit_fp8(k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_
 
 
 @commit_fp8.register_fake
-def _(k: Tensor, v: Tensor, state: Tensor, state_scales: Tensor, state_indices: Tensor, accepted: Tensor,
-      error_flag: Optional[Tensor], source: str = "cache", q: Optional[Tensor] = None, g: Optional[Tensor] = None,
-      beta: Optional[Tensor] = None, a: Optional[Tensor] = None, b: Optional[Tensor] = None,
-      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, layout: str = "k_last",
-      scale: Optional[float] = None, use_qk_l2norm: bool = True, cu_seqlens: Optional[Tensor] = None,
-      parent: Optional[Tensor] = None, intermediate: Optional[Tensor] = None,
-      intermediate_scales: Optional[Tensor] = None, intermediate_indices: Optional[Tensor] = None,
-      accepted_path: Optional[Tensor] = None, num_draft_tokens: int = 0) -> None:
+def _(*args: object, **kwargs: object) -> None:  # (the op's arguments: it returns nothing)
     return None
 
 
@@ -326,13 +308,7 @@ def prefill_fp8(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, state: Tens
 
 
 @prefill_fp8.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, state: Tensor, state_scales: Tensor,
-      checkpoints: Optional[Tensor], checkpoint_scales: Optional[Tensor], error_flag: Optional[Tensor],
-      initial_indices: Optional[Tensor] = None, final_indices: Optional[Tensor] = None, g: Optional[Tensor] = None,
-      beta: Optional[Tensor] = None, a: Optional[Tensor] = None, b: Optional[Tensor] = None,
-      A_log: Optional[Tensor] = None, dt_bias: Optional[Tensor] = None, layout: str = "k_last",
-      scale: Optional[float] = None, use_qk_l2norm: bool = True, checkpoint_interval: int = 0,
-      checkpoint_indices: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
+def _(q: Tensor, k: Tensor, v: Tensor, *args: object, **kwargs: object) -> Tensor:  # (the op's arguments)
     return v.new_empty(v.shape)
 
 

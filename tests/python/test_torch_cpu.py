@@ -356,6 +356,15 @@ def test_fp8_custom_op_opcheck_and_compile():
     # mutations it would check are those test_fp8_custom_ops_match_ops and the compile below check)
     torch.library.opcheck(torch.ops.gdnkit.decode_fp8.default, (), args,
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    cu = torch.tensor([0, 1, B], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.gdnkit.prefill_fp8.default,
+                          (tok["q"], tok["k"], tok["v"], cu, pool, pscales, None, None, None),
+                          dict(initial_indices=slots, final_indices=slots, a=tok["a"], b=tok["b"],
+                               A_log=tok["A_log"], dt_bias=tok["dt_bias"]), test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.gdnkit.commit_fp8.default,
+                          (tok["k"], tok["v"], pool, pscales, slots, torch.ones(B, dtype=torch.int32), None),
+                          dict(source="recompute", a=tok["a"], b=tok["b"], A_log=tok["A_log"], dt_bias=tok["dt_bias"],
+                               num_draft_tokens=1), test_utils=("test_faketensor",))
 
     def step(q, k, v, state, scales):
         return torch.ops.gdnkit.decode_fp8(q, k, v, state, scales, slots, None, a=tok["a"], b=tok["b"],
