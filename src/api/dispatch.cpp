@@ -52,6 +52,7 @@ void require_cuda_states(const PrefillParams& p) {
   if (!head_pass) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, kHeadPass);
 }
 void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
+void require_cuda_states(const SplitPrefillParams& p) { require_cuda_states(p.local); }
 
 template <class Params, class CpuFn, class CudaFn>
 void run(const Params& p, const Context& ctx, CpuFn cpu_fn, CudaFn cuda_fn) {
@@ -114,20 +115,12 @@ size_t split_prefill_workspace_bytes(const SplitPrefillParams& p) {
 #endif
 }
 
-namespace {
-void split_prefill_half(const SplitPrefillParams& p, const Context& ctx, bool begin) {
-  validate(p, ctx.backend);
-  if (ctx.backend == Backend::kCPU) return cpu::split_prefill(p, begin);
-  require_cuda_states(p.local);
-  require_cuda();
-#ifdef GDNKIT_WITH_CUDA
-  cuda::split_prefill(p, begin, ctx.stream);
-#endif
+void split_prefill_begin(const SplitPrefillParams& p, const Context& ctx) {
+  run(p, ctx, [](const auto& q) { cpu::split_prefill_begin(q); }, GDNKIT_CUDA_FN(split_prefill_begin));
 }
-}  // namespace
-
-void split_prefill_begin(const SplitPrefillParams& p, const Context& ctx) { split_prefill_half(p, ctx, true); }
-void split_prefill_end(const SplitPrefillParams& p, const Context& ctx) { split_prefill_half(p, ctx, false); }
+void split_prefill_end(const SplitPrefillParams& p, const Context& ctx) {
+  run(p, ctx, [](const auto& q) { cpu::split_prefill_end(q); }, GDNKIT_CUDA_FN(split_prefill_end));
+}
 
 PrefillPath prefill_path(const PrefillParams& p) {
   PrefillPath path;

@@ -324,6 +324,14 @@ void validate(const CommitParams& p, Backend backend) {
   }
 }
 
+namespace {
+// A caller's CUDA workspace: at least `need` bytes (what `sizer` reports), 16-byte aligned.
+void validate_workspace(const void* ws, size_t bytes, size_t need, const char* sizer) {
+  if (bytes < need) fail("workspace: expected at least ", need, " bytes (", sizer, "), got ", bytes);
+  if (!aligned(ws, kVectorBytes)) fail("workspace: data pointer ", pointer_str(ws), " is not 16-byte aligned");
+}
+}  // namespace
+
 void validate(const PrefillParams& p, Backend backend) {
   validate_heads(p.heads);
   const int64_t N = p.num_seqs;
@@ -372,13 +380,8 @@ void validate(const PrefillParams& p, Backend backend) {
   if (p.cpu_algorithm != PrefillAlgorithm::kAuto && p.cpu_algorithm != PrefillAlgorithm::kRecurrent &&
       p.cpu_algorithm != PrefillAlgorithm::kChunked)
     fail("cpu_algorithm: unknown value ", int(p.cpu_algorithm), " (expected kAuto, kRecurrent or kChunked)");
-  if (backend == Backend::kCUDA && p.workspace != nullptr) {
-    const size_t need = prefill_workspace_bytes(p);
-    if (p.workspace_bytes < need)
-      fail("workspace: expected at least ", need, " bytes (prefill_workspace_bytes), got ", p.workspace_bytes);
-    if (!aligned(p.workspace, kVectorBytes))
-      fail("workspace: data pointer ", pointer_str(p.workspace), " is not 16-byte aligned");
-  }
+  if (backend == Backend::kCUDA && p.workspace != nullptr)
+    validate_workspace(p.workspace, p.workspace_bytes, prefill_workspace_bytes(p), "prefill_workspace_bytes");
 }
 
 void validate(const SplitPrefillParams& p, Backend backend) {
@@ -419,13 +422,9 @@ void validate(const SplitPrefillParams& p, Backend backend) {
   if (backend == Backend::kCPU && p.piece_offsets != nullptr)
     for (int64_t n = 0; n < N; ++n)
       if (p.piece_offsets[n] < 0) fail("piece_offsets: entry ", n, " is ", p.piece_offsets[n], " (expected >= 0)");
-  if (backend == Backend::kCUDA && q.workspace != nullptr) {
-    const size_t need = split_prefill_workspace_bytes(p);
-    if (q.workspace_bytes < need)
-      fail("workspace: expected at least ", need, " bytes (split_prefill_workspace_bytes), got ", q.workspace_bytes);
-    if (!aligned(q.workspace, kVectorBytes))
-      fail("workspace: data pointer ", pointer_str(q.workspace), " is not 16-byte aligned");
-  }
+  if (backend == Backend::kCUDA && q.workspace != nullptr)
+    validate_workspace(q.workspace, q.workspace_bytes, split_prefill_workspace_bytes(p),
+                       "split_prefill_workspace_bytes");
 }
 
 void validate(const LayoutParams& p, Backend backend) {

@@ -11,6 +11,7 @@ void prefill(const PrefillParams& p);           // dispatches on p.cpu_algorithm
 void prefill_recurrent(const PrefillParams& p);  // token by token, the recurrence itself
 void prefill_chunked(const PrefillParams& p);    // chunk 64, WY form: the blueprint of the CUDA prefill
 void convert_layout(const LayoutParams& p);
-// A prefill split over ranks: begin (true) writes this rank's summaries, end the rest (split.cpp).
-void split_prefill(const SplitPrefillParams& p, bool begin);
+// A prefill split over ranks (split.cpp): begin writes this rank's summaries, end the rest.
+void split_prefill_begin(const SplitPrefillParams& p);
+void split_prefill_end(const SplitPrefillParams& p);
 }  // namespace gdnkit::cpu

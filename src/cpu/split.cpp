@@ -132,12 +132,7 @@ void end(const SplitPrefillParams& sp, const PrefillParams& p) {
 
 }  // namespace
 
-void split_prefill(const SplitPrefillParams& sp, bool is_begin) {
-  const PrefillParams p = split_local_params(sp);
-  if (is_begin)
-    begin(sp, p);
-  else
-    end(sp, p);
-}
+void split_prefill_begin(const SplitPrefillParams& sp) { begin(sp, split_local_params(sp)); }
+void split_prefill_end(const SplitPrefillParams& sp) { end(sp, split_local_params(sp)); }
 
 }  // namespace gdnkit::cpu

@@ -15,7 +15,8 @@ void prefill(const PrefillParams& p, Stream stream);
 void convert_layout(const LayoutParams& p, Stream stream);
 size_t prefill_workspace_bytes(const PrefillParams& p);
 // A prefill split over ranks: begin (true) or end (docs/design/prefill.md "Split over ranks").
-void split_prefill(const SplitPrefillParams& p, bool begin, Stream stream);
+void split_prefill_begin(const SplitPrefillParams& p, Stream stream);
+void split_prefill_end(const SplitPrefillParams& p, Stream stream);
 size_t split_prefill_workspace_bytes(const SplitPrefillParams& p);
 bool device_usable();       // an sm_90 device is present and the runtime works
 int device_sms();           // the current device's SM count (132 where the query fails)

@@ -52,6 +52,7 @@ SplitRanks::SplitRanks(const Problem& full, std::vector<int64_t> cuts) : cuts_(s
       cu[size_t(n)] = int32_t(std::clamp(at, t0, t1) - t0);
       if (n < N) offsets[size_t(n)] = std::clamp(t0, at, at + full.row_len(n)) - at;
     }
+    cu_host_.emplace_back(cu.begin(), cu.end());
     std::vector<Buffer> own;
     own.push_back(vector_buffer("cu_seqlens", cu, false));
     own.push_back(vector_buffer("piece_offsets", offsets, false));
@@ -93,11 +94,7 @@ SplitPrefillParams SplitRanks::params(const PrefillParams& full, int r, const Ra
   p.gating.a = shifted(p.gating.a, t0), p.gating.b = shifted(p.gating.b, t0);
   p.cu_seqlens = at.cu_seqlens;
   p.cu_seqlens_dtype = DType::kInt32;
-  const Buffer& cu = buffer(r, "cu_seqlens");
-  static thread_local std::vector<std::vector<int64_t>> host_cu;  // the host copies outlive the params' use
-  host_cu.resize(std::max(host_cu.size(), size_t(ranks())));
-  host_cu[size_t(r)].assign(cu.as<int32_t>(), cu.as<int32_t>() + cu.bytes.size() / 4);
-  p.cu_seqlens_host = full.cu_seqlens_host ? host_cu[size_t(r)].data() : nullptr;
+  p.cu_seqlens_host = full.cu_seqlens_host ? cu_host_[size_t(r)].data() : nullptr;
   if (p.state.data) p.state.data = at.state, p.state.scales = at.state_scales;
   if (p.checkpoints.data) p.checkpoints.data = at.checkpoints, p.checkpoints.scales = at.checkpoint_scales;
   p.error_flag = at.error_flag;

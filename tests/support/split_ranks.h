@@ -54,6 +54,7 @@ class SplitRanks {
  private:
   std::vector<int64_t> cuts_;
   std::vector<std::vector<Buffer>> ranks_;
+  std::vector<std::vector<int64_t>> cu_host_;  // each rank's cu_seqlens as PrefillParams::cu_seqlens_host
   std::vector<Buffer> before_;  // the problem's pool, checkpoints and their scales before the run
   std::vector<float> exchange_;
 };

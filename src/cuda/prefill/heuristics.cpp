@@ -22,6 +22,11 @@ bool vec_ok(const View& v) {
 // The prep warpgroup that forms M pays from a mean of 4 chunks per sequence (one chunk each: nothing to
 // overlap its work with).
 constexpr int kMWarpgroupMinChunks = 4;
+// Where the warpgroup can run: the override, else that mean.
+bool m_warpgroup_wanted(const PrefillParams& p, const Overrides& o) {
+  if (o.prefill_m_warpgroup >= 0) return o.prefill_m_warpgroup > 0;
+  return p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs;
+}
 // The state pass launches behind the chunk prep with PDL while the grid is at most this many CTAs per SM:
 // with many short CTAs each one's wait costs more than the overlap saves.
 constexpr int kEarlyPassMaxCtasPerSm = 4;
@@ -230,10 +235,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
                                             "only, not by value tile " + std::to_string(c.vtile));
   c.wgmma_pass = c.vtile == kVTileHead && K <= 128 && (V / c.head_split) % 64 == 0 && head_tensor_maps_ok(p);
   const bool m_warpgroup_possible = c.wgmma_pass && c.head_split == 1 && V == 128 && K % 64 == 0;
-  if (m_warpgroup_possible)
-    c.m_warpgroup = o.prefill_m_warpgroup >= 0
-                        ? o.prefill_m_warpgroup > 0
-                        : p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs;
+  if (m_warpgroup_possible) c.m_warpgroup = m_warpgroup_wanted(p, o);
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(c.wgmma_pass, V / c.head_split);
   const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
   // (under context parallelism the pass behind the prep is the local pass: two CTAs per state and value head)
@@ -280,9 +282,7 @@ PrefillChoice choose_split(const PrefillParams& p, int num_sms, const Overrides&
   c.head_split = 1;
   c.wgmma_pass = true;
   const int V = p.heads.head_dim_v;
-  c.m_warpgroup = V == 128 && (o.prefill_m_warpgroup >= 0
-                                   ? o.prefill_m_warpgroup > 0
-                                   : p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs);
+  c.m_warpgroup = V == 128 && m_warpgroup_wanted(p, o);
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(true, V);
   const int64_t rows = 2 * cp_max_segments(p, c.cp_segment_len);
   c.early_state_pass = p.total_tokens > 0 && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;

@@ -242,8 +242,11 @@ void prefill(const PrefillParams& p, Stream stream) {
 
 size_t prefill_workspace_bytes(const PrefillParams& p) { return chunked_prefill::workspace_bytes(p); }
 
-void split_prefill(const SplitPrefillParams& p, bool begin, Stream stream) {
-  chunked_prefill::run_split(p, begin, reinterpret_cast<cudaStream_t>(stream));
+void split_prefill_begin(const SplitPrefillParams& p, Stream stream) {
+  chunked_prefill::run_split(p, true, reinterpret_cast<cudaStream_t>(stream));
+}
+void split_prefill_end(const SplitPrefillParams& p, Stream stream) {
+  chunked_prefill::run_split(p, false, reinterpret_cast<cudaStream_t>(stream));
 }
 
 size_t split_prefill_workspace_bytes(const SplitPrefillParams& p) { return chunked_prefill::split_workspace_bytes(p); }
