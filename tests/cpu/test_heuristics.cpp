@@ -242,7 +242,7 @@ TEST(PrefillHeuristics, FewHeadsSplitTheHead) {
 }
 
 // Context parallelism: segments so that the longest sequence's segments and heads give about one CTA per SM, where
-// that sequence holds at least eight of them, or four to seven in a prompt of 262144 tokens or more.
+// that sequence holds at least eight of them, or four to seven in a prompt of 32768 tokens or more.
 TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   PrefillCall tp8({65536}, 2, 8);  // 16 segments of 4096 tokens x 8 heads = 128 CTAs
   const auto a = chunked_prefill::choose_prefill(tp8.p, kSms, {});
@@ -252,10 +252,14 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_TRUE(a.early_state_pass);  // the local pass: 2 x 17 entries x 8 heads <= 4 CTAs per SM
   PrefillCall tp8_32k({32768}, 2, 8);  // 16 segments of 2048
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_32k.p, kSms, {}).cp_segment_len, 2048);
-  PrefillCall next({32768});  // 32 heads: 4 segments per wave, too few to pay for three passes
-  EXPECT_EQ(chunked_prefill::choose_prefill(next.p, kSms, {}).cp_segment_len, 0);
-  PrefillCall next_131k({131072});  // ... below the very long prompts where they do
-  EXPECT_EQ(chunked_prefill::choose_prefill(next_131k.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall next_16k({16384});  // 32 heads: 4 segments per wave, too few to pay for three passes on short prompts
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_16k.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall next({32768});  // ... from 32768 tokens they do: one wave of 4 segments of 8192
+  EXPECT_EQ(chunked_prefill::choose_prefill(next.p, kSms, {}).cp_segment_len, 8192);
+  PrefillCall next_131k({131072});  // 4 segments of 32768
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_131k.p, kSms, {}).cp_segment_len, 32768);
+  PrefillCall next_two({32768, 32768});  // two such prompts: 2 segments each per wave, not cut
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_two.p, kSms, {}).cp_segment_len, 0);
   PrefillCall next_256k({262144});  // one wave: 4 segments of 65536
   EXPECT_EQ(chunked_prefill::choose_prefill(next_256k.p, kSms, {}).cp_segment_len, 65536);
   PrefillCall next_1m({1048576});

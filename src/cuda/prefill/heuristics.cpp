@@ -139,7 +139,7 @@ constexpr int64_t kCpMinSegmentsPerSeq = 8;
 // With 4 to 7 segments per wave (32 value heads on 132 SMs: 4) they pay on prompts of this many tokens and more, cut
 // into one wave of segments (docs/design/prefill.md measures it).
 constexpr int64_t kCpFewSegmentsPerWave = 4;
-constexpr int64_t kCpFewSegmentsMinLen = 262144;
+constexpr int64_t kCpFewSegmentsMinLen = 32768;
 
 int64_t longest_sequence(const PrefillParams& p) {
   if (p.cu_seqlens_host == nullptr) return p.num_seqs == 1 ? p.total_tokens : p.total_tokens / p.num_seqs;
@@ -166,7 +166,7 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
   const int64_t HV = p.heads.num_v_heads;
   const int64_t per_wave = num_sms / HV;  // segments of one sequence that give every value head one SM each
   const int64_t longest = longest_sequence(p);
-  const bool few = per_wave < kCpMinSegmentsPerSeq;  // then only a very long prompt, in one wave of segments
+  const bool few = per_wave < kCpMinSegmentsPerSeq;  // then only a long prompt, in one wave of segments
   if (few && (per_wave < kCpFewSegmentsPerWave || longest < kCpFewSegmentsMinLen)) return 0;
   const int64_t tokens = (p.total_tokens + per_wave - 1) / per_wave;
   const int64_t len = std::max(kCpMinSegment, (tokens + kChunk - 1) / kChunk * kChunk);
