@@ -177,13 +177,13 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// N sums over aligned groups of kLanes lanes at once (N and kLanes powers of two, 2 <= N <= kLanes <= 32),
-// each lane contributing x[0..N-1]: a butterfly that halves the values at every step (each lane keeps
-// one half and adds its partner's other half), then plain butterflies: N - 1 + log2(kLanes / N) shuffles
-// instead of N * log2(kLanes). Afterwards x[0] of lane l is the group sum of value
-// (l % kLanes) / (kLanes / N); returns that index.
-template <int N, int kLanes = 32>
-__device__ __forceinline__ int transpose_group_sum(float (&x)[N], int lane) {
+// N reductions by `op` (associative, commutative) over aligned groups of kLanes lanes at once (N and kLanes
+// powers of two, 2 <= N <= kLanes <= 32), each lane contributing x[0..N-1]: a butterfly that halves the values at
+// every step (each lane keeps one half and combines its partner's other half), then plain butterflies: N - 1 +
+// log2(kLanes / N) shuffles instead of N * log2(kLanes). Afterwards x[0] of lane l is the group's reduction of
+// value (l % kLanes) / (kLanes / N); returns that index.
+template <int N, int kLanes = 32, class Op>
+__device__ __forceinline__ int transpose_group_reduce(float (&x)[N], int lane, const Op& op) {
   constexpr auto log2 = [](int n) { int r = 0; while (n > 1) n /= 2, ++r; return r; };
   constexpr int kSteps = log2(N), kAll = log2(kLanes);
   static_assert((1 << kSteps) == N && (1 << kAll) == kLanes && N >= 2 && N <= kLanes && kLanes <= 32,
@@ -197,13 +197,19 @@ __device__ __forceinline__ int transpose_group_sum(float (&x)[N], int lane) {
     for (int m = 0; m < half; ++m) {
       const float send = upper ? x[m] : x[m + half];
       const float keep = upper ? x[m + half] : x[m];
-      x[m] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+      x[m] = op(keep, __shfl_xor_sync(0xffffffffu, send, off));
     }
     if (upper) index += half;
   }
 #pragma unroll
-  for (int step = kSteps; step < kAll; ++step) x[0] += __shfl_xor_sync(0xffffffffu, x[0], (kLanes / 2) >> step);
+  for (int step = kSteps; step < kAll; ++step)
+    x[0] = op(x[0], __shfl_xor_sync(0xffffffffu, x[0], (kLanes / 2) >> step));
   return index;
+}
+// The same for sums.
+template <int N, int kLanes = 32>
+__device__ __forceinline__ int transpose_group_sum(float (&x)[N], int lane) {
+  return transpose_group_reduce<N, kLanes>(x, lane, [](float a, float b) { return a + b; });
 }
 
 // ---- gating (docs/semantics.md "The recurrence") --------------------------------------------------------

@@ -30,6 +30,14 @@ __device__ __forceinline__ Fp8Scale e4m3_block_scale(uint32_t amax_bits) {
   return {uint32_t(s + 127), __uint_as_float(uint32_t(127 - s) << 23)};
 }
 
+// The larger magnitude of a and b, NaN if either is NaN (max.NaN): over a block, the same order as the bits of
+// abs_bits (NaN and infinities above every finite value), so e4m3_block_scale(__float_as_uint(...)) is the same.
+__device__ __forceinline__ float max_abs_nan(float a, float b) {
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(fabsf(a)), "f"(fabsf(b)));
+  return m;
+}
+
 // Four values x 2^-s as e4m3 bytes, the first in the low byte (all NaN codes under the NaN scale).
 __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, const Fp8Scale& sc) {
   if (sc.byte == 255u) return 0x7f7f7f7fu;
@@ -41,6 +49,11 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, c
 __device__ __forceinline__ uint32_t e4m3x2(float a, float b, const Fp8Scale& sc) {
   if (sc.byte == 255u) return 0x7f7fu;
   return __nv_cvt_float2_to_fp8x2(make_float2(a * sc.inv, b * sc.inv), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Four values as e4m3x4, from the scale's 2^-s alone (0: the NaN scale).
+__device__ __forceinline__ uint32_t e4m3x4_by_inv(float a, float b, float c, float d, float inv) {
+  return e4m3x4(a, b, c, d, Fp8Scale{inv == 0.0f ? 255u : 0u, inv});
 }
 
 // One value x 2^-s as an e4m3 byte (the NaN code under the NaN scale).

@@ -169,39 +169,46 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
         }
       }
   }
-  // float8_e4m3 (verify's intermediate cache; docs/semantics.md): a lane's run of kVec k is its share of a 32-element
-  // block held by 32 / kVec neighbouring lanes, whose largest magnitude gives the block's scale (arch/fp8.cuh);
-  // `scales` holds the blocks of the warp's first column, K / 32 per column.
+  // float8_e4m3 (verify's intermediate cache, fp8 pools; docs/semantics.md): a lane's run of kVec k of a column is
+  // its share of a 32-element block held by 32 / kVec neighbouring lanes. Per run, the blocks' largest magnitudes of
+  // all kRows columns are reduced together (a transposed butterfly: each lane ends with one column's), so a lane
+  // forms one scale and writes one scale byte, and each column takes its scale from that lane. `scales` holds the
+  // blocks of the warp's first column, K / 32 per column.
   static constexpr bool kStoresE4m3 = !kPacked && (kVec == 2 || kVec == 4 || kVec == 8);
   __device__ static void store_e4m3(uint8_t* tile, uint8_t* scales, const Regs& s, int lane) {
     static_assert(kStoresE4m3, "fp32 registers, runs of 2, 4 or 8 k");
-    constexpr int kLanesPerBlock = kFp8Block / kVec;
+    constexpr int kLanesPerBlock = kFp8Block / kVec, kLanesPerCol = kLanesPerBlock / kRows;
+    static_assert(kRows <= kLanesPerBlock, "a column's block maximum in one lane after the butterfly");
+    const int group = lane & ~(kLanesPerBlock - 1);
 #pragma unroll
-    for (int i = 0; i < kRows; ++i)
+    for (int j = 0; j < kKPerLane; j += kVec) {
+      float m[kRows];
 #pragma unroll
-      for (int j = 0; j < kKPerLane; j += kVec) {
-        uint32_t m = 0;
+      for (int i = 0; i < kRows; ++i) {
+        m[i] = fabsf(s.v[i][j]);
 #pragma unroll
-        for (int x = 0; x < kVec; ++x) m = max(m, abs_bits(s.v[i][j + x]));
+        for (int x = 1; x < kVec; ++x) m[i] = max_abs_nan(m[i], s.v[i][j + x]);
+      }
+      const auto larger = [](float a, float b) { return max_abs_nan(a, b); };
+      const int mine = transpose_group_reduce<kRows, kLanesPerBlock>(m, lane, larger);
+      const Fp8Scale own = e4m3_block_scale(__float_as_uint(m[0]));
+      const int k = k_of(lane, j);
+      if (lane % kLanesPerCol == 0) scales[mine * (K / kFp8Block) + k / kFp8Block] = uint8_t(own.byte);
 #pragma unroll
-        for (int off = 1; off < kLanesPerBlock; off <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-        const Fp8Scale sc = e4m3_block_scale(m);
-        const int k = k_of(lane, j);
+      for (int i = 0; i < kRows; ++i) {
+        const float inv = __shfl_sync(0xffffffffu, own.inv, group + i * kLanesPerCol);
+        const float* x = &s.v[i][j];
         uint8_t* at = tile + i * K + k;
         if constexpr (kVec == 2) {
-          *reinterpret_cast<uint16_t*>(at) = uint16_t(e4m3x2(s.v[i][j], s.v[i][j + 1], sc));
+          *reinterpret_cast<uint16_t*>(at) = uint16_t(e4m3x4_by_inv(x[0], x[1], 0.0f, 0.0f, inv));
+        } else if constexpr (kVec == 4) {
+          *reinterpret_cast<uint32_t*>(at) = e4m3x4_by_inv(x[0], x[1], x[2], x[3], inv);
         } else {
-          uint32_t w[kVec / 4];
-#pragma unroll
-          for (int x = 0; x < kVec / 4; ++x)
-            w[x] = e4m3x4(s.v[i][j + 4 * x], s.v[i][j + 4 * x + 1], s.v[i][j + 4 * x + 2], s.v[i][j + 4 * x + 3], sc);
-          if constexpr (kVec == 4)
-            *reinterpret_cast<uint32_t*>(at) = w[0];
-          else
-            *reinterpret_cast<uint2*>(at) = make_uint2(w[0], w[1]);
+          *reinterpret_cast<uint2*>(at) =
+              make_uint2(e4m3x4_by_inv(x[0], x[1], x[2], x[3], inv), e4m3x4_by_inv(x[4], x[5], x[6], x[7], inv));
         }
-        if (k % kFp8Block == 0) scales[i * (K / kFp8Block) + k / kFp8Block] = uint8_t(sc.byte);
       }
+    }
   }
   // s <- a float8_e4m3 tile (a pool of TState uint8_t): each run's bytes times its block's scale, exact in fp32;
   // `scales` as in store_e4m3. Every load is issued before any use.
