@@ -23,14 +23,10 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .bench import _fla, _rel, _torch
+
 K = V = 128
 POOLS = ("fp32", "bf16", "fp16", "fp8")
-
-
-def _torch():
-    import torch
-
-    return torch
 
 
 def inputs(tokens: int, heads: int, mixed: bool, seed: int, device: str) -> Dict[str, Any]:
@@ -122,24 +118,6 @@ def run_fla(x: Dict[str, Any], prefill: int, state_dtype: str, fla: Tuple[Callab
     return torch.cat(outs), h[0].float().transpose(-1, -2)
 
 
-def _rel(x, ref) -> float:
-    torch = _torch()
-    d = torch.linalg.vector_norm(x.double() - ref).item()
-    n = torch.linalg.vector_norm(ref).item()
-    return d / n if n > 0 else d
-
-
-def _fla() -> Optional[Tuple[Callable, Callable, str]]:
-    try:
-        import fla
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-
-        return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, getattr(fla, "__version__", "?")
-    except Exception as e:  # noqa: BLE001
-        print(f"[precision] FLA not available ({e!r}): gdnkit rows only", file=sys.stderr)
-        return None
-
-
 def markdown(meta: Dict[str, Any], rows: List[Dict[str, Any]]) -> str:
     out = [f"## Long-horizon precision: {meta['device']}", "",
            f"- one sequence, {meta['heads']} heads, K = V = {K}, bf16 q/k/v, given gates, q/k L2 norm in the kernel: "
@@ -174,11 +152,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"[precision] bad arguments: pools {bad}, prefill {prefill}, steps {steps}, heads {args.heads}",
               file=sys.stderr)
         return 2
-    fla = None if args.no_fla or not cuda else _fla()
+    fla = (None, None, None) if args.no_fla or not cuda else _fla()  # (chunk, recurrent, version)
     device = "cuda" if cuda else "cpu"
     meta = dict(device=torch.cuda.get_device_name() if cuda else f"CPU backend ({platform.machine()})",
                 prefill=prefill, steps=steps, heads=args.heads, seed=args.seed,
-                fla_version=fla[2] if fla else None, date=time.strftime("%Y-%m-%d"),
+                fla_version=fla[2], date=time.strftime("%Y-%m-%d"),
                 command="python -m gdnkit.precision " + " ".join(argv if argv is not None else sys.argv[1:]))
     rows: List[Dict[str, Any]] = []
     os.makedirs(args.out, exist_ok=True)
@@ -187,7 +165,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         o_ref, s_ref = reference(x, prefill)
         runs: List[Tuple[str, str, Callable[[], Tuple[Any, Any]]]] = [
             ("gdnkit", p, (lambda p=p: run_gdnkit(x, prefill, p))) for p in pools]
-        if fla:
+        if fla[0] is not None:
             runs += [("FLA", p, (lambda p=p: run_fla(x, prefill, p, fla[:2]))) for p in ("fp32", "bf16")]
         for library, state, fn in runs:
             o, s = fn()
