@@ -58,6 +58,7 @@ struct Options {
   int replays = 20;              // decode/verify graph replays (>= 15)
   int prefill_iters = 12;        // prefill timed runs (>= 10)
   int64_t cp_segment = -1;       // A/B switch: prefill's context-parallel segments forced (0: off; -1: the heuristic)
+  int fp8_columns = 0;           // A/B switch: the fp8 decode kernel's columns per warp (0: the heuristic)
   std::string command_line;
 };
 

@@ -50,6 +50,8 @@ bench options:
                              1x262144, 1x1048576 on qwen3-next and qwen3.5-397b-tp8)
   --cp-segment N              A/B switch: prefill's context-parallel segments of N tokens (0: off) instead of
                              the library's choice (the mode column says what ran)
+  --fp8-columns N             A/B switch: columns per warp of the float8_e4m3 decode kernel (8, 16 or 32; 32 only
+                             at K = 128) instead of the library's choice
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)
@@ -163,6 +165,9 @@ Options parse_bench(int argc, char** argv, int first) {
     } else if (a == "--cp-segment") {
       o.cp_segment = int_list(a, value(i), 0, 1 << 30).front();
       if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
+    } else if (a == "--fp8-columns") {
+      o.fp8_columns = int_list(a, value(i), 8, 32).front();
+      if (o.fp8_columns != 8 && o.fp8_columns != 16 && o.fp8_columns != 32) usage_error("--fp8-columns: 8, 16 or 32");
     } else if (a == "--json") {
       o.json_path = value(i);
     } else if (a == "--markdown") {

@@ -147,8 +147,8 @@ TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {
   EXPECT_EQ(recurrent::fp8_decode_columns(1, 128, o), 8);
   EXPECT_EQ(recurrent::fp8_decode_columns(2, 128, o), 8);
   EXPECT_EQ(recurrent::fp8_decode_columns(3, 128, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(127, 128, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(128, 128, o), 32);
+  EXPECT_EQ(recurrent::fp8_decode_columns(15, 128, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(16, 128, o), 32);
   EXPECT_EQ(recurrent::fp8_decode_columns(512, 64, o), 16);  // 32 columns built at K = 128 only
   EXPECT_EQ(recurrent::fp8_decode_columns(512, 256, o), 16);
   Overrides forced;

@@ -10,8 +10,10 @@
 namespace gdnkit::cuda {
 
 // 2^(e - 127) of an E8M0 byte (255: NaN; 0: the subnormal 2^-127).
+// Selects on the bits, not branches (which ptxas made of the conditional form, 5-8 instructions more per use).
 __device__ __forceinline__ float e8m0_scale(uint32_t e) {
-  return e == 0u ? __uint_as_float(0x00400000u) : e == 255u ? __uint_as_float(0x7fffffffu) : __uint_as_float(e << 23);
+  const uint32_t bits = (e << 23) | (e == 255u ? 0x007fffffu : 0u);
+  return __uint_as_float(e == 0u ? 0x00400000u : bits);
 }
 
 // |x| as bits: their max over a block orders NaN and infinities above every finite value.
@@ -67,10 +69,14 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t byte, float scale) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(byte & 0xffu), __NV_E4M3))) * scale;
 }
 
-// The two e4m3 bytes of the low half of w (w >> 16 for the high half) times scale, as fp32.
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w, float scale) {
+// The two e4m3 bytes of the low half of w (w >> 16 for the high half) as fp32, unscaled.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w) {
   const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(w & 0xffffu), __NV_E4M3);
-  const float2 f = __half22float2(__half2(pair));
+  return __half22float2(__half2(pair));
+}
+// The same times scale.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w, float scale) {
+  const float2 f = e4m3x2_to_float2(w);
   return make_float2(f.x * scale, f.y * scale);
 }
 

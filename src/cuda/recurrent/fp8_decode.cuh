@@ -6,14 +6,16 @@
 // k = 16 c .. 16 c + 15: one 16-byte load per column, and each 32-element scale block is the pair of lanes
 // (2m, 2m + 1) of a column group. Per column, in fp32 (the warp kernel's math, warp_step.cuh):
 //   S = e4m3 x 2^(scale - 127)                      (exact in fp32)
-//   d_k = S . k, d_q = S . q                        (per-lane sums, reduced over the column's lanes)
+//   d_k = S . k, d_q = S . q                        (per-lane sums of e4m3 x k times the lane's block scale,
+//                                                    reduced over the column's lanes; e^g S as (e^g 2^s) e4m3)
 //   u = beta (v - e^g rk d_k),  o = e^g rq d_q + kq_n u
 //   S_new = e^g S + k (rk u), then per block: the scale from the block's largest magnitude (its exponent after
 //   rounding to 4 significant bits, minus 7: the largest element lands on [128, 240]), each element x 2^-s
 //   rounded to nearest even; a block holding NaN or an infinity gets the NaN scale (host_dtype.h
 //   quantize_e4m3_block, which the CPU backend stores: the same bytes for the same fp32 values).
 // Padding rows, out-of-range slots (counted), GVA, fused or given gates and the L2 norm as in the warp kernel
-// (row.cuh, token.cuh).
+// (row.cuh, token.cuh); the gates by their SFU forms (token.cuh gate_log_values<true>: a few ulp, far inside
+// the e4m3 state's rounding).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -41,14 +43,15 @@ struct Fp8DecodeTile {
                 "fp8 decode: K in {64, 128, 256}, whole loads of columns");
 };
 
-// 16 e4m3 bytes (one uint4) times scale, as fp32.
-__device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float scale, float (&x)[16]) {
+// 16 e4m3 bytes (one uint4) as fp32, unscaled: the block's power of two is applied to the sums and to the decay
+// instead (exact either way), once per column rather than once per element.
+__device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float2 f = e4m3x2_to_float2(w[i] >> (16 * h), scale);
+      const float2 f = e4m3x2_to_float2(w[i] >> (16 * h));
       x[4 * i + 2 * h] = f.x, x[4 * i + 2 * h + 1] = f.y;
     }
 }
@@ -120,15 +123,13 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
   const GateBits gate_bits = token_gate_bits(p.gating, b, hv);
   const HeadGates hg = head_gates(p.gating, hv);
 
-  // Norms over the column group's lanes (each group holds all of k and q). k and q stay as loaded and are
-  // converted again at each use (RawVec::opaque), so that 32 fp32 copies do not hold registers across the loop.
+  // Norms over the column group's lanes (each group holds all of k and q). k and q are converted to fp32 once and
+  // held across the column loop (32 registers, against 32 conversions per column).
   float kk = 0.0f, qq = 0.0f, kq = 0.0f;
-  {
-    float kf[16], qf[16];
-    kr.to_floats(kf), qr.to_floats(qf);
+  float kf[16], qf[16];
+  kr.to_floats(kf), qr.to_floats(qf);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
-  }
+  for (int j = 0; j < 16; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
 #pragma unroll
   for (int off = 1; off < kLPC; off <<= 1) {
     kk += __shfl_xor_sync(0xffffffffu, kk, off);
@@ -140,18 +141,18 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
   const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
   const float kq_n = kq * rk * rq;
   float gl, beta;
-  gate_log_values(p.gating, hg, gate_bits, gl, beta);
-  const float decay = expf(gl);
+  gate_log_values<true>(p.gating, hg, gate_bits, gl, beta);
+  const float decay = __expf(gl);
 
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
-    kr.opaque(), qr.opaque();
-    float kf[16], qf[16], s[16];
-    kr.to_floats(kf), qr.to_floats(qf);
-    unpack_e4m3x16(raw[i], e8m0_scale(sbyte[i]), s);
+    float s[16];
+    unpack_e4m3x16(raw[i], s);  // S / scale
+    const float sc = e8m0_scale(sbyte[i]);
     float dk = 0.0f, dq = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) dk = fmaf(s[j], kf[j], dk), dq = fmaf(s[j], qf[j], dq);
+    dk *= sc, dq *= sc;  // a column's lanes hold blocks of different scales: each lane's sum scaled before the reduction
 #pragma unroll
     for (int off = 1; off < kLPC; off <<= 1) {
       dk += __shfl_xor_sync(0xffffffffu, dk, off);
@@ -159,9 +160,9 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     }
     const float u = beta * (to_float(vv[i]) - decay * (dk * rk));
     if (c == 0) o[kCPL * i + g] = from_float<TInput>(fmaf(kq_n, u, decay * (dq * rq)));
-    const float uk = u * rk;
+    const float uk = u * rk, ds = decay * sc;  // decay (S / scale) scale = (decay scale) (S / scale), exact
 #pragma unroll
-    for (int j = 0; j < 16; ++j) s[j] = fmaf(kf[j], uk, decay * s[j]);
+    for (int j = 0; j < 16; ++j) s[j] = fmaf(kf[j], uk, ds * s[j]);
     uint32_t new_scale;
     const uint4 out = quantize_e4m3x16(s, new_scale);
     const int col = v0 + kCPL * i + g;

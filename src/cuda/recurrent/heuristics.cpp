@@ -31,7 +31,7 @@ const char* kernel_name(RecurrentKernel k) {
 }
 
 constexpr int kFp8NarrowMaxBatch = 2;  // 8 columns per warp up to this batch
-constexpr int kFp8WideMinBatch = 128;  // 32 columns per warp from this batch
+constexpr int kFp8WideMinBatch = 16;   // 32 columns per warp from this batch (K = 128)
 
 int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o) {
   const bool wide_built = head_dim_k == 128;

@@ -31,8 +31,8 @@ enum class RecurrentKernel {
 const char* kernel_name(RecurrentKernel k);
 
 // Columns per warp of the fp8 decode kernel (fp8_decode.cuh: 8, 16, or 32 at K = 128) for a call of `batch`
-// sequences: few columns where the grid is small (each warp's chain is the time), many where it is large (bytes
-// in flight per SM are the time).
+// sequences: few columns where the grid is small (each warp's chain is the time), many where it is large (a warp's
+// fixed work, k and q and the gates, is shared by more columns, and more bytes are in flight per SM).
 int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o);
 
 // The facts of a call the choice depends on.
