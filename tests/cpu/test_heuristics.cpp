@@ -144,11 +144,14 @@ TEST(RecurrentHeuristics, ChainsOnTensorCoresFromThreeTokens) {
 
 TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {
   const Overrides o;
-  EXPECT_EQ(recurrent::fp8_decode_columns(1, 128, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(2, 128, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(3, 128, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 128, o), 16);
   EXPECT_EQ(recurrent::fp8_decode_columns(15, 128, o), 16);
   EXPECT_EQ(recurrent::fp8_decode_columns(16, 128, o), 32);
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 64, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(8, 64, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(9, 64, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(2, 256, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(3, 256, o), 16);
   EXPECT_EQ(recurrent::fp8_decode_columns(512, 64, o), 16);  // 32 columns built at K = 128 only
   EXPECT_EQ(recurrent::fp8_decode_columns(512, 256, o), 16);
   Overrides forced;

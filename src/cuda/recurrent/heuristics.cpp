@@ -30,14 +30,17 @@ const char* kernel_name(RecurrentKernel k) {
   return "?";
 }
 
-constexpr int kFp8NarrowMaxBatch = 2;  // 8 columns per warp up to this batch
-constexpr int kFp8WideMinBatch = 16;   // 32 columns per warp from this batch (K = 128)
+// fp8 decode widths (docs/design/decode.md "fp8 pools"): 8 columns per warp where a tiny grid needs the warps
+// (K = 64, 256); at K = 128 16, and 32 from kFp8WideMinBatch (a warp's fixed work shared by more columns).
+constexpr int kFp8NarrowMaxBatchK64 = 8, kFp8NarrowMaxBatchK256 = 2;
+constexpr int kFp8WideMinBatch = 16;
 
 int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o) {
   const bool wide_built = head_dim_k == 128;
   if (o.decode_fp8_columns == 8 || o.decode_fp8_columns == 16 || (o.decode_fp8_columns == 32 && wide_built))
     return o.decode_fp8_columns;
-  return batch <= kFp8NarrowMaxBatch ? 8 : batch >= kFp8WideMinBatch && wide_built ? 32 : 16;
+  if (wide_built) return batch >= kFp8WideMinBatch ? 32 : 16;
+  return batch <= (head_dim_k == 64 ? kFp8NarrowMaxBatchK64 : kFp8NarrowMaxBatchK256) ? 8 : 16;
 }
 
 bool chain_mma_built(const RecurrentCall& c) {
