@@ -1,7 +1,8 @@
 // Decode of K-last float8_e4m3 pools on CUDA (recurrent/fp8_decode.cuh) against the CPU backend on the same pool:
 // o within the step ops' tolerance (both read the same dequantized state), the stored blocks equal to the CPU's up
 // to the rare element whose fp32 arithmetic lands on the other side of a rounding boundary, untouched slots,
-// scales and slot padding bit-identical, padding and out-of-range rows as the CPU backend leaves them.
+// scales and slot padding bit-identical, padding and out-of-range rows as the CPU backend leaves them; a block holding
+// NaN or an infinity turns its column to NaN codes under NaN scales on both backends.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -62,7 +63,8 @@ std::vector<double> read_floats(const std::vector<uint8_t>& b, DType dt) {
 struct Fp8DecodeCase {
   int K;
   DType in;
-  int cols;  // columns per warp (Overrides::decode_fp8_columns; 0: the heuristic)
+  int cols;                // columns per warp (Overrides::decode_fp8_columns; 0: the heuristic)
+  bool nonfinite = false;  // slot 3, head 1: a block of column 5 holds a NaN, one of column 9 an infinity
 };
 
 class Fp8DecodeGpu : public ::testing::TestWithParam<Fp8DecodeCase> {};
@@ -89,6 +91,8 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
         // Some blocks so small that their scale is the smallest, 2^-127 (scale byte 0, a subnormal fp32 scale).
         const int ex = (e / kFp8Block) % 17 == 5 ? -132 : expo(gen);
         for (float& v : x) v = std::ldexp(nd(gen), ex);
+        if (GetParam().nonfinite && s == 3 && e == head + 5 * K + kFp8Block) x[7] = NAN;
+        if (GetParam().nonfinite && s == 3 && e == head + 9 * K) x[30] = INFINITY;
         scales[size_t((s * HV * head + e) / kFp8Block)] =
             host::quantize_e4m3_block(x, kFp8Block, &pool[size_t(s * stride + e)]);
       }
@@ -152,7 +156,23 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
   std::memcpy(&flag, gflag.data(), 4);
   EXPECT_EQ(flag, cflag);
   EXPECT_EQ(flag, 1) << "the slot past the pool is counted once";
-  EXPECT_TRUE(RelClose("o", read_floats(go, in), read_floats(co, in), output_tolerance(OpFamily::kStep, in)));
+  // A non-finite block makes its whole column NaN (its sums, u, o and the new state: NaN scales, NaN codes), on both
+  // backends; the comparisons below take the finite values.
+  const auto finite_pair = [](std::vector<double>& got, std::vector<double>& ref, const std::string& what) {
+    size_t n = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_EQ(std::isnan(got[i]), std::isnan(ref[i])) << what << " element " << i;
+      if (!std::isnan(ref[i])) got[n] = got[i], ref[n] = ref[i], ++n;
+    }
+    got.resize(n), ref.resize(n);
+    return ref.size();
+  };
+  {
+    std::vector<double> got = read_floats(go, in), ref = read_floats(co, in);
+    const size_t all = ref.size();
+    EXPECT_EQ(all - finite_pair(got, ref, "o"), GetParam().nonfinite ? 2u : 0u);
+    EXPECT_TRUE(RelClose("o", got, ref, output_tolerance(OpFamily::kStep, in)));
+  }
   for (int r : {2, 3})  // padding row and out-of-range row: o = 0
     for (int64_t i = 0; i < int64_t(HV) * V; ++i)
       ASSERT_EQ(host::load(go.data(), in, r * int64_t(HV) * V + i), 0.0) << "row " << r;
@@ -173,8 +193,21 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
       const size_t at = size_t(s * stride + e), sc = s0 + size_t(e / kFp8Block);
       got[size_t(e)] = double(host::e4m3_to_float(gpool[at])) * host::e8m0_to_float(gscales[sc]);
       ref[size_t(e)] = double(host::e4m3_to_float(cpool[at])) * host::e8m0_to_float(cscales[sc]);
-      differ += got[size_t(e)] != ref[size_t(e)];
+      differ += got[size_t(e)] != ref[size_t(e)] && !std::isnan(ref[size_t(e)]);
     }
+    if (GetParam().nonfinite && s == 3) {  // the two NaN columns: every byte the NaN code, every scale the NaN scale
+      for (int col : {5, 9}) {
+        const size_t e0 = size_t(head + col * K);
+        for (size_t e = e0; e < e0 + size_t(K); ++e) {
+          ASSERT_EQ(gpool[size_t(s * stride) + e], cpool[size_t(s * stride) + e]) << "column " << col;
+          ASSERT_EQ(gpool[size_t(s * stride) + e] & 0x7fu, 0x7fu) << "column " << col;
+        }
+        for (size_t b = e0 / kFp8Block; b < (e0 + size_t(K)) / kFp8Block; ++b)
+          ASSERT_EQ(gscales[s0 + b], 0xffu) << "column " << col;
+      }
+    }
+    EXPECT_EQ(HV * head - int64_t(finite_pair(got, ref, "state slot " + std::to_string(s))),
+              GetParam().nonfinite && s == 3 ? 2 * K : 0);
     // One e4m3 step is 2^-3 relative: a few differing elements stay far below 1e-2 over the slot.
     EXPECT_TRUE(RelClose("state slot " + std::to_string(s), got, ref, 1e-2));
     EXPECT_LT(differ, HV * head / 50) << "slot " << s << ": " << differ << " elements differ from the CPU backend's";
@@ -190,11 +223,13 @@ INSTANTIATE_TEST_SUITE_P(Dims, Fp8DecodeGpu,
                                            Fp8DecodeCase{128, DType::kBFloat16, 32},
                                            Fp8DecodeCase{128, DType::kFloat32, 32},
                                            Fp8DecodeCase{256, DType::kBFloat16, 8},
-                                           Fp8DecodeCase{256, DType::kFloat32, 16}),
+                                           Fp8DecodeCase{256, DType::kFloat32, 16},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 16, true},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 32, true}),
                          [](const auto& info) {
                            return "K" + std::to_string(info.param.K) +
                                   (info.param.in == DType::kFloat32 ? "_f32" : "_bf16") + "_cols" +
-                                  std::to_string(info.param.cols);
+                                  std::to_string(info.param.cols) + (info.param.nonfinite ? "_nonfinite" : "");
                          });
 
 }  // namespace
