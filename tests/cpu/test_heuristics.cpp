@@ -74,10 +74,14 @@ TEST(RecurrentHeuristics, Bf16DecodeBySize) {
   // fp16 inputs have no tensor-core decode against bf16 state: the tiles from B = 1.
   EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kFloat16, 1)), RecurrentKernel::kWarpRegular);
   EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kFloat16, 4)), RecurrentKernel::kWarpWide);
-  // fp16 pools take the 16-bit tiles as bf16 pools do (no tensor-core decode: it is built for bf16 state).
-  EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 1)), RecurrentKernel::kWarpRegular);
-  EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 4)), RecurrentKernel::kWarpWide);
-  EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 14)), RecurrentKernel::kWarpNarrow);
+  // fp16 pools as bf16 pools: tensor cores with fp16 or bf16 inputs (k, q brought to fp16 under a power of two).
+  for (DType in : {DType::kBFloat16, DType::kFloat16}) {
+    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 1)), RecurrentKernel::kMmaDecode);
+    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 6)), RecurrentKernel::kMmaDecode);
+    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 7)), RecurrentKernel::kWarpWide);
+    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 14)), RecurrentKernel::kWarpNarrow);
+  }
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kFloat32, 1)), RecurrentKernel::kWarpRegular);
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 64)), RecurrentKernel::kWarpRegular);
 }
 

@@ -49,8 +49,11 @@ bool chain_mma_built(const RecurrentCall& c) {
 }
 
 bool mma_decode_built(const RecurrentCall& c) {
-  return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.state_dtype == DType::kBFloat16 &&
-         c.input_dtype == DType::kBFloat16 && c.head_dim_k <= 128 && c.head_dim_v % 64 == 0;
+  const bool types = (c.state_dtype == DType::kBFloat16 && c.input_dtype == DType::kBFloat16) ||
+                     (c.state_dtype == DType::kFloat16 &&
+                      (c.input_dtype == DType::kFloat16 || c.input_dtype == DType::kBFloat16));
+  return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && types && c.head_dim_k <= 128 &&
+         c.head_dim_v % 64 == 0;
 }
 
 bool vlast_decode_built(const RecurrentCall& c) {

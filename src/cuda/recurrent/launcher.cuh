@@ -70,8 +70,11 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
   constexpr bool kKLastBf16Input = kLayout == StateLayout::kKLast && std::is_same_v<TInput, __nv_bfloat16>;
   constexpr bool kFp8State = std::is_same_v<TState, uint8_t>;  // float8_e4m3 pools: the warp kernel only
   constexpr bool kChainBuilt = kKLastBf16Input && K <= 128 && kOp != RecurrentOp::kDecode && !kFp8State;
-  constexpr bool kMmaDecodeBuilt = kKLastBf16Input && kOp == RecurrentOp::kDecode &&
-                                   std::is_same_v<TState, __nv_bfloat16> && K <= 128 && V % 64 == 0;
+  // bf16 state with bf16 inputs; fp16 state with fp16 or bf16 inputs (mma_decode.cuh).
+  constexpr bool kMmaDecodeBuilt =
+      kLayout == StateLayout::kKLast && kOp == RecurrentOp::kDecode && K <= 128 && V % 64 == 0 &&
+      ((std::is_same_v<TState, __nv_bfloat16> && std::is_same_v<TInput, __nv_bfloat16>) ||
+       (std::is_same_v<TState, __half> && (std::is_same_v<TInput, __half> || std::is_same_v<TInput, __nv_bfloat16>)));
   constexpr bool kVLastBuilt = kLayout == StateLayout::kVLast && kOp == RecurrentOp::kDecode && K <= 128;
   constexpr bool kWidthsBuilt = kLayout == StateLayout::kKLast && kOp == RecurrentOp::kDecode && K == 128;
 
@@ -95,7 +98,7 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
   if constexpr (kMmaDecodeBuilt) {
     using Tile = MmaDecodeTile<K, V>;
     static const int64_t resident =
-        resident_ctas(reinterpret_cast<const void*>(mma_decode_kernel<K, V>), Tile::kWarps * 32);
+        resident_ctas(reinterpret_cast<const void*>(mma_decode_kernel<TState, TInput, K, V>), Tile::kWarps * 32);
     fit.mma_decode = {grid_ctas(head_grid(p, V / Tile::kCtaCols)), resident};
   }
   if constexpr (kVLastBuilt) {
@@ -127,7 +130,7 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
       break;
     case RecurrentKernel::kMmaDecode:
       if constexpr (kMmaDecodeBuilt)
-        return launch_recurrent(mma_decode_kernel<K, V>, head_grid(p, V / MmaDecodeTile<K, V>::kCtaCols),
+        return launch_recurrent(mma_decode_kernel<TState, TInput, K, V>, head_grid(p, V / MmaDecodeTile<K, V>::kCtaCols),
                                 MmaDecodeTile<K, V>::kWarps * 32, choice.prefetch, stream, p);
       break;
     case RecurrentKernel::kVLastDecode:

@@ -1,4 +1,5 @@
-// Decode of K-last bf16 pools with bf16 inputs: the dot products on tensor cores.
+// Decode of K-last 16-bit pools (bf16 state with bf16 inputs; fp16 state with fp16 or bf16 inputs): the dot
+// products on tensor cores.
 //
 // The warp kernel (warp_kernel.cuh) forms S^T k and S^T q of a warp's columns as per-lane FMAs plus a
 // cross-lane reduction: with bf16 state a decode warp issues ~720 instructions for 2 KB of state, and at small B
@@ -13,8 +14,11 @@
 // fragment's logical k columns (2c, 2c+1) and (2c+8, 2c+9), the lane's words 2h and 2h+1 of chunk j; the B
 // fragment of lanes 0-3 (n = 0) and 4-7 (n = 1) holds k and q at exactly those k, so it is the same chunk of
 // k or q. The accumulator then gives lane 4 r: S[:, v0+r] . k, . q, S[:, v0+r+8] . k, . q.
-// The update is the warp kernel's, per value and in fp32 (S_new = exp(g) S + k (u rk), rounded once to bf16),
-// so the pool's new values equal the warp kernel's up to the u that the sums' order changes.
+// The update is the warp kernel's, per value and in fp32 (S_new = exp(g) S + k (u rk), rounded once to the pool's
+// dtype), so the pool's new values equal the warp kernel's up to the u that the sums' order changes.
+// fp16 state with bf16 inputs: the mma takes fp16 operands, so k and q enter the B fragment as fp16 after a power of
+// two 2^-s that brings their norm under 1 (bf16's 8 significant bits fit fp16's 11: exact, down to components
+// 2^-17 of the norm), and the sums are scaled back by 2^s.
 // Everything else (PDL, prefetch mode, padding and out-of-range rows, GVA, norms) follows the warp kernel and
 // shares its helpers (row.cuh, token.cuh); the gates use the SFU forms (dtype.cuh, fused_decay_fast: the outputs
 // and the state are bf16 here).
@@ -26,9 +30,11 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/arch/dtype.cuh"
 #include "cuda/arch/mma_sync.cuh"
@@ -54,11 +60,28 @@ __device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
 }
 
 // 24 warps per SM (80 registers, no spills; at 72 registers ptxas spills and the calls run slower).
-template <int K, int V>
+// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0).
+__device__ __forceinline__ int norm_exponent(float nn) {
+  const int e = int((__float_as_uint(nn) >> 23) & 0xffu) - 127;  // nn in [2^e, 2^(e+1))
+  return nn > 0.0f ? (e + 1) / 2 + 1 : 0;
+}
+
+// Two packed 16-bit values (the lower in the low half) as fp32.
+template <class T>
+__device__ __forceinline__ float2 unpack_pair(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  }
+}
+
+template <class TState, class TInput, int K, int V>
 __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDecodeTile<K, V>::kWarps)
     mma_decode_kernel(const RecurrentParams p, const bool prefetch) {
-  using TState = __nv_bfloat16;
-  using TInput = __nv_bfloat16;
+  static_assert(std::is_same_v<TState, TInput> || (std::is_same_v<TState, __half> && std::is_same_v<TInput, __nv_bfloat16>),
+                "mma decode: bf16 state with bf16 inputs, fp16 state with fp16 or bf16 inputs");
+  constexpr bool kConvertInputs = !std::is_same_v<TState, TInput>;
   using Tile = MmaDecodeTile<K, V>;
   constexpr int kCols = Tile::kCols, kChunks = Tile::kChunks, kSteps = Tile::kSteps;
   constexpr int kColCtas = V / Tile::kCtaCols;
@@ -131,10 +154,29 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   float kk = 0.0f, qq = 0.0f, kq = 0.0f;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
-  const auto [rk, rq, kq_n] = qk_norms(p.heads, K, kk, qq, kq);
+  kk = warp_sum(kk), qq = warp_sum(qq), kq = warp_sum(kq);
+  const auto [rk, rq, kq_n] = qk_factors(p.heads, K, kk, qq, kq);
   float g, beta;
   gate_log_values<true>(p.gating, hg, gate_bits, g, beta);
   const float decay = __expf(g);
+
+  // bf16 k, q into an fp16 B fragment: times 2^-s of their own norm (lanes 0-3 k, 4-7 q), the sums times 2^s.
+  float back_k = 1.0f, back_q = 1.0f;
+  if constexpr (kConvertInputs) {
+    const int sk = norm_exponent(kk), sq = norm_exponent(qq);
+    const float down = ldexpf(1.0f, r == 0 ? -sk : -sq);
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      uint32_t w[4] = {bf[j].x, bf[j].y, bf[j].z, bf[j].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack_pair<TInput>(w[i]);
+        w[i] = pack2<__half>(f.x * down, f.y * down);
+      }
+      bf[j] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    back_k = ldexpf(1.0f, sk), back_q = ldexpf(1.0f, sq);
+  }
 
   // S^T [k q]: lane 4 r ends with d = (S[:, v0+r] . k, . q, S[:, v0+r+8] . k, . q).
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -142,8 +184,9 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   for (int t = 0; t < kSteps; ++t) {
     const int j = t / 2, w = 2 * (t % 2);
     const uint32_t a[4] = {word_of(s[0][j], w), word_of(s[1][j], w), word_of(s[0][j], w + 1), word_of(s[1][j], w + 1)};
-    mma<__nv_bfloat16>(d, a, word_of(bf[j], w), word_of(bf[j], w + 1));
+    mma<TState>(d, a, word_of(bf[j], w), word_of(bf[j], w + 1));
   }
+  if constexpr (kConvertInputs) d[0] *= back_k, d[2] *= back_k, d[1] *= back_q, d[3] *= back_q;
   const float u_lo = beta * (to_float(v_lo) - decay * (d[0] * rk));
   const float u_hi = beta * (to_float(v_hi) - decay * (d[2] * rk));
   if (c == 0) {
@@ -152,7 +195,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   }
   const float uk[2] = {__shfl_sync(0xffffffffu, u_lo * rk, lane & ~3), __shfl_sync(0xffffffffu, u_hi * rk, lane & ~3)};
 
-  // S_new = exp(g) S + k (u rk), per value in fp32, rounded once to bf16. k at this lane's chunks is loaded again
+  // S_new = exp(g) S + k (u rk), per value in fp32, rounded once to the pool's dtype. k at this lane's chunks is loaded again
   // (lanes 0-3 just read it: L1) rather than kept from the B fragment, chunk by chunk between the stores: loaded
   // together ahead of the o stores, they would delay them.
   TState* const t = warp_block + int64_t(slot) * p.state.slot_stride + lane_elem;
@@ -164,10 +207,8 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
       uint32_t out[4];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const uint32_t sw = word_of(s[h][j], w), kw = word_of(kcj, w);
-        const float lo = fmaf(__uint_as_float(kw << 16), uk[h], decay * __uint_as_float(sw << 16));
-        const float hi = fmaf(__uint_as_float(kw & 0xffff0000u), uk[h], decay * __uint_as_float(sw & 0xffff0000u));
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out[w]) : "f"(hi), "f"(lo));
+        const float2 sv = unpack_pair<TState>(word_of(s[h][j], w)), kv = unpack_pair<TInput>(word_of(kcj, w));
+        out[w] = pack2<TState>(fmaf(kv.x, uk[h], decay * sv.x), fmaf(kv.y, uk[h], decay * sv.y));
       }
       *reinterpret_cast<uint4*>(t + h * 8 * K + 32 * j) = make_uint4(out[0], out[1], out[2], out[3]);
     }

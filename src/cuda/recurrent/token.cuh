@@ -55,12 +55,15 @@ __device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGate
 struct QkNorms {
   float rk, rq, kq_n;
 };
-__device__ __forceinline__ QkNorms qk_norms(const HeadConfig& heads, int K, float kk, float qq, float kq) {
-  kk = warp_sum(kk), qq = warp_sum(qq), kq = warp_sum(kq);
+// The same from sums already reduced over the head (qk_norms reduces a lane's partial sums first).
+__device__ __forceinline__ QkNorms qk_factors(const HeadConfig& heads, int K, float kk, float qq, float kq) {
   const float scale = heads.scale > 0.0f ? heads.scale : 1.0f / sqrtf(float(K));
   const float rk = heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
   const float rq = (heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
   return {rk, rq, kq * rk * rq};
+}
+__device__ __forceinline__ QkNorms qk_norms(const HeadConfig& heads, int K, float kk, float qq, float kq) {
+  return qk_factors(heads, K, warp_sum(kk), warp_sum(qq), warp_sum(kq));
 }
 
 // Decode's token inputs into L2 (before griddepcontrol.wait): the q and k rows of head hq, the warp's
