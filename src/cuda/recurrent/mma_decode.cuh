@@ -60,14 +60,11 @@ __device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
 }
 
 // 24 warps per SM (80 registers, no spills; at 72 registers ptxas spills and the calls run slower).
-// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0; |s| <= 65).
+// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0).
 __device__ __forceinline__ int norm_exponent(float nn) {
   const int e = int((__float_as_uint(nn) >> 23) & 0xffu) - 127;  // nn in [2^e, 2^(e+1))
   return nn > 0.0f ? (e + 1) / 2 + 1 : 0;
 }
-
-// 2^e for |e| < 127, by its bits (ldexpf handles every e, in ~20 instructions).
-__device__ __forceinline__ float pow2(int e) { return __uint_as_float(uint32_t(127 + e) << 23); }
 
 // Two packed 16-bit values (the lower in the low half) as fp32.
 template <class T>
@@ -167,7 +164,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   float back_k = 1.0f, back_q = 1.0f;
   if constexpr (kConvertInputs) {
     const int sk = norm_exponent(kk), sq = norm_exponent(qq);
-    const float down = pow2(r == 0 ? -sk : -sq);
+    const float down = ldexpf(1.0f, r == 0 ? -sk : -sq);
 #pragma unroll
     for (int j = 0; j < kChunks; ++j) {
       uint32_t w[4] = {bf[j].x, bf[j].y, bf[j].z, bf[j].w};
@@ -178,7 +175,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
       }
       bf[j] = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    back_k = pow2(sk), back_q = pow2(sq);
+    back_k = ldexpf(1.0f, sk), back_q = ldexpf(1.0f, sq);
   }
 
   // S^T [k q]: lane 4 r ends with d = (S[:, v0+r] . k, . q, S[:, v0+r+8] . k, . q).
