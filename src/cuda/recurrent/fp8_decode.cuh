@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     float dk = 0.0f, dq = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) dk = fmaf(s[j], kf[j], dk), dq = fmaf(s[j], qf[j], dq);
-    dk *= sc, dq *= sc;  // a column's lanes hold blocks of different scales: each lane's sum scaled before the reduction
+    dk *= sc, dq *= sc;  // a column's lanes hold blocks of different scales: each lane's sums scaled first
 #pragma unroll
     for (int off = 1; off < kLPC; off <<= 1) {
       dk += __shfl_xor_sync(0xffffffffu, dk, off);

@@ -25,7 +25,7 @@ enum class RecurrentKernel {
   kWarpWide,     // ... wide tile: bf16 K-last decode, K = 128, grids in prefetch mode
   kWarpNarrow,   // ... narrow tile: bf16 K-last decode, K = 128, small grids outside prefetch mode
   kVLastDecode,  // vlast_decode_kernel (vlast_decode.cuh)
-  kMmaDecode,    // mma_decode_kernel: K-last 16-bit state (bf16 with bf16 inputs, fp16 with fp16 or bf16), dot products on tensor cores
+  kMmaDecode,    // mma_decode_kernel: K-last 16-bit state (bf16: bf16 inputs; fp16: fp16 or bf16), tensor cores
   kChainMma,     // chain_mma_kernel: K-last chains of bf16 inputs on tensor cores
 };
 const char* kernel_name(RecurrentKernel k);

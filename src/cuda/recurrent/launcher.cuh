@@ -130,8 +130,9 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
       break;
     case RecurrentKernel::kMmaDecode:
       if constexpr (kMmaDecodeBuilt)
-        return launch_recurrent(mma_decode_kernel<TState, TInput, K, V>, head_grid(p, V / MmaDecodeTile<K, V>::kCtaCols),
-                                MmaDecodeTile<K, V>::kWarps * 32, choice.prefetch, stream, p);
+        return launch_recurrent(mma_decode_kernel<TState, TInput, K, V>,
+                                head_grid(p, V / MmaDecodeTile<K, V>::kCtaCols), MmaDecodeTile<K, V>::kWarps * 32,
+                                choice.prefetch, stream, p);
       break;
     case RecurrentKernel::kVLastDecode:
       if constexpr (kVLastBuilt)

@@ -21,7 +21,7 @@
 // 2^-17 of the norm), and the sums are scaled back by 2^s.
 // Everything else (PDL, prefetch mode, padding and out-of-range rows, GVA, norms) follows the warp kernel and
 // shares its helpers (row.cuh, token.cuh); the gates use the SFU forms (dtype.cuh, fused_decay_fast: the outputs
-// and the state are bf16 here).
+// and the state are 16-bit here).
 //
 // Where it runs (heuristics.cpp chooses): grids that fit the GPU twice over, i.e. in prefetch mode with the next
 // call's CTAs resident beside them. There it shortens each warp's dependent chain; on larger grids the time is
@@ -59,7 +59,6 @@ __device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 
-// 24 warps per SM (80 registers, no spills; at 72 registers ptxas spills and the calls run slower).
 // The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0).
 __device__ __forceinline__ int norm_exponent(float nn) {
   const int e = int((__float_as_uint(nn) >> 23) & 0xffu) - 127;  // nn in [2^e, 2^(e+1))
@@ -76,10 +75,12 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t w) {
   }
 }
 
+// 24 warps per SM (80 registers, no spills; at 72 registers ptxas spills and the calls run slower).
 template <class TState, class TInput, int K, int V>
 __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDecodeTile<K, V>::kWarps)
     mma_decode_kernel(const RecurrentParams p, const bool prefetch) {
-  static_assert(std::is_same_v<TState, TInput> || (std::is_same_v<TState, __half> && std::is_same_v<TInput, __nv_bfloat16>),
+  static_assert(std::is_same_v<TState, TInput> ||
+                    (std::is_same_v<TState, __half> && std::is_same_v<TInput, __nv_bfloat16>),
                 "mma decode: bf16 state with bf16 inputs, fp16 state with fp16 or bf16 inputs");
   constexpr bool kConvertInputs = !std::is_same_v<TState, TInput>;
   using Tile = MmaDecodeTile<K, V>;
@@ -195,9 +196,9 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
   }
   const float uk[2] = {__shfl_sync(0xffffffffu, u_lo * rk, lane & ~3), __shfl_sync(0xffffffffu, u_hi * rk, lane & ~3)};
 
-  // S_new = exp(g) S + k (u rk), per value in fp32, rounded once to the pool's dtype. k at this lane's chunks is loaded again
-  // (lanes 0-3 just read it: L1) rather than kept from the B fragment, chunk by chunk between the stores: loaded
-  // together ahead of the o stores, they would delay them.
+  // S_new = exp(g) S + k (u rk), per value in fp32, rounded once to the pool's dtype. k at this lane's chunks is
+  // loaded again (lanes 0-3 just read it: L1) rather than kept from the B fragment, chunk by chunk between the
+  // stores: loaded together ahead of the o stores, they would delay them.
   TState* const t = warp_block + int64_t(slot) * p.state.slot_stride + lane_elem;
 #pragma unroll
   for (int j = 0; j < kChunks; ++j) {
