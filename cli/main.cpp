@@ -48,10 +48,10 @@ bench options:
                              (default: the 10 standard sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
   --gpus 1,2,4               prefill-split GPU counts (default: 1, 2, 4, ... up to the machine's; sets
                              1x262144, 1x1048576 on qwen3-next and qwen3.5-397b-tp8)
-  --cp-segment N              A/B switch: prefill's context-parallel segments of N tokens (0: off) instead of
+  --cp-segment N             A/B switch: prefill's context-parallel segments of N tokens (0: off) instead of
                              the library's choice (the mode column says what ran)
-  --fp8-columns N             A/B switch: columns per warp of the float8_e4m3 decode kernel (8, 16 or 32; 32 only
-                             at K = 128) instead of the library's choice
+  --fp8-columns N            A/B switch: columns per warp of the float8_e4m3 decode kernel, 8, 16 or 32 (32 at
+                             K = 128 only), instead of the library's choice
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -117,6 +118,17 @@ std::vector<Named> small_batch_cases() {
         c.seed = 400 + i++;
         out.push_back({case_name(c) + "_b" + std::to_string(batch), c});
       }
+  // fp16 state on the tensor-core kernel: fp16 inputs as loaded, bf16 inputs brought to fp16 (mma_decode.cuh).
+  for (int batch : {1, 2, 4})
+    for (DType in : {DType::kBFloat16, DType::kFloat16}) {
+      ProblemConfig c;
+      c.op = OpKind::kDecode;
+      c.batch = batch, c.padding_rows = batch >= 2 ? 1 : 0;
+      c.H = 16, c.HV = 32, c.K = 128, c.V = 128;
+      c.state_dtype = DType::kFloat16, c.in_dtype = in;
+      c.seed = 400 + i++;
+      out.push_back({case_name(c) + "_b" + std::to_string(batch), c});
+    }
   return out;
 }
 
@@ -192,6 +204,31 @@ INSTANTIATE_TEST_SUITE_P(Batches, DecodeTest, ::testing::ValuesIn(batch_cases())
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Sanitize, DecodeTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// fp16 pools with bf16 q and k far past fp16's range (x 2^20): the tensor-core kernel scales them by a power of two
+// of their norm before rounding them to fp16; without it they would round to infinity. The L2 norm makes the
+// outputs those of unscaled inputs.
+TEST(DecodeGpu, Fp16PoolBf16InputsPastFp16Range) {
+  int seed = 450;
+  for (int K : {64, 128})
+    for (int batch : {1, 4}) {
+      SCOPED_TRACE("K=" + std::to_string(K) + " B=" + std::to_string(batch));
+      ProblemConfig c;
+      c.op = OpKind::kDecode;
+      c.batch = batch, c.padding_rows = batch >= 2 ? 1 : 0;
+      c.H = 16, c.HV = 32, c.K = K, c.V = K;
+      c.state_dtype = DType::kFloat16, c.in_dtype = DType::kBFloat16;
+      c.seed = seed++;
+      Problem p(c);
+      for (const char* name : {"q", "k"}) {
+        Buffer& b = p.buffer(name);
+        const int64_t n = int64_t(b.bytes.size()) / dtype_size(c.in_dtype);
+        for (int64_t i = 0; i < n; ++i)
+          host::store(b.bytes.data(), c.in_dtype, i, std::ldexp(host::load(b.bytes.data(), c.in_dtype, i), 20));
+      }
+      check_decode(p);
+    }
+}
 
 ProblemConfig qwen_decode(StateLayout layout, DType state, int batch = 8) {
   ProblemConfig c;

@@ -44,7 +44,7 @@ struct Fp8DecodeTile {
 };
 
 // 16 e4m3 bytes (one uint4) as fp32, unscaled: the block's power of two is applied to the sums and to the decay
-// instead (exact either way), once per column rather than once per element.
+// instead (the same values in the normal range), once per column rather than once per element.
 __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     }
     const float u = beta * (to_float(vv[i]) - decay * (dk * rk));
     if (c == 0) o[kCPL * i + g] = from_float<TInput>(fmaf(kq_n, u, decay * (dq * rq)));
-    const float uk = u * rk, ds = decay * sc;  // decay (S / scale) scale = (decay scale) (S / scale), exact
+    const float uk = u * rk, ds = decay * sc;  // decay (S / scale) scale = (decay scale) (S / scale)
 #pragma unroll
     for (int j = 0; j < 16; ++j) s[j] = fmaf(kf[j], uk, ds * s[j]);
     uint32_t new_scale;

@@ -1,5 +1,5 @@
-// The recurrent ops' kernel choice (heuristics.h). The thresholds are H100 measurements on the qwen3-next
-// heads; docs/design/decode.md gives them.
+// The recurrent ops' kernel choice (heuristics.h). The thresholds are measurements on the qwen3-next heads (H100;
+// the fp8 decode widths H200); docs/design/decode.md gives them.
 #include "cuda/recurrent/heuristics.h"
 
 namespace gdnkit::cuda::recurrent {
@@ -90,7 +90,7 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
     const bool chain = c.op == RecurrentOp::kRecompute || c.op == RecurrentOp::kPrefill || (!c.tree && !c.caches_states);
     if (min_tokens > 0 && c.num_draft_tokens >= min_tokens && chain) return take(K::kChainMma, k.chain_mma);
   }
-  // bf16 decode on tensor cores where this grid and the next fit the GPU together.
+  // 16-bit decode on tensor cores where this grid and the next fit the GPU together.
   if (mma_decode_built(c) && o.decode_mma && k.mma_decode.grid_ctas > 0 &&
       2 * k.mma_decode.grid_ctas <= k.mma_decode.resident_ctas && prefetch_mode(k.mma_decode, 1, o))
     return take(K::kMmaDecode, k.mma_decode);

@@ -18,7 +18,7 @@
 // dtype), so the pool's new values equal the warp kernel's up to the u that the sums' order changes.
 // fp16 state with bf16 inputs: the mma takes fp16 operands, so k and q enter the B fragment as fp16 after a power of
 // two 2^-s that brings their norm under 1 (bf16's 8 significant bits fit fp16's 11: exact, down to components
-// 2^-17 of the norm), and the sums are scaled back by 2^s.
+// 2^-15 of the norm), and the sums are scaled back by 2^s.
 // Everything else (PDL, prefetch mode, padding and out-of-range rows, GVA, norms) follows the warp kernel and
 // shares its helpers (row.cuh, token.cuh); the gates use the SFU forms (dtype.cuh, fused_decay_fast: the outputs
 // and the state are 16-bit here).
@@ -59,10 +59,11 @@ __device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 
-// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0).
+// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0; 113 for
+// an overflowed norm: components up to bf16's largest stay in fp16's range).
 __device__ __forceinline__ int norm_exponent(float nn) {
   const int e = int((__float_as_uint(nn) >> 23) & 0xffu) - 127;  // nn in [2^e, 2^(e+1))
-  return nn > 0.0f ? (e + 1) / 2 + 1 : 0;
+  return e == 128 ? 113 : nn > 0.0f ? (e + 1) / 2 + 1 : 0;
 }
 
 // Two packed 16-bit values (the lower in the low half) as fp32.

@@ -49,19 +49,20 @@ __device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGate
   }
 }
 
-// One token's q/k factors from a lane's partial sums of k.k, q.q and k.q (reduced over the warp here): rk = 1 / ||k||
-// and rq = scale / ||q|| (eps inside the root; 1 and scale without the L2 norm), kq_n = k . q of the normalized
-// vectors. The decode kernels scale their sums by these instead of normalizing k and q first.
+// One token's q/k factors: rk = 1 / ||k|| and rq = scale / ||q|| (eps inside the root; 1 and scale without the L2
+// norm), kq_n = k . q of the normalized vectors. The decode kernels scale their sums by these instead of normalizing
+// k and q first.
 struct QkNorms {
   float rk, rq, kq_n;
 };
-// The same from sums already reduced over the head (qk_norms reduces a lane's partial sums first).
+// From k.k, q.q and k.q summed over the head.
 __device__ __forceinline__ QkNorms qk_factors(const HeadConfig& heads, int K, float kk, float qq, float kq) {
   const float scale = heads.scale > 0.0f ? heads.scale : 1.0f / sqrtf(float(K));
   const float rk = heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
   const float rq = (heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
   return {rk, rq, kq * rk * rq};
 }
+// From a lane's partial sums, reduced over the warp here.
 __device__ __forceinline__ QkNorms qk_norms(const HeadConfig& heads, int K, float kk, float qq, float kq) {
   return qk_factors(heads, K, warp_sum(kk), warp_sum(qq), warp_sum(kq));
 }
