@@ -136,10 +136,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     qq += __shfl_xor_sync(0xffffffffu, qq, off);
     kq += __shfl_xor_sync(0xffffffffu, kq, off);
   }
-  const float scale = p.heads.scale > 0.0f ? p.heads.scale : 1.0f / sqrtf(float(K));
-  const float rk = p.heads.use_qk_l2norm ? rsqrtf(kk + 1e-6f) : 1.0f;
-  const float rq = (p.heads.use_qk_l2norm ? rsqrtf(qq + 1e-6f) : 1.0f) * scale;
-  const float kq_n = kq * rk * rq;
+  const auto [rk, rq, kq_n] = qk_factors(p.heads, K, kk, qq, kq);
   float gl, beta;
   gate_log_values<true>(p.gating, hg, gate_bits, gl, beta);
   const float decay = __expf(gl);
