@@ -83,12 +83,16 @@ struct HeadStateWarps {
   uint32_t off_v;   // v^T and o: matrix m = lane/8 of a token-tile pair is (token tile m/2, value half m%2)
   // The context-parallel local pass's transition CTA: v taken as zero (its state starts from the identity).
   bool zero_v;
+  // The wgmma build: o of a full chunk leaves by a TMA store of each warpgroup's staged 64 columns (token start + 64 c).
+  const CUtensorMap* o_map;
+  int64_t start;
 
   __device__ __forceinline__ HeadStateWarps(const PrefillParams& p_, const Plan& plan_, const HeadCoords& at_,
-                                            int64_t start, float* s_rq_, bool zero_v_ = false)
-      : p(p_), plan(plan_), at(at_), s_rq(s_rq_), zero_v(zero_v_) {
+                                            int64_t start_, float* s_rq_, const CUtensorMap* o_map_,
+                                            bool zero_v_ = false)
+      : p(p_), plan(plan_), at(at_), s_rq(s_rq_), zero_v(zero_v_), o_map(o_map_), start(start_) {
     const int lane = at.lane, warp = at.warp;
-    o_lane = static_cast<Op*>(p.o.data) + (start + (lane >> 1)) * p.o.token_stride + at.h * p.o.head_stride + at.vw +
+    o_lane = static_cast<Op*>(p.o.data) + (start_ + (lane >> 1)) * p.o.token_stride + at.h * p.o.head_stride + at.vw +
              (lane & 1) * 8;
     o_staged = S::v_offset(lane >> 1, at.lw + (lane & 1) * 8);
     mj0 = (warp / 4) * kMCols, mrow = (warp % 4) * 16 + at.r;
@@ -360,7 +364,10 @@ struct HeadStateWarps {
     }
   }
 
-  // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored as 32-byte row pieces
+  // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored: a full chunk of the wgmma
+  // build as its warpgroup's 64 columns by one TMA store (the staged rows are the v tile's box, swizzle and all),
+  // otherwise as 32-byte row pieces from each lane. The TMA store's thread waits for it to have read the stage
+  // before the stage is loaded again (state_pass_head.cuh).
   template <bool kFull>
   __device__ __forceinline__ void store_o(const Stage& b, const float (&qo)[8][4], uint32_t vs_b, int64_t c,
                                           int L) const {
@@ -370,6 +377,16 @@ struct HeadStateWarps {
       uint32_t frag[4];  // the C -> A packing is also stmatrix's fragment order
       c_to_a<Op>(qo[2 * np], qo[2 * np + 1], frag);
       stmatrix_x4_trans(vs_b + np * kVRow16, frag);
+    }
+    if constexpr (kWgmma && kFull) {
+      const int wg = at.warp / 4;
+      fence_proxy_async();  // the staged rows are read by the TMA unit
+      named_barrier_sync(kOStoreBarrier + wg, 128);
+      if (at.tid % 128 == 0) {
+        tma_store_3d(o_map, at.v0 + 64 * wg, at.h, int(start + c * kChunk), &b.vs[wg * 64 * kChunk]);
+        bulk_commit_group();
+      }
+      return;
     }
     __syncwarp();
     Op* const oc = o_lane + c * kChunk * p.o.token_stride;

@@ -43,6 +43,15 @@ using HeadStageOf = std::conditional_t<kWgmma, HeadStageWg<K, kCols, Op>, HeadSt
 template <bool kWgmma>
 constexpr int kHeadStages = kWgmma ? 3 : 2;
 
+// Barrier `id` (1..15) of `threads` threads (whole warps).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Named barriers: 0 is __syncthreads; the state warpgroups meet on 1, the prep warpgroup on 2, state warpgroup g before
+// its o store on kOStoreBarrier + g.
+constexpr int kStateBarrier = 1, kPrepBarrier = 2, kOStoreBarrier = 3;
+
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
 // wgmma build; kMWarpgroup a prep warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode 0 whole
 // sequences, 1 the context-parallel local pass, 2 its final pass (context_parallel.cuh).

@@ -93,7 +93,7 @@ struct Plan {
 // and q as [tokens, q/k heads, K], v as [tokens, value heads, V] (boxes of 64 tokens x 64 columns),
 // 128-byte swizzled. T' and M come from the workspace by plain bulk copies (the prep's causal images).
 struct HeadTensorMaps {
-  CUtensorMap k, q, v;
+  CUtensorMap k, q, v, o;  // o: the output of full chunks, stored from the stage's v tiles (head_chunk.cuh)
 };
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 

@@ -144,6 +144,7 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan) {
   m.k = rows3("k", p.k, p.heads.num_qk_heads, p.heads.head_dim_k);
   m.q = rows3("q", p.q, p.heads.num_qk_heads, p.heads.head_dim_k);
   m.v = rows3("v", p.v, p.heads.num_v_heads, p.heads.head_dim_v);
+  m.o = rows3("o", p.o, p.heads.num_v_heads, p.heads.head_dim_v);
   return m;
 }
 

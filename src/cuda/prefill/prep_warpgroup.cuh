@@ -37,13 +37,6 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
-// Barrier `id` (1..15) of `threads` threads (whole warps).
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Named barriers: 0 is __syncthreads; the state warpgroups meet on 1, the prep warpgroup on 2.
-constexpr int kStateBarrier = 1, kPrepBarrier = 2;
 
 // The prep warpgroup's own shared memory (after the stages): the chunk's rq. `reserved` is unused; it keeps rq's
 // offset and the CTA's shared memory (head_smem_bytes) as they are.

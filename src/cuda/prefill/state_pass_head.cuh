@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   const int64_t C = p.checkpoint_interval;
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
-  const HeadStateWarps<S> warps(p, plan, at, start, s_rq, transition);
+  const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition);
 
   if constexpr (kWgmma && !kMWarpgroup) init_stage_barriers<S>(at.tid, bars, prep_bars);
   // Launched right behind the chunk prep with programmatic dependent launch (launch_state_pass_head), the
@@ -234,6 +234,9 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c % kStages];
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    // chunk c - 1's o store has read its stage, which chunk c loads again (head_chunk.cuh store_o)
+    if constexpr (kWgmma && S::kOutputs)
+      if (at.tid % 128 == 0) bulk_wait_group_read<0>();
     wait_for_stage<S>(b, c, L, at.tid, bars, prep_bars);
     if (L == kChunk)
       warps.template chunk<true>(b, s, c, L, nchunks, loader, stage);
@@ -243,6 +246,9 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     if constexpr (kCpMode == 0) store_head_checkpoint<S>(s, p, plan, at, sq, c, C, -1);
     if constexpr (kCpMode == 2) store_head_checkpoint<S>(s, p, plan, at, sq, seg.first_chunk + c, C, seg.seq);
   }
+
+  if constexpr (kWgmma && S::kOutputs)
+    if (at.tid % 128 == 0) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
 
   if constexpr (kCpMode == 1) {  // the segment's local state or transition, fp32, for the scan
     float* dst = transition ? plan.cp_transition : plan.cp_local;
