@@ -1,6 +1,7 @@
 // Tensor memory accelerator (sm_90) primitives: tiles of a tensor map, or contiguous bytes, copied to shared
 // memory by cp.async.bulk (128B-swizzled as the tensor map says, rows past the tensor's end zero-filled), their
-// completion counted on an mbarrier; and the mbarrier operations themselves.
+// completion counted on an mbarrier; tiles stored from shared memory, their completion waited for by bulk group; and
+// the mbarrier operations themselves.
 #pragma once
 
 #include <cuda.h>

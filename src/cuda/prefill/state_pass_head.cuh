@@ -77,7 +77,9 @@ constexpr int head_pass_threads() {
 // arrives after its last access to a chunk's stage). The next TMA into the stage already implies the release (it
 // is issued after the state warps' next barrier); the prep warpgroup waits on it too so that its writes are ordered
 // after every state thread's reads by each thread's own arrival, not through the state warps' named barrier, one
-// thread's TMA issue and the phase that the TMA's bytes complete.
+// thread's TMA issue and the phase that the TMA's bytes complete. The o store (head_chunk.cuh store_o) may still
+// read the stage's v rows after the arrivals: the prep warpgroup writes none of them before the stage's next TMA
+// has landed, which its issuer starts only after the store's read-wait and the next barrier.
 template <class S>
 __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uint64_t* prep_bars) {
   if (tid == 0) {
@@ -242,7 +244,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
       warps.template chunk<true>(b, s, c, L, nchunks, loader, stage);
     else
       warps.template chunk<false>(b, s, c, L, nchunks, loader, stage);
-    if constexpr (kMWarpgroup) mbarrier_arrive(&prep_bars[kStages + c % kStages]);  // this thread is done with b
+    // this thread's reads of b are done (the o store's, asynchronous, are ordered by the stage's next load)
+    if constexpr (kMWarpgroup) mbarrier_arrive(&prep_bars[kStages + c % kStages]);
     if constexpr (kCpMode == 0) store_head_checkpoint<S>(s, p, plan, at, sq, c, C, -1);
     if constexpr (kCpMode == 2) store_head_checkpoint<S>(s, p, plan, at, sq, seg.first_chunk + c, C, seg.seq);
   }
