@@ -453,14 +453,15 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
   const std::vector<int32_t> slots{0, 1};
   const Context cuda{Backend::kCUDA, nullptr};
   const std::string tail = ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, "
-                           "verify, commit and prefill, all K-last";
+                           "verify, commit and prefill, all K-last, and V-last pools in decode with K in {64, 128} and "
+                           "V in {128, 256}";
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;
   d.state = pool.pool(StateLayout::kVLast);
   d.state_indices = slots.data();
   EXPECT_EQ(error_of([&] { decode(d, cuda); }, ErrorCode::kNotImplemented),
-            "state" + tail + ", got V-last (the CPU backend runs every op)");
+            "state" + tail + ", got V-last with K = 64, V = 64 (the CPU backend runs every op)");
   VerifyParams v;
   tok.into(v, false);
   v.batch = 2, v.num_draft_tokens = 2;

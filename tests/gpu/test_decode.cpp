@@ -95,6 +95,20 @@ std::vector<Named> decode_cases() {
       c.seed = 300 + i++;
       out.push_back({case_name(c), c});
     }
+  // float8_e4m3 V-last pools (vlast_decode.cuh: 128-column row pieces, a scale block over two lanes).
+  for (int d : {64, 128})
+    for (DType in : {DType::kBFloat16, DType::kFloat32}) {
+      ProblemConfig c;
+      c.op = OpKind::kDecode;
+      c.batch = 7;
+      c.padding_rows = 1;
+      c.H = 4, c.HV = 8, c.K = d, c.V = 128;
+      c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.in_dtype = in;
+      c.gate_mode = in == DType::kFloat32 ? GateMode::kGiven : GateMode::kFused;
+      c.slot_pad = 32;
+      c.seed = 320 + i++;
+      out.push_back({case_name(c), c});
+    }
   return out;
 }
 

@@ -80,4 +80,37 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t w, float scale) {
   return make_float2(f.x * scale, f.y * scale);
 }
 
+// 16 e4m3 bytes (one uint4) as fp32, unscaled: the block's power of two is applied to the sums and to the decay
+// instead (the same values in the normal range), once per column rather than once per element.
+__device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float2 f = e4m3x2_to_float2(w[i] >> (16 * h));
+      x[4 * i + 2 * h] = f.x, x[4 * i + 2 * h + 1] = f.y;
+    }
+}
+
+// A 32-element block held by lanes l and l ^ kPartner, 16 values each, to e4m3 bytes and its E8M0 scale byte (the
+// same on both lanes).
+template <int kPartner>
+__device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t& scale_byte) {
+  float h[8];  // a pairwise tree: 4 dependent steps, not 16
+#pragma unroll
+  for (int j = 0; j < 8; ++j) h[j] = max_abs_nan(x[j], x[j + 8]);
+#pragma unroll
+  for (int n = 4; n >= 1; n /= 2)
+#pragma unroll
+    for (int j = 0; j < n; ++j) h[j] = max_abs_nan(h[j], h[j + n]);
+  const float m = max_abs_nan(h[0], __shfl_xor_sync(0xffffffffu, h[0], kPartner));
+  const Fp8Scale sc = e4m3_block_scale(__float_as_uint(m));
+  scale_byte = sc.byte;
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], sc);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 }  // namespace gdnkit::cuda

@@ -12,6 +12,10 @@
 // columns) are reduced over the 4 lanes of a column group (a halving butterfly) and then over the warps
 // through shared memory: one barrier. Every lane then has u of its columns; warp 0 writes o.
 // The math and rounding per value are the warp kernel's (norms scale the sums, rsqrtf, fp32 state).
+// float8_e4m3 pools (TState = uint8_t): a lane's 16 bytes of a row are half of a 32-column scale block, whose other
+// half is lane l ^ 4's; the block's power of two scales the row's k and q entries for the sums and the decay for
+// the update (fp8_decode.cuh's exact rewrites), and the new block is quantized over the two lanes
+// (docs/semantics.md "float8_e4m3 states").
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,6 +23,7 @@
 #include <cstdint>
 
 #include "cuda/arch/dtype.cuh"
+#include "cuda/arch/fp8.cuh"
 #include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
 #include "gdnkit/params.h"
@@ -64,10 +69,12 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
 // "V-last decode".
 template <class TState, class TInput, int K, int V>
 __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
-                                  (sizeof(TState) == 4 ? 24 : 20) / VLastRows<TState, K>::kWarps)
+                                  (sizeof(TState) == 4 ? 24 : sizeof(TState) == 2 ? 20 : 12) / VLastRows<TState, K>::kWarps)
     vlast_decode_kernel(const RecurrentParams p, const bool prefetch) {
   using R = VLastRows<TState, K>;
   constexpr int kVec = R::kVec, kCols = R::kCols, kRowsPerLane = R::kRowsPerLane, kWarps = R::kWarps;
+  constexpr bool kFp8 = sizeof(TState) == 1;
+  static_assert(!kFp8 || kVec == kFp8Block / 2, "V-last fp8: a lane's row piece is half a scale block");
   constexpr int kColCtas = V / kCols;
   constexpr int64_t kHeadElems = int64_t(K) * V;
   __shared__ __align__(16) float partial[2][kWarps][kCols];  // per warp: S^T k, S^T q of the CTA's columns
@@ -97,12 +104,21 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
   pdl_wait_and_launch_dependents();
 
   const int slot = p.state_indices[b];
-  // The lane's rows as loaded (bf16: two values a register), converted to fp32 where used.
+  // The lane's rows as loaded (bf16: two values a register), converted to fp32 where used; fp8: their blocks' scale
+  // bytes beside them.
   RawVec<TState, kVec> s[kRowsPerLane];
+  [[maybe_unused]] uint32_t sbyte[kFp8 ? kRowsPerLane : 1];
+  constexpr int64_t kHeadBlocks = kHeadElems / kFp8Block;
   const auto load = [&](int sl) {
     const TState* t = head + int64_t(sl) * p.state.slot_stride + int64_t(row0) * V + col;
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) s[i].load(t + int64_t(4 * i) * V);
+    if constexpr (kFp8) {
+      const uint8_t* sc = p.state.scales + (int64_t(sl) * p.heads.num_v_heads + hv) * kHeadBlocks +
+                          int64_t(row0) * (V / kFp8Block) + col / kFp8Block;
+#pragma unroll
+      for (int i = 0; i < kRowsPerLane; ++i) sbyte[i] = sc[4 * i * (V / kFp8Block)];
+    }
   };
   if (spec >= 0) load(spec);  // beside the index; replaced below if the index differs
 
@@ -151,7 +167,7 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
   const bool bad = slot >= p.state.num_slots;
   if (bad || slot < 0) {  // padding row, or a slot past the pool: o = 0, no state traffic
     if (bad && counter) atomicAdd(p.error_flag, 1);
-    if (int(threadIdx.x) < kCols) o[c0 + int(threadIdx.x)] = from_float<TInput>(0.0f);
+    for (int c = int(threadIdx.x); c < kCols; c += kWarps * 32) o[c0 + c] = from_float<TInput>(0.0f);  // fp8 K = 64: 2 a thread
     return;
   }
   if (spec != slot) load(slot);
@@ -161,9 +177,16 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
 #pragma unroll
   for (int i = 0; i < kRowsPerLane; ++i) {
     float si[kVec];
-    s[i].to_floats(si);
+    float ki = kr[i], qi = qr[i];
+    if constexpr (kFp8) {
+      unpack_e4m3x16(s[i].w[0], si);  // S / scale: the scale rides on the row's k and q entries
+      const float sc = e8m0_scale(sbyte[i]);
+      ki *= sc, qi *= sc;
+    } else {
+      s[i].to_floats(si);
+    }
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) x[c] = fmaf(si[c], kr[i], x[c]), x[kVec + c] = fmaf(si[c], qr[i], x[kVec + c]);
+    for (int c = 0; c < kVec; ++c) x[c] = fmaf(si[c], ki, x[c]), x[kVec + c] = fmaf(si[c], qi, x[kVec + c]);
   }
   constexpr int kMine = 2 * kVec / 4;  // sums this lane holds after the butterfly
   const int first = transpose_group_sums<2 * kVec, 4>(x, lane);
@@ -196,10 +219,22 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
   for (int i = 0; i < kRowsPerLane; ++i) {
     float si[kVec];
     s[i].opaque();  // converted again here: the fp32 values of the sums above are not kept alive
-    s[i].to_floats(si);
+    if constexpr (kFp8) {
+      unpack_e4m3x16(s[i].w[0], si);
+      const float ds = decay * e8m0_scale(sbyte[i]);  // decay (S / scale) scale = (decay scale) (S / scale)
 #pragma unroll
-    for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, decay * si[c]);
-    store_vec<TState, kVec>(t + int64_t(4 * i) * V, si);
+      for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, ds * si[c]);
+      uint32_t new_scale;
+      *reinterpret_cast<uint4*>(t + int64_t(4 * i) * V) = quantize_e4m3x16<4>(si, new_scale);
+      if (cg % 2 == 0)
+        p.state.scales[(int64_t(slot) * p.heads.num_v_heads + hv) * kHeadBlocks +
+                       int64_t(row0 + 4 * i) * (V / kFp8Block) + col / kFp8Block] = uint8_t(new_scale);
+    } else {
+      s[i].to_floats(si);
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, decay * si[c]);
+      store_vec<TState, kVec>(t + int64_t(4 * i) * V, si);
+    }
   }
 }
 
