@@ -1,5 +1,5 @@
 // Decode of V-last float8_e4m3 pools (vlast_decode.cuh with TState = uint8_t): one instantiation per input dtype and
-// head dims K in {64, 128}, V in {128, 256} (a CTA owns one 128-byte piece of every row: 128 columns).
+// head dims K in {64, 128}, V = 128 (a CTA owns one 128-byte piece of every row: 128 columns).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -24,11 +24,9 @@ void launch_input(const RecurrentParams& p, Stream stream) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   if (K == 64 && V == 128) return launch_kv<TInput, 64, 128>(p, stream);
   if (K == 128 && V == 128) return launch_kv<TInput, 128, 128>(p, stream);
-  if (K == 64 && V == 256) return launch_kv<TInput, 64, 256>(p, stream);
-  if (K == 128 && V == 256) return launch_kv<TInput, 128, 256>(p, stream);
   throw Error(ErrorCode::kNotImplemented, "cuda: V-last float8_e4m3 decode with K=" + std::to_string(K) +
                                               ", V=" + std::to_string(V) +
-                                              " is not built (built: K in {64, 128}, V in {128, 256})");
+                                              " is not built (built: K in {64, 128}, V = 128)");
 }
 
 }  // namespace
