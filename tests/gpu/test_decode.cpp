@@ -83,7 +83,7 @@ std::vector<Named> decode_cases() {
       }
   // float8_e4m3 K-last pools (fp8_decode.cuh) against the CPU backend's e4m3 stores.
   for (int d : {64, 128, 256})
-    for (DType in : {DType::kBFloat16, DType::kFloat32}) {
+    for (DType in : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
       ProblemConfig c;
       c.op = OpKind::kDecode;
       c.batch = 7;
@@ -292,15 +292,18 @@ TEST(DecodeForcedKernels, MatchCpuReference) {
 // Slots >= P are skipped on the device: o = 0, counted in error_flag, no state I/O. Small heads (a grid in
 // prefetch mode) and qwen3-next heads at B = 16 (a grid too large for it: the state is asked of L2 only
 // after the index is read, recurrent/launch.cuh) with both state dtypes. (It checks the loads and stores of
-// that path; an L2 prefetch outside the pool neither faults nor shows in memcheck on the H100.)
+// that path; an L2 prefetch outside the pool neither faults nor shows in memcheck on the H100.) float8_e4m3 pools
+// on their own kernels, both layouts.
 TEST(DecodeGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
-  // small fp32 B = 4, qwen3-next fp32 B = 16, bf16 B = 16, bf16 B = 4 (K-last: the wide tile, prefetch mode)
+  // small fp32 B = 4, qwen3-next fp32 B = 16, bf16 B = 16, bf16 B = 4 (K-last: the wide tile, prefetch mode), fp8
+  // B = 16 and B = 4
   static const char* const kWhich[] = {"small heads, B = 4, fp32", "qwen3-next, B = 16, fp32",
-                                       "qwen3-next, B = 16, bf16", "qwen3-next, B = 4, bf16"};
+                                       "qwen3-next, B = 16, bf16", "qwen3-next, B = 4, bf16",
+                                       "qwen3-next, B = 16, fp8",  "qwen3-next, B = 4, fp8"};
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-    for (int which = 0; which < 4; ++which) {
-      ProblemConfig c =
-          qwen_decode(layout, which >= 2 ? DType::kBFloat16 : DType::kFloat32, which == 1 || which == 2 ? 16 : 4);
+    for (int which = 0; which < 6; ++which) {
+      const DType state = which >= 4 ? DType::kFloat8E4M3 : which >= 2 ? DType::kBFloat16 : DType::kFloat32;
+      ProblemConfig c = qwen_decode(layout, state, which == 1 || which == 2 || which == 4 ? 16 : 4);
       if (which == 0) c.H = 2, c.HV = 4, c.K = 64, c.V = 64;
       SCOPED_TRACE(kWhich[which]);
       Problem p(c);

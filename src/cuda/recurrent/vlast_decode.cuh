@@ -3,8 +3,8 @@
 //
 // The warp kernel (warp_kernel.cuh) gives each warp 8 columns and every row, which in V-last are 32-byte
 // pieces of each row: it stages them through shared memory to move whole 128-byte lines. Here a CTA owns
-// one 128-byte piece of every row (kCols = 32 fp32 or 64 bf16 columns) and its warps split the rows:
-//   lane l: column group cg = l / 4 (kVec = 16 bytes of columns: 4 fp32 or 8 bf16), row phase ro = l % 4;
+// one 128-byte piece of every row (kCols = 32 fp32, 64 bf16 or 128 fp8 columns) and its warps split the rows:
+//   lane l: column group cg = l / 4 (kVec = 16 bytes of columns: 4 fp32, 8 bf16 or 16 fp8), row phase ro = l % 4;
 //   warp w: rows w * 32 + 4 i + ro, i < 8;
 // so each load or store instruction of a warp covers 4 whole lines, straight from and to registers, and
 // a lane holds its 8 rows as loaded (32 registers: 32 fp32 or 64 bf16 values), converted to fp32 where
@@ -38,6 +38,8 @@ struct VLastRows {
   static constexpr int kRowsPerLane = kRowsPerWarp / 4;
   static constexpr int kWarps = K / kRowsPerWarp;
   static_assert(K % kRowsPerWarp == 0 && kWarps >= 1 && kWarps <= 4, "V-last decode: K = 64 or 128");
+  // resident CTAs per SM: 24, 20 or 12 warps for fp32, bf16 or fp8 state (vlast_decode_kernel)
+  static constexpr int kCtasPerSm = (sizeof(TState) == 4 ? 24 : sizeof(TState) == 2 ? 20 : 12) / kWarps;
 };
 
 // N values over aligned groups of kLanes consecutive lanes (N >= kLanes, powers of two; dtype.cuh's
@@ -65,11 +67,10 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
 }
 
 // Resident warps per SM: fp32 state 24 (80 registers; at 64 ptxas spills and decode runs slower), bf16
-// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills). docs/design/decode.md
-// "V-last decode".
+// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills), fp8 state 12 (168 registers).
+// docs/design/decode.md "V-last decode".
 template <class TState, class TInput, int K, int V>
-__global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
-                                  (sizeof(TState) == 4 ? 24 : sizeof(TState) == 2 ? 20 : 12) / VLastRows<TState, K>::kWarps)
+__global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32, VLastRows<TState, K>::kCtasPerSm)
     vlast_decode_kernel(const RecurrentParams p, const bool prefetch) {
   using R = VLastRows<TState, K>;
   constexpr int kVec = R::kVec, kCols = R::kCols, kRowsPerLane = R::kRowsPerLane, kWarps = R::kWarps;
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
   const bool counter = hv == 0 && c0 == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
   TState* const head = static_cast<TState*>(p.state.data) + int64_t(hv) * kHeadElems;  // + slot * slot_stride
 
-  // Before the wait: prefetch mode as in warp_kernel.cuh (one row's piece per thread).
+  // Before the wait: prefetch mode as in warp_kernel.cuh (one row's piece per thread; fp8 pools launch without it).
   int spec = -1;
   if (prefetch) {
     spec = __ldcg(p.state_indices + b);
@@ -167,7 +168,8 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32,
   const bool bad = slot >= p.state.num_slots;
   if (bad || slot < 0) {  // padding row, or a slot past the pool: o = 0, no state traffic
     if (bad && counter) atomicAdd(p.error_flag, 1);
-    for (int c = int(threadIdx.x); c < kCols; c += kWarps * 32) o[c0 + c] = from_float<TInput>(0.0f);  // fp8 K = 64: 2 a thread
+    // fp8 at K = 64: two columns a thread
+    for (int c = int(threadIdx.x); c < kCols; c += kWarps * 32) o[c0 + c] = from_float<TInput>(0.0f);
     return;
   }
   if (spec != slot) load(slot);
