@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <string>
+#include <type_traits>
 
 #include "cuda/recurrent/launcher.cuh"
 #include "cuda/recurrent/vlast_decode.cuh"
@@ -32,19 +33,7 @@ void launch_input(const RecurrentParams& p, Stream stream) {
 }  // namespace
 
 void launch_vlast_fp8_decode(const RecurrentParams& p, Stream stream) {
-  constexpr int64_t kMaxGridY = 65535;  // CUDA's limit on gridDim.y: one row per sequence
-  if (p.batch <= 0 || p.heads.num_v_heads <= 0) return;
-  if (p.batch > kMaxGridY)
-    throw Error(ErrorCode::kNotImplemented,
-                "cuda recurrent: B = " + std::to_string(p.batch) + " exceeds the grid (B <= 65535)");
-  switch (p.k.dtype) {  // q, k, v, o share it (validated)
-    case DType::kFloat32: return launch_input<float>(p, stream);
-    case DType::kBFloat16: return launch_input<__nv_bfloat16>(p, stream);
-    case DType::kFloat16: return launch_input<__half>(p, stream);
-    default:
-      throw Error(ErrorCode::kInvalidArgument,
-                  std::string("k: expected dtype float32, bfloat16 or float16, got ") + dtype_name(p.k.dtype));
-  }
+  for_decode_inputs(p, [&](auto* input) { launch_input<std::remove_pointer_t<decltype(input)>>(p, stream); });
 }
 
 }  // namespace gdnkit::cuda::recurrent
