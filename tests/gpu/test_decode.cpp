@@ -97,7 +97,7 @@ std::vector<Named> decode_cases() {
     }
   // float8_e4m3 V-last pools (vlast_decode.cuh: 128-column row pieces, a scale block over two lanes).
   for (int d : {64, 128})
-    for (DType in : {DType::kBFloat16, DType::kFloat32}) {
+    for (DType in : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
       ProblemConfig c;
       c.op = OpKind::kDecode;
       c.batch = 7;
