@@ -81,34 +81,24 @@ std::vector<Named> decode_cases() {
         c.seed = 200 + i++;
         out.push_back({case_name(c), c});
       }
-  // float8_e4m3 K-last pools (fp8_decode.cuh) against the CPU backend's e4m3 stores.
-  for (int d : {64, 128, 256})
+  // float8_e4m3 pools against the CPU backend's e4m3 stores, every input dtype: K-last (fp8_decode.cuh) and V-last
+  // (vlast_decode.cuh: 128-column row pieces, a scale block over two lanes).
+  const auto fp8_cases = [&](StateLayout layout, int K, int V, int H, int HV, int seed0) {
     for (DType in : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
       ProblemConfig c;
       c.op = OpKind::kDecode;
       c.batch = 7;
       c.padding_rows = 1;
-      c.H = d == 128 ? 16 : 2, c.HV = d == 128 ? 32 : 8, c.K = d, c.V = d;
-      c.layout = StateLayout::kKLast, c.state_dtype = DType::kFloat8E4M3, c.in_dtype = in;
+      c.H = H, c.HV = HV, c.K = K, c.V = V;
+      c.layout = layout, c.state_dtype = DType::kFloat8E4M3, c.in_dtype = in;
       c.gate_mode = in == DType::kFloat32 ? GateMode::kGiven : GateMode::kFused;
       c.slot_pad = 32;
-      c.seed = 300 + i++;
+      c.seed = seed0 + i++;
       out.push_back({case_name(c), c});
     }
-  // float8_e4m3 V-last pools (vlast_decode.cuh: 128-column row pieces, a scale block over two lanes).
-  for (int d : {64, 128})
-    for (DType in : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
-      ProblemConfig c;
-      c.op = OpKind::kDecode;
-      c.batch = 7;
-      c.padding_rows = 1;
-      c.H = 4, c.HV = 8, c.K = d, c.V = 128;
-      c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.in_dtype = in;
-      c.gate_mode = in == DType::kFloat32 ? GateMode::kGiven : GateMode::kFused;
-      c.slot_pad = 32;
-      c.seed = 320 + i++;
-      out.push_back({case_name(c), c});
-    }
+  };
+  for (int d : {64, 128, 256}) fp8_cases(StateLayout::kKLast, d, d, d == 128 ? 16 : 2, d == 128 ? 32 : 8, 300);
+  for (int d : {64, 128}) fp8_cases(StateLayout::kVLast, d, 128, 4, 8, 320);
   return out;
 }
 
