@@ -86,11 +86,14 @@ struct HeadStateWarps {
   // The wgmma build: o of a full chunk leaves by a TMA store of each warpgroup's staged 64 columns (token start + 64 c).
   const CUtensorMap* o_map;
   int64_t start;
+  // kMWarpgroup: per warpgroup and stage, the mbarrier on which its 128 threads hand a full chunk's staged o to the
+  // producer warpgroup, which stores it
+  uint64_t* o_bars;
 
   __device__ __forceinline__ HeadStateWarps(const PrefillParams& p_, const Plan& plan_, const HeadCoords& at_,
                                             int64_t start_, float* s_rq_, const CUtensorMap* o_map_,
-                                            bool zero_v_ = false)
-      : p(p_), plan(plan_), at(at_), s_rq(s_rq_), zero_v(zero_v_), o_map(o_map_), start(start_) {
+                                            bool zero_v_ = false, uint64_t* o_bars_ = nullptr)
+      : p(p_), plan(plan_), at(at_), s_rq(s_rq_), zero_v(zero_v_), o_map(o_map_), start(start_), o_bars(o_bars_) {
     const int lane = at.lane, warp = at.warp;
     o_lane = static_cast<Op*>(p.o.data) + (start_ + (lane >> 1)) * p.o.token_stride + at.h * p.o.head_stride + at.vw +
              (lane & 1) * 8;
@@ -120,15 +123,25 @@ struct HeadStateWarps {
 
     float pk[8][4], qo[8][4];
     [[maybe_unused]] float mk[kMCols / 8][4];
+    [[maybe_unused]] const int wg = at.warp / 4;
+    if constexpr (S::kMWarpgroup) {
+      if (wg == 1) named_barrier_sync(kPqTurnBarrier + 1, 2 * kThreads);
+      else if (c > 0) named_barrier_sync(kPqTurnBarrier, 2 * kThreads);
+    }
     pq_products<kFull>(b, s, pk, qo, mk, ks_b, qs_b, dk, dq, L);
 
     // The inputs of chunk c + kStages - 1 (into the stage chunk c - 1 used: every warp is past it): issued here, so
     // that the P/Q products above start right after the barrier.
-    if (c + kStages - 1 < nchunks) loader.issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
+    if constexpr (!S::kMWarpgroup)
+      if (c + kStages - 1 < nchunks) loader.issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
     if constexpr (kFormsM) q_norms(b);
     if constexpr (kWgmma) {
       wgmma_wait<int(kOutputs) + int(kFormsM)>();  // P^T (Q^T and q k^T may still run)
       wgmma_pin(pk);
+    }
+    if constexpr (S::kMWarpgroup) {
+      if (wg == 0) named_barrier_arrive(kPqTurnBarrier + 1, 2 * kThreads);
+      else if (c + 1 < nchunks) named_barrier_arrive(kPqTurnBarrier, 2 * kThreads);
     }
 
     // ---- X^T = v^T - P^T diag(ek), packed as the A operand of the next product (k-step = 16 tokens)
@@ -381,6 +394,10 @@ struct HeadStateWarps {
     if constexpr (kWgmma && kFull) {
       const int wg = at.warp / 4;
       fence_proxy_async();  // the staged rows are read by the TMA unit
+      if constexpr (S::kMWarpgroup) {
+        mbarrier_arrive(&o_bars[wg * kStages + c % kStages]);
+        return;
+      }
       named_barrier_sync(kOStoreBarrier + wg, 128);
       if (at.tid % 128 == 0) {
         tma_store_3d(o_map, at.v0 + 64 * wg, at.h, int(start + c * kChunk), &b.vs[wg * 64 * kChunk]);

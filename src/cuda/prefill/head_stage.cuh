@@ -47,10 +47,17 @@ constexpr int kHeadStages = kWgmma ? 3 : 2;
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives on barrier `id` without waiting (the other side of a named_barrier_sync).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The kMWarpgroup build's state warpgroups take turns at their P/Q products: warpgroup 1 issues chunk c's after
+// warpgroup 0's P of chunk c completed, warpgroup 0 chunk c + 1's after warpgroup 1's P of chunk c.
+constexpr int kPqTurnBarrier = 5;  // + the warpgroup that waits
 
-// Named barriers: 0 is __syncthreads; the state warpgroups meet on 1, the prep warpgroup on 2, state warpgroup g before
-// its o store on kOStoreBarrier + g.
-constexpr int kStateBarrier = 1, kPrepBarrier = 2, kOStoreBarrier = 3;
+// Named barriers: 0 is __syncthreads; the prep warpgroup meets on 2, state warpgroup g before its o store on
+// kOStoreBarrier + g; beside a producer warpgroup the state warpgroups take their P/Q turns on kPqTurnBarrier + g.
+constexpr int kPrepBarrier = 2, kOStoreBarrier = 3;
 
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
 // wgmma build; kMWarpgroup a prep warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode 0 whole

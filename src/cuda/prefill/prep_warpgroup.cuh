@@ -15,6 +15,7 @@
 #include "cuda/arch/tma.cuh"
 #include "cuda/arch/wgmma.cuh"
 #include "cuda/prefill/causal_image.cuh"
+#include "cuda/prefill/head_loader.cuh"
 #include "cuda/prefill/head_stage.cuh"
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
@@ -24,10 +25,12 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 
-// Registers: the CTA launches with 168 per thread (384 threads: 64512), the pool the warpgroups trade within by
-// setmaxnreg: the prep warpgroup gives back to kPrepRegs, the state warpgroups take kStateRegs.
-constexpr int kPrepRegs = 80, kStateRegs = 208;  // 128 x 80 + 256 x 208 = 63488
-static_assert(kThreads * kPrepRegs + 2 * kThreads * kStateRegs <= 3 * kThreads * 168, "the CTA's registers");
+// Registers: the CTA launches with 128 per thread (512 threads: 65536), the pool the warpgroups trade within by
+// setmaxnreg: the prep warpgroup gives back to kPrepRegs, the producer to kProducerRegs, the state warpgroups take
+// kStateRegs.
+constexpr int kPrepRegs = 72, kStateRegs = 208, kProducerRegs = 24;  // 128 x (72 + 24) + 256 x 208 = 65536
+static_assert(kThreads * (kPrepRegs + kProducerRegs) + 2 * kThreads * kStateRegs <= 4 * kThreads * 128,
+              "the CTA's registers");
 
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -187,6 +190,48 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
     }
     mbarrier_arrive(&done[c % kStages]);
   }
+}
+
+// The producer warpgroup (kMWarpgroup): its first thread issues every stage's loads, so that no warpgroup that
+// computes waits for a TMA issue (each takes about a hundred cycles). Chunk 0's rows go out before the chunk prep's
+// grid completed, its workspace part after; chunk n (from kStages - 1 on) into the stage of chunk n - kStages once
+// every state thread released it (done[kStages + ...]: the o store's issuers arrive after the store read the stage).
+// It also stores each full chunk's o, which the two state warpgroups stage in their v rows of the stage and hand over
+// on done[2 kStages + g kStages + c % kStages] (128 arrivals after a proxy fence), by one TMA store per warpgroup; the
+// stage is loaded again only once those stores have read it.
+template <int kStages, bool kOutputs, class Loader, class Stage>
+__device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* stage, uint64_t* done, int64_t len,
+                                                   bool issuer, const CUtensorMap* o_map, int v0, int h,
+                                                   int64_t start) {
+  if (!issuer) return;
+  const int64_t nchunks = (len + kChunk - 1) / kChunk;
+  if (nchunks > 0) loader.issue(0, stage[0], kInputs);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);
+#pragma unroll
+  for (int i = 1; i < kStages - 1; ++i)
+    if (i < nchunks) loader.issue(i, stage[i], kBoth);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t n = c + kStages - 1;  // into the stage of chunk c - 1
+    if (n < nchunks) {
+      if (c > 0) {
+        mbarrier_wait(&done[kStages + (c - 1) % kStages], uint32_t((c - 1) / kStages) & 1);
+        if constexpr (kOutputs) bulk_wait_group_read<0>();  // chunk c - 1's o stores have read the stage
+      }
+      loader.issue(n, stage[n % kStages], kBoth);
+    }
+    if constexpr (kOutputs) {
+      if ((c + 1) * kChunk <= len) {  // a partial chunk's o leaves from the state threads
+#pragma unroll
+        for (int g = 0; g < 2; ++g) {
+          mbarrier_wait(&done[(2 + g) * kStages + c % kStages], uint32_t(c / kStages) & 1);
+          tma_store_3d(o_map, v0 + 64 * g, h, int(start + c * kChunk), &stage[c % kStages].vs[g * 64 * kChunk]);
+        }
+        bulk_commit_group();
+      }
+    }
+  }
+  if constexpr (kOutputs) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

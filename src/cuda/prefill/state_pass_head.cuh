@@ -36,8 +36,9 @@
 //     with M' = M / rq_i. With one warpgroup, M comes from the workspace by TMA like T'.
 //     With a prep warpgroup (kMWarpgroup: a third warpgroup, prep_warpgroup.cuh) the two state warpgroups form
 //     neither M nor rq: the prep warpgroup fills each stage with M and the factor rows (after the chunk prep
-//     kernel without M) and hands it over by an mbarrier per stage; the state warpgroups meet on a named
-//     barrier of their 256 threads.
+//     kernel without M) and hands it over by an mbarrier per stage; a fourth, the producer warpgroup, issues
+//     every stage's loads and stores each full chunk's o, so that no state warpgroup issues a TMA. The two
+//     state warpgroups run apart, taking turns at their P/Q products (head_chunk.cuh).
 //
 // The kernel is built from named parts: head_stage.cuh (the build's shape, the stages, the CTA's coordinates),
 // head_loader.cuh (the loader: TMA or cp.async into the stages), head_chunk.cuh (the state warps' per-chunk math),
@@ -66,20 +67,19 @@ constexpr size_t head_smem_bytes() {
          (kWgmma ? 1024 : 0);  // + alignment slack
 }
 
-// The head pass's threads: V / kSplit / 16 warps of state columns, and with a prep warpgroup its 128.
+// The head pass's threads: V / kSplit / 16 warps of state columns, and with a prep warpgroup its 128 and the
+// producer warpgroup's 128.
 template <int V, int kSplit, bool kMWarpgroup>
 constexpr int head_pass_threads() {
-  return V / kSplit / 16 * 32 + (kMWarpgroup ? kThreads : 0);
+  return V / kSplit / 16 * 32 + (kMWarpgroup ? 2 * kThreads : 0);
 }
 
 // bars: the wgmma build's TMA completion of each stage. prep_bars (kMWarpgroup): [0, kStages) the prep
 // warpgroup's completion of each stage; [kStages, 2 kStages) the state warps' release of a stage (each state thread
-// arrives after its last access to a chunk's stage). The next TMA into the stage already implies the release (it
-// is issued after the state warps' next barrier); the prep warpgroup waits on it too so that its writes are ordered
-// after every state thread's reads by each thread's own arrival, not through the state warps' named barrier, one
-// thread's TMA issue and the phase that the TMA's bytes complete. The o store (head_chunk.cuh store_o) may still
-// read the stage's v rows after the arrivals: the prep warpgroup writes none of them before the stage's next TMA
-// has landed, which its issuer starts only after the store's read-wait and the next barrier.
+// arrives after its last access to a chunk's stage), on which the producer waits before it loads the stage again and
+// the prep warpgroup before it writes there; [2 kStages, 4 kStages) state warpgroup g's o of a full chunk staged in
+// the stage's v rows (2 kStages + g kStages + stage), which the producer stores. The producer loads a stage again
+// only after its o stores have read it.
 template <class S>
 __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uint64_t* prep_bars) {
   if (tid == 0) {
@@ -89,6 +89,9 @@ __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uin
       if constexpr (S::kMWarpgroup) {
         mbarrier_init(&prep_bars[i], kThreads);
         mbarrier_init(&prep_bars[S::kStages + i], S::kThr);
+        // a state warpgroup's o of a full chunk staged in the stage's v rows (warpgroup g: 2 kStages + g kStages + i)
+        mbarrier_init(&prep_bars[2 * S::kStages + i], kThreads);
+        mbarrier_init(&prep_bars[3 * S::kStages + i], kThreads);
       }
     }
     fence_mbarrier_init();
@@ -97,7 +100,7 @@ __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uin
 }
 
 // Until chunk c's inputs are in stage b (with a prep warpgroup: the rows, zeroed past a partial chunk's end, T', M
-// and the factors) and every state warp is done with chunk c - 1's stage.
+// and the factors) and, without one, every state warp is done with chunk c - 1's stage.
 template <class S>
 __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, int L, int tid, uint64_t* bars,
                                                uint64_t* prep_bars) {
@@ -113,15 +116,13 @@ __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, 
   } else {
     cp_async_wait_all();
   }
-  if constexpr (S::kMWarpgroup)
-    named_barrier_sync(kStateBarrier, S::kThr);
-  else
-    __syncthreads();
+  // the kMWarpgroup build's state warpgroups run apart, taking turns at their P/Q products (head_chunk.cuh)
+  if constexpr (!S::kMWarpgroup) __syncthreads();
 }
 
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
 // kMWarpgroup (the wgmma build with two state warpgroups): a third warpgroup forms M in each chunk's stage
-// (prep_warpgroup.cuh), after the chunk prep kernel without M.
+// (prep_warpgroup.cuh), after the chunk prep kernel without M; a fourth issues the loads and stores o.
 // kCpMode (context_parallel.cuh): the grid's rows are the segment table's entries instead of the sequences (the
 // local pass (1): the cut segments' states, two CTAs per state and value head; blockIdx.y: 0 the segment from zero,
 // 1 its transition).
@@ -164,7 +165,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   const int64_t start = kCpMode != 0 ? seg.start : sq.start, len = kCpMode != 0 ? seg.len : sq.len;
   const int64_t slot0 = kCpMode != 0 ? sq.start / kChunk + seg.seq + seg.first_chunk : sq.start / kChunk + at.n;
   __shared__ uint64_t bars[kStages];
-  __shared__ uint64_t prep_bars[kMWarpgroup ? 2 * kStages : 1];
+  // kMWarpgroup: [0, kStages) the prep's, [kStages, 2 kStages) the release, [2 kStages, 4 kStages) o staged (below)
+  __shared__ uint64_t prep_bars[kMWarpgroup ? 4 * kStages : 1];
   __shared__ __align__(16) float s_rq[S::kMInPass ? kChunk : 1];
   if constexpr (kMWarpgroup) {
     // The prep warpgroup leaves here; the state warps go on with more registers.
@@ -176,6 +178,14 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
       setmaxnreg_dec<kPrepRegs>();
       PrepSmem& ps = *reinterpret_cast<PrepSmem*>(stage + kStages);
       prep_warpgroup<K, Op, kStages, S::kOutputs>(p, plan, ps, stage, bars, prep_bars, len);
+      return;
+    }
+    if (wg == S::kWarps / 4 + 1) {
+      setmaxnreg_dec<kProducerRegs>();
+      HeadCoords pa = at;
+      pa.tid = at.tid - S::kThr - kThreads;  // the warpgroup's first thread issues every stage's loads
+      const HeadLoader<S> loader(p, plan, maps, pa, start, len, slot0, bars, !transition);
+      producer_warpgroup<kStages, S::kOutputs>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h, start);
       return;
     }
     setmaxnreg_inc<kStateRegs>();
@@ -220,37 +230,39 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   const int64_t C = p.checkpoint_interval;
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
-  const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition);
+  const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition, &prep_bars[2 * kStages]);
 
   if constexpr (kWgmma && !kMWarpgroup) init_stage_barriers<S>(at.tid, bars, prep_bars);
   // Launched right behind the chunk prep with programmatic dependent launch (launch_state_pass_head), the
   // CTAs that find a free SM while the prep's last CTAs finish got here early: the state loads above read
   // the pool and cu_seqlens, which the prep does not write (and what ran before the prep finished before
   // it started). The workspace is read only after the prep's grid completed. Without PDL a no-op.
-  if (nchunks > 0) loader.issue(0, stage[0], kInputs);
+  if (!kMWarpgroup && nchunks > 0) loader.issue(0, stage[0], kInputs);
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);
+  if constexpr (!kMWarpgroup) {
+    if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);
 #pragma unroll
-  for (int i = 1; i < kStages - 1; ++i)
-    if (i < nchunks) loader.issue(i, stage[i], kBoth);
+    for (int i = 1; i < kStages - 1; ++i)
+      if (i < nchunks) loader.issue(i, stage[i], kBoth);
+  }
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c % kStages];
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
-    // chunk c - 1's o store has read its stage, which chunk c loads again (head_chunk.cuh store_o)
-    if constexpr (kWgmma && S::kOutputs)
+    // chunk c - 1's o store has read its stage, which chunk c loads again (head_chunk.cuh store_o); with a producer
+    // warpgroup the producer stores o and waits for that itself
+    if constexpr (kWgmma && S::kOutputs && !kMWarpgroup)
       if (at.tid % 128 == 0) bulk_wait_group_read<0>();
     wait_for_stage<S>(b, c, L, at.tid, bars, prep_bars);
     if (L == kChunk)
       warps.template chunk<true>(b, s, c, L, nchunks, loader, stage);
     else
       warps.template chunk<false>(b, s, c, L, nchunks, loader, stage);
-    // this thread's reads of b are done (the o store's, asynchronous, are ordered by the stage's next load)
-    if constexpr (kMWarpgroup) mbarrier_arrive(&prep_bars[kStages + c % kStages]);
+    if constexpr (kMWarpgroup) mbarrier_arrive(&prep_bars[kStages + c % kStages]);  // this thread is done with b
     if constexpr (kCpMode == 0) store_head_checkpoint<S>(s, p, plan, at, sq, c, C, -1);
     if constexpr (kCpMode == 2) store_head_checkpoint<S>(s, p, plan, at, sq, seg.first_chunk + c, C, seg.seq);
   }
 
-  if constexpr (kWgmma && S::kOutputs)
+  if constexpr (kWgmma && S::kOutputs && !kMWarpgroup)
     if (at.tid % 128 == 0) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
 
   if constexpr (kCpMode == 1) {  // the segment's local state or transition, fp32, for the scan
