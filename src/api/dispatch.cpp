@@ -22,11 +22,11 @@ void require_cuda() {
 
 // The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools, intermediate caches and
 // checkpoints of K-last pools in decode, verify, commit and prefill (pools and checkpoints with bf16 or fp16 inputs,
-// K <= 128, V in {64, 128}: the head state pass), V-last float8_e4m3 pools in decode (K in {64, 128}, V = 128:
-// vlast_decode.cuh, the dims its GPU tests run) and layout conversion either way; the CPU backend runs every op on float8_e4m3.
+// K <= 128, V in {64, 128}: the head state pass), V-last float8_e4m3 pools in decode (K in {64, 128}, V in {128,
+// 256}: vlast_decode.cuh) and layout conversion either way; the CPU backend runs every op on float8_e4m3.
 constexpr const char* kFp8Cuda =
     ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, verify, commit and "
-    "prefill, all K-last, and V-last pools in decode with K in {64, 128} and V = 128";
+    "prefill, all K-last, and V-last pools in decode with K in {64, 128} and V in {128, 256}";
 void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char* got = "") {
   if (data != nullptr && dtype == DType::kFloat8E4M3)
     throw Error(ErrorCode::kNotImplemented,
@@ -34,7 +34,7 @@ void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char
 }
 void require_cuda_states(const DecodeParams& p) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
-  if (p.state.layout != StateLayout::kKLast && !((K == 64 || K == 128) && V == 128))
+  if (p.state.layout != StateLayout::kKLast && !((K == 64 || K == 128) && (V == 128 || V == 256)))
     refuse_cuda_fp8("state", p.state.data, p.state.dtype,
                     (", got V-last with K = " + std::to_string(K) + ", V = " + std::to_string(V)).c_str());
 }

@@ -454,7 +454,7 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
   const Context cuda{Backend::kCUDA, nullptr};
   const std::string tail = ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, "
                            "verify, commit and prefill, all K-last, and V-last pools in decode with K in {64, 128} and "
-                           "V = 128";
+                           "V in {128, 256}";
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;

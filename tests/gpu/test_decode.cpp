@@ -35,6 +35,7 @@ std::string case_name(const ProblemConfig& c) {
                   "_in" + short_name(c.in_dtype) + (c.gate_mode == GateMode::kFused ? "_fused" : "_given") +
                   (c.use_qk_l2norm ? "_l2" : "_nol2") + "_h" + std::to_string(c.H) + "x" + std::to_string(c.HV) +
                   "_d" + std::to_string(c.K);
+  if (c.V != c.K) s += "_v" + std::to_string(c.V);
   if (c.token_pad || c.head_pad) s += "_strided";
   if (c.slot_pad) s += "_slotpad";
   if (c.long_memory) s += "_longmem";
@@ -81,10 +82,10 @@ std::vector<Named> decode_cases() {
         c.seed = 200 + i++;
         out.push_back({case_name(c), c});
       }
-  // float8_e4m3 pools against the CPU backend's e4m3 stores, every input dtype: K-last (fp8_decode.cuh) and V-last
-  // (vlast_decode.cuh: 128-column row pieces, a scale block over two lanes).
-  const auto fp8_cases = [&](StateLayout layout, int K, int V, int H, int HV, int seed0) {
-    for (DType in : {DType::kBFloat16, DType::kFloat32, DType::kFloat16}) {
+  // float8_e4m3 pools against the CPU backend's e4m3 stores: K-last (fp8_decode.cuh) and V-last (vlast_decode.cuh:
+  // 128-column row pieces, a scale block over two lanes; V = 256 is two column CTAs per head).
+  const auto fp8_cases = [&](StateLayout layout, int K, int V, int H, int HV, int seed0, std::vector<DType> inputs) {
+    for (DType in : inputs) {
       ProblemConfig c;
       c.op = OpKind::kDecode;
       c.batch = 7;
@@ -97,8 +98,11 @@ std::vector<Named> decode_cases() {
       out.push_back({case_name(c), c});
     }
   };
-  for (int d : {64, 128, 256}) fp8_cases(StateLayout::kKLast, d, d, d == 128 ? 16 : 2, d == 128 ? 32 : 8, 300);
-  for (int d : {64, 128}) fp8_cases(StateLayout::kVLast, d, 128, 4, 8, 320);
+  const std::vector<DType> all_inputs = {DType::kBFloat16, DType::kFloat32, DType::kFloat16};
+  for (int d : {64, 128, 256})
+    fp8_cases(StateLayout::kKLast, d, d, d == 128 ? 16 : 2, d == 128 ? 32 : 8, 300, all_inputs);
+  for (int d : {64, 128}) fp8_cases(StateLayout::kVLast, d, 128, 4, 8, 320, all_inputs);
+  for (int d : {64, 128}) fp8_cases(StateLayout::kVLast, d, 256, 4, 8, 340, {DType::kBFloat16});
   return out;
 }
 

@@ -270,7 +270,7 @@ void decode(const DecodeParams& p, Stream stream) {
   RecurrentParams r;
   static_cast<DecodeParams&>(r) = p;
   r.num_draft_tokens = 1;
-  if (p.state.dtype == DType::kFloat8E4M3) {  // V-last: K in {64, 128}, V = 128 (api/dispatch.cpp)
+  if (p.state.dtype == DType::kFloat8E4M3) {  // V-last: K in {64, 128}, V in {128, 256} (api/dispatch.cpp)
     check_aligned("state", p.state.data, p.state.slot_stride, p.state.dtype);
     set_gva(r);
     if (p.state.layout == StateLayout::kVLast) return recurrent::launch_vlast_fp8_decode(r, stream);

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
 
 // Decode of a K-last float8_e4m3 pool (dispatch.cu); K = V in {64, 128, 256}.
 void launch_fp8_decode(const RecurrentParams& p, Stream stream);
-// Decode of a V-last float8_e4m3 pool (launch_vlast_fp8.cu, vlast_decode.cuh); K in {64, 128}, V = 128.
+// Decode of a V-last float8_e4m3 pool (launch_vlast_fp8.cu, vlast_decode.cuh); K in {64, 128}, V in {128, 256}.
 void launch_vlast_fp8_decode(const RecurrentParams& p, Stream stream);
 
 }  // namespace gdnkit::cuda::recurrent

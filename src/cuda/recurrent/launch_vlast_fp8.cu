@@ -1,5 +1,5 @@
 // Decode of V-last float8_e4m3 pools (vlast_decode.cuh with TState = uint8_t): one instantiation per input dtype and
-// head dims K in {64, 128}, V = 128 (a CTA owns one 128-byte piece of every row: 128 columns).
+// head dims K in {64, 128}, V in {128, 256} (a CTA owns one 128-byte piece of every row: 128 columns).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -16,8 +16,12 @@ template <class TInput, int K, int V>
 void launch_kv(const RecurrentParams& p, Stream stream) {
   using R = VLastRows<uint8_t, K>;
   static_assert(V % R::kCols == 0, "V-last fp8 decode: whole 128-column pieces");
-  launch_recurrent(vlast_decode_kernel<uint8_t, TInput, K, V>, head_grid(p, V / R::kCols), R::kWarps * 32, false,
-                   stream, p);
+  const auto kernel = vlast_decode_kernel<uint8_t, TInput, K, V>;
+  static const int64_t resident = resident_ctas(reinterpret_cast<const void*>(kernel), R::kWarps * 32);
+  const dim3 grid = head_grid(p, V / R::kCols);
+  // prefetch mode where the grid fits the GPU at once (share 1), as for the other V-last pools
+  const bool prefetch = prefetch_mode(KernelFit{grid_ctas(grid), resident}, 1, overrides());
+  launch_recurrent(kernel, grid, R::kWarps * 32, prefetch, stream, p);
 }
 
 template <class TInput>
@@ -25,9 +29,11 @@ void launch_input(const RecurrentParams& p, Stream stream) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   if (K == 64 && V == 128) return launch_kv<TInput, 64, 128>(p, stream);
   if (K == 128 && V == 128) return launch_kv<TInput, 128, 128>(p, stream);
+  if (K == 64 && V == 256) return launch_kv<TInput, 64, 256>(p, stream);
+  if (K == 128 && V == 256) return launch_kv<TInput, 128, 256>(p, stream);
   throw Error(ErrorCode::kNotImplemented, "cuda: V-last float8_e4m3 decode with K=" + std::to_string(K) +
                                               ", V=" + std::to_string(V) +
-                                              " is not built (built: K in {64, 128}, V = 128)");
+                                              " is not built (built: K in {64, 128}, V in {128, 256})");
 }
 
 }  // namespace

@@ -90,13 +90,20 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32, VLastRows<T
   const bool counter = hv == 0 && c0 == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
   TState* const head = static_cast<TState*>(p.state.data) + int64_t(hv) * kHeadElems;  // + slot * slot_stride
 
-  // Before the wait: prefetch mode as in warp_kernel.cuh (one row's piece per thread; fp8 pools launch without it).
+  // Before the wait: prefetch mode as in warp_kernel.cuh (one row's piece per thread; fp8: and the head's scale
+  // bytes, K V / 32 of them, a line per thread).
   int spec = -1;
   if (prefetch) {
     spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots) {
       for (int r = int(threadIdx.x); r < K; r += kWarps * 32)
         prefetch_l2(head + int64_t(spec) * p.state.slot_stride + int64_t(r) * V + c0, unsigned(kCols * sizeof(TState)));
+      if constexpr (kFp8) {
+        constexpr int kScaleLines = (K * (V / kFp8Block) + 127) / 128;
+        if (int(threadIdx.x) < kScaleLines)
+          prefetch_l2_line(p.state.scales + (int64_t(spec) * p.heads.num_v_heads + hv) * (kHeadElems / kFp8Block) +
+                           128 * int(threadIdx.x));
+      }
     } else {
       spec = -1;
     }
