@@ -21,9 +21,10 @@ void require_cuda() {
 }
 
 // The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools, intermediate caches and
-// checkpoints of K-last pools in decode, verify, commit and prefill (pools and checkpoints with bf16 or fp16 inputs,
-// K <= 128, V in {64, 128}: the head state pass), V-last float8_e4m3 pools in decode (K in {64, 128}, V in {128,
-// 256}: vlast_decode.cuh) and layout conversion either way; the CPU backend runs every op on float8_e4m3.
+// checkpoints of K-last pools in decode, verify, commit and prefill (pools and checkpoints on the head state pass, bf16
+// or fp16 inputs, K <= 128, V in {64, 128}, and on the tiled pass at K >= 128), V-last float8_e4m3 pools in decode (K
+// in {64, 128}, V in {128, 256}: vlast_decode.cuh) and layout conversion either way; the CPU backend runs every op on
+// float8_e4m3.
 constexpr const char* kFp8Cuda =
     ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, verify, commit and "
     "prefill, all K-last, and V-last pools in decode with K in {64, 128} and V in {128, 256}";
@@ -44,15 +45,18 @@ void require_cuda_states(const VerifyParams& p) {  // and CommitParams
     refuse_cuda_fp8("intermediate", p.intermediate.data, p.intermediate.dtype, ", got V-last");
 }
 void require_cuda_states(const PrefillParams& p) {
-  constexpr const char* kHeadPass = ", with bf16 or fp16 inputs, K <= 128 and V in {64, 128}";
+  // the head state pass (16-bit inputs, K <= 128, V in {64, 128}) or the tiled pass at K >= 128 (whole 32-row blocks
+  // a warp: state_pass_tiled.cuh)
+  constexpr const char* kHeadPass = ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}";
   const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) &&
                          p.heads.head_dim_k <= 128 && (p.heads.head_dim_v == 64 || p.heads.head_dim_v == 128);
+  const bool takes = head_pass || p.heads.head_dim_k >= 128;
   if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
-  if (!head_pass) refuse_cuda_fp8("state", p.state.data, p.state.dtype, kHeadPass);
+  if (!takes) refuse_cuda_fp8("state", p.state.data, p.state.dtype, kHeadPass);
   if (p.checkpoint_interval <= 0) return;
   if (p.checkpoints.layout != StateLayout::kKLast)
     refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, ", got V-last");
-  if (!head_pass) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, kHeadPass);
+  if (!takes) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, kHeadPass);
 }
 void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
 void require_cuda_states(const SplitPrefillParams& p) { require_cuda_states(p.local); }

@@ -489,15 +489,16 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
   PrefillParams pf;
   tok.into(pf, false);
   pf.num_seqs = 1, pf.total_tokens = 4, pf.cu_seqlens = cu.data();
-  pf.state = pool.pool(StateLayout::kKLast);  // fp32 inputs: not the head state pass
+  pf.state = pool.pool(StateLayout::kKLast);  // fp32 inputs at K = 64: neither the head pass nor the tiled pass's fp8
   pf.final_indices = fin.data();
-  const std::string head_pass = ", with bf16 or fp16 inputs, K <= 128 and V in {64, 128} (the CPU backend runs every op)";
+  const std::string head_pass =
+      ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128} (the CPU backend runs every op)";
   EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented), "state" + tail + head_pass);
   EXPECT_EQ(error_of([&] { (void)prefill_path(pf); }, ErrorCode::kNotImplemented), "state" + tail + head_pass);
   pf.state = pool.pool(StateLayout::kVLast);
   EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
             "state" + tail + ", got V-last (the CPU backend runs every op)");
-  // fp8 checkpoints beside an fp32 pool: K-last, 16-bit inputs, K <= 128, V in {64, 128} (the head state pass).
+  // fp8 checkpoints beside an fp32 pool: K-last, and at K = 64 16-bit inputs with V in {64, 128} (the head pass).
   Fp8States ckpt(1, 1, HV * kHead, 26);
   const std::vector<int32_t> cps{0};
   pf.state = pool32.twin_pool(StateLayout::kKLast);

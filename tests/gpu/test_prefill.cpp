@@ -316,6 +316,18 @@ std::vector<Case> shape_cases() {
     c.checkpoint_interval = 0, c.same_slot = true;
     add(c, "f8pool");
   }
+  // float8_e4m3 K-last pools and checkpoints on the tiled pass (state_pass_tiled.cuh store_state_e4m3,
+  // load_state_e4m3): fp32 inputs at K = V = 128, bf16 inputs at K = V = 256 with initial == final slot.
+  {
+    ProblemConfig c = base({300, 64, 127, 0, 256}, 1, 2, 128, 128);
+    c.state_dtype = DType::kFloat8E4M3, c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
+    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
+    add(c, "f8tiled");
+    c = base({200, 65, 0, 130}, 1, 2, 256, 256);
+    c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
+    c.same_slot = true;
+    add(c, "f8tiled");
+  }
   return out;
 }
 

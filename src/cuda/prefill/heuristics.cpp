@@ -225,14 +225,16 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(c.vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(V));
-  // float8_e4m3 pools and checkpoints: the head pass only (head_state_io.cuh), which api/dispatch.cpp's rule admits.
+  // float8_e4m3 pools and checkpoints: the head pass (head_state_io.cuh) or the tiled pass at K >= 128, whose warps
+  // hold whole 32-row scale blocks (state_pass_tiled.cuh); api/dispatch.cpp's rule admits no other.
+  const bool fp8_pass = is_head_tile(c.vtile) || K >= 128;
   if (p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoints.dtype == DType::kFloat8E4M3 &&
-      !is_head_tile(c.vtile))
+      !fp8_pass)
     throw Error(ErrorCode::kNotImplemented, "checkpoints: float8_e4m3 checkpoints are stored by the head state pass "
-                                            "only, not by value tile " + std::to_string(c.vtile));
-  if (p.state.dtype == DType::kFloat8E4M3 && !is_head_tile(c.vtile))
+                                            "or at K >= 128 only, not by value tile " + std::to_string(c.vtile));
+  if (p.state.dtype == DType::kFloat8E4M3 && !fp8_pass)
     throw Error(ErrorCode::kNotImplemented, "state: float8_e4m3 pools are read and written by the head state pass "
-                                            "only, not by value tile " + std::to_string(c.vtile));
+                                            "or at K >= 128 only, not by value tile " + std::to_string(c.vtile));
   c.wgmma_pass = c.vtile == kVTileHead && K <= 128 && (V / c.head_split) % 64 == 0 && head_tensor_maps_ok(p);
   const bool m_warpgroup_possible = c.wgmma_pass && c.head_split == 1 && V == 128 && K % 64 == 0;
   if (m_warpgroup_possible) c.m_warpgroup = m_warpgroup_wanted(p, o);

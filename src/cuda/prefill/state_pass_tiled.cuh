@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "cuda/arch/fp8.cuh"
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/mma.cuh"
 #include "cuda/prefill/plan.h"
@@ -148,6 +149,58 @@ struct TiledStatePass {
           store_state_elem(base, dt, offset + state_offset(p.state.layout, h, k, v, K, V), s[mt][nt][e]);
         }
   }
+  // float8_e4m3 K-last entries (docs/semantics.md "float8_e4m3 states"; api/dispatch.cpp takes them here for K >= 128):
+  // a warp's K / 4 rows are whole 32-row blocks, block bb its tiles mt = 2 bb, 2 bb + 1 over the 8 lanes r of one q2,
+  // so a block's amax is a thread's four values of one column and three shuffles; a thread's rows k and k + 8 of a
+  // tile share the block. S to the entry at element `offset` of base, its block scales at `scales` (its first block).
+  __device__ __forceinline__ void store_state_e4m3(const float (&s)[MT][NT][4], uint8_t* base, uint8_t* scales,
+                                                   int64_t offset) const {
+    static_assert(K >= 128 && MT % 2 == 0, "whole blocks a warp");
+    uint8_t* const head = base + offset + int64_t(h) * K * V;
+    uint8_t* const head_scales = scales + int64_t(h) * (K * V / kFp8Block);
+#pragma unroll
+    for (int bb = 0; bb < MT / 2; ++bb)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int v = v0 + nt * 8 + q2 + c;
+          uint32_t m = 0;
+#pragma unroll
+          for (int mm = 0; mm < 2; ++mm)
+            m = max(m, max(abs_bits(s[2 * bb + mm][nt][c]), abs_bits(s[2 * bb + mm][nt][2 + c])));
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 4));
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
+          const Fp8Scale sc = e4m3_block_scale(m);
+#pragma unroll
+          for (int mm = 0; mm < 2; ++mm) {
+            const uint32_t pair = e4m3x2(s[2 * bb + mm][nt][c], s[2 * bb + mm][nt][2 + c], sc);  // rows k, k + 8
+            uint8_t* const col = head + int64_t(v) * K + krow0 + (2 * bb + mm) * 16 + r;
+            col[0] = uint8_t(pair);
+            col[8] = uint8_t(pair >> 8);
+          }
+          if (r == 0) head_scales[v * (K / kFp8Block) + (krow0 + 32 * bb) / kFp8Block] = uint8_t(sc.byte);
+        }
+  }
+  // S <- the float8_e4m3 K-last slot at `slot` (its first byte), its block scales at `scales` (its first block).
+  __device__ __forceinline__ void load_state_e4m3(float (&s)[MT][NT][4], const uint8_t* slot,
+                                                  const uint8_t* scales) const {
+    const uint8_t* const head = slot + int64_t(h) * K * V;
+    const uint8_t* const head_scales = scales + int64_t(h) * (K * V / kFp8Block);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int v = v0 + nt * 8 + q2 + c, k = krow0 + mt * 16 + r;
+          const uint8_t* const col = head + int64_t(v) * K + k;
+          const float2 f = e4m3x2_to_float2(uint32_t(col[0]) | (uint32_t(col[8]) << 8),
+                                            e8m0_scale(head_scales[v * (K / kFp8Block) + k / kFp8Block]));
+          s[mt][nt][c] = f.x, s[mt][nt][2 + c] = f.y;
+        }
+  }
   // ---- P = k S, O = q S for the warp's 16 tokens (rows i0, i1 of this thread); X = v - D rk P (in place);
   // O *= D rq
   __device__ __forceinline__ void pq_and_x(float (&o)[NT][4], float (&pk)[NT][4], int i0, int i1) const {
@@ -275,18 +328,26 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
   const int krow0 = warp * (K / 4);
   float s[MT][NT][4];
   const int64_t ibase = int64_t(islot) * p.state.slot_stride;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int k = krow0 + mt * 16 + r + (e >> 1) * 8, v = v0 + nt * 8 + q2 + (e & 1);
-        s[mt][nt][e] = islot >= 0 ? load_state_elem(p.state.data, p.state.dtype,
-                                                    ibase + state_offset(p.state.layout, h, k, v, K, V))
-                                  : 0.0f;
-      }
   const Pass pass{p, plan, sm, HV, V, h, hk, v0, tid, warp, lane, r, q2, krow0, start, len};
+  // float8_e4m3 pools and checkpoints: K-last, K >= 128 (api/dispatch.cpp)
+  constexpr bool kFp8Built = K >= 128;
+  const int64_t slot_blocks = int64_t(HV) * K * V / kFp8Block;
+  if (kFp8Built && islot >= 0 && p.state.dtype == DType::kFloat8E4M3) {
+    if constexpr (kFp8Built)
+      pass.load_state_e4m3(s, static_cast<const uint8_t*>(p.state.data) + ibase, p.state.scales + islot * slot_blocks);
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int k = krow0 + mt * 16 + r + (e >> 1) * 8, v = v0 + nt * 8 + q2 + (e & 1);
+          s[mt][nt][e] = islot >= 0 ? load_state_elem(p.state.data, p.state.dtype,
+                                                      ibase + state_offset(p.state.layout, h, k, v, K, V))
+                                    : 0.0f;
+        }
+  }
 
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   const int64_t slot0 = start / kChunk + n;
@@ -330,14 +391,29 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
       const int64_t done = (c + 1) * kChunk;
       if (done % C == 0 && done <= len && done / C - 1 < p.checkpoints.num_steps) {
         const int64_t j = done / C - 1;
-        pass.store_state(s, p.checkpoints.data, p.checkpoints.dtype,
-                         int64_t(cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * K * V));
+        const int64_t entry = int64_t(cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * K * V);
+        if (kFp8Built && p.checkpoints.dtype == DType::kFloat8E4M3) {
+          if constexpr (kFp8Built)
+            pass.store_state_e4m3(s, static_cast<uint8_t*>(p.checkpoints.data),
+                                  p.checkpoints.scales + (int64_t(cslot) * p.checkpoints.num_steps + j) * slot_blocks,
+                                  entry);
+        } else {
+          pass.store_state(s, p.checkpoints.data, p.checkpoints.dtype, entry);
+        }
       }
     }
     __syncthreads();  // the next chunk overwrites ks, qs, vs, ts, ms, vn, vd, gc
   }
 
-  if (fslot >= 0) pass.store_state(s, p.state.data, p.state.dtype, int64_t(fslot) * p.state.slot_stride);
+  if (fslot >= 0) {
+    const int64_t fbase = int64_t(fslot) * p.state.slot_stride;
+    if (kFp8Built && p.state.dtype == DType::kFloat8E4M3) {
+      if constexpr (kFp8Built)
+        pass.store_state_e4m3(s, static_cast<uint8_t*>(p.state.data), p.state.scales + fslot * slot_blocks, fbase);
+    } else {
+      pass.store_state(s, p.state.data, p.state.dtype, fbase);
+    }
+  }
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill
