@@ -52,6 +52,8 @@ bench options:
                              the library's choice (the mode column says what ran)
   --fp8-columns N            A/B switch: columns per warp of the float8_e4m3 decode kernel, 8, 16 or 32 (32 at
                              K = 128 only), instead of the library's choice
+  --vlast-fp8-columns N      A/B switch: columns per CTA of V-last float8_e4m3 decode, 64 or 128, instead of the
+                             library's choice
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)
@@ -165,6 +167,9 @@ Options parse_bench(int argc, char** argv, int first) {
     } else if (a == "--cp-segment") {
       o.cp_segment = int_list(a, value(i), 0, 1 << 30).front();
       if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
+    } else if (a == "--vlast-fp8-columns") {
+      o.vlast_fp8_columns = int_list(a, value(i), 64, 128).front();
+      if (o.vlast_fp8_columns != 64 && o.vlast_fp8_columns != 128) usage_error("--vlast-fp8-columns: 64 or 128");
     } else if (a == "--fp8-columns") {
       o.fp8_columns = int_list(a, value(i), 8, 32).front();
       if (o.fp8_columns != 8 && o.fp8_columns != 16 && o.fp8_columns != 32) usage_error("--fp8-columns: 8, 16 or 32");

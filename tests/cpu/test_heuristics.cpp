@@ -167,6 +167,24 @@ TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {
   EXPECT_EQ(recurrent::fp8_decode_columns(512, 128, forced), 32);
 }
 
+TEST(RecurrentHeuristics, VLastFp8DecodeColumnsBySize) {
+  const Overrides o;
+  // qwen3-next (HV = 32, V = 128) on 132 SMs: half-line CTAs up to 4 line CTAs per SM (B = 16)
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(1, 32, 128, 132, o), 64);
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(16, 32, 128, 132, o), 64);
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(17, 32, 128, 132, o), 128);
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(512, 32, 128, 132, o), 128);
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(8, 32, 256, 132, o), 64);  // two line CTAs a head
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(9, 32, 256, 132, o), 128);
+  Overrides forced;
+  forced.decode_vlast_fp8_columns = 128;
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(1, 32, 128, 132, forced), 128);
+  forced.decode_vlast_fp8_columns = 64;
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(512, 32, 128, 132, forced), 64);
+  forced.decode_vlast_fp8_columns = 96;  // not a piece: the heuristic
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(512, 32, 128, 132, forced), 128);
+}
+
 TEST(RecurrentHeuristics, OverridesMoveTheChoice) {
   RecurrentCall verify = decode_call(DType::kFloat32, DType::kBFloat16, 128);
   verify.op = RecurrentOp::kVerify;

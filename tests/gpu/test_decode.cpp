@@ -283,6 +283,36 @@ TEST(DecodeForcedKernels, MatchCpuReference) {
 }
 
 
+// V-last float8_e4m3 decode in both CTA pieces (heuristics.cpp vlast_fp8_decode_columns: 64 columns where the grid is
+// small, 128 else), forced at batches where the heuristic would pick the other, with and without prefetch mode.
+TEST(DecodeForcedKernels, VLastFp8PiecesMatchCpuReference) {
+  struct Piece {
+    const char* name;
+    int columns;
+    bool prefetch;
+  };
+  int seed = 760;
+  for (const Piece& piece : {Piece{"64 columns", 64, true}, Piece{"128 columns", 128, true},
+                             Piece{"64 columns, no prefetch", 64, false}})
+    for (int K : {64, 128})
+      for (int V : {128, 256})
+        for (int batch : {1, 9, 40}) {
+          SCOPED_TRACE(std::string(piece.name) + " K=" + std::to_string(K) + " V=" + std::to_string(V) +
+                       " B=" + std::to_string(batch));
+          ProblemConfig c = qwen_decode(StateLayout::kVLast, DType::kFloat8E4M3, batch);
+          c.H = 4, c.HV = 8, c.K = K, c.V = V;
+          c.in_dtype = batch == 9 ? DType::kFloat16 : DType::kBFloat16;
+          c.padding_rows = batch > 1 ? 1 : 0;
+          c.slot_pad = batch == 40 ? 32 : 0;
+          c.seed = seed++;
+          cuda::Overrides o;
+          o.decode_vlast_fp8_columns = piece.columns;
+          o.state_prefetch = piece.prefetch;
+          const cuda::ScopedOverrides scoped(o);
+          check_decode(Problem(c));
+        }
+}
+
 // Slots >= P are skipped on the device: o = 0, counted in error_flag, no state I/O. Small heads (a grid in
 // prefetch mode) and qwen3-next heads at B = 16 (a grid too large for it: the state is asked of L2 only
 // after the index is read, recurrent/launch.cuh) with both state dtypes. (It checks the loads and stores of

@@ -14,6 +14,7 @@ struct Overrides {
   int decode_narrow_max_batch = -1;  // largest batch on the narrow tile (0: never)
   bool decode_mma = true;           // the tensor-core bf16 decode kernel where the heuristic takes it
   int decode_fp8_columns = 0;       // columns per warp of the fp8 decode kernel: 8, 16 or 32 (0: the heuristic)
+  int decode_vlast_fp8_columns = 0;  // columns per CTA of V-last fp8 decode: 64 or 128 (0: the heuristic)
   // Prefill choice; -1 / 0: the heuristic.
   int prefill_short_max_len = -1;   // longest sequence on the short-sequence path (0: off)
   int prefill_m_warpgroup = -1;     // the prep warpgroup that forms M: 0 off, 1 wherever it can run

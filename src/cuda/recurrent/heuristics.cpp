@@ -43,6 +43,15 @@ int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o) {
   return batch <= (head_dim_k == 64 ? kFp8NarrowMaxBatchK64 : kFp8NarrowMaxBatchK256) ? 8 : 16;
 }
 
+// V-last fp8 decode in half-line CTAs up to this many line CTAs per SM (docs/design/decode.md "V-last decode").
+constexpr int64_t kVLastFp8HalfMaxCtasPerSm = 4;
+
+int vlast_fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_v, int num_sms, const Overrides& o) {
+  if (o.decode_vlast_fp8_columns == 64 || o.decode_vlast_fp8_columns == 128) return o.decode_vlast_fp8_columns;
+  const int64_t line_ctas = batch * num_v_heads * (head_dim_v / 128);
+  return line_ctas <= kVLastFp8HalfMaxCtasPerSm * int64_t(num_sms) ? 64 : 128;
+}
+
 bool chain_mma_built(const RecurrentCall& c) {
   return c.layout == StateLayout::kKLast && c.input_dtype == DType::kBFloat16 && c.head_dim_k <= 128 &&
          c.op != RecurrentOp::kDecode && c.state_dtype != DType::kFloat8E4M3;

@@ -35,6 +35,11 @@ const char* kernel_name(RecurrentKernel k);
 // fixed work, k and q and the gates, is shared by more columns, and more bytes are in flight per SM).
 int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o);
 
+// Columns per CTA of V-last fp8 decode (vlast_decode.cuh: 128, a line of each row, or 64, half of one) for a call
+// of `batch` sequences: 64 where the 128-column grid is at most 4 CTAs per SM (each CTA's walk over its rows is the
+// time there), else 128 (more bytes in flight per SM).
+int vlast_fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_v, int num_sms, const Overrides& o);
+
 // The facts of a call the choice depends on.
 struct RecurrentCall {
   RecurrentOp op = RecurrentOp::kDecode;

@@ -1,5 +1,6 @@
-// Decode of V-last float8_e4m3 pools (vlast_decode.cuh with TState = uint8_t): one instantiation per input dtype and
-// head dims K in {64, 128}, V in {128, 256} (a CTA owns one 128-byte piece of every row: 128 columns).
+// Decode of V-last float8_e4m3 pools (vlast_decode.cuh with TState = uint8_t): one instantiation per input dtype,
+// head dims K in {64, 128}, V in {128, 256} and CTA piece (a 128-byte line of every row, 128 columns, or half of
+// one where the grid is small: heuristics.cpp vlast_fp8_decode_columns).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -12,16 +13,23 @@
 namespace gdnkit::cuda::recurrent {
 namespace {
 
-template <class TInput, int K, int V>
-void launch_kv(const RecurrentParams& p, Stream stream) {
-  using R = VLastRows<uint8_t, K>;
-  static_assert(V % R::kCols == 0, "V-last fp8 decode: whole 128-column pieces");
-  const auto kernel = vlast_decode_kernel<uint8_t, TInput, K, V>;
+template <class TInput, int K, int V, int kGroups>
+void launch_kv_groups(const RecurrentParams& p, Stream stream) {
+  using R = VLastRows<uint8_t, K, kGroups>;
+  static_assert(V % R::kCols == 0, "V-last fp8 decode: whole pieces");
+  const auto kernel = vlast_decode_kernel<uint8_t, TInput, K, V, kGroups>;
   static const int64_t resident = resident_ctas(reinterpret_cast<const void*>(kernel), R::kWarps * 32);
   const dim3 grid = head_grid(p, V / R::kCols);
   // prefetch mode where the grid fits the GPU at once (share 1), as for the other V-last pools
   const bool prefetch = prefetch_mode(KernelFit{grid_ctas(grid), resident}, 1, overrides());
   launch_recurrent(kernel, grid, R::kWarps * 32, prefetch, stream, p);
+}
+
+template <class TInput, int K, int V>
+void launch_kv(const RecurrentParams& p, Stream stream) {
+  if (vlast_fp8_decode_columns(p.batch, p.heads.num_v_heads, V, device_sms(), overrides()) == 64)
+    return launch_kv_groups<TInput, K, V, 4>(p, stream);
+  launch_kv_groups<TInput, K, V, 8>(p, stream);
 }
 
 template <class TInput>

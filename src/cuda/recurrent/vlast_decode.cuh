@@ -11,6 +11,8 @@
 // used: a bf16 warp moves 4 KB like an fp32 one. The sums over k (S^T k and S^T q of the CTA's
 // columns) are reduced over the 4 lanes of a column group (a halving butterfly) and then over the warps
 // through shared memory: one barrier. Every lane then has u of its columns; warp 0 writes o.
+// kGroups = 4 (fp8 where the grid is small: twice the CTAs, each half the bytes) halves the CTA's piece to 64 bytes
+// a row: 4 column groups of 8 row phases (ro = l % 8, rows w * 32 + 8 i + ro, i < 4), the sums over 8 lanes.
 // The math and rounding per value are the warp kernel's (norms scale the sums, rsqrtf, fp32 state).
 // float8_e4m3 pools (TState = uint8_t): a lane's 16 bytes of a row are half of a 32-column scale block, whose other
 // half is lane l ^ 4's; the block's power of two scales the row's k and q entries for the sums and the decay for
@@ -30,16 +32,21 @@
 
 namespace gdnkit::cuda::recurrent {
 
-template <class TState, int K>
+// kGroups: column groups per CTA (8: a 128-byte line of each row; 4: half of one, fp8 only).
+template <class TState, int K, int kGroups = 8>
 struct VLastRows {
+  static_assert(kGroups == 8 || (kGroups == 4 && sizeof(TState) == 1), "half-line pieces: fp8 pools only");
   static constexpr int kVec = 16 / int(sizeof(TState));  // columns per lane and row: 16 bytes
-  static constexpr int kCols = 8 * kVec;               // columns per CTA: one 128-byte line per row
-  static constexpr int kRowsPerWarp = 32;              // 8 rows per lane: 32 registers of state as loaded
-  static constexpr int kRowsPerLane = kRowsPerWarp / 4;
+  static constexpr int kCols = kGroups * kVec;           // columns per CTA: a 128- or 64-byte piece of each row
+  static constexpr int kPhases = 32 / kGroups;           // row phases: lanes of a column group
+  static constexpr int kRowsPerWarp = 32;
+  static constexpr int kRowsPerLane = kRowsPerWarp / kPhases;  // 8 (kGroups 8: 32 registers as loaded) or 4
   static constexpr int kWarps = K / kRowsPerWarp;
   static_assert(K % kRowsPerWarp == 0 && kWarps >= 1 && kWarps <= 4, "V-last decode: K = 64 or 128");
-  // resident CTAs per SM: 24, 20 or 12 warps for fp32, bf16 or fp8 state (vlast_decode_kernel)
-  static constexpr int kCtasPerSm = (sizeof(TState) == 4 ? 24 : sizeof(TState) == 2 ? 20 : 12) / kWarps;
+  // resident CTAs per SM: 24, 20 or 12 warps for fp32, bf16 or fp8 state (vlast_decode_kernel); fp8 half-line
+  // pieces 16
+  static constexpr int kCtasPerSm =
+      (sizeof(TState) == 4 ? 24 : sizeof(TState) == 2 ? 20 : kGroups == 8 ? 12 : 16) / kWarps;
 };
 
 // N values over aligned groups of kLanes consecutive lanes (N >= kLanes, powers of two; dtype.cuh's
@@ -67,13 +74,14 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
 }
 
 // Resident warps per SM: fp32 state 24 (80 registers; at 64 ptxas spills and decode runs slower), bf16
-// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills), fp8 state 12 (168 registers).
-// docs/design/decode.md "V-last decode".
-template <class TState, class TInput, int K, int V>
-__global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32, VLastRows<TState, K>::kCtasPerSm)
+// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills), fp8 state 12 (168 registers; half-line
+// pieces 16: 128 registers, at 96 ptxas spills). docs/design/decode.md "V-last decode".
+template <class TState, class TInput, int K, int V, int kGroups = 8>
+__global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VLastRows<TState, K, kGroups>::kCtasPerSm)
     vlast_decode_kernel(const RecurrentParams p, const bool prefetch) {
-  using R = VLastRows<TState, K>;
+  using R = VLastRows<TState, K, kGroups>;
   constexpr int kVec = R::kVec, kCols = R::kCols, kRowsPerLane = R::kRowsPerLane, kWarps = R::kWarps;
+  constexpr int kPhases = R::kPhases;
   constexpr bool kFp8 = sizeof(TState) == 1;
   static_assert(!kFp8 || kVec == kFp8Block / 2, "V-last fp8: a lane's row piece is half a scale block");
   constexpr int kColCtas = V / kCols;
@@ -81,11 +89,11 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32, VLastRows<T
   __shared__ __align__(16) float partial[2][kWarps][kCols];  // per warp: S^T k, S^T q of the CTA's columns
 
   const int lane = int(threadIdx.x) % 32, w = int(threadIdx.x) / 32;
-  const int cg = lane / 4, ro = lane % 4;
+  const int cg = lane / kPhases, ro = lane % kPhases;
   const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
   const int c0 = int(blockIdx.x % unsigned(kColCtas)) * kCols;  // the CTA's first column
   const int col = c0 + cg * kVec;                                // this lane's first column
-  const int row0 = w * R::kRowsPerWarp + ro;                     // this lane's rows: row0 + 4 i
+  const int row0 = w * R::kRowsPerWarp + ro;                     // this lane's rows: row0 + kPhases i
   const int hq = qk_head(p, hv);  // GVA
   const bool counter = hv == 0 && c0 == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
   TState* const head = static_cast<TState*>(p.state.data) + int64_t(hv) * kHeadElems;  // + slot * slot_stride
@@ -120,12 +128,12 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32, VLastRows<T
   const auto load = [&](int sl) {
     const TState* t = head + int64_t(sl) * p.state.slot_stride + int64_t(row0) * V + col;
 #pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) s[i].load(t + int64_t(4 * i) * V);
+    for (int i = 0; i < kRowsPerLane; ++i) s[i].load(t + int64_t(kPhases * i) * V);
     if constexpr (kFp8) {
       const uint8_t* sc = p.state.scales + (int64_t(sl) * p.heads.num_v_heads + hv) * kHeadBlocks +
                           int64_t(row0) * (V / kFp8Block) + col / kFp8Block;
 #pragma unroll
-      for (int i = 0; i < kRowsPerLane; ++i) sbyte[i] = sc[4 * i * (V / kFp8Block)];
+      for (int i = 0; i < kRowsPerLane; ++i) sbyte[i] = sc[kPhases * i * (V / kFp8Block)];
     }
   };
   if (spec >= 0) load(spec);  // beside the index; replaced below if the index differs
@@ -167,7 +175,8 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32, VLastRows<T
   const float decay = expf(g);
   float kr[kRowsPerLane], qr[kRowsPerLane], v[kVec];
 #pragma unroll
-  for (int i = 0; i < kRowsPerLane; ++i) kr[i] = to_float(kp[row0 + 4 * i]), qr[i] = to_float(qp[row0 + 4 * i]);
+  for (int i = 0; i < kRowsPerLane; ++i)
+    kr[i] = to_float(kp[row0 + kPhases * i]), qr[i] = to_float(qp[row0 + kPhases * i]);
 #pragma unroll
   for (int c = 0; c < kVec; ++c) v[c] = to_float(vp[col + c]);
 
@@ -197,8 +206,8 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32, VLastRows<T
 #pragma unroll
     for (int c = 0; c < kVec; ++c) x[c] = fmaf(si[c], ki, x[c]), x[kVec + c] = fmaf(si[c], qi, x[kVec + c]);
   }
-  constexpr int kMine = 2 * kVec / 4;  // sums this lane holds after the butterfly
-  const int first = transpose_group_sums<2 * kVec, 4>(x, lane);
+  constexpr int kMine = 2 * kVec / kPhases;  // sums this lane holds after the butterfly
+  const int first = transpose_group_sums<2 * kVec, kPhases>(x, lane);
 #pragma unroll
   for (int m = 0; m < kMine; ++m) {
     const int e = first + m;  // value e: S^T k (e < kVec) or S^T q of column cg * kVec + e % kVec
@@ -234,15 +243,15 @@ __global__ void __launch_bounds__(VLastRows<TState, K>::kWarps * 32, VLastRows<T
 #pragma unroll
       for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, ds * si[c]);
       uint32_t new_scale;
-      *reinterpret_cast<uint4*>(t + int64_t(4 * i) * V) = quantize_e4m3x16<4>(si, new_scale);
+      *reinterpret_cast<uint4*>(t + int64_t(kPhases * i) * V) = quantize_e4m3x16<kPhases>(si, new_scale);
       if (cg % 2 == 0)
         p.state.scales[(int64_t(slot) * p.heads.num_v_heads + hv) * kHeadBlocks +
-                       int64_t(row0 + 4 * i) * (V / kFp8Block) + col / kFp8Block] = uint8_t(new_scale);
+                       int64_t(row0 + kPhases * i) * (V / kFp8Block) + col / kFp8Block] = uint8_t(new_scale);
     } else {
       s[i].to_floats(si);
 #pragma unroll
       for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, decay * si[c]);
-      store_vec<TState, kVec>(t + int64_t(4 * i) * V, si);
+      store_vec<TState, kVec>(t + int64_t(kPhases * i) * V, si);
     }
   }
 }
