@@ -378,6 +378,41 @@ TEST(PrefillHeuristics, PrepWarpgroupFromFourChunksPerSequence) {
   EXPECT_TRUE(chunked_prefill::choose_prefill(short_chunks.p, kSms, on).m_warpgroup);
 }
 
+// float8_e4m3 pools and checkpoints run on the head pass, or on the tiled pass at K >= 128 (whole scale blocks a
+// warp): the choice takes both and refuses a tiled pass at K = 64, naming the pass.
+TEST(PrefillHeuristics, Fp8PoolsOnTheHeadOrTiledPass) {
+  const auto refusal = [](const PrefillParams& p) -> std::string {
+    try {
+      (void)chunked_prefill::choose_prefill(p, kSms, {});
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotImplemented) << e.what();
+      return e.what();
+    }
+    ADD_FAILURE() << "no error";
+    return "";
+  };
+  int32_t dummy = 0;
+  StateCache ckpt;
+  ckpt.data = &dummy, ckpt.dtype = DType::kFloat8E4M3, ckpt.num_slots = 8, ckpt.num_steps = 128;
+  ckpt.slot_stride = int64_t(128) * 32 * 128 * 128;
+  PrefillCall head({8192, 8192});
+  head.p.state.dtype = DType::kFloat8E4M3;
+  head.p.checkpoints = ckpt, head.p.checkpoint_interval = 64, head.p.checkpoint_indices = &dummy;
+  EXPECT_TRUE(chunked_prefill::is_head_tile(chunked_prefill::choose_prefill(head.p, kSms, {}).vtile));
+  PrefillCall tiled({8192, 8192}, 16, 32, DType::kFloat32);  // fp32 inputs: the tiled pass
+  tiled.p.state.dtype = DType::kFloat8E4M3;
+  tiled.p.checkpoints = ckpt, tiled.p.checkpoint_interval = 64, tiled.p.checkpoint_indices = &dummy;
+  const int vtile = chunked_prefill::choose_prefill(tiled.p, kSms, {}).vtile;
+  EXPECT_FALSE(chunked_prefill::is_head_tile(vtile));
+  tiled.p.heads.head_dim_k = tiled.p.heads.head_dim_v = 64;  // a warp's 16 rows: half a block
+  const int vtile64 = chunked_prefill::choose_vtile(tiled.p, kSms);
+  EXPECT_EQ(refusal(tiled.p), "checkpoints: float8_e4m3 checkpoints are stored by the head state pass or at K >= 128 "
+                              "only, not by value tile " + std::to_string(vtile64));
+  tiled.p.checkpoint_interval = 0;
+  EXPECT_EQ(refusal(tiled.p), "state: float8_e4m3 pools are read and written by the head state pass or at K >= 128 "
+                              "only, not by value tile " + std::to_string(vtile64));
+}
+
 TEST(PrefillHeuristics, ManyCtasLaunchAfterThePrep) {
   PrefillCall call(std::vector<int64_t>(8192, 32));  // 262144 (sequence, head) CTAs
   const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});
