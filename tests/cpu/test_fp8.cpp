@@ -443,9 +443,10 @@ TEST(Fp8, LayoutScalesRules) {
             std::string::npos);
 }
 
-// The CUDA backend takes fp8 pools, intermediate caches and checkpoints of K-last pools (prefill: where the head
-// state pass runs), V-last fp8 pools in decode at K in {64, 128}, V = 128, and converts fp8 pools either way: the
-// rest is refused after validation and before any device work, whether or not a GPU is present.
+// The CUDA backend takes fp8 pools, intermediate caches and checkpoints of K-last pools (prefill: on the head state
+// pass, or the tiled pass at K >= 128), V-last fp8 pools in decode at K in {64, 128}, V in {128, 256}, and converts
+// fp8 pools either way: the rest is refused after validation and before any device work, whether or not a GPU is
+// present.
 TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
   Fp8States pool(2, 1, kStride, 19), cache(2, 2, 2 * HV * kHead, 21);
   const Fp8States pool0 = pool;

@@ -83,7 +83,8 @@ std::vector<Named> decode_cases() {
         out.push_back({case_name(c), c});
       }
   // float8_e4m3 pools against the CPU backend's e4m3 stores: K-last (fp8_decode.cuh) and V-last (vlast_decode.cuh:
-  // 128-column row pieces, a scale block over two lanes; V = 256 is two column CTAs per head).
+  // a scale block over two lanes; at these small grids the 64-column CTAs, 2 or 4 per head; the 128-column CTAs in
+  // DecodeForcedKernels.VLastFp8PiecesMatchCpuReference).
   const auto fp8_cases = [&](StateLayout layout, int K, int V, int H, int HV, int seed0, std::vector<DType> inputs) {
     for (DType in : inputs) {
       ProblemConfig c;
@@ -284,7 +285,7 @@ TEST(DecodeForcedKernels, MatchCpuReference) {
 
 
 // V-last float8_e4m3 decode in both CTA pieces (heuristics.cpp vlast_fp8_decode_columns: 64 columns where the grid is
-// small, 128 else), forced at batches where the heuristic would pick the other, with and without prefetch mode.
+// small, 128 else), each forced at every batch here, with and without prefetch mode.
 TEST(DecodeForcedKernels, VLastFp8PiecesMatchCpuReference) {
   struct Piece {
     const char* name;

@@ -107,7 +107,8 @@ struct HeadStateWarps {
     off_v = uint32_t(S::v_offset(((lane >> 4) << 3) + (lane & 7), at.lw + ((lane >> 3) & 1) * 8)) * 2;
   }
 
-  // Chunk c (L tokens) in stage b; issues chunk c + kStages - 1's inputs once its first products are under way.
+  // Chunk c (L tokens) in stage b; issues chunk c + kStages - 1's inputs once its first products are under way
+  // (beside a producer warpgroup, kMWarpgroup, the producer issues them and the state warpgroups take turns at P/Q).
   // Built twice: for a full chunk without any length test (one branch-free block that ptxas schedules across the
   // products), and for the last, partial one. c, L, nchunks and stage by reference: the caller's loop variables.
   template <bool kFull>
@@ -131,7 +132,7 @@ struct HeadStateWarps {
     pq_products<kFull>(b, s, pk, qo, mk, ks_b, qs_b, dk, dq, L);
 
     // The inputs of chunk c + kStages - 1 (into the stage chunk c - 1 used: every warp is past it): issued here, so
-    // that the P/Q products above start right after the barrier.
+    // that the P/Q products above start right after the barrier (kMWarpgroup: by the producer warpgroup).
     if constexpr (!S::kMWarpgroup)
       if (c + kStages - 1 < nchunks) loader.issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
     if constexpr (kFormsM) q_norms(b);
@@ -380,7 +381,8 @@ struct HeadStateWarps {
   // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored: a full chunk of the wgmma
   // build as its warpgroup's 64 columns by one TMA store (the staged rows are the v tile's box, swizzle and all),
   // otherwise as 32-byte row pieces from each lane. The TMA store's thread waits for it to have read the stage
-  // before the stage is loaded again (state_pass_head.cuh).
+  // before the stage is loaded again (state_pass_head.cuh); kMWarpgroup: the warpgroup hands the staged rows to the
+  // producer warpgroup (o_bars), which stores them and waits for that read itself.
   template <bool kFull>
   __device__ __forceinline__ void store_o(const Stage& b, const float (&qo)[8][4], uint32_t vs_b, int64_t c,
                                           int L) const {

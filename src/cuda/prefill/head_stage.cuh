@@ -60,8 +60,8 @@ constexpr int kPqTurnBarrier = 5;  // + the warpgroup that waits
 constexpr int kPrepBarrier = 2, kOStoreBarrier = 3;
 
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
-// wgmma build; kMWarpgroup a prep warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode 0 whole
-// sequences, 1 the context-parallel local pass, 2 its final pass (context_parallel.cuh).
+// wgmma build; kMWarpgroup a prep and a producer warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode
+// 0 whole sequences, 1 the context-parallel local pass, 2 its final pass (context_parallel.cuh).
 template <int K_, int V_, int kSplit_, class Op_, bool kWgmma_, bool kMWarpgroup_, int kCpMode_ = 0>
 struct HeadPass {
   static constexpr int K = K_, V = V_, kSplit = kSplit_, kCpMode = kCpMode_;

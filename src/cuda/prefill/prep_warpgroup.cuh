@@ -195,7 +195,7 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
 // The producer warpgroup (kMWarpgroup): its first thread issues every stage's loads, so that no warpgroup that
 // computes waits for a TMA issue (each takes about a hundred cycles). Chunk 0's rows go out before the chunk prep's
 // grid completed, its workspace part after; chunk n (from kStages - 1 on) into the stage of chunk n - kStages once
-// every state thread released it (done[kStages + ...]: the o store's issuers arrive after the store read the stage).
+// every state thread released it (done[kStages + ...]) and this thread's o stores have read it (below).
 // It also stores each full chunk's o, which the two state warpgroups stage in their v rows of the stage and hand over
 // on done[2 kStages + g kStages + c % kStages] (128 arrivals after a proxy fence), by one TMA store per warpgroup; the
 // stage is loaded again only once those stores have read it.

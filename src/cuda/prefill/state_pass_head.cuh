@@ -12,8 +12,9 @@
 //     S^T      = e^{g_last} S^T + vd^T k   A = vd^T         B = k rows, .trans
 //   so the warps never wait for each other inside a chunk: the CTA meets once per chunk, when the
 //   next chunk's inputs (q, k, v rows, T', M, scalars) have landed (and once more where the CTA forms M
-//   itself, kMInPass). They arrive by cp.async into a double-buffered stage while the current chunk
-//   computes (TMA in the wgmma build, two chunks ahead into three stages).
+//   itself, kMInPass; beside a prep warpgroup each state thread waits on the stage's mbarrier instead).
+//   They arrive by cp.async into a double-buffered stage while the current chunk computes (TMA in the
+//   wgmma build, two chunks ahead into three stages).
 //
 // Used when q, k, v, o are 16-bit in the operand dtype (bf16, or fp16) with 16-byte aligned rows, K
 // <= 128 and V in {64, 128} (K = 128: 64 accumulator registers of S per thread). The q/k rows are
@@ -169,7 +170,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   __shared__ uint64_t prep_bars[kMWarpgroup ? 4 * kStages : 1];
   __shared__ __align__(16) float s_rq[S::kMInPass ? kChunk : 1];
   if constexpr (kMWarpgroup) {
-    // The prep warpgroup leaves here; the state warps go on with more registers.
+    // The prep and producer warpgroups leave here; the state warps go on with more registers.
     init_stage_barriers<S>(at.tid, bars, prep_bars);
     // The warpgroup index as a warp-uniform value (a shuffle of lane 0's), so that ptxas allocates each role's
     // registers by its setmaxnreg.
@@ -230,7 +231,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   const int64_t C = p.checkpoint_interval;
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
-  const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition, &prep_bars[2 * kStages]);
+  const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition,
+                                kMWarpgroup ? &prep_bars[2 * kStages] : nullptr);  // the o hand-over
 
   if constexpr (kWgmma && !kMWarpgroup) init_stage_barriers<S>(at.tid, bars, prep_bars);
   // Launched right behind the chunk prep with programmatic dependent launch (launch_state_pass_head), the

@@ -15,7 +15,7 @@
 // a row: 4 column groups of 8 row phases (ro = l % 8, rows w * 32 + 8 i + ro, i < 4), the sums over 8 lanes.
 // The math and rounding per value are the warp kernel's (norms scale the sums, rsqrtf, fp32 state).
 // float8_e4m3 pools (TState = uint8_t): a lane's 16 bytes of a row are half of a 32-column scale block, whose other
-// half is lane l ^ 4's; the block's power of two scales the row's k and q entries for the sums and the decay for
+// half is lane l ^ kPhases's (the next column group); the block's power of two scales the row's k and q entries for the sums and the decay for
 // the update (fp8_decode.cuh's exact rewrites), and the new block is quantized over the two lanes
 // (docs/semantics.md "float8_e4m3 states").
 #pragma once
