@@ -22,12 +22,13 @@ void require_cuda() {
 
 // The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools, intermediate caches and
 // checkpoints of K-last pools in decode, verify, commit and prefill (pools and checkpoints on the head state pass, bf16
-// or fp16 inputs, K <= 128, V in {64, 128}, and on the tiled pass at K >= 128), V-last float8_e4m3 pools in decode (K
-// in {64, 128}, V in {128, 256}: vlast_decode.cuh) and layout conversion either way; the CPU backend runs every op on
-// float8_e4m3.
+// or fp16 inputs, K <= 128, V in {64, 128}, and on the tiled pass at K >= 128), V-last float8_e4m3 pools and caches in
+// verify and commit (warp_tile.cuh) and pools in decode (K in {64, 128}, V in {128, 256}: vlast_decode.cuh), and
+// layout conversion either way; the CPU backend runs every op on float8_e4m3.
 constexpr const char* kFp8Cuda =
     ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, verify, commit and "
-    "prefill, all K-last, and V-last pools in decode with K in {64, 128} and V in {128, 256}";
+    "prefill, all K-last, V-last pools and caches in verify and commit, and V-last pools in decode with K in {64, 128} "
+    "and V in {128, 256}";
 void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char* got = "") {
   if (data != nullptr && dtype == DType::kFloat8E4M3)
     throw Error(ErrorCode::kNotImplemented,
@@ -39,11 +40,7 @@ void require_cuda_states(const DecodeParams& p) {
     refuse_cuda_fp8("state", p.state.data, p.state.dtype,
                     (", got V-last with K = " + std::to_string(K) + ", V = " + std::to_string(V)).c_str());
 }
-void require_cuda_states(const VerifyParams& p) {  // and CommitParams
-  if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
-  if (p.intermediate.layout != StateLayout::kKLast)
-    refuse_cuda_fp8("intermediate", p.intermediate.data, p.intermediate.dtype, ", got V-last");
-}
+void require_cuda_states(const VerifyParams&) {}  // and CommitParams: every dtype, both layouts
 void require_cuda_states(const PrefillParams& p) {
   // the head state pass (16-bit inputs, K <= 128, V in {64, 128}) or the tiled pass at K >= 128 (whole 32-row blocks
   // a warp: state_pass_tiled.cuh)

@@ -82,19 +82,21 @@ std::vector<Named> verify_cases() {
           if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 24;
           out.push_back({name_of(s, c), c});
         }
-  // float8_e4m3 intermediate caches of K-last pools (WarpTile::store_e4m3), every shape, 16-bit and fp32 pools.
+  // float8_e4m3 intermediate caches (WarpTile::store_e4m3), every shape, 16-bit and fp32 pools, both layouts.
   for (Shape s : kShapes)
-    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
-      ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat8E4M3, 4, seed++);
-      if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
-      out.push_back({name_of(s, c), c});
+    for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+      for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+        ProblemConfig c = make(s, layout, state, DType::kFloat8E4M3, 4, seed++);
+        if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
+        out.push_back({name_of(s, c), c});
+      }
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (int d : {64, 256}) {  // K-last: runs of 2 and 4 (fp32) / 8 (bf16) k a lane; V-last: 8 and 4 columns a warp
+      ProblemConfig c = make(Shape::kTree, layout, d == 64 ? DType::kFloat32 : DType::kBFloat16, DType::kFloat8E4M3,
+                             4, seed++);
+      c.K = c.V = d;
+      out.push_back({name_of(Shape::kTree, c), c});
     }
-  for (int d : {64, 256}) {  // runs of 2 and 4 (fp32) / 8 (bf16) k a lane
-    ProblemConfig c = make(Shape::kTree, StateLayout::kKLast, d == 64 ? DType::kFloat32 : DType::kBFloat16,
-                           DType::kFloat8E4M3, 4, seed++);
-    c.K = c.V = d;
-    out.push_back({name_of(Shape::kTree, c), c});
-  }
   // Other inputs, gating, dims, T and the qwen3-next heads.
   for (Shape s : {Shape::kChainUpdate, Shape::kTree})
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
@@ -142,33 +144,34 @@ std::vector<Named> verify_cases() {
     c.intermediate = false, c.in_dtype = DType::kFloat16;  // the warp kernel
     out.push_back({name_of(s, c), c});
   }
-  // float8_e4m3 K-last pools (WarpTile::load_e4m3 / store_e4m3): every shape beside fp32, bf16 and fp8 caches,
+  // float8_e4m3 pools (WarpTile::load_e4m3 / store_e4m3), both layouts: every shape beside fp32, bf16 and fp8 caches,
   // chains without a cache (the warp kernel even where bf16 inputs would take the chain kernel), K = 64 and 256
-  // (runs of 2 and 8 bytes a lane), fp32 and fp16 inputs, the qwen3-next heads.
-  for (Shape s : kShapes)
-    for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat8E4M3}) {
-      ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, cache, 4, seed++);
-      if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
+  // (K-last: runs of 2 and 8 bytes a lane; V-last: 8 and 4 columns a warp), fp32 and fp16 inputs, the qwen3-next
+  // heads.
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    for (Shape s : kShapes)
+      for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat8E4M3}) {
+        ProblemConfig c = make(s, layout, DType::kFloat8E4M3, cache, 4, seed++);
+        if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
+        out.push_back({name_of(s, c), c});
+      }
+    for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain}) {
+      ProblemConfig c = make(s, layout, DType::kFloat8E4M3, DType::kFloat32, 13, seed++);
+      c.intermediate = false, c.long_memory = s == Shape::kChainUpdate;
       out.push_back({name_of(s, c), c});
     }
-  for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain}) {
-    ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 13, seed++);
-    c.intermediate = false, c.long_memory = s == Shape::kChainUpdate;
-    out.push_back({name_of(s, c), c});
-  }
-  for (int d : {64, 256})
-    for (Shape s : {Shape::kChainUpdate, Shape::kTree}) {
-      ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
-      c.K = c.V = d;
-      out.push_back({name_of(s, c), c});
+    for (int d : {64, 256})
+      for (Shape s : {Shape::kChainUpdate, Shape::kTree}) {
+        ProblemConfig c = make(s, layout, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+        c.K = c.V = d;
+        out.push_back({name_of(s, c), c});
+      }
+    for (DType in : {DType::kFloat32, DType::kFloat16}) {
+      ProblemConfig c = make(Shape::kVarlenTree, layout, DType::kFloat8E4M3, DType::kFloat8E4M3, 6, seed++);
+      c.in_dtype = in, c.gate_mode = in == DType::kFloat16 ? GateMode::kGiven : GateMode::kFused;
+      out.push_back({name_of(Shape::kVarlenTree, c), c});
     }
-  for (DType in : {DType::kFloat32, DType::kFloat16}) {
-    ProblemConfig c = make(Shape::kVarlenTree, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 6, seed++);
-    c.in_dtype = in, c.gate_mode = in == DType::kFloat16 ? GateMode::kGiven : GateMode::kFused;
-    out.push_back({name_of(Shape::kVarlenTree, c), c});
-  }
-  {
-    ProblemConfig c = make(Shape::kVarlenChain, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+    ProblemConfig c = make(Shape::kVarlenChain, layout, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
     c.H = 16, c.HV = 32, c.batch = 24, c.padding_rows = 4, c.seq_lens = many_lens(c.batch, 4);
     out.push_back({name_of(Shape::kVarlenChain, c) + "_b24", c});
   }
@@ -192,6 +195,12 @@ std::vector<Named> sanitize_cases() {
   c.H = 2, c.HV = 8, c.K = c.V = 64, c.intermediate = false, c.padding_rows = 5;
   c.seq_lens = many_lens(40, 11);  // 40 rows, every length 0 .. 11
   out.push_back({name_of(Shape::kVarlenChain, c) + "_b40", c});
+  // V-last float8_e4m3 pools and caches: the block maxima meet in shared memory (warp_tile.cuh store_e4m3)
+  for (Shape s : {Shape::kChainUpdate, Shape::kVarlenTree}) {
+    c = make(s, StateLayout::kVLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+    c.H = 1, c.HV = 2, c.K = c.V = 64;
+    out.push_back({name_of(s, c), c});
+  }
   return out;
 }
 
@@ -245,13 +254,14 @@ std::vector<CommitCase> commit_cases() {
             if (seed % 2) c.token_pad = 8, c.slot_pad = 24;
             out.push_back({std::string(src == CommitSource::kCache ? "cache_" : "recompute_") + name_of(s, c), c, src});
           }
-  // From float8_e4m3 caches of K-last pools (commit_cache_kernel dequantizes by block).
-  for (Shape s : {Shape::kChain, Shape::kVarlenTree})
-    for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      ProblemConfig c = make(s, StateLayout::kKLast, state, DType::kFloat8E4M3, 4, seed++);
-      c.update_state = false;
-      out.push_back({"cache_" + name_of(s, c), c, CommitSource::kCache});
-    }
+  // From float8_e4m3 caches (commit_cache_kernel dequantizes by block), both layouts.
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (Shape s : {Shape::kChain, Shape::kVarlenTree})
+      for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+        ProblemConfig c = make(s, layout, state, DType::kFloat8E4M3, 4, seed++);
+        c.update_state = false;
+        out.push_back({"cache_" + name_of(s, c), c, CommitSource::kCache});
+      }
   // Replay past one chunk of the chain kernel (8 tokens), along a chain and along a tree's path.
   for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree})
     for (DType state : {DType::kFloat32, DType::kBFloat16}) {
@@ -267,23 +277,26 @@ std::vector<CommitCase> commit_cases() {
       if (s == Shape::kVarlenTree) c.seq_lens = many_lens(c.batch, 10);
       out.push_back({"recompute_" + name_of(s, c) + "_b24", c, CommitSource::kRecompute});
     }
-  // Into float8_e4m3 K-last pools: from fp32 and fp8 caches (commit_cache_kernel quantizes by block), by replay.
-  for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree}) {
-    for (DType cache : {DType::kFloat32, DType::kFloat8E4M3}) {
-      ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, cache, 4, seed++);
-      c.update_state = false;
-      if (seed % 2) c.token_pad = 8, c.slot_pad = 32;
-      out.push_back({"cache_" + name_of(s, c), c, CommitSource::kCache});
+  // Into float8_e4m3 pools, both layouts: from fp32 and fp8 caches (commit_cache_kernel quantizes by block), by
+  // replay.
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree}) {
+      for (DType cache : {DType::kFloat32, DType::kFloat8E4M3}) {
+        ProblemConfig c = make(s, layout, DType::kFloat8E4M3, cache, 4, seed++);
+        c.update_state = false;
+        if (seed % 2) c.token_pad = 8, c.slot_pad = 32;
+        out.push_back({"cache_" + name_of(s, c), c, CommitSource::kCache});
+      }
+      ProblemConfig c = make(s, layout, DType::kFloat8E4M3, DType::kFloat32, 12, seed++);
+      c.update_state = false, c.long_memory = s == Shape::kChain;
+      out.push_back({"recompute_" + name_of(s, c), c, CommitSource::kRecompute});
     }
-    ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 12, seed++);
-    c.update_state = false, c.long_memory = s == Shape::kChain;
-    out.push_back({"recompute_" + name_of(s, c), c, CommitSource::kRecompute});
-  }
-  for (int d : {64, 256}) {
-    ProblemConfig c = make(Shape::kVarlenTree, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
-    c.update_state = false, c.K = c.V = d;
-    out.push_back({"cache_" + name_of(Shape::kVarlenTree, c), c, CommitSource::kCache});
-    out.push_back({"recompute_" + name_of(Shape::kVarlenTree, c), c, CommitSource::kRecompute});
+    for (int d : {64, 256}) {
+      ProblemConfig c = make(Shape::kVarlenTree, layout, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+      c.update_state = false, c.K = c.V = d;
+      out.push_back({"cache_" + name_of(Shape::kVarlenTree, c), c, CommitSource::kCache});
+      out.push_back({"recompute_" + name_of(Shape::kVarlenTree, c), c, CommitSource::kRecompute});
+    }
   }
   for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute})
     for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {

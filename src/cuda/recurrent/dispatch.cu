@@ -42,8 +42,6 @@ void check_recurrent(const char* op, const CommitParams& p) {
         p.intermediate.dtype != DType::kFloat16 && p.intermediate.dtype != DType::kFloat8E4M3)
       invalid(std::string("intermediate: expected dtype float32, bfloat16, float16 or float8_e4m3, got ") +
               dtype_name(p.intermediate.dtype));
-    if (p.intermediate.dtype == DType::kFloat8E4M3 && p.intermediate.layout != StateLayout::kKLast)
-      throw Error(ErrorCode::kNotImplemented, "intermediate: float8_e4m3 caches are built for K-last pools only");
   }
   if (p.parent != nullptr && p.num_draft_tokens > 64)
     throw Error(ErrorCode::kNotImplemented, std::string("cuda ") + op +
@@ -104,7 +102,9 @@ void by_layout(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.state.layout) {
     case StateLayout::kKLast:  // float8_e4m3 pools: all but decode (launch_fp8_decode)
       return by_state<OpLauncher<StateLayout::kKLast, kOp>, kOp != RecurrentOp::kDecode>(p, write_state, stream);
-    case StateLayout::kVLast: return by_state<OpLauncher<StateLayout::kVLast, kOp>, false>(p, write_state, stream);
+    case StateLayout::kVLast:  // float8_e4m3 pools: verify and commit (decode: launch_vlast_fp8_decode)
+      return by_state<OpLauncher<StateLayout::kVLast, kOp>,
+                      kOp == RecurrentOp::kVerify || kOp == RecurrentOp::kRecompute>(p, write_state, stream);
     default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
   }
 }

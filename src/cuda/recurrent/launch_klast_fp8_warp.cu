@@ -3,9 +3,9 @@
 #include "cuda/recurrent/launcher.cuh"
 
 namespace gdnkit::cuda::recurrent {
-GDNKIT_RECURRENT_INSTANTIATE_FP8(float)
-GDNKIT_RECURRENT_INSTANTIATE_FP8(__nv_bfloat16)
-GDNKIT_RECURRENT_INSTANTIATE_FP8(__half)
+GDNKIT_RECURRENT_INSTANTIATE_FP8(StateLayout::kKLast, float)
+GDNKIT_RECURRENT_INSTANTIATE_FP8(StateLayout::kKLast, __nv_bfloat16)
+GDNKIT_RECURRENT_INSTANTIATE_FP8(StateLayout::kKLast, __half)
 GDNKIT_RECURRENT_INSTANTIATE_PREFILL(StateLayout::kKLast, uint8_t, __nv_bfloat16)
 GDNKIT_RECURRENT_INSTANTIATE_PREFILL(StateLayout::kKLast, uint8_t, __half)
 }  // namespace gdnkit::cuda::recurrent

@@ -159,8 +159,7 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
                                 head_grid(p, kRegularCols), kThreads, choice.prefetch, stream, p, write_state);
       break;
     case RecurrentKernel::kWarpRegular:
-      if constexpr (kLayout == StateLayout::kKLast && kOp == RecurrentOp::kVerify &&
-                    WarpTile<kLayout, TState, K, V>::kStoresE4m3) {
+      if constexpr (kOp == RecurrentOp::kVerify && WarpTile<kLayout, TState, K, V>::kStoresE4m3) {
         if (p.intermediate.data != nullptr && p.intermediate.dtype == DType::kFloat8E4M3)
           return launch_recurrent(
               warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp, TileWidth::kRegular, false, true>,
@@ -187,16 +186,16 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
   GDNKIT_RECURRENT_INSTANTIATE_OPS(L, TState, TInput, 64)    \
   GDNKIT_RECURRENT_INSTANTIATE_OPS(L, TState, TInput, 128)   \
   GDNKIT_RECURRENT_INSTANTIATE_OPS(L, TState, TInput, 256)
-// K-last float8_e4m3 pools: verify and commit by recompute (decode has its own kernel, fp8_decode.cuh).
-#define GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(TInput, D)                                                           \
-  template void launch_recurrent_op<StateLayout::kKLast, uint8_t, TInput, D, D, RecurrentOp::kVerify>(            \
-      const RecurrentParams&, bool, Stream);                                                                       \
-  template void launch_recurrent_op<StateLayout::kKLast, uint8_t, TInput, D, D, RecurrentOp::kRecompute>(         \
-      const RecurrentParams&, bool, Stream);
-#define GDNKIT_RECURRENT_INSTANTIATE_FP8(TInput)     \
-  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(TInput, 64)  \
-  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(TInput, 128) \
-  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(TInput, 256)
+// float8_e4m3 pools: verify and commit by recompute (decode has its own kernels, fp8_decode.cuh and vlast_decode.cuh).
+#define GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(L, TInput, D)                                                            \
+  template void launch_recurrent_op<L, uint8_t, TInput, D, D, RecurrentOp::kVerify>(const RecurrentParams&, bool,    \
+                                                                                    Stream);                          \
+  template void launch_recurrent_op<L, uint8_t, TInput, D, D, RecurrentOp::kRecompute>(const RecurrentParams&, bool, \
+                                                                                       Stream);
+#define GDNKIT_RECURRENT_INSTANTIATE_FP8(L, TInput)     \
+  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(L, TInput, 64)  \
+  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(L, TInput, 128) \
+  GDNKIT_RECURRENT_INSTANTIATE_FP8_OPS(L, TInput, 256)
 // Prefill's short sequences: 16-bit inputs, K = V in {64, 128} (prefill_short_supported).
 #define GDNKIT_RECURRENT_INSTANTIATE_PREFILL(L, TState, TInput)                                                   \
   template void launch_recurrent_op<L, TState, TInput, 64, 64, RecurrentOp::kPrefill>(const RecurrentParams&,     \

@@ -76,7 +76,7 @@ struct IntermediateStore {
       uint8_t* const scales = p.intermediate.scales +
                               ((int64_t(cache_slot) * p.intermediate.num_steps + t) * num_v_heads + hv) * blocks +
                               Tile::origin(v0) / kFp8Block;
-      Tile::store_e4m3(static_cast<uint8_t*>(p.intermediate.data) + off, scales, s, lane);
+      Tile::store_e4m3(static_cast<uint8_t*>(p.intermediate.data) + off, scales, s, lane, stage);
       return;
     }
     if (p.intermediate.dtype == DType::kFloat32)
@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   constexpr bool kDecode = kOp == RecurrentOp::kDecode, kRecompute = kOp == RecurrentOp::kRecompute;
   constexpr bool kPrefill = kOp == RecurrentOp::kPrefill;
   constexpr bool kFp8State = std::is_same_v<TState, uint8_t>;
-  static_assert(!kFp8State || (kLayout == StateLayout::kKLast && !kDecode),
-                "float8_e4m3 pools: K-last verify, recompute and prefill (decode: fp8_decode.cuh)");
+  static_assert(!kFp8State || (!kDecode && (kLayout == StateLayout::kKLast || !kPrefill)),
+                "float8_e4m3 pools: verify, recompute and K-last prefill (decode: fp8_decode.cuh, vlast_decode.cuh)");
   constexpr int kColBlocks = V / kRows;  // column blocks per head
   constexpr int kCtaWarps = Tile::kCtaWarps;
   __shared__ typename Tile::Stage stage;
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   [[maybe_unused]] uint8_t* const tile_scales = kFp8State ? pool_scales(slot) : nullptr;
   const auto load_pool = [&] {  // every state load issued before any use
     if constexpr (kFp8State)
-      Tile::load_e4m3(tile, tile_scales, s, lane);
+      Tile::load_e4m3(tile, tile_scales, s, lane, stage);
     else
       Tile::load(tile, s, lane, stage);
   };
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   }
   if (!kDecode) step.gate_math(lane_gate, lane_decay, lane_beta);
 
-  static_assert(!kFp8Cache || (Tile::kStoresE4m3 && kOp == RecurrentOp::kVerify), "fp8 caches: K-last verify");
+  static_assert(!kFp8Cache || (Tile::kStoresE4m3 && kOp == RecurrentOp::kVerify), "fp8 caches: verify");
   const IntermediateStore<Tile, kOp, K, V, kFp8Cache> store_intermediate{p, cache_slot, num_v_heads, hv, v0, s, lane,
                                                                          stage};
 
@@ -257,12 +257,12 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
     if constexpr (kPrefill && kFp8State) {
       if (row.final_slot >= 0)
         Tile::store_e4m3(head_block + int64_t(row.final_slot) * p.state.slot_stride, pool_scales(row.final_slot), s,
-                         lane);
+                         lane, stage);
     } else if constexpr (kPrefill) {
       if (row.final_slot >= 0) Tile::store(head_block + int64_t(row.final_slot) * p.state.slot_stride, s, lane, stage);
     } else if (kOp != RecurrentOp::kVerify || write_state) {
       if constexpr (kFp8State)
-        Tile::store_e4m3(tile, tile_scales, s, lane);
+        Tile::store_e4m3(tile, tile_scales, s, lane, stage);
       else
         Tile::store(tile, s, lane, stage);
     }

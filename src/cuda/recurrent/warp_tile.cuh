@@ -175,7 +175,7 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
   // forms one scale and writes one scale byte, and each column takes its scale from that lane. `scales` holds the
   // blocks of the warp's first column, K / 32 per column.
   static constexpr bool kStoresE4m3 = !kPacked && (kVec == 2 || kVec == 4 || kVec == 8);
-  __device__ static void store_e4m3(uint8_t* tile, uint8_t* scales, const Regs& s, int lane) {
+  __device__ static void store_e4m3(uint8_t* tile, uint8_t* scales, const Regs& s, int lane, Stage&) {
     static_assert(kStoresE4m3, "fp32 registers, runs of 2, 4 or 8 k");
     constexpr int kLanesPerBlock = kFp8Block / kVec, kLanesPerCol = kLanesPerBlock / kRows;
     static_assert(kRows <= kLanesPerBlock, "a column's block maximum in one lane after the butterfly");
@@ -212,7 +212,7 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
   }
   // s <- a float8_e4m3 tile (a pool of TState uint8_t): each run's bytes times its block's scale, exact in fp32;
   // `scales` as in store_e4m3. Every load is issued before any use.
-  __device__ static void load_e4m3(const uint8_t* tile, const uint8_t* scales, Regs& s, int lane) {
+  __device__ static void load_e4m3(const uint8_t* tile, const uint8_t* scales, Regs& s, int lane, Stage&) {
     static_assert(kStoresE4m3 && std::is_same_v<TState, uint8_t>, "float8_e4m3 pools: runs of 2, 4 or 8 bytes");
     using Run = std::conditional_t<kVec == 2, uint16_t, std::conditional_t<kVec == 4, uint32_t, uint2>>;
     Run raw[kRows][kKPerLane / kVec];
@@ -247,24 +247,32 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
 
 template <class TState, int K, int V, TileWidth kWidth>
 struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
-  static constexpr bool kStoresE4m3 = false;  // V-last fp8 caches: not built (api/dispatch.cpp refuses them)
   static_assert(kWidth == TileWidth::kRegular, "V-last tiles are whole 128-byte row pieces per CTA");
   static constexpr int kRows = K <= 128 ? 8 : 4;
   static constexpr int kKPerLane = K / 32;
   static constexpr int kVec = 1;  // k per run: a lane's k are 32 apart
   // Columns per CTA: 128-byte row pieces (32 fp32, 64 bf16: 4 or 8 warps); at K = 256 (correct, not the
-  // fast path) 32 columns, so that the stage stays within 48 KB of static shared memory.
-  static constexpr int kCtaCols = K <= 128 ? 128 / int(sizeof(TState)) : 32;
+  // fast path) 32 columns, so that the stage stays within 48 KB of static shared memory; float8_e4m3 pools 32
+  // columns (one scale block of each row: the verify and commit kernels are bound by their instructions, not by
+  // the partial lines).
+  static constexpr bool kFp8Pool = sizeof(TState) == 1;
+  static constexpr int kCtaCols = K <= 128 && !kFp8Pool ? 128 / int(sizeof(TState)) : 32;
   static constexpr int kCtaWarps = kCtaCols / kRows;
   static_assert(K % 32 == 0 && V % kCtaCols == 0, "tile does not divide the head");
   static constexpr bool kPacked = false;
   using Regs = StateRegs<kRows, kKPerLane, void>;
+  // float8_e4m3 pools and caches (store_e4m3, load_e4m3): a row's 32-column scale block spans kWarpsPerBlock warps
+  // of the CTA, whose largest magnitudes meet in shared memory.
+  static constexpr bool kStoresE4m3 = kCtaCols % kFp8Block == 0;
+  static constexpr int kWarpsPerBlock = kFp8Block / kRows;
   // The stage: one fp32 row piece of kCtaCols per k, padded by 16 bytes so that the lanes' reads and
   // writes of 16-byte runs (rows lane + 32 j) fall in distinct bank groups. Loads stage the raw state
-  // dtype at the start of each row; stores stage fp32.
+  // dtype at the start of each row; stores stage fp32 (e4m3 bytes: store_e4m3). m: each warp's largest magnitude of
+  // each row (store_e4m3).
   static constexpr int kPitch = kCtaCols + 4;
   struct Stage {
     __align__(16) float e[K][kPitch];
+    float m[K][kCtaWarps];
   };
 
   __device__ static int k_of(int lane, int j) { return lane + 32 * j; }
@@ -319,6 +327,80 @@ struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
       float run[kChunk];
       load_vec<float, kChunk>(&st.e[r][col], run);
       store_vec<E, kChunk>(cta + int64_t(r) * V + col, run);
+    }
+  }
+  // s <- a float8_e4m3 tile (a pool of TState uint8_t): the CTA's 32-byte row pieces staged by cp.async, each lane's
+  // kRows bytes of a row times the row's block scale. `scales` holds the scale of row 0's block of the warp's
+  // columns; row k's is V / 32 further on.
+  __device__ static void load_e4m3(const uint8_t* tile, const uint8_t* scales, Regs& regs, int lane, Stage& st) {
+    static_assert(kFp8Pool && kCtaCols == kFp8Block, "float8_e4m3 pools: one scale block of each row a CTA");
+    float(&s)[kRows][kKPerLane] = regs.v;
+    constexpr int kChunksPerRow = kCtaCols / 16;
+    const int warp = int(threadIdx.x) / 32;
+    const uint8_t* cta = tile - warp * kRows;
+    uint32_t sbyte[kKPerLane];
+#pragma unroll
+    for (int j = 0; j < kKPerLane; ++j) sbyte[j] = scales[int64_t(k_of(lane, j)) * (V / kFp8Block)];
+    __syncthreads();  // every warp is done with the stage's previous contents
+#pragma unroll 4
+    for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<uint8_t*>(&st.e[r][0]) + col));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(cta + int64_t(r) * V + col) : "memory");
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kKPerLane; ++j) {
+      const uint8_t* run = reinterpret_cast<const uint8_t*>(&st.e[k_of(lane, j)][0]) + warp * kRows;
+      uint32_t w[kRows / 4];
+#pragma unroll
+      for (int x = 0; x < kRows / 4; ++x) w[x] = reinterpret_cast<const uint32_t*>(run)[x];
+      const float sc = e8m0_scale(sbyte[j]);
+#pragma unroll
+      for (int i = 0; i < kRows; i += 2) {
+        const float2 f = e4m3x2_to_float2(w[i / 4] >> (8 * (i % 4)), sc);
+        s[i][j] = f.x, s[i + 1][j] = f.y;
+      }
+    }
+  }
+  // The warp's columns to float8_e4m3 bytes at `tile` (a pool or an intermediate cache in this layout), the blocks'
+  // scales at `scales` (as in load_e4m3): each warp's largest magnitude of each of its rows meets the other warps' of
+  // the block in shared memory (one barrier), every warp of the block forms the same scale, the first writes it, and
+  // the bytes leave as whole row pieces from the stage.
+  __device__ static void store_e4m3(uint8_t* tile, uint8_t* scales, const Regs& regs, int lane, Stage& st) {
+    static_assert(kStoresE4m3, "whole scale blocks a CTA");
+    const float(&s)[kRows][kKPerLane] = regs.v;
+    constexpr int kChunksPerRow = kCtaCols / 16;
+    const int warp = int(threadIdx.x) / 32, block0 = warp / kWarpsPerBlock * kWarpsPerBlock;
+    uint8_t* cta = tile - warp * kRows;
+    __syncthreads();  // every warp is done with the stage's previous contents
+#pragma unroll
+    for (int j = 0; j < kKPerLane; ++j) {
+      float m = fabsf(s[0][j]);
+#pragma unroll
+      for (int i = 1; i < kRows; ++i) m = max_abs_nan(m, s[i][j]);
+      st.m[k_of(lane, j)][warp] = m;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kKPerLane; ++j) {
+      const int k = k_of(lane, j);
+      float m = st.m[k][block0];
+#pragma unroll
+      for (int w = 1; w < kWarpsPerBlock; ++w) m = max_abs_nan(m, st.m[k][block0 + w]);
+      const Fp8Scale sc = e4m3_block_scale(__float_as_uint(m));
+      if (warp == block0) scales[int64_t(k) * (V / kFp8Block)] = uint8_t(sc.byte);
+      uint32_t* run = reinterpret_cast<uint32_t*>(reinterpret_cast<uint8_t*>(&st.e[k][0]) + warp * kRows);
+#pragma unroll
+      for (int i = 0; i < kRows; i += 4) run[i / 4] = e4m3x4(s[i][j], s[i + 1][j], s[i + 2][j], s[i + 3][j], sc);
+    }
+    __syncthreads();
+#pragma unroll 2
+    for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+      *reinterpret_cast<uint4*>(cta + int64_t(r) * V + col) =
+          *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(&st.e[r][0]) + col);
     }
   }
 };
