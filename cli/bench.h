@@ -60,6 +60,7 @@ struct Options {
   int64_t cp_segment = -1;       // A/B switch: prefill's context-parallel segments forced (0: off; -1: the heuristic)
   int fp8_columns = 0;           // A/B switch: the fp8 decode kernel's columns per warp (0: the heuristic)
   int vlast_fp8_columns = 0;     // A/B switch: V-last fp8 decode's columns per CTA (0: the heuristic)
+  int chain_min_tokens = -1;     // A/B switch: fewest tokens on the tensor-core chain kernel (0: never; -1: the heuristic)
   std::string command_line;
 };
 

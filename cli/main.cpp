@@ -55,6 +55,8 @@ bench options:
                              K = 128 only), instead of the library's choice
   --vlast-fp8-columns N      A/B switch: columns per CTA of V-last float8_e4m3 decode, 64 or 128, instead of the
                              library's choice
+  --chain-min-tokens N       A/B switch: verify and commit of chains of at least N tokens on the tensor-core chain
+                             kernel (0: never), instead of the library's choice
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)
@@ -168,6 +170,8 @@ Options parse_bench(int argc, char** argv, int first) {
     } else if (a == "--cp-segment") {
       o.cp_segment = int_list(a, value(i), 0, 1 << 30).front();
       if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
+    } else if (a == "--chain-min-tokens") {
+      o.chain_min_tokens = int_list(a, value(i), 0, 64).front();
     } else if (a == "--vlast-fp8-columns") {
       o.vlast_fp8_columns = int_list(a, value(i), 64, 128).front();
       if (o.vlast_fp8_columns != 64 && o.vlast_fp8_columns != 128) usage_error("--vlast-fp8-columns: 64 or 128");

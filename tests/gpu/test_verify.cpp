@@ -1,5 +1,5 @@
 // GPU verify and commit vs the CPU reference: chains, trees (parent), varlen (cu_seqlens), the
-// intermediate cache in fp32 / bf16, update_state; commit from the cache and by recompute. Every
+// intermediate cache in fp32 / bf16 / fp16 / float8_e4m3, update_state; commit from the cache and by recompute. Every
 // output and cache entry starts NaN-poisoned: the ones the op stores must be close to the reference,
 // the others (and untouched pool slots) bit-identical to before.
 #include <cuda_runtime.h>
@@ -175,6 +175,16 @@ std::vector<Named> verify_cases() {
     c.H = 16, c.HV = 32, c.batch = 24, c.padding_rows = 4, c.seq_lens = many_lens(c.batch, 4);
     out.push_back({name_of(Shape::kVarlenChain, c) + "_b24", c});
   }
+  // Long chains that cache their states (the warp kernel: the chain kernel stores no intermediate state), every
+  // cache dtype beside fp32, bf16 and float8_e4m3 pools.
+  for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat8E4M3})
+    for (DType cache : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3}) {
+      const Shape s = state == DType::kBFloat16 ? Shape::kVarlenChain : Shape::kChainUpdate;
+      ProblemConfig c = make(s, StateLayout::kKLast, state, cache, 13, seed++);
+      c.long_memory = cache == DType::kFloat32;
+      if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
+      out.push_back({name_of(s, c), c});
+    }
   return out;
 }
 
@@ -195,6 +205,10 @@ std::vector<Named> sanitize_cases() {
   c.H = 2, c.HV = 8, c.K = c.V = 64, c.intermediate = false, c.padding_rows = 5;
   c.seq_lens = many_lens(40, 11);  // 40 rows, every length 0 .. 11
   out.push_back({name_of(Shape::kVarlenChain, c) + "_b40", c});
+  // A varlen chain of float8_e4m3 pool and cache.
+  c = make(Shape::kVarlenChain, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 11, seed++);
+  c.H = 1, c.HV = 2, c.K = c.V = 64;
+  out.push_back({name_of(Shape::kVarlenChain, c), c});
   // V-last float8_e4m3 pools and caches: the block maxima meet in shared memory (warp_tile.cuh store_e4m3)
   for (Shape s : {Shape::kChainUpdate, Shape::kVarlenTree}) {
     c = make(s, StateLayout::kVLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);

@@ -27,8 +27,9 @@
 //                       (one column per lane, through a small per-warp scratch)
 //   store_chunk_output  o_t = Γ_t rq_t Qs[t] + sum_{i<=t} (Γ_t/Γ_i) rq_t rk_i (q_t . k_i) u_i
 //   chunk_update        S^T <- Γ_n S^T + U'^T k with U'[i] = (Γ_n/Γ_i) rk_i u_i split into 2 bf16 terms
-//                       (one m16n8k16 per n-tile: the terms sit in the k-dimension, the k rows twice); the
-//                       last chunk's result goes straight from the accumulators to the pool.
+//                       (one m16n8k16 per n-tile: the terms sit in the k-dimension, the k rows twice), back
+//                       into the shared columns
+//   store_columns       the last chunk's state from the shared columns to the pool, whole 16-byte pieces
 #pragma once
 
 #include <cuda_bf16.h>
@@ -223,12 +224,10 @@ __device__ __forceinline__ __nv_bfloat162 chunk_output(const ChainScratch& sc, i
 }
 
 // S^T <- Γ_n S^T + U'^T k with U'[i] = (Γ_n/Γ_i) rk_i u_i as two bf16 terms (one m16n8k16 per n-tile: the
-// terms sit in the k-dimension, the k rows twice). The last chunk's state goes from the accumulators
-// straight to the pool (out_tile); the others' back into the shared columns.
-template <class TState, int K, class Pair>
+// terms sit in the k-dimension, the k rows twice), back into the shared columns.
+template <int K, class Pair>
 __device__ __forceinline__ void chunk_update(const ChainScratch& sc, const __nv_bfloat16 (&rows)[2][kChainChunk][K + 8],
-                                             const Pair& pair, int lane, int r, int c2, const ChunkScalars& cs,
-                                             bool last, TState* out_tile) {
+                                             const Pair& pair, int lane, int r, int c2, const ChunkScalars& cs) {
   using bf16 = __nv_bfloat16;
   const float x0 = __expf(cs.lg_end_i0) * cs.rk_i0 * sc.u[c2][r];
   const float x1 = __expf(cs.lg_end_i1) * cs.rk_i1 * sc.u[c2 + 1][r];
@@ -242,15 +241,28 @@ __device__ __forceinline__ void chunk_update(const ChainScratch& sc, const __nv_
     ldmatrix_x4_trans(kt, &rows[0][lane & 7][8 * (4 * jj + (lane >> 3))]);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {  // n-tile 4 jj + m: this lane's pair at k = 8 (4 jj + m) + c2
-      const int k = 8 * (4 * jj + m) + c2;
-      float2& e = pair(k);
+      float2& e = pair(8 * (4 * jj + m) + c2);
       float c[4] = {decay * e.x, decay * e.y, 0.0f, 0.0f};
       mma<bf16>(c, ua, kt[m], kt[m]);
-      if (last)  // the final state: straight to the pool
-        store_vec<TState, 2>(out_tile + r * K + k, c);
-      else
-        e = make_float2(c[0], c[1]);
+      e = make_float2(c[0], c[1]);
     }
+  }
+}
+
+// The warp's columns from the shared state (fp32) to memory in the pool's dtype as whole 16-byte pieces, lane l
+// taking pieces l, l + 32, ...: each store instruction writes one contiguous range, where the accumulators' own layout
+// would write a quarter or half of each 32-byte sector. Rolled: unrolled, ptxas hoists the reads and spills.
+template <class TState, int K>
+__device__ __forceinline__ void store_columns(const float (&st)[kChainCols][K + 8], TState* cols, int lane) {
+  constexpr int kE = 16 / int(sizeof(TState)), kRowPieces = K / kE, kPieces = kChainCols * kRowPieces;
+  static_assert(kPieces % 32 == 0, "whole pieces a lane");
+#pragma unroll 1
+  for (int i = 0; i < kPieces / 32; ++i) {
+    const int piece = lane + 32 * i, col = piece / kRowPieces, k = piece % kRowPieces * kE;
+    float v[kE];
+#pragma unroll
+    for (int q = 0; q < kE; q += 4) *reinterpret_cast<float4*>(&v[q]) = *reinterpret_cast<const float4*>(&st[col][k + q]);
+    store_vec<TState, kE>(cols + col * K + k, v);
   }
 }
 
@@ -404,8 +416,12 @@ __global__ void __launch_bounds__(kChainWarps * 32, kChainMinWarps / kChainWarps
     forward_substitution(warp_scratch, lane);
     __syncwarp();
     if constexpr (!kRecompute) store_chunk_output(warp_scratch, r, c2, pq, nc, c0, out_pair, token_of);
-    const bool last = c0 + kN >= n;  // S^T <- Γ_n S^T + U'^T k, the last chunk's straight to the pool
-    if (store_final || !last) chunk_update<TState, K>(warp_scratch, rows, pair, lane, r, c2, cs, last, out_tile);
+    const bool last = c0 + kN >= n;  // S^T <- Γ_n S^T + U'^T k, the last chunk's then out to the pool
+    if (store_final || !last) chunk_update<K>(warp_scratch, rows, pair, lane, r, c2, cs);
+    if (store_final && last) {
+      __syncwarp();
+      store_columns<TState, K>(st, out_tile, lane);
+    }
     if (c0 + kN < n) {
       __syncthreads();  // every warp is done with this chunk's rows
       in = issue_inputs(c0 + kN);
