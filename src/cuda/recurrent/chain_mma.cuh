@@ -251,7 +251,7 @@ __device__ __forceinline__ void chunk_update(const ChainScratch& sc, const __nv_
 
 // The warp's columns from the shared state (fp32) to memory in the pool's dtype as whole 16-byte pieces, lane l
 // taking pieces l, l + 32, ...: each store instruction writes one contiguous range, where the accumulators' own layout
-// would write a quarter or half of each 32-byte sector. Rolled: unrolled, ptxas hoists the reads and spills.
+// would write half of each 32-byte sector (16-bit pools). Rolled: unrolled, ptxas hoists the reads and spills.
 template <class TState, int K>
 __device__ __forceinline__ void store_columns(const float (&st)[kChainCols][K + 8], TState* cols, int lane) {
   constexpr int kE = 16 / int(sizeof(TState)), kRowPieces = K / kE, kPieces = kChainCols * kRowPieces;

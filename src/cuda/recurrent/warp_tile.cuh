@@ -284,21 +284,26 @@ struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
     for (int r = int(threadIdx.x); r < K; r += kCtaWarps * 32)
       prefetch_l2(cta + int64_t(r) * V, unsigned(kCtaCols * sizeof(TState)));
   }
-  // Every warp of the CTA calls load and store together (barriers inside).
-  __device__ static void load(const TState* tile, Regs& regs, int lane, Stage& st) {
-    float(&s)[kRows][kKPerLane] = regs.v;
-    constexpr int kChunk = 16 / int(sizeof(TState)), kChunksPerRow = kCtaCols / kChunk;
-    const int warp = int(threadIdx.x) / 32;
-    const TState* cta = tile - warp * kRows;  // the CTA's first column: its warps take consecutive column blocks
+  // The CTA's row pieces (kCtaCols values of each row from `cta`, its first column) into the stage by cp.async, raw
+  // at the start of each stage row. Every warp calls it (barriers inside).
+  template <class T>
+  __device__ static void stage_rows(const T* cta, Stage& st) {
+    constexpr int kChunk = 16 / int(sizeof(T)), kChunksPerRow = kCtaCols / kChunk;
     __syncthreads();  // every warp is done with the stage's previous contents
 #pragma unroll 4
     for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * kChunk;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<TState*>(&st.e[r][0]) + col));
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<T*>(&st.e[r][0]) + col));
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(cta + int64_t(r) * V + col) : "memory");
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
+  }
+  // Every warp of the CTA calls load and store together (barriers inside).
+  __device__ static void load(const TState* tile, Regs& regs, int lane, Stage& st) {
+    float(&s)[kRows][kKPerLane] = regs.v;
+    const int warp = int(threadIdx.x) / 32;
+    stage_rows(tile - warp * kRows, st);  // the CTA's first column: its warps take consecutive column blocks
 #pragma unroll
     for (int j = 0; j < kKPerLane; ++j) {
       float run[kRows];
@@ -335,21 +340,11 @@ struct WarpTile<StateLayout::kVLast, TState, K, V, kWidth> {
   __device__ static void load_e4m3(const uint8_t* tile, const uint8_t* scales, Regs& regs, int lane, Stage& st) {
     static_assert(kFp8Pool && kCtaCols == kFp8Block, "float8_e4m3 pools: one scale block of each row a CTA");
     float(&s)[kRows][kKPerLane] = regs.v;
-    constexpr int kChunksPerRow = kCtaCols / 16;
     const int warp = int(threadIdx.x) / 32;
-    const uint8_t* cta = tile - warp * kRows;
     uint32_t sbyte[kKPerLane];
 #pragma unroll
     for (int j = 0; j < kKPerLane; ++j) sbyte[j] = scales[int64_t(k_of(lane, j)) * (V / kFp8Block)];
-    __syncthreads();  // every warp is done with the stage's previous contents
-#pragma unroll 4
-    for (int c = int(threadIdx.x); c < K * kChunksPerRow; c += kCtaWarps * 32) {
-      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
-      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<uint8_t*>(&st.e[r][0]) + col));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(cta + int64_t(r) * V + col) : "memory");
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();
+    stage_rows(tile - warp * kRows, st);
 #pragma unroll
     for (int j = 0; j < kKPerLane; ++j) {
       const uint8_t* run = reinterpret_cast<const uint8_t*>(&st.e[k_of(lane, j)][0]) + warp * kRows;
