@@ -88,15 +88,18 @@ struct ChainInputIssuer {
     ChunkInputs in;
     in.nc = min(kN, n - c0);
     in.tok_lane = token_of(c0 + min(lane, in.nc - 1));
-    constexpr int kPieces = K / 8, kStaged = (kRecompute ? 1 : 2) * kN * kPieces;
+    constexpr int kPieces = K / 8, kStaged = (kRecompute ? 1 : 2) * kN * kPieces, kThreads = kChainWarps * 32;
+    // A trip count the same in every thread: the shuffle below is then a plain one, not a collective's slow path.
 #pragma unroll
-    for (int i = int(threadIdx.x); i < kStaged; i += kChainWarps * 32) {
-      const int row = i / kPieces, piece = i % kPieces, j = row % kN;
+    for (int it = 0; it < (kStaged + kThreads - 1) / kThreads; ++it) {
+      const int i = int(threadIdx.x) + it * kThreads;
+      const int row = i / kPieces % (2 * kN), piece = i % kPieces, j = row % kN;
       const InView& x = row < kN ? p.k : p.q;
       const int64_t tok = __shfl_sync(kAll, in.tok_lane, j);
-      cp_async16(&rows[row / kN][j][piece * 8],
-                 static_cast<const bf16*>(x.data) + tok * x.token_stride + int64_t(hq) * x.head_stride + piece * 8,
-                 j < in.nc);
+      if (kStaged % kThreads == 0 || i < kStaged)
+        cp_async16(&rows[row / kN][j][piece * 8],
+                   static_cast<const bf16*>(x.data) + tok * x.token_stride + int64_t(hq) * x.head_stride + piece * 8,
+                   j < in.nc);
     }
     in.g = GateBits{0u, 0u};
     if (lane < in.nc) in.g = token_gate_bits(p.gating, in.tok_lane, hv);
