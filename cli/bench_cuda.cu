@@ -885,6 +885,8 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
   if (o.fp8_columns > 0) overrides.decode_fp8_columns = o.fp8_columns;
   if (o.vlast_fp8_columns > 0) overrides.decode_vlast_fp8_columns = o.vlast_fp8_columns;
   if (o.chain_min_tokens >= 0) overrides.chain_mma_min_tokens = o.chain_min_tokens;
+  if (o.prep_warpgroup >= 0) overrides.prefill_m_warpgroup = o.prep_warpgroup;
+  overrides.prefill_stages = o.prefill_stages;
   const cuda::ScopedOverrides scoped(overrides);  // the A/B switches of this run
   Device d;
   int dev = 0;

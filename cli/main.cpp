@@ -57,6 +57,11 @@ bench options:
                              library's choice
   --chain-min-tokens N       A/B switch: verify and commit of chains of at least N tokens on the tensor-core chain
                              kernel (0: never), instead of the library's choice
+  --prep-warpgroup N         A/B switch: prefill's prep warpgroup beside two state warpgroups, 0 none, 1 forming M,
+                             2 forming the whole chunk prep (no chunk prep kernel), where the call allows it,
+                             instead of the library's choice
+  --prefill-stages N         timing: prefill's chunk prep alone (1) or state pass alone (2) instead of both (3);
+                             the outputs of one alone are not the op's
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)
@@ -172,6 +177,10 @@ Options parse_bench(int argc, char** argv, int first) {
       if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
     } else if (a == "--chain-min-tokens") {
       o.chain_min_tokens = int_list(a, value(i), 0, 64).front();
+    } else if (a == "--prep-warpgroup") {
+      o.prep_warpgroup = int_list(a, value(i), 0, 2).front();
+    } else if (a == "--prefill-stages") {
+      o.prefill_stages = int_list(a, value(i), 1, 3).front();
     } else if (a == "--vlast-fp8-columns") {
       o.vlast_fp8_columns = int_list(a, value(i), 64, 128).front();
       if (o.vlast_fp8_columns != 64 && o.vlast_fp8_columns != 128) usage_error("--vlast-fp8-columns: 64 or 128");

@@ -376,6 +376,30 @@ TEST(PrefillHeuristics, PrepWarpgroupFromFourChunksPerSequence) {
   Overrides on;
   on.prefill_m_warpgroup = 1;
   EXPECT_TRUE(chunked_prefill::choose_prefill(short_chunks.p, kSms, on).m_warpgroup);
+  EXPECT_FALSE(chunked_prefill::choose_prefill(four.p, kSms, {}).fused_prep);
+  EXPECT_FALSE(chunked_prefill::choose_prefill(four.p, kSms, on).fused_prep);
+}
+
+// The fused prep (the prep warpgroup forms the whole chunk prep): only where asked for, beside two state warpgroups,
+// and on whole sequences (the context-parallel passes read the chunk prep's T').
+TEST(PrefillHeuristics, FusedPrepWhereAskedOnWholeSequences) {
+  Overrides fused;
+  fused.prefill_m_warpgroup = 2;
+  PrefillCall batch(std::vector<int64_t>(8, 8192));
+  const auto a = chunked_prefill::choose_prefill(batch.p, kSms, fused);
+  EXPECT_TRUE(a.m_warpgroup);
+  EXPECT_TRUE(a.fused_prep);
+  EXPECT_TRUE(a.m_in_pass);
+  PrefillCall split({8192}, 2, 8);  // few heads: the head split, one state warpgroup a CTA
+  Overrides unsplit = fused;
+  unsplit.prefill_cp_segment_len = 0;
+  EXPECT_EQ(chunked_prefill::choose_prefill(split.p, kSms, unsplit).head_split, 2);
+  EXPECT_FALSE(chunked_prefill::choose_prefill(split.p, kSms, unsplit).fused_prep);
+  Overrides cp = fused;
+  cp.prefill_cp_segment_len = 1024;
+  const auto b = chunked_prefill::choose_prefill(split.p, kSms, cp);
+  EXPECT_EQ(b.cp_segment_len, 1024);
+  EXPECT_FALSE(b.fused_prep);
 }
 
 // float8_e4m3 pools and checkpoints run on the head pass, or on the tiled pass at K >= 128 (whole scale blocks a

@@ -68,8 +68,9 @@ struct Case {
   // The longest sequence the short-sequence path (recurrent kernels) takes: 0 none (the chunked kernels
   // run every sequence), > 0 that length, < 0 the library's choice through the public API.
   int short_len = 0;
-  // The head pass's prep warpgroup that forms M, where the plan allows it: -1 the library's choice, 0 none (the
-  // state warpgroups form M, or it comes from the workspace), 1 the warpgroup.
+  // The head pass's prep warpgroup, where the plan allows it: -1 the library's choice, 0 none (the state warpgroups
+  // form M, or it comes from the workspace), 1 the warpgroup forming M, 2 the warpgroup forming the whole chunk prep
+  // (the fused prep: the gate kernel before the pass, no chunk prep kernel).
   int aux = -1;
   // Context-parallel segments of this many tokens: -1 the library's choice, 0 none.
   int cp = -1;
@@ -113,8 +114,9 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
   }
   // ... and one that asks for the prep warpgroup must get it (the plan falls back to none where it cannot).
   if (aux > 0) {
-    EXPECT_TRUE(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).m_warpgroup)
-        << "the prep warpgroup would not run";
+    const cuda::chunked_prefill::PrefillChoice choice = cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o);
+    EXPECT_TRUE(choice.m_warpgroup) << "the prep warpgroup would not run";
+    EXPECT_EQ(choice.fused_prep, aux == 2) << "the fused prep would not run as asked";
   }
   if (vtile == kShortOnly) {
     validate(p, Backend::kCUDA);
@@ -159,6 +161,9 @@ std::vector<Case> axes_cases() {
             if (in != DType::kFloat32) {
               Case f{case_name(c, "aux1"), c, cuda::chunked_prefill::kVTileHead, 1};
               f.aux = 1;
+              out.push_back(f);
+              // ... and forming the whole chunk prep there (the fused prep)
+              f.name = case_name(c, "aux2"), f.aux = 2;
               out.push_back(f);
             }
           }
@@ -222,6 +227,7 @@ std::vector<Case> shape_cases() {
   add(base({100, 70}, 1, 40), "gva40", 0, 0, 0);
   // ... and the head pass's prep warpgroup (one value head per CTA).
   add(base({100, 70}, 1, 40), "gva40_aux1", 0, 0, 1);
+  add(base({100, 70}, 1, 40), "gva40_aux2", 0, 0, 2);  // the gate kernel's 4 value heads a CTA over 40
   // Every value tile the state pass is built with, and the head state pass (bf16 and fp16 inputs,
   // V = 64 and 128, both layouts).
   for (int K : {64, 128, 256})
@@ -244,7 +250,7 @@ std::vector<Case> shape_cases() {
           // Two warpgroups per CTA (the wgmma build, split 1, V = 128): forming M and rq themselves after the chunk
           // prep kernel (rq is the scale alone without the L2 norm), or beside the prep warpgroup
           const bool two_wg = vt == cuda::chunked_prefill::kVTileHead && split == 1 && V == 128;
-          for (int aux : two_wg ? std::vector<int>{0, 1} : std::vector<int>{-1}) {
+          for (int aux : two_wg ? std::vector<int>{0, 1, 2} : std::vector<int>{-1}) {
             const std::string tag = kind + std::to_string(split) + (aux > 0 ? "_aux" + std::to_string(aux) : "");
             ProblemConfig cf = c;
             add(cf, tag, vt, split, aux);
@@ -255,7 +261,7 @@ std::vector<Case> shape_cases() {
           }
         }
   // Sequences of 8 to 16 chunks with and without the prep warpgroup (the stages' mbarrier phases wrap several times).
-  for (int aux : {0, 1}) {
+  for (int aux : {0, 1, 2}) {
     ProblemConfig c = base({1000, 700, 517}, 1, 2);
     c.checkpoint_interval = 256;
     add(c, "long_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
@@ -287,7 +293,7 @@ std::vector<Case> shape_cases() {
   {
     ProblemConfig c = base({700, 64, 333}, 1, 2);
     c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
-    for (int aux : {0, 1}) add(c, "f8ckpt_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
+    for (int aux : {0, 1, 2}) add(c, "f8ckpt_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
     add(c, "f8ckpt_warp", cuda::chunked_prefill::kVTileHeadWarp, 1);
   }
   // Initial == final slot (read before write), sequences without a final slot, all from zero.
@@ -311,7 +317,7 @@ std::vector<Case> shape_cases() {
     add(c, "");
     c = base({700, 64, 333}, 1, 2);
     c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
-    for (int aux : {0, 1}) add(c, "f8pool_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
+    for (int aux : {0, 1, 2}) add(c, "f8pool_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
     add(c, "f8pool_warp", cuda::chunked_prefill::kVTileHeadWarp, 1);
     c.checkpoint_interval = 0, c.same_slot = true;
     add(c, "f8pool");
@@ -447,7 +453,7 @@ std::vector<Case> sanitize_cases() {
   out.push_back({case_name(c), c, 32});
   c.seed = 3000 + i++;
   c.checkpoint_interval = 64;
-  for (int aux : {0, 1}) {
+  for (int aux : {0, 1, 2}) {
     out.push_back({case_name(c, aux > 0 ? "head_aux" + std::to_string(aux) : "head"), c,
                    cuda::chunked_prefill::kVTileHead, 1, 0, aux});
     c.seed = 3000 + i++;

@@ -17,7 +17,8 @@ struct Overrides {
   int decode_vlast_fp8_columns = 0;  // columns per CTA of V-last fp8 decode: 64 or 128 (0: the heuristic)
   // Prefill choice; -1 / 0: the heuristic.
   int prefill_short_max_len = -1;   // longest sequence on the short-sequence path (0: off)
-  int prefill_m_warpgroup = -1;     // the prep warpgroup that forms M: 0 off, 1 wherever it can run
+  int prefill_m_warpgroup = -1;     // the prep warpgroup: 0 off, 1 forming M wherever it can run, 2 forming all of
+                                    // the chunk prep (no chunk prep kernel) where it can
   int prefill_vtile = 0;            // state pass value tile: kVTileHead, kVTileHeadWarp, 16, 32 or 64
   int prefill_head_split = 0;       // head pass CTAs per (sequence, value head): 1 or 2
   int prefill_stages = 3;           // kernels a call launches: 1 chunk prep, 2 state pass, 3 both (timing)

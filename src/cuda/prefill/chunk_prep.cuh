@@ -321,4 +321,31 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   }
 }
 
+// The gates alone, where the head pass's prep warpgroup forms the rest of the prep (Plan::fused_prep): per chunk slot and
+// value head, gcum (times log2 e) and beta of its tokens to the factor rows kLog2Gcum and kBeta (gcum flat and beta 0
+// past the chunk's end). One warp per value head, kWarps per CTA (blockIdx.y: value heads kWarps y .. kWarps y + kWarps - 1).
+template <int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) gate_prep_kernel(const PrefillParams p, const Plan plan) {
+  // the head pass may launch now; it reads these rows after the grid completed (griddepcontrol.wait)
+  asm volatile("griddepcontrol.launch_dependents;");
+  __shared__ __align__(16) float s_gc[kWarps][kChunk];
+  __shared__ __align__(16) float s_beta[kWarps][kChunk];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int slot = blockIdx.x, h = blockIdx.y * kWarps + warp, HV = p.heads.num_v_heads;
+  int64_t t0;
+  int L;
+  if (h >= HV || !chunk_of_slot(p, plan, slot, t0, L)) return;
+  const bool fused = p.gating.mode == GateMode::kFused;  // A_log and dt_bias are then present (api/validate.cpp)
+  const float2 hp = fused ? make_float2(p.gating.A_log[h], p.gating.dt_bias[h]) : make_float2(0.0f, 0.0f);
+  store_gates(p, load_gates(p, h, t0, L, lane), hp, L, lane, s_gc[warp], s_beta[warp]);
+  __syncwarp();
+  float* const f = plan.ws_factors + (int64_t(slot) * HV + h) * (kFactorRowsMax * kChunk);
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int t = lane + 32 * u;
+    f[kLog2Gcum * kChunk + t] = s_gc[warp][t] * 1.4426950408889634f;
+    f[kBeta * kChunk + t] = s_beta[warp][t];
+  }
+}
+
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -84,9 +84,10 @@ struct HeadLoader {
       // both parts' bytes (with a prep warpgroup: the rows, T' and the factor rows kLog2Gcum, kInvNormK; it forms
       // the rest; without o: no q rows and no M)
       constexpr uint32_t kVBytes = uint32_t(kCols * kChunk * 2);
+      // (the fused prep: the rows and the gate rows kLog2Gcum, kBeta alone)
       constexpr uint32_t kBytes =
           uint32_t(((S::kOutputs ? 2 : 1) * K * kChunk) * 2) + kVBytes +
-          uint32_t((S::kMWarpgroup || S::kMInPass || !S::kOutputs ? 1 : 2) * kCausalImageElems * 2 +
+          uint32_t((S::kFusedPrep ? 0 : S::kMWarpgroup || S::kMInPass || !S::kOutputs ? 1 : 2) * kCausalImageElems * 2 +
                    (S::kMWarpgroup ? 2 : kFRows) * kChunk * 4);
       fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
       mbarrier_arrive_expect_tx(bar, load_v ? kBytes : kBytes - kVBytes);
@@ -103,7 +104,7 @@ struct HeadLoader {
     }
     if (parts & kWorkspace) {
       const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's causal images: one bulk copy each
-      bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
+      if constexpr (!S::kFusedPrep) bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
       if constexpr (!S::kMInPass && !S::kMWarpgroup && S::kOutputs)
         bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
       if constexpr (S::kMWarpgroup)

@@ -239,6 +239,8 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   const bool m_warpgroup_possible = c.wgmma_pass && c.head_split == 1 && V == 128 && K % 64 == 0;
   if (m_warpgroup_possible) c.m_warpgroup = m_warpgroup_wanted(p, o);
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(c.wgmma_pass, V / c.head_split);
+  // The whole prep in the warpgroup: whole sequences only (the context-parallel passes take the chunk prep's T')
+  c.fused_prep = c.m_warpgroup && !cp && o.prefill_m_warpgroup == 2;
   const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
   // (under context parallelism the pass behind the prep is the local pass: two CTAs per state and value head)
   const int64_t rows = cp ? 2 * cp_max_states(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;

@@ -7,7 +7,8 @@
 //       T' = (I + A)^{-1} diag(beta)          (blocked: 8 x 8 substitutions, the rest on tensor cores, solve.cuh)
 //       M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) q^_i . k^_j                (intra-chunk attention)
 //     writes T', M (operand dtype; for the wgmma head pass as causal images, causal_image.cuh) and the per-token
-//     factors (FactorRow, fp32) to the workspace.
+//     factors (FactorRow, fp32) to the workspace. For the fused prep (Plan::fused_prep) gate_prep_kernel runs
+//     instead: gcum and beta alone, the head pass's prep warpgroup forming the rest in each chunk's stage.
 //  2. a state pass, sequential over the chunks of one sequence: state_pass_head_kernel
 //     (state_pass_head.cuh: one CTA per sequence and value head, the fast path) or state_pass_kernel
 //     (state_pass_tiled.cuh: one value tile S[:, v0:v0+VT] of one head per CTA: fp32 inputs, K or V = 256,
@@ -59,12 +60,22 @@ void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t st
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
+// The gates alone (Plan::fused_prep: the head pass's prep warpgroup forms the rest).
+inline void launch_gate_prep(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
+  constexpr int kWarps = kThreads / 32;
+  const dim3 grid(unsigned(plan.num_slots), unsigned((p.heads.num_v_heads + kWarps - 1) / kWarps));
+  gate_prep_kernel<kWarps><<<grid, kThreads, 0, stream>>>(p, plan);
+  GDNKIT_CUDA_CHECK_LAUNCH();
+}
+
 template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
   const bool prep = (stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0;
   if (plan.cp_segment_len > 0) launch_cp_segment_table(p, plan, stream);
   if (prep) {
-    if (plan.m_in_pass)
+    if (plan.fused_prep)
+      launch_gate_prep(p, plan, stream);
+    else if (plan.m_in_pass)
       launch_chunk_prep<K, Op, false>(p, plan, stream);
     else
       launch_chunk_prep<K, Op, true>(p, plan, stream);

@@ -172,6 +172,7 @@ Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   plan.wgmma_pass = choice.wgmma_pass;
   plan.m_in_pass = choice.m_in_pass;
   plan.m_warpgroup = choice.m_warpgroup;
+  plan.fused_prep = choice.fused_prep;
   plan.early_state_pass = choice.early_state_pass;
   plan.short_len = choice.short_len;
   plan.cp_segment_len = choice.cp_segment_len;

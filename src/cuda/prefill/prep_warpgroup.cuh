@@ -48,16 +48,17 @@ struct PrepSmem {
   float rq[kChunk];
 };
 
-// The four elements of this lane in C tile nt of a warp's 16 rows of the masked, decayed 64 x 64 M: element e is
-// row i = i0 + 8 (e >> 1), column jj = j + (e & 1), and comes out as acc[e] * f[e >> 1] * exp2(gi[e >> 1] - gj) * kj,
-// or 0 in the diagonal tiles (diag) where jj > i.
+// The four elements of this lane in C tile nt of a warp's 16 rows of the masked, decayed 64 x 64 M (or, kStrict, A):
+// element e is row i = i0 + 8 (e >> 1), column jj = j + (e & 1), and comes out as
+// acc[e] * f[e >> 1] * exp2(gi[e >> 1] - gj) * kj, or 0 in the diagonal tiles (diag) where jj > i (kStrict: jj >= i).
+template <bool kStrict = false>
 __device__ __forceinline__ void masked_decayed_tile(const float (&acc)[4], const float (&gi)[2], const float (&f)[2],
                                                     float2 gj, float2 kj, bool diag, int i0, int j, float (&out)[4]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int i = i0 + (e >> 1) * 8, jj = j + (e & 1);
     const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
-    out[e] = diag && jj > i ? 0.0f : acc[e] * f[e >> 1] * d;
+    out[e] = diag && (kStrict ? jj >= i : jj > i) ? 0.0f : acc[e] * f[e >> 1] * d;
   }
 }
 
@@ -94,13 +95,15 @@ __device__ __forceinline__ void prep_q_norms(const Plan& plan, const Stage& b, b
   if (!(at & 1)) rq[row] = (norm ? rsqrtf(x + 1e-6f) : 1.0f) * plan.scale;
 }
 
-// The state warpgroups' factor rows of this warp's 16 tokens, from the chunk prep's kLog2Gcum (gcum log2 e) and
-// kInvNormK, with rq (as store_token_factors writes them with rq; without o, kDecayRq is not read).
+// The state warpgroups' factor rows of this warp's 16 tokens, from kLog2Gcum (gcum log2 e) and rk (the chunk prep's
+// kInvNormK, or the fused prep's norms), with rq (as store_token_factors writes them with rq; without o, kDecayRq is not
+// read).
 template <bool kOutputs, class Stage>
-__device__ __forceinline__ void prep_factor_rows(Stage& b, const float* rq, int L, int warp, int lane) {
+__device__ __forceinline__ void prep_factor_rows(Stage& b, const float* rq, const float* rks, int L, int warp,
+                                                 int lane) {
   if (lane < 16) {
     const int t = warp * 16 + lane;
-    const float gc2 = b.sc[kLog2Gcum * kChunk + t], rk = b.sc[kInvNormK * kChunk + t],
+    const float gc2 = b.sc[kLog2Gcum * kChunk + t], rk = rks[t],
                 gl2 = b.sc[kLog2Gcum * kChunk + kChunk - 1];
     const float d = exp2f(gc2);
     b.sc[kDecayRk * kChunk + t] = d * rk;
@@ -111,13 +114,12 @@ __device__ __forceinline__ void prep_factor_rows(Stage& b, const float* rq, int 
 }
 
 // M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j) from q k^T (acc, once complete), to the stage as
-// its causal image; gcum (times log2 e) and rk from the chunk prep's factor rows kLog2Gcum, kInvNormK. gi, fq: the
-// row factors of this thread's rows 16 warp + r + 8 half.
+// its causal image; gcum (times log2 e) from the factor row kLog2Gcum, rk from rks (the chunk prep's kInvNormK, or the
+// fused prep's norms). gi, fq: the row factors of this thread's rows 16 warp + r + 8 half.
 template <class Op, class Stage>
-__device__ __forceinline__ void prep_store_m(Stage& b, float (&acc)[8][4], const float* rq, float (&gi)[2],
-                                             float (&fq)[2], int warp, int lane, int r, int q2) {
+__device__ __forceinline__ void prep_store_m(Stage& b, float (&acc)[8][4], const float* rq, const float* rks,
+                                             float (&gi)[2], float (&fq)[2], int warp, int lane, int r, int q2) {
   const float* const gcs = &b.sc[kLog2Gcum * kChunk];
-  const float* const rks = &b.sc[kInvNormK * kChunk];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int i = warp * 16 + r + half * 8;
@@ -181,14 +183,132 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
       issue_qk_product<K, Op>(acc, dq, dk);
       prep_q_norms<K, Op>(plan, b, norm, at, ps.rq);
       __syncwarp();  // the warp's rq (its own rows are all that M's pass reads)
-      prep_factor_rows<true>(b, ps.rq, L, warp, lane);
+      prep_factor_rows<true>(b, ps.rq, &b.sc[kInvNormK * kChunk], L, warp, lane);
       float gi[2], fq[2];
-      prep_store_m<Op>(b, acc, ps.rq, gi, fq, warp, lane, r, q2);
+      prep_store_m<Op>(b, acc, ps.rq, &b.sc[kInvNormK * kChunk], gi, fq, warp, lane, r, q2);
       fence_proxy_async();  // M is read by the tensor cores
     } else {
-      prep_factor_rows<false>(b, ps.rq, L, warp, lane);
+      prep_factor_rows<false>(b, ps.rq, &b.sc[kInvNormK * kChunk], L, warp, lane);
     }
     mbarrier_arrive(&done[c % kStages]);
+  }
+}
+
+// The prep warpgroup's shared memory in the fused prep (kFusedPrep): A, then T in place (solve.cuh), and per stage the
+// chunk's rk and rq, which the producer warpgroup's norm threads form from the staged rows (producer_norms).
+struct FusedPrepSmem {
+  float a[kChunk * kSolveLd];
+  float rk[kHeadStages<true>][kChunk], rq[kHeadStages<true>][kChunk];
+};
+
+// The fused prep (Plan::fused_prep): the whole chunk prep of each stage, after the gate kernel wrote kLog2Gcum and kBeta
+// (they arrive with the rows by TMA) and the producer's norm threads rk and rq (norms[c % kStages], 64 arrivals): k k^T
+// on wgmma; A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) (k_i . k_j), j < i (the row factor in the exponent as a
+// log2, as the chunk prep without M) to shared memory; q k^T on wgmma while T = (I + A)^-1 is solved and T' = T diag
+// (beta) stored to the stage's causal image (solve.cuh, on this warpgroup's named barrier); M with rq; the factor rows.
+// The stages and their barriers as in prep_warpgroup.
+template <int K, class Op, int kStages, class Stage>
+__device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* stage, uint64_t* full, uint64_t* done,
+                                                     uint64_t* norms, int64_t len) {
+  static_assert(K % 64 == 0, "the k, q rows in 64-column blocks");
+  const auto thread_index = [] {  // read again per chunk, as in prep_warpgroup
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t - 2 * kThreads;
+  };
+  int at = thread_index(), warp = at >> 5, lane = at & 31;
+  const int64_t nchunks = (len + kChunk - 1) / kChunk;
+  // T's blocks above the diagonal stay zero (A and the solve write the lower ones): warp w zeroes the 3 - w blocks
+  // right of its diagonal block once.
+  for (int jb = warp + 1; jb < 4; ++jb) {
+    float* blk = ps.a + warp * 16 * kSolveLd + jb * 16;
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const int e = lane + 32 * x;  // 64 float4 per 16 x 16 block
+      *reinterpret_cast<float4*>(blk + (e >> 2) * kSolveLd + (e & 3) * 4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int s = int(c % kStages);
+    const uint32_t parity = uint32_t(c / kStages) & 1;
+    Stage& b = stage[s];
+    at = thread_index(), warp = at >> 5, lane = at & 31;
+    const int r = lane >> 2, q2 = (lane & 3) * 2;
+    const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    if (c >= kStages) mbarrier_wait(&done[kStages + s], parity ^ 1);
+    mbarrier_wait(&full[s], parity);
+    if (L < kChunk) {
+      zero_rows_past<K, Op>(b, L, at, kThreads);
+      fence_proxy_async();  // the zeros are read by the tensor cores
+      named_barrier_sync(kPrepBarrier, kThreads);
+    }
+    const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024), dq = sw128_desc(smem_addr(b.qs), 16, 1024);
+    float acc[8][4];
+    issue_qk_product<K, Op>(acc, dk, dk);  // G = k k^T
+    mbarrier_wait(&norms[s], parity);      // the chunk's rk, rq
+    const float* const gcs = &b.sc[kLog2Gcum * kChunk];
+    const float* const betas = &b.sc[kBeta * kChunk];
+    const float* const rks = ps.rk[s];
+    float gi[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = warp * 16 + r + half * 8;
+      gi[half] = gcs[i] + __log2f(betas[i] * rks[i]);  // beta_i = 0 (past the chunk too): -inf, A's row 0
+    }
+    wgmma_wait<0>();
+    wgmma_pin(acc);
+    named_barrier_sync(kPrepBarrier, kThreads);  // every warp stored the previous chunk's T' (A replaces T)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt >= 2 * (warp + 1)) continue;  // A's blocks above the diagonal stay zero
+      const int j = nt * 8 + q2, i0 = warp * 16 + r;
+      float a[4];
+      masked_decayed_tile<true>(acc[nt], gi, {1.0f, 1.0f}, *reinterpret_cast<const float2*>(&gcs[j]),
+                                *reinterpret_cast<const float2*>(&rks[j]), nt >= 2 * warp, i0, j, a);
+      *reinterpret_cast<float2*>(&ps.a[i0 * kSolveLd + j]) = make_float2(a[0], a[1]);
+      *reinterpret_cast<float2*>(&ps.a[(i0 + 8) * kSolveLd + j]) = make_float2(a[2], a[3]);
+    }
+    issue_qk_product<K, Op>(acc, dq, dk);  // q k^T for M, while the solve runs
+    __syncwarp();  // this warp's rows of A (the solve's first steps read the warp's own blocks)
+    invert_and_store_t<Op, kPrepBarrier, 2 * kThreads>(ps.a, betas, L, b.ts, true, warp, lane);
+    float fq[2];
+    prep_store_m<Op>(b, acc, ps.rq[s], rks, gi, fq, warp, lane, r, q2);
+    prep_factor_rows<true>(b, ps.rq[s], rks, L, warp, lane);
+    fence_proxy_async();  // T' and M are read by the tensor cores
+    mbarrier_arrive(&done[s]);
+  }
+}
+
+// The fused prep's norms: thread j < 64 of the producer's last two warps forms token j's rk = 1 / |k_j| and rq = scale /
+// |q_j| (without the L2 norm 1 and the scale) of every chunk from its staged rows, once they landed, to the stage's
+// slot of ps (0 at or past the chunk's end, whose rows the prep warpgroup zeroes meanwhile), then arrives on
+// norms[c % kStages]. The prep warpgroup reads them before it releases the stage (its `done`), so a slot is written
+// again only after they were read.
+template <int K, class Op, int kStages, class Stage>
+__device__ __forceinline__ void producer_norms(const PrefillParams& p, const Plan& plan, FusedPrepSmem& ps,
+                                               Stage* stage, uint64_t* full, uint64_t* norms, int64_t len, int j) {
+  const int64_t nchunks = (len + kChunk - 1) / kChunk;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int s = int(c % kStages);
+    const int L = int(min(int64_t(kChunk), len - c * kChunk));
+    mbarrier_wait(&full[s], uint32_t(c / kStages) & 1);
+    float rk = 0.0f, rq = 0.0f;
+    if (j < L) {
+      const Stage& b = stage[s];
+      float sk = 0.0f, sq = 0.0f;
+#pragma unroll 4
+      for (int u = 0; u < K / 8; ++u) {
+        sk += sumsq8<Op>(lds128(smem_addr(&b.ks[sw128_offset<kChunk>(j, 8 * u)])));
+        sq += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(j, 8 * u)])));
+      }
+      const bool norm = p.heads.use_qk_l2norm;
+      rk = norm ? rsqrtf(sk + 1e-6f) : 1.0f;
+      rq = (norm ? rsqrtf(sq + 1e-6f) : 1.0f) * plan.scale;
+    }
+    ps.rk[s][j] = rk;
+    ps.rq[s][j] = rq;
+    mbarrier_arrive(&norms[s]);
   }
 }
 

@@ -101,13 +101,20 @@ __device__ __forceinline__ void store_token_factors(float* f, const float* gc, c
 // T = (I + A)^{-1} over Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them,
 // strictly lower; the blocks above the diagonal zero), then T' = T diag(beta) to `out` in the operand dtype: the
 // wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or past L are written as zero.
-// Called by the CTA's 4 warps (kThreads threads). On return this thread's part of T' is stored; Af may be
-// overwritten after the next __syncthreads().
-template <class Op>
+// Called by 4 warps (kThreads threads): the chunk prep's CTA, meeting on __syncthreads (kBarrier 0), or the head pass's
+// prep warpgroup, threads kTid0 .. kTid0 + 127 meeting on named barrier kBarrier. On return this thread's part of T'
+// is stored; Af may be overwritten after the next barrier of the 4 warps.
+template <class Op, int kBarrier = 0, int kTid0 = 0>
 __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta, int L, Op* out, bool image, int warp,
                                                    int lane) {
   constexpr int LDA = kSolveLd;
   float* const Tf = Af;
+  const auto sync = [] {
+    if constexpr (kBarrier == 0)
+      __syncthreads();
+    else
+      asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
+  };
   // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory), written over A:
   //   diagonal blocks  T_ii = (I + A_ii)^{-1} in warp i, by its 8 x 8 halves: [[X1, 0], [Y, X2]] with
   //   X1 = (I + A11)^{-1}, X2 = (I + A22)^{-1} by forward substitution (one column per lane) and
@@ -180,7 +187,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
 #pragma unroll
   for (int lvl = 1; lvl < 4; ++lvl) {
     if (lvl * 16 >= L) break;
-    __syncthreads();  // block rows < lvl of T are final
+    sync();  // block rows < lvl of T are final
     if (warp == lvl) {
 #pragma unroll
       for (int j = 0; j < lvl; ++j) {
@@ -191,7 +198,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       }
     }
   }
-  __syncthreads();
+  sync();
   // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
   {
     // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero
@@ -213,6 +220,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       // to hold registers across the solve.
       int t;
       asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+      t -= kTid0;
       const int il = t >> 4, cl = (t & 15) * 2, ih = 32 + (t >> 5), ch = (t & 31) * 2;
       const int offh = causal_image_offset(ih, ch);
       Op* const outl = out + causal_image_offset(il, cl);
@@ -228,7 +236,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
         put(ih + 4 * u + 4, ch, bh, outh_odd + 256 * u);
       }
     } else {
-      for (int e = int(threadIdx.x); e < kChunk * kChunk / 2; e += kThreads) {
+      for (int e = int(threadIdx.x) - kTid0; e < kChunk * kChunk / 2; e += kThreads) {
         const int c = (e & 31) * 2;
         put(e >> 5, c, *reinterpret_cast<const float2*>(&beta[c]), out + 2 * e);
       }

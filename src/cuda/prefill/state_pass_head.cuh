@@ -62,9 +62,10 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 
-template <int K, int kCols, class Op, bool kWgmma, bool kMWarpgroup = false>
+template <int K, int kCols, class Op, bool kWgmma, bool kMWarpgroup = false, bool kFusedPrep = false>
 constexpr size_t head_smem_bytes() {
-  return kHeadStages<kWgmma> * sizeof(HeadStageOf<K, kCols, Op, kWgmma>) + (kMWarpgroup ? sizeof(PrepSmem) : 0) +
+  return kHeadStages<kWgmma> * sizeof(HeadStageOf<K, kCols, Op, kWgmma>) +
+         (kFusedPrep ? sizeof(FusedPrepSmem) : kMWarpgroup ? sizeof(PrepSmem) : 0) +
          (kWgmma ? 1024 : 0);  // + alignment slack
 }
 
@@ -80,7 +81,8 @@ constexpr int head_pass_threads() {
 // arrives after its last access to a chunk's stage), on which the producer waits before it loads the stage again and
 // the prep warpgroup before it writes there; [2 kStages, 4 kStages) state warpgroup g's o of a full chunk staged in
 // the stage's v rows (2 kStages + g kStages + stage), which the producer stores. The producer loads a stage again
-// only after its o stores have read it.
+// only after its o stores have read it. kFusedPrep: [4 kStages, 5 kStages) the producer's norms of the stage's chunk
+// (producer_norms, 64 arrivals).
 template <class S>
 __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uint64_t* prep_bars) {
   if (tid == 0) {
@@ -93,6 +95,7 @@ __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uin
         // a state warpgroup's o of a full chunk staged in the stage's v rows (warpgroup g: 2 kStages + g kStages + i)
         mbarrier_init(&prep_bars[2 * S::kStages + i], kThreads);
         mbarrier_init(&prep_bars[3 * S::kStages + i], kThreads);
+        if constexpr (S::kFusedPrep) mbarrier_init(&prep_bars[4 * S::kStages + i], 64);
       }
     }
     fence_mbarrier_init();
@@ -127,10 +130,12 @@ __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, 
 // kCpMode (context_parallel.cuh): the grid's rows are the segment table's entries instead of the sequences (the
 // local pass (1): the cut segments' states, two CTAs per state and value head; blockIdx.y: 0 the segment from zero,
 // 1 its transition).
-template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0>
+// kFusedPrep (with kMWarpgroup, whole sequences): the prep warpgroup forms the whole chunk prep (fused_prep_warpgroup)
+// after the gate kernel, with the norms from the producer's last two warps.
+template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0, bool kFusedPrep = false>
 __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
-  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode>;
+  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>;
   using Stage = typename S::Stage;
   constexpr int kStages = S::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -167,7 +172,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   const int64_t slot0 = kCpMode != 0 ? sq.start / kChunk + seg.seq + seg.first_chunk : sq.start / kChunk + at.n;
   __shared__ uint64_t bars[kStages];
   // kMWarpgroup: [0, kStages) the prep's, [kStages, 2 kStages) the release, [2 kStages, 4 kStages) o staged (below)
-  __shared__ uint64_t prep_bars[kMWarpgroup ? 4 * kStages : 1];
+  __shared__ uint64_t prep_bars[kMWarpgroup ? (kFusedPrep ? 5 : 4) * kStages : 1];
   __shared__ __align__(16) float s_rq[S::kMInPass ? kChunk : 1];
   if constexpr (kMWarpgroup) {
     // The prep and producer warpgroups leave here; the state warps go on with more registers.
@@ -177,14 +182,26 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     const int wg = __shfl_sync(0xffffffffu, at.tid / kThreads, 0);
     if (wg == S::kWarps / 4) {
       setmaxnreg_dec<kPrepRegs>();
-      PrepSmem& ps = *reinterpret_cast<PrepSmem*>(stage + kStages);
-      prep_warpgroup<K, Op, kStages, S::kOutputs>(p, plan, ps, stage, bars, prep_bars, len);
+      if constexpr (kFusedPrep) {
+        FusedPrepSmem& ps = *reinterpret_cast<FusedPrepSmem*>(stage + kStages);
+        fused_prep_warpgroup<K, Op, kStages>(ps, stage, bars, prep_bars, &prep_bars[4 * kStages], len);
+      } else {
+        PrepSmem& ps = *reinterpret_cast<PrepSmem*>(stage + kStages);
+        prep_warpgroup<K, Op, kStages, S::kOutputs>(p, plan, ps, stage, bars, prep_bars, len);
+      }
       return;
     }
     if (wg == S::kWarps / 4 + 1) {
       setmaxnreg_dec<kProducerRegs>();
       HeadCoords pa = at;
       pa.tid = at.tid - S::kThr - kThreads;  // the warpgroup's first thread issues every stage's loads
+      if constexpr (kFusedPrep) {
+        if (pa.tid >= 64) {  // the last two warps: the norms
+          FusedPrepSmem& ps = *reinterpret_cast<FusedPrepSmem*>(stage + kStages);
+          producer_norms<K, Op, kStages>(p, plan, ps, stage, bars, &prep_bars[4 * kStages], len, pa.tid - 64);
+          return;
+        }
+      }
       const HeadLoader<S> loader(p, plan, maps, pa, start, len, slot0, bars, !transition);
       producer_warpgroup<kStages, S::kOutputs>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h, start);
       return;
@@ -283,11 +300,12 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
 
 // after_prep: the chunk prep is the previous kernel of the stream (launch_op), so the pass may launch
 // early, with programmatic dependent launch, and wait for the prep inside.
-template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = false, int kCpMode = 0>
+template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = false, int kCpMode = 0,
+          bool kFusedPrep = false>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
-  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWgmma, kMWarpgroup>();
-  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode>;
-  allow_dynamic_smem<state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode>>(smem);
+  constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWgmma, kMWarpgroup, kFusedPrep>();
+  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>;
+  allow_dynamic_smem<state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>>(smem);
   const HeadTensorMaps maps = kWgmma ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
   cudaLaunchConfig_t cfg = {};
   const unsigned rows = kCpMode == 1   ? unsigned(plan.cp_max_states)
@@ -346,6 +364,7 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
     launch_state_pass_head<K, V, 2, Op, false>(p, plan, after_prep, stream);
   } else {
     if constexpr (V == 128 && K % 64 == 0) {
+      if (plan.fused_prep) return launch_state_pass_head<K, V, 1, Op, true, true, 0, true>(p, plan, after_prep, stream);
       if (plan.m_warpgroup) return launch_state_pass_head<K, V, 1, Op, true, true>(p, plan, after_prep, stream);
     }
     if (plan.wgmma_pass) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, after_prep, stream);
