@@ -57,6 +57,8 @@ bench options:
                              library's choice
   --chain-min-tokens N       A/B switch: verify and commit of chains of at least N tokens on the tensor-core chain
                              kernel (0: never), instead of the library's choice
+  --solo-min-batch N         A/B switch: fp32 K-last decode on one-warp CTAs from N sequences (0: never), instead
+                             of the library's choice
   --prep-warpgroup N         A/B switch: prefill's prep warpgroup beside two state warpgroups, 0 none, 1 forming M,
                              2 forming the whole chunk prep (no chunk prep kernel), where the call allows it,
                              instead of the library's choice
@@ -177,6 +179,8 @@ Options parse_bench(int argc, char** argv, int first) {
       if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
     } else if (a == "--chain-min-tokens") {
       o.chain_min_tokens = int_list(a, value(i), 0, 64).front();
+    } else if (a == "--solo-min-batch") {
+      o.solo_min_batch = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--prep-warpgroup") {
       o.prep_warpgroup = int_list(a, value(i), 0, 2).front();
     } else if (a == "--prefill-stages") {

@@ -97,6 +97,22 @@ TEST(RecurrentHeuristics, Fp32DecodePinsTheSlotInPrefetchMode) {
                                                     h100_candidates(5), {});
   EXPECT_EQ(r.kernel, RecurrentKernel::kWarpRegular);
   EXPECT_FALSE(r.prefetch);
+  // From B = 8 outside prefetch mode: the regular tile in one-warp CTAs; the override moves or turns off the limit.
+  for (int64_t B : {8, 32, 512}) {
+    const auto s = recurrent::choose_recurrent_kernel(decode_call(DType::kFloat32, DType::kBFloat16, B),
+                                                      h100_candidates(B), {});
+    EXPECT_EQ(s.kernel, RecurrentKernel::kWarpSolo) << "B=" << B;
+    EXPECT_FALSE(s.prefetch) << "B=" << B;
+  }
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 7)), RecurrentKernel::kWarpRegular);
+  Overrides never, from5;
+  never.decode_solo_min_batch = 0;
+  from5.decode_solo_min_batch = 5;
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 64), never), RecurrentKernel::kWarpRegular);
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 5), from5), RecurrentKernel::kWarpSolo);
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 4), from5), RecurrentKernel::kWarpPinned);
+  // 16-bit pools keep four-warp CTAs (one-warp CTAs measured slower there).
+  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, 64), from5), RecurrentKernel::kWarpRegular);
   // K = 256 has no tile widths: the regular tile.
   auto c = decode_call(DType::kFloat32, DType::kBFloat16, 1);
   c.head_dim_k = c.head_dim_v = 256;

@@ -262,10 +262,13 @@ std::vector<Forced> forced_kernels() {
   narrow.decode_narrow_max_batch = 1 << 20;
   cuda::Overrides regular = narrow;  // the regular tile, and for fp32 state no pinned slot (no prefetch mode)
   regular.decode_narrow_max_batch = 0;
+  regular.decode_solo_min_batch = 0;
   regular.state_prefetch = false;
+  cuda::Overrides solo = regular;  // fp32 state: the regular tile in one-warp CTAs at every batch
+  solo.decode_solo_min_batch = 1;
   cuda::Overrides wide = tiles;  // the wide tile up to 14 sequences (its prefetch-mode limit)
   wide.decode_wide_max_batch = 1 << 20;
-  return {{"tiles", tiles}, {"narrow", narrow}, {"regular", regular}, {"wide", wide}};
+  return {{"tiles", tiles}, {"narrow", narrow}, {"regular", regular}, {"solo", solo}, {"wide", wide}};
 }
 
 TEST(DecodeForcedKernels, MatchCpuReference) {

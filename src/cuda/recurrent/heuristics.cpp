@@ -8,6 +8,7 @@ namespace {
 constexpr int kChainMinTokens = 3;      // the chain kernel from T = 3 (T = 2 is faster on the warp kernel)
 constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefetch mode
 constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
+constexpr int kSoloMinBatch = 8;        // fp32 decode in one-warp CTAs from B = 8 outside prefetch mode
 
 bool klast_decode_k128(const RecurrentCall& c) {
   return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.head_dim_k == 128;
@@ -23,6 +24,7 @@ const char* kernel_name(RecurrentKernel k) {
     case RecurrentKernel::kWarpPinned: return "warp (regular tile, pinned slot)";
     case RecurrentKernel::kWarpWide: return "warp (wide tile)";
     case RecurrentKernel::kWarpNarrow: return "warp (narrow tile)";
+    case RecurrentKernel::kWarpSolo: return "warp (regular tile, one-warp CTAs)";
     case RecurrentKernel::kVLastDecode: return "V-last decode";
     case RecurrentKernel::kMmaDecode: return "tensor-core decode";
     case RecurrentKernel::kChainMma: return "tensor-core chain";
@@ -115,6 +117,9 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
         return RecurrentChoice{K::kWarpNarrow, false};
     } else if (regular_prefetch) {
       return RecurrentChoice{K::kWarpPinned, true};
+    } else {
+      const int solo_min = or_default(o.decode_solo_min_batch, kSoloMinBatch);
+      if (solo_min > 0 && c.batch >= solo_min) return RecurrentChoice{K::kWarpSolo, false};
     }
   }
   return take(K::kWarpRegular, k.regular);

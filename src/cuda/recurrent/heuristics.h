@@ -24,6 +24,7 @@ enum class RecurrentKernel {
   kWarpPinned,   // ... regular tile, the slot index loaded first (fp32 K-last decode in prefetch mode)
   kWarpWide,     // ... wide tile: bf16 K-last decode, K = 128, grids in prefetch mode
   kWarpNarrow,   // ... narrow tile: bf16 K-last decode, K = 128, small grids outside prefetch mode
+  kWarpSolo,     // ... regular tile in one-warp CTAs: fp32 K-last decode, K = 128, grids past prefetch mode
   kVLastDecode,  // vlast_decode_kernel (vlast_decode.cuh)
   kMmaDecode,    // mma_decode_kernel: K-last 16-bit state (bf16: bf16 inputs; fp16: fp16 or bf16), tensor cores
   kChainMma,     // chain_mma_kernel: K-last chains of bf16 inputs on tensor cores
@@ -72,7 +73,7 @@ struct RecurrentChoice {
 bool chain_mma_built(const RecurrentCall& c);
 bool mma_decode_built(const RecurrentCall& c);
 bool vlast_decode_built(const RecurrentCall& c);
-bool tile_widths_built(const RecurrentCall& c);  // the wide and narrow tiles, and the pinned slot
+bool tile_widths_built(const RecurrentCall& c);  // the wide, narrow and solo tiles, and the pinned slot
 
 // The largest grid in prefetch mode: resident / share, share 2 so that this grid and the next of its size
 // are resident together (1 where the next needs only to start beside this one; 8 for the regular tile with

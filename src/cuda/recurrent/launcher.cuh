@@ -153,6 +153,14 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
             head_grid(p, V / WarpTile<kLayout, TState, K, V, TileWidth::kNarrow>::kRows / kCtaWarps), kThreads,
             choice.prefetch, stream, p, write_state);
       break;
+    case RecurrentKernel::kWarpSolo:
+      if constexpr (kWidthsBuilt && sizeof(TState) == 4) {
+        using Solo = WarpTile<kLayout, TState, K, V, TileWidth::kSolo>;
+        return launch_recurrent(warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp, TileWidth::kSolo>,
+                                head_grid(p, V / Solo::kRows / Solo::kCtaWarps), Solo::kCtaWarps * 32,
+                                choice.prefetch, stream, p, write_state);
+      }
+      break;
     case RecurrentKernel::kWarpPinned:
       if constexpr (kWidthsBuilt && sizeof(TState) == 4)
         return launch_recurrent(warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp, TileWidth::kRegular, true>,

@@ -36,8 +36,10 @@ namespace gdnkit::cuda::recurrent {
 //   kWide     16 at K <= 128, 16-bit pools, decode: half the warps, each with twice the loads (a warp then moves
 //             the 4 KB per call that an fp32 warp of the regular tile moves), the values held as 16-bit pairs
 //             (StateRegs: 32 registers for 64 values), so that more grids fit the GPU at once and run in
-//             prefetch mode (heuristics.cpp chooses the width).
-enum class TileWidth : int { kRegular, kNarrow, kWide };
+//             prefetch mode (heuristics.cpp chooses the width);
+//   kSolo     the regular tile's columns in CTAs of one warp (fp32-state decode on grids past prefetch mode: a warp's
+//             slot is taken again as soon as it ends, not when its CTA's slowest warp does).
+enum class TileWidth : int { kRegular, kNarrow, kWide, kSolo };
 
 // A lane's state values in registers: fp32 [kRows][kKPerLane], or 16-bit pairs (k_of(l, j), k_of(l, j + 1)), j even,
 // as they sit in a K-last pool (TPacked bf16 or fp16: the wide tile, decode of a 16-bit pool; one token, so rounding
@@ -113,9 +115,9 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
   static constexpr int kKPerLane = K / 32;
   // k per run: 16 bytes, or all of a lane's k when they are fewer.
   static constexpr int kVec = kKPerLane * int(sizeof(TState)) > 16 ? 16 / int(sizeof(TState)) : kKPerLane;
-  // Warps per CTA: neighbouring columns of one head, one contiguous range of the pool (4 beat 2 and 1:
-  // docs/design/decode.md "CTAs and grid").
-  static constexpr int kCtaWarps = 4;
+  // Warps per CTA: neighbouring columns of one head, one contiguous range of the pool (4 beat 2 and 1 on small
+  // grids; kSolo: 1, docs/design/decode.md "CTAs and grid").
+  static constexpr int kCtaWarps = kWidth == TileWidth::kSolo ? 1 : 4;
   static_assert(K % 32 == 0 && kKPerLane % kVec == 0 && V % (kRows * kCtaWarps) == 0,
                 "tile does not divide the head");
   // The wide tile holds 16-bit pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
