@@ -62,7 +62,7 @@ __device__ __forceinline__ void masked_decayed_tile(const float (&acc)[4], const
   }
 }
 
-// acc = q k^T (64 x 64, fp32) of the stage's rows (descriptors dq, dk), asynchronous.
+// acc = q k^T (64 x 64, fp32) of the stage's rows (descriptors dq, dk), asynchronous; k k^T with dq = dk (the fused prep).
 template <int K, class Op>
 __device__ __forceinline__ void issue_qk_product(float (&acc)[8][4], uint64_t dq, uint64_t dk) {
   constexpr uint32_t kBlock = kChunk * 128;  // a 64-column block of the k / q rows
