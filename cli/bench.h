@@ -61,8 +61,8 @@ struct Options {
   int fp8_columns = 0;           // A/B switch: the fp8 decode kernel's columns per warp (0: the heuristic)
   int vlast_fp8_columns = 0;     // A/B switch: V-last fp8 decode's columns per CTA (0: the heuristic)
   int chain_min_tokens = -1;     // A/B switch: fewest tokens on the tensor-core chain kernel (0: never; -1: the heuristic)
-  int solo_min_batch = -1;       // A/B switch: fp32 K-last decode in one-warp CTAs from this batch (0: never; -1: the heuristic)
-  int prep_warpgroup = -1;       // A/B switch: prefill's prep warpgroup (0 off, 1 M, 2 the whole prep; -1: the heuristic)
+  int solo_min_batch = -1;       // A/B switch: fp32 K-last decode in one-warp CTAs from this batch (0: never)
+  int prep_warpgroup = -1;       // A/B switch: prefill's prep warpgroup (0 off, 1 M, 2 the whole prep)
   int prefill_stages = 3;        // timing: prefill's kernels, 1 the prep alone, 2 the state pass alone, 3 both
   std::string command_line;
 };
