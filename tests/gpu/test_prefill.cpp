@@ -227,7 +227,7 @@ std::vector<Case> shape_cases() {
   add(base({100, 70}, 1, 40), "gva40", 0, 0, 0);
   // ... and the head pass's prep warpgroup (one value head per CTA).
   add(base({100, 70}, 1, 40), "gva40_aux1", 0, 0, 1);
-  add(base({100, 70}, 1, 40), "gva40_aux2", 0, 0, 2);  // the gate kernel's 4 value heads a CTA over 40
+  add(base({100, 70}, 1, 40), "gva40_aux2", 0, 0, 2);  // the gate kernel: 10 CTAs of 4 value heads per chunk
   // Every value tile the state pass is built with, and the head state pass (bf16 and fp16 inputs,
   // V = 64 and 128, both layouts).
   for (int K : {64, 128, 256})

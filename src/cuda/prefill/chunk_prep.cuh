@@ -321,9 +321,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   }
 }
 
-// The gates alone, where the head pass's prep warpgroup forms the rest of the prep (Plan::fused_prep): per chunk slot and
-// value head, gcum (times log2 e) and beta of its tokens to the factor rows kLog2Gcum and kBeta (gcum flat and beta 0
-// past the chunk's end). One warp per value head, kWarps per CTA (blockIdx.y: value heads kWarps y .. kWarps y + kWarps - 1).
+// The gates alone, where the head pass's prep warpgroup forms the rest of the prep (Plan::fused_prep): per chunk slot
+// and value head, gcum (times log2 e) and beta of its tokens to the factor rows kLog2Gcum and kBeta (gcum flat and
+// beta 0 past the chunk's end). One warp per value head, kWarps per CTA (blockIdx.y: value heads kWarps y and on).
 template <int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) gate_prep_kernel(const PrefillParams p, const Plan plan) {
   // the head pass may launch now; it reads these rows after the grid completed (griddepcontrol.wait)

@@ -34,7 +34,9 @@ constexpr int kThreads = 128;  // 4 warps per CTA in both kernels
 // and the warpgroup forms kDecayRk, kDecayRq (with rq), kTailDecayRk and kChunkDecay in the stage.
 // Beside a prep warpgroup that forms the whole prep (Plan::fused_prep) the gate kernel writes kLog2Gcum and, in
 // kInvNormK's place, kBeta: the gates' beta (the warpgroup takes the norms from the staged rows).
-enum FactorRow { kDecayRk = 0, kDecayRq = 1, kTailDecayRk = 2, kChunkDecay = 3, kLog2Gcum = 4, kInvNormK = 5, kBeta = 5 };
+enum FactorRow {
+  kDecayRk = 0, kDecayRq = 1, kTailDecayRk = 2, kChunkDecay = 3, kLog2Gcum = 4, kInvNormK = 5, kBeta = 5
+};
 // Rows of a (chunk, head) block of factors: 6 where the state pass forms M (kMInPass), else 4.
 template <bool kMInPass>
 constexpr int kFactorRows = kMInPass ? 6 : 4;
@@ -63,7 +65,7 @@ struct Plan {
   // ... forming the whole chunk prep in each stage (gate_prep_kernel writes the gates alone; no chunk prep kernel, no
   // T' or M in the workspace)
   bool fused_prep = false;
-  bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep
+  bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep (or the gate kernel)
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   // Sequences of at most short_len tokens (prefill/short_sequence.h) run on the short-sequence path

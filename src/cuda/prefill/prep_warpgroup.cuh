@@ -8,6 +8,9 @@
 // Per chunk: wait for the state warps' release of the stage's previous chunk and for the stage's TMA; past a partial
 // chunk's end zero the k, q, v rows (the tiles hold the next tokens there); form M and the factors; then one arrival
 // per thread on the stage's `done` mbarrier, after a proxy fence (the tensor cores read M).
+// The fused prep (Plan::fused_prep, opt-in): fused_prep_warpgroup forms the whole chunk prep in the stage instead
+// (k k^T, A, the solve and T', M, the factor rows) after the gate kernel, with rk and rq from the producer's last
+// two warps (producer_norms).
 #pragma once
 
 #include <cstdint>
@@ -62,7 +65,7 @@ __device__ __forceinline__ void masked_decayed_tile(const float (&acc)[4], const
   }
 }
 
-// acc = q k^T (64 x 64, fp32) of the stage's rows (descriptors dq, dk), asynchronous; k k^T with dq = dk (the fused prep).
+// acc = q k^T (64 x 64, fp32) of the stage's rows (descriptors dq, dk), asynchronous; k k^T with dq = dk.
 template <int K, class Op>
 __device__ __forceinline__ void issue_qk_product(float (&acc)[8][4], uint64_t dq, uint64_t dk) {
   constexpr uint32_t kBlock = kChunk * 128;  // a 64-column block of the k / q rows
@@ -96,8 +99,8 @@ __device__ __forceinline__ void prep_q_norms(const Plan& plan, const Stage& b, b
 }
 
 // The state warpgroups' factor rows of this warp's 16 tokens, from kLog2Gcum (gcum log2 e) and rk (the chunk prep's
-// kInvNormK, or the fused prep's norms), with rq (as store_token_factors writes them with rq; without o, kDecayRq is not
-// read).
+// kInvNormK, or the fused prep's norms), with rq (as store_token_factors writes them with rq; without o, kDecayRq is
+// not read).
 template <bool kOutputs, class Stage>
 __device__ __forceinline__ void prep_factor_rows(Stage& b, const float* rq, const float* rks, int L, int warp,
                                                  int lane) {
@@ -201,16 +204,17 @@ struct FusedPrepSmem {
   float rk[kHeadStages<true>][kChunk], rq[kHeadStages<true>][kChunk];
 };
 
-// The fused prep (Plan::fused_prep): the whole chunk prep of each stage, after the gate kernel wrote kLog2Gcum and kBeta
-// (they arrive with the rows by TMA) and the producer's norm threads rk and rq (norms[c % kStages], 64 arrivals): k k^T
-// on wgmma; A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) (k_i . k_j), j < i (the row factor in the exponent as a
-// log2, as the chunk prep without M) to shared memory; q k^T on wgmma while T = (I + A)^-1 is solved and T' = T diag
+// The fused prep (Plan::fused_prep): the whole chunk prep of each stage, after the gate kernel wrote kLog2Gcum and
+// kBeta (they arrive with the rows by TMA) and the producer's norm threads rk and rq (norms[c % kStages], 64 arrivals):
+// k k^T on wgmma; A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) (k_i . k_j), j < i (the row factor in the exponent as
+// a log2, as the chunk prep without M) to shared memory; q k^T on wgmma while T = (I + A)^-1 is solved and T' = T diag
 // (beta) stored to the stage's causal image (solve.cuh, on this warpgroup's named barrier); M with rq; the factor rows.
 // The stages and their barriers as in prep_warpgroup.
 template <int K, class Op, int kStages, class Stage>
 __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* stage, uint64_t* full, uint64_t* done,
                                                      uint64_t* norms, int64_t len) {
   static_assert(K % 64 == 0, "the k, q rows in 64-column blocks");
+  static_assert(kStages == kHeadStages<true>, "FusedPrepSmem holds the norms of every stage");
   const auto thread_index = [] {  // read again per chunk, as in prep_warpgroup
     int t;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
@@ -280,10 +284,10 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
   }
 }
 
-// The fused prep's norms: thread j < 64 of the producer's last two warps forms token j's rk = 1 / |k_j| and rq = scale /
-// |q_j| (without the L2 norm 1 and the scale) of every chunk from its staged rows, once they landed, to the stage's
-// slot of ps (0 at or past the chunk's end, whose rows the prep warpgroup zeroes meanwhile), then arrives on
-// norms[c % kStages]. The prep warpgroup reads them before it releases the stage (its `done`), so a slot is written
+// The fused prep's norms: thread j < 64 of the producer's last two warps forms token j's rk = 1 / |k_j| and
+// rq = scale / |q_j| (without the L2 norm 1 and the scale) of every chunk from its staged rows, once they landed, to
+// the stage's slot of ps (0 at or past the chunk's end, whose rows the prep warpgroup zeroes meanwhile), then arrives
+// on norms[c % kStages]. The prep warpgroup reads them before it releases the stage (its `done`), so a slot is written
 // again only after they were read.
 template <int K, class Op, int kStages, class Stage>
 __device__ __forceinline__ void producer_norms(const PrefillParams& p, const Plan& plan, FusedPrepSmem& ps,

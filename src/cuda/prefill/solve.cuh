@@ -1,5 +1,6 @@
 // The chunk prep's per-(chunk, value head) pieces (chunk_prep.cuh: one CTA of 4 warps per chunk and q/k head,
-// warp w owning token rows 16w .. 16w + 15; docs/design/prefill.md "Kernel 1: the chunk prep"):
+// warp w owning token rows 16w .. 16w + 15; docs/design/prefill.md "Kernel 1: the chunk prep"; the solve also in the
+// head pass's fused prep warpgroup, prep_warpgroup.cuh):
 //   the gate inputs of a value head loaded by warp 0 as raw bits, then gcum and beta (store_gates);
 //   the per-token factor rows (store_token_factors);
 //   T = (I + A)^{-1} of the strictly lower A (fp32 in shared memory, written over A) and T' = T diag(beta) stored

@@ -39,7 +39,9 @@
 //     neither M nor rq: the prep warpgroup fills each stage with M and the factor rows (after the chunk prep
 //     kernel without M) and hands it over by an mbarrier per stage; a fourth, the producer warpgroup, issues
 //     every stage's loads and stores each full chunk's o, so that no state warpgroup issues a TMA. The two
-//     state warpgroups run apart, taking turns at their P/Q products (head_chunk.cuh).
+//     state warpgroups run apart, taking turns at their P/Q products (head_chunk.cuh). With the fused prep
+//     (kFusedPrep, opt-in) the prep warpgroup forms all of the chunk prep after a gate kernel, and the producer's
+//     last two warps the q and k norms.
 //
 // The kernel is built from named parts: head_stage.cuh (the build's shape, the stages, the CTA's coordinates),
 // head_loader.cuh (the loader: TMA or cp.async into the stages), head_chunk.cuh (the state warps' per-chunk math),
@@ -171,7 +173,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   const int64_t start = kCpMode != 0 ? seg.start : sq.start, len = kCpMode != 0 ? seg.len : sq.len;
   const int64_t slot0 = kCpMode != 0 ? sq.start / kChunk + seg.seq + seg.first_chunk : sq.start / kChunk + at.n;
   __shared__ uint64_t bars[kStages];
-  // kMWarpgroup: [0, kStages) the prep's, [kStages, 2 kStages) the release, [2 kStages, 4 kStages) o staged (below)
+  // kMWarpgroup: [0, kStages) the prep's, [kStages, 2 kStages) the release, [2 kStages, 4 kStages) o staged (below);
+  // kFusedPrep: [4 kStages, 5 kStages) the norms
   __shared__ uint64_t prep_bars[kMWarpgroup ? (kFusedPrep ? 5 : 4) * kStages : 1];
   __shared__ __align__(16) float s_rq[S::kMInPass ? kChunk : 1];
   if constexpr (kMWarpgroup) {
@@ -298,8 +301,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   }
 }
 
-// after_prep: the chunk prep is the previous kernel of the stream (launch_op), so the pass may launch
-// early, with programmatic dependent launch, and wait for the prep inside.
+// after_prep: the chunk prep (or the fused prep's gate kernel) is the previous kernel of the stream (launch_op), so
+// the pass may launch early, with programmatic dependent launch, and wait for the prep inside.
 template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = false, int kCpMode = 0,
           bool kFusedPrep = false>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
