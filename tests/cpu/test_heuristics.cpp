@@ -51,7 +51,8 @@ RecurrentKernel kernel_at(const RecurrentCall& c, const Overrides& o = {}) {
 
 TEST(RecurrentHeuristics, Bf16DecodeBySize) {
   // bf16 state and inputs: tensor cores while this grid and the next fit together (B <= 6), then the wide tile in
-  // prefetch mode (B <= 12), the narrow tile (B <= 16), the regular tile.
+  // prefetch mode (B <= 12), then one-warp CTAs (of the wide tile); without those, the narrow tile (B <= 16) and the
+  // regular tile.
   for (int64_t B : {1, 2, 6}) {
     const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
                                                       h100_candidates(B), {});
@@ -59,15 +60,23 @@ TEST(RecurrentHeuristics, Bf16DecodeBySize) {
     EXPECT_TRUE(r.prefetch) << "B=" << B;
   }
   for (int64_t B : {7, 12}) EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, B)), RecurrentKernel::kWarpWide);
-  for (int64_t B : {13, 16}) {
+  for (int64_t B : {13, 16, 17, 32, 512}) {
     const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
                                                       h100_candidates(B), {});
+    EXPECT_EQ(r.kernel, RecurrentKernel::kWarpSolo) << "B=" << B;
+    EXPECT_FALSE(r.prefetch) << "B=" << B;
+  }
+  Overrides no_solo;
+  no_solo.decode_solo_min_batch = 0;
+  for (int64_t B : {13, 16}) {
+    const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
+                                                      h100_candidates(B), no_solo);
     EXPECT_EQ(r.kernel, RecurrentKernel::kWarpNarrow) << "B=" << B;
     EXPECT_FALSE(r.prefetch);
   }
   for (int64_t B : {17, 32, 512}) {
     const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
-                                                      h100_candidates(B), {});
+                                                      h100_candidates(B), no_solo);
     EXPECT_EQ(r.kernel, RecurrentKernel::kWarpRegular) << "B=" << B;
     EXPECT_FALSE(r.prefetch) << "B=" << B;
   }
@@ -79,10 +88,11 @@ TEST(RecurrentHeuristics, Bf16DecodeBySize) {
     EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 1)), RecurrentKernel::kMmaDecode);
     EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 6)), RecurrentKernel::kMmaDecode);
     EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 7)), RecurrentKernel::kWarpWide);
-    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 14)), RecurrentKernel::kWarpNarrow);
+    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 14)), RecurrentKernel::kWarpSolo);
+    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 14), no_solo), RecurrentKernel::kWarpNarrow);
   }
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kFloat32, 1)), RecurrentKernel::kWarpRegular);
-  EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 64)), RecurrentKernel::kWarpRegular);
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 64)), RecurrentKernel::kWarpSolo);
 }
 
 TEST(RecurrentHeuristics, Fp32DecodePinsTheSlotInPrefetchMode) {
@@ -111,8 +121,9 @@ TEST(RecurrentHeuristics, Fp32DecodePinsTheSlotInPrefetchMode) {
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 64), never), RecurrentKernel::kWarpRegular);
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 5), from5), RecurrentKernel::kWarpSolo);
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 4), from5), RecurrentKernel::kWarpPinned);
-  // 16-bit pools keep four-warp CTAs (one-warp CTAs measured slower there).
-  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, 64), from5), RecurrentKernel::kWarpRegular);
+  // 16-bit pools: one-warp CTAs of the wide tile past its prefetch mode, from the same batch.
+  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, 64), never), RecurrentKernel::kWarpRegular);
+  EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kBFloat16, 64), from5), RecurrentKernel::kWarpSolo);
   // K = 256 has no tile widths: the regular tile.
   auto c = decode_call(DType::kFloat32, DType::kBFloat16, 1);
   c.head_dim_k = c.head_dim_v = 256;

@@ -260,11 +260,12 @@ std::vector<Forced> forced_kernels() {
   cuda::Overrides narrow = tiles;  // the narrow tile wherever it is built
   narrow.decode_wide_max_batch = 0;
   narrow.decode_narrow_max_batch = 1 << 20;
+  narrow.decode_solo_min_batch = 0;
   cuda::Overrides regular = narrow;  // the regular tile, and for fp32 state no pinned slot (no prefetch mode)
   regular.decode_narrow_max_batch = 0;
   regular.decode_solo_min_batch = 0;
   regular.state_prefetch = false;
-  cuda::Overrides solo = regular;  // fp32 state: the regular tile in one-warp CTAs at every batch
+  cuda::Overrides solo = regular;  // one-warp CTAs at every batch: the regular tile (fp32), the wide tile (bf16)
   solo.decode_solo_min_batch = 1;
   cuda::Overrides wide = tiles;  // the wide tile up to 14 sequences (its prefetch-mode limit)
   wide.decode_wide_max_batch = 1 << 20;

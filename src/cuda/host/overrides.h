@@ -12,7 +12,7 @@ struct Overrides {
   int chain_mma_min_tokens = -1;    // fewest draft tokens on the tensor-core chain kernel (0: never)
   int decode_wide_max_batch = -1;   // largest batch on the wide tile (0: never)
   int decode_narrow_max_batch = -1;  // largest batch on the narrow tile (0: never)
-  int decode_solo_min_batch = -1;   // smallest batch of fp32 K-last decode on one-warp CTAs (0: never)
+  int decode_solo_min_batch = -1;   // smallest batch of K-last decode on one-warp CTAs (0: never)
   bool decode_mma = true;           // the tensor-core bf16 decode kernel where the heuristic takes it
   int decode_fp8_columns = 0;       // columns per warp of the fp8 decode kernel: 8, 16 or 32 (0: the heuristic)
   int decode_vlast_fp8_columns = 0;  // columns per CTA of V-last fp8 decode: 64 or 128 (0: the heuristic)

@@ -8,7 +8,7 @@ namespace {
 constexpr int kChainMinTokens = 3;      // the chain kernel from T = 3 (T = 2 is faster on the warp kernel)
 constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefetch mode
 constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
-constexpr int kSoloMinBatch = 8;        // fp32 decode in one-warp CTAs from B = 8 outside prefetch mode
+constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode
 
 bool klast_decode_k128(const RecurrentCall& c) {
   return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.head_dim_k == 128;
@@ -24,7 +24,7 @@ const char* kernel_name(RecurrentKernel k) {
     case RecurrentKernel::kWarpPinned: return "warp (regular tile, pinned slot)";
     case RecurrentKernel::kWarpWide: return "warp (wide tile)";
     case RecurrentKernel::kWarpNarrow: return "warp (narrow tile)";
-    case RecurrentKernel::kWarpSolo: return "warp (regular tile, one-warp CTAs)";
+    case RecurrentKernel::kWarpSolo: return "warp (one-warp CTAs)";
     case RecurrentKernel::kVLastDecode: return "V-last decode";
     case RecurrentKernel::kMmaDecode: return "tensor-core decode";
     case RecurrentKernel::kChainMma: return "tensor-core chain";
@@ -108,18 +108,20 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
   if (vlast_decode_built(c)) return take(K::kVLastDecode, k.vlast_decode);
   if (tile_widths_built(c)) {
     const bool regular_prefetch = prefetch_mode(k.regular, prefetch_share(c, K::kWarpRegular), o);
+    const int solo_min = or_default(o.decode_solo_min_batch, kSoloMinBatch);
+    const bool solo = solo_min > 0 && c.batch >= solo_min;  // one-warp CTAs, outside prefetch mode
     if (dtype_size(c.state_dtype) == 2) {  // 16-bit pools (the limits measured on bf16)
       if (c.batch >= 2 && c.batch <= or_default(o.decode_wide_max_batch, kWideMaxBatch) &&
           prefetch_mode(k.wide, 1, o))
         return take(K::kWarpWide, k.wide);
+      if (solo) return RecurrentChoice{K::kWarpSolo, false};
       if (c.batch >= 3 && c.batch <= or_default(o.decode_narrow_max_batch, kNarrowMaxBatch) && !regular_prefetch &&
           k.narrow.grid_ctas > 0)
         return RecurrentChoice{K::kWarpNarrow, false};
     } else if (regular_prefetch) {
       return RecurrentChoice{K::kWarpPinned, true};
-    } else {
-      const int solo_min = or_default(o.decode_solo_min_batch, kSoloMinBatch);
-      if (solo_min > 0 && c.batch >= solo_min) return RecurrentChoice{K::kWarpSolo, false};
+    } else if (solo) {
+      return RecurrentChoice{K::kWarpSolo, false};
     }
   }
   return take(K::kWarpRegular, k.regular);

@@ -24,7 +24,7 @@ enum class RecurrentKernel {
   kWarpPinned,   // ... regular tile, the slot index loaded first (fp32 K-last decode in prefetch mode)
   kWarpWide,     // ... wide tile: bf16 K-last decode, K = 128, grids in prefetch mode
   kWarpNarrow,   // ... narrow tile: bf16 K-last decode, K = 128, small grids outside prefetch mode
-  kWarpSolo,     // ... regular tile in one-warp CTAs: fp32 K-last decode, K = 128, grids past prefetch mode
+  kWarpSolo,     // ... one-warp CTAs: K-last decode, K = 128, grids past prefetch mode (16-bit pools: the wide tile)
   kVLastDecode,  // vlast_decode_kernel (vlast_decode.cuh)
   kMmaDecode,    // mma_decode_kernel: K-last 16-bit state (bf16: bf16 inputs; fp16: fp16 or bf16), tensor cores
   kChainMma,     // chain_mma_kernel: K-last chains of bf16 inputs on tensor cores

@@ -154,9 +154,10 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
             choice.prefetch, stream, p, write_state);
       break;
     case RecurrentKernel::kWarpSolo:
-      if constexpr (kWidthsBuilt && sizeof(TState) == 4) {
-        using Solo = WarpTile<kLayout, TState, K, V, TileWidth::kSolo>;
-        return launch_recurrent(warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp, TileWidth::kSolo>,
+      if constexpr (kWidthsBuilt && (sizeof(TState) == 4 || sizeof(TState) == 2)) {
+        constexpr TileWidth kSoloWidth = sizeof(TState) == 2 ? TileWidth::kWideSolo : TileWidth::kSolo;
+        using Solo = WarpTile<kLayout, TState, K, V, kSoloWidth>;
+        return launch_recurrent(warp_recurrent_kernel<kLayout, TState, TInput, K, V, kOp, kSoloWidth>,
                                 head_grid(p, V / Solo::kRows / Solo::kCtaWarps), Solo::kCtaWarps * 32,
                                 choice.prefetch, stream, p, write_state);
       }

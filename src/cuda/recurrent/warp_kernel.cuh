@@ -44,7 +44,7 @@ namespace gdnkit::cuda::recurrent {
 template <StateLayout kLayout, int K, RecurrentOp kOp, TileWidth kWidth = TileWidth::kRegular>
 constexpr int warp_kernel_min_warps() {
   // The wide tile needs 72 registers: at 64 ptxas spills and the calls run slower.
-  if (kOp == RecurrentOp::kDecode && kWidth == TileWidth::kWide) return 28;
+  if (kOp == RecurrentOp::kDecode && (kWidth == TileWidth::kWide || kWidth == TileWidth::kWideSolo)) return 28;
   if (kOp == RecurrentOp::kVerify && kLayout == StateLayout::kVLast) return 16;  // the staged stores spill at 20
   if (kOp == RecurrentOp::kRecompute) return 24;  // replay at 20 warps is latency-bound
   if (kOp == RecurrentOp::kPrefill && kLayout == StateLayout::kVLast) return 16;  // as verify

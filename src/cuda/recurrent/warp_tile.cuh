@@ -38,8 +38,9 @@ namespace gdnkit::cuda::recurrent {
 //             (StateRegs: 32 registers for 64 values), so that more grids fit the GPU at once and run in
 //             prefetch mode (heuristics.cpp chooses the width);
 //   kSolo     the regular tile's columns in CTAs of one warp (fp32-state decode on grids past prefetch mode: a warp's
-//             slot is taken again as soon as it ends, not when its CTA's slowest warp does).
-enum class TileWidth : int { kRegular, kNarrow, kWide, kSolo };
+//             slot is taken again as soon as it ends, not when its CTA's slowest warp does);
+//   kWideSolo the wide tile in CTAs of one warp (16-bit-state decode on grids past the wide tile's prefetch mode).
+enum class TileWidth : int { kRegular, kNarrow, kWide, kSolo, kWideSolo };
 
 // A lane's state values in registers: fp32 [kRows][kKPerLane], or 16-bit pairs (k_of(l, j), k_of(l, j + 1)), j even,
 // as they sit in a K-last pool (TPacked bf16 or fp16: the wide tile, decode of a 16-bit pool; one token, so rounding
@@ -107,8 +108,9 @@ struct WarpTile;
 
 template <class TState, int K, int V, TileWidth kWidth>
 struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
-  static_assert(kWidth != TileWidth::kWide || K <= 128, "the wide tile is built for K <= 128 only");
-  static constexpr int kRows = kWidth == TileWidth::kWide     ? 16
+  static constexpr bool kWideCols = kWidth == TileWidth::kWide || kWidth == TileWidth::kWideSolo;
+  static_assert(!kWideCols || K <= 128, "the wide tile is built for K <= 128 only");
+  static constexpr int kRows = kWideCols                      ? 16
                                : kWidth == TileWidth::kNarrow ? 4
                                : K <= 128                     ? 8
                                                               : 4;  // columns per warp
@@ -117,11 +119,11 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
   static constexpr int kVec = kKPerLane * int(sizeof(TState)) > 16 ? 16 / int(sizeof(TState)) : kKPerLane;
   // Warps per CTA: neighbouring columns of one head, one contiguous range of the pool (4 beat 2 and 1 on small
   // grids; kSolo: 1, docs/design/decode.md "CTAs and grid").
-  static constexpr int kCtaWarps = kWidth == TileWidth::kSolo ? 1 : 4;
+  static constexpr int kCtaWarps = kWidth == TileWidth::kSolo || kWidth == TileWidth::kWideSolo ? 1 : 4;
   static_assert(K % 32 == 0 && kKPerLane % kVec == 0 && V % (kRows * kCtaWarps) == 0,
                 "tile does not divide the head");
   // The wide tile holds 16-bit pools' values as loaded (StateRegs): 32 registers for its 64 values a lane.
-  static constexpr bool kPacked = kWidth == TileWidth::kWide;
+  static constexpr bool kPacked = kWideCols;
   static_assert(!kPacked || (sizeof(TState) == 2 && kVec % 2 == 0), "the wide tile is for 16-bit pools");
   using Regs = StateRegs<kRows, kKPerLane, std::conditional_t<kPacked, TState, void>>;
   struct Stage {};  // loads go straight to registers
