@@ -124,11 +124,10 @@ __device__ __forceinline__ void gram_products(const PrefillParams& p, const Op* 
 // Each thread parks its own accumulators in shared memory (no barrier needed to read them back), with rk_j already
 // applied (column j's factor, the same for every value head), so that they hold no registers through the solves.
 // Then T's blocks above the diagonal are zeroed once: nothing below writes them, so T' is stored without a column
-// mask (warp w zeroes the 3 - w blocks right of its diagonal block).
+// mask.
 template <bool kM>
 __device__ __forceinline__ void park_gram(const float (&acc)[8][4], const float (&accm)[8][4], const float* s_rk,
                                           float4* Gacc, float4* Macc, float* Af, int warp, int lane) {
-  constexpr int LDA = kSolveLd;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     if (nt < 2 * (warp + 1)) {
@@ -140,17 +139,7 @@ __device__ __forceinline__ void park_gram(const float (&acc)[8][4], const float 
             make_float4(accm[nt][0] * kj.x, accm[nt][1] * kj.y, accm[nt][2] * kj.x, accm[nt][3] * kj.y);
     }
   }
-#pragma unroll
-  for (int jb = 1; jb < 4; ++jb) {
-    if (jb > warp) {
-      float* blk = Af + warp * 16 * LDA + jb * 16;
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int e = lane + 32 * x;  // 64 float4 per 16 x 16 block
-        *reinterpret_cast<float4*>(blk + (e >> 2) * LDA + (e & 3) * 4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-    }
-  }
+  zero_upper_blocks(Af, warp, lane);
 }
 
 // One value head's M and A from the parked accumulators (rk_j in them), in one pass:

@@ -51,6 +51,14 @@ struct PrepSmem {
   float rq[kChunk];
 };
 
+// This thread's index in the prep warpgroup (the CTA's third), read again (volatile) where it is used in a chunk, so
+// that the offsets derived from it are not held live across the chunk loop.
+__device__ __forceinline__ int prep_thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t - 2 * kThreads;
+}
+
 // The four elements of this lane in C tile nt of a warp's 16 rows of the masked, decayed 64 x 64 M (or, kStrict, A):
 // element e is row i = i0 + 8 (e >> 1), column jj = j + (e & 1), and comes out as
 // acc[e] * f[e >> 1] * exp2(gi[e >> 1] - gj) * kj, or 0 in the diagonal tiles (diag) where jj > i (kStrict: jj >= i).
@@ -156,20 +164,13 @@ template <int K, class Op, int kStages, bool kOutputs, class Stage>
 __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Plan& plan, PrepSmem& ps, Stage* stage,
                                                uint64_t* full, uint64_t* done, int64_t len) {
   static_assert(K % 64 == 0, "the k, q rows in 64-column blocks");
-  // This thread's index in the warpgroup, read again (volatile) where it is used in a chunk, so that the offsets
-  // derived from it are not held live across the chunk loop.
-  const auto thread_index = [] {
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    return t - 2 * kThreads;
-  };
-  int at = thread_index(), warp = at >> 5, lane = at & 31;
+  int at = prep_thread_index(), warp = at >> 5, lane = at & 31;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   [[maybe_unused]] const bool norm = p.heads.use_qk_l2norm;
 
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c % kStages];
-    at = thread_index(), warp = at >> 5, lane = at & 31;
+    at = prep_thread_index(), warp = at >> 5, lane = at & 31;
     [[maybe_unused]] const int r = lane >> 2, q2 = (lane & 3) * 2;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     if (c >= kStages) mbarrier_wait(&done[kStages + c % kStages], uint32_t(c / kStages - 1) & 1);
@@ -215,29 +216,15 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
                                                      uint64_t* norms, int64_t len) {
   static_assert(K % 64 == 0, "the k, q rows in 64-column blocks");
   static_assert(kStages == kHeadStages<true>, "FusedPrepSmem holds the norms of every stage");
-  const auto thread_index = [] {  // read again per chunk, as in prep_warpgroup
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    return t - 2 * kThreads;
-  };
-  int at = thread_index(), warp = at >> 5, lane = at & 31;
+  int at = prep_thread_index(), warp = at >> 5, lane = at & 31;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
-  // T's blocks above the diagonal stay zero (A and the solve write the lower ones): warp w zeroes the 3 - w blocks
-  // right of its diagonal block once.
-  for (int jb = warp + 1; jb < 4; ++jb) {
-    float* blk = ps.a + warp * 16 * kSolveLd + jb * 16;
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const int e = lane + 32 * x;  // 64 float4 per 16 x 16 block
-      *reinterpret_cast<float4*>(blk + (e >> 2) * kSolveLd + (e & 3) * 4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-  }
+  zero_upper_blocks(ps.a, warp, lane);  // A's writes and the solve's stay below them
 
   for (int64_t c = 0; c < nchunks; ++c) {
     const int s = int(c % kStages);
     const uint32_t parity = uint32_t(c / kStages) & 1;
     Stage& b = stage[s];
-    at = thread_index(), warp = at >> 5, lane = at & 31;
+    at = prep_thread_index(), warp = at >> 5, lane = at & 31;
     const int r = lane >> 2, q2 = (lane & 3) * 2;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     if (c >= kStages) mbarrier_wait(&done[kStages + s], parity ^ 1);

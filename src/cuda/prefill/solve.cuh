@@ -99,6 +99,22 @@ __device__ __forceinline__ void store_token_factors(float* f, const float* gc, c
   }
 }
 
+// T's blocks above the diagonal, which invert_and_store_t needs zero and never writes: warp w zeroes the 3 - w blocks
+// right of its diagonal block of Af ([64][kSolveLd] fp32), once per CTA or warpgroup.
+__device__ __forceinline__ void zero_upper_blocks(float* Af, int warp, int lane) {
+#pragma unroll
+  for (int jb = 1; jb < 4; ++jb) {
+    if (jb > warp) {
+      float* blk = Af + warp * 16 * kSolveLd + jb * 16;
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int e = lane + 32 * x;  // 64 float4 per 16 x 16 block
+        *reinterpret_cast<float4*>(blk + (e >> 2) * kSolveLd + (e & 3) * 4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+  }
+}
+
 // T = (I + A)^{-1} over Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them,
 // strictly lower; the blocks above the diagonal zero), then T' = T diag(beta) to `out` in the operand dtype: the
 // wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or past L are written as zero.
