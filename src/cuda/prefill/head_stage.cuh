@@ -94,6 +94,10 @@ struct HeadPass {
   static_assert(!kMInPass || kWarps == 8, "M in the pass: two warpgroups, half of M's columns each");
   static_assert(!kMInPass || kThr == 4 * kChunk, "M in the pass: four lanes per token for rq");
 
+  // The prep warpgroup's barriers (state_pass_head.cuh init_stage_barriers): the initial state's copy and its read
+  // come after the stages' (4 or, with the fused prep, 5 per stage).
+  static constexpr int kStateIn = (kFusedPrep ? 5 : 4) * kStages;
+
   // Element offset of (row, col) in the v (then o) buffer of a stage.
   static __device__ __forceinline__ int v_offset(int row, int col) {
     if constexpr (kWgmma) return sw128_offset<kChunk>(row, col);

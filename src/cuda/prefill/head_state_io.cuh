@@ -7,6 +7,8 @@
 #include <cstdint>
 
 #include "cuda/arch/fp8.cuh"
+#include "cuda/arch/tma.cuh"
+#include "cuda/arch/wgmma.cuh"
 #include "cuda/prefill/head_stage.cuh"
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/plan.h"
@@ -36,6 +38,43 @@ __device__ __forceinline__ void store_head_state(const float (&s)[S::KT][4], con
         store_state_elem(base, dt, offset + head_state_offset<S>(p, at, j, e + 1), s[j][e + 1]);
       }
     }
+}
+
+// S <- `slice`, a copy of the head's K-last K x V slot slice of dtype dt in shared memory (the bulk copy the producer
+// warpgroup issues where Plan::state_bulk holds).
+template <class S>
+__device__ __forceinline__ void load_head_state_slice(float (&s)[S::KT][4], const HeadCoords& at, const void* slice,
+                                                      DType dt) {
+#pragma unroll
+  for (int j = 0; j < S::KT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const float2 x = load_state_pair(slice, dt, int64_t(at.vw + at.r + 4 * e) * S::K + 8 * j + at.q2);
+      s[j][e] = x.x;
+      s[j][e + 1] = x.y;
+    }
+}
+
+// S of this thread's state warpgroup (its 64 value rows) to `rows`, the first of them in a K-last buffer of dtype dt
+// (64 K contiguous elements, 16-byte aligned), through `buf` (as many bytes of shared memory that no thread reads any
+// more) and one bulk copy: the K / 4 paired stores a thread would wait in the memory queues behind the other CTAs'
+// streams, the bulk copy does not. Meets the warpgroup's 128 threads on named barrier `bar`.
+template <class S>
+__device__ __forceinline__ void store_head_rows_bulk(const float (&s)[S::KT][4], const HeadCoords& at, void* buf,
+                                                     void* rows, DType dt, int bar) {
+  const int row = (at.warp % 4) * 16 + at.r;  // the thread's value rows row, row + 8 of the warpgroup's 64
+#pragma unroll
+  for (int j = 0; j < S::KT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2)
+      store_state_pair(buf, dt, int64_t(row + 4 * e) * S::K + 8 * j + at.q2, s[j][e], s[j][e + 1]);
+  fence_proxy_async();  // the rows are read by the bulk copy
+  named_barrier_sync(bar, kThreads);
+  if (at.tid % kThreads == 0) {
+    bulk_store(rows, buf, uint32_t(64 * S::K * (dt == DType::kFloat32 ? 4 : 2)));
+    bulk_commit_group();
+    bulk_wait_group_read<0>();  // the CTA's shared memory stays until the copy has read it
+  }
 }
 
 // S to a float8_e4m3 entry of a K-last buffer at byte `offset`, its block scales at `scales` (the entry's first

@@ -303,6 +303,14 @@ __device__ __forceinline__ void producer_norms(const PrefillParams& p, const Pla
   }
 }
 
+// The initial state's bulk copy (Plan::state_bulk): the head's slot slice at src, `bytes` of it (0: none), into the
+// last stage; bars[0] counts the bytes, bars[1] every state thread's read of them.
+struct InitialStateCopy {
+  const void* src;
+  uint32_t bytes;
+  uint64_t* bars;
+};
+
 // The producer warpgroup (kMWarpgroup): its first thread issues every stage's loads, so that no warpgroup that
 // computes waits for a TMA issue (each takes about a hundred cycles). Chunk 0's rows go out before the chunk prep's
 // grid completed, its workspace part after; chunk n (from kStages - 1 on) into the stage of chunk n - kStages once
@@ -313,10 +321,14 @@ __device__ __forceinline__ void producer_norms(const PrefillParams& p, const Pla
 template <int kStages, bool kOutputs, class Loader, class Stage>
 __device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* stage, uint64_t* done, int64_t len,
                                                    bool issuer, const CUtensorMap* o_map, int v0, int h,
-                                                   int64_t start) {
+                                                   int64_t start, const InitialStateCopy& in) {
   if (!issuer) return;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   if (nchunks > 0) loader.issue(0, stage[0], kInputs);
+  if (in.bytes > 0) {  // the pool is not the prep's: before the wait
+    mbarrier_arrive_expect_tx(&in.bars[0], in.bytes);
+    bulk_load(&stage[kStages - 1], in.src, in.bytes, &in.bars[0]);
+  }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);
 #pragma unroll
@@ -328,6 +340,8 @@ __device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* 
       if (c > 0) {
         mbarrier_wait(&done[kStages + (c - 1) % kStages], uint32_t((c - 1) / kStages) & 1);
         if constexpr (kOutputs) bulk_wait_group_read<0>();  // chunk c - 1's o stores have read the stage
+      } else if (in.bytes > 0) {
+        mbarrier_wait(&in.bars[1], 0);  // every state thread read the initial state from this stage
       }
       loader.issue(n, stage[n % kStages], kBoth);
     }

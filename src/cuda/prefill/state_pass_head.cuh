@@ -84,7 +84,8 @@ constexpr int head_pass_threads() {
 // the prep warpgroup before it writes there; [2 kStages, 4 kStages) state warpgroup g's o of a full chunk staged in
 // the stage's v rows (2 kStages + g kStages + stage), which the producer stores. The producer loads a stage again
 // only after its o stores have read it. kFusedPrep: [4 kStages, 5 kStages) the producer's norms of the stage's chunk
-// (producer_norms, 64 arrivals).
+// (producer_norms, 64 arrivals). Then (kStateIn) the initial state's bulk copy into the last stage, and every state
+// thread's read of it (Plan::state_bulk).
 template <class S>
 __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uint64_t* prep_bars) {
   if (tid == 0) {
@@ -99,6 +100,10 @@ __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uin
         mbarrier_init(&prep_bars[3 * S::kStages + i], kThreads);
         if constexpr (S::kFusedPrep) mbarrier_init(&prep_bars[4 * S::kStages + i], 64);
       }
+    }
+    if constexpr (S::kMWarpgroup) {
+      mbarrier_init(&prep_bars[S::kStateIn], 1);
+      mbarrier_init(&prep_bars[S::kStateIn + 1], S::kThr);
     }
     fence_mbarrier_init();
   }
@@ -140,6 +145,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>;
   using Stage = typename S::Stage;
   constexpr int kStages = S::kStages;
+  static_assert(!kMWarpgroup || sizeof(Stage) >= size_t(K) * V * 4, "a stage holds an fp32 slot slice");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWgmma ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
 
@@ -174,9 +180,12 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   const int64_t slot0 = kCpMode != 0 ? sq.start / kChunk + seg.seq + seg.first_chunk : sq.start / kChunk + at.n;
   __shared__ uint64_t bars[kStages];
   // kMWarpgroup: [0, kStages) the prep's, [kStages, 2 kStages) the release, [2 kStages, 4 kStages) o staged (below);
-  // kFusedPrep: [4 kStages, 5 kStages) the norms
-  __shared__ uint64_t prep_bars[kMWarpgroup ? (kFusedPrep ? 5 : 4) * kStages : 1];
+  // kFusedPrep: [4 kStages, 5 kStages) the norms; then the initial state's copy and its read (S::kStateIn)
+  __shared__ uint64_t prep_bars[kMWarpgroup ? S::kStateIn + 2 : 1];
   __shared__ __align__(16) float s_rq[S::kMInPass ? kChunk : 1];
+  // Beside a producer warpgroup, the initial slot comes by one bulk copy into the last stage (before that stage's
+  // chunk) instead of K / 4 paired loads a thread, which wait behind the other CTAs' streams.
+  [[maybe_unused]] const bool bulk_in = kMWarpgroup && kCpMode == 0 && plan.state_bulk && sq.islot >= 0;
   if constexpr (kMWarpgroup) {
     // The prep and producer warpgroups leave here; the state warps go on with more registers.
     init_stage_barriers<S>(at.tid, bars, prep_bars);
@@ -206,7 +215,15 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
         }
       }
       const HeadLoader<S> loader(p, plan, maps, pa, start, len, slot0, bars, !transition);
-      producer_warpgroup<kStages, S::kOutputs>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h, start);
+      const int64_t es = p.state.dtype == DType::kFloat32 ? 4 : 2;  // (the bulk copy's dtypes: Plan::state_bulk)
+      InitialStateCopy in{nullptr, 0u, &prep_bars[S::kStateIn]};
+      if (bulk_in) {
+        in.src = static_cast<const char*>(p.state.data) +
+                 (int64_t(sq.islot) * p.state.slot_stride + int64_t(at.h) * K * V) * es;
+        in.bytes = uint32_t(K * V * es);
+      }
+      producer_warpgroup<kStages, S::kOutputs>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h, start,
+                                               in);
       return;
     }
     setmaxnreg_inc<kStateRegs>();
@@ -227,6 +244,10 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     for (int j = 0; j < S::KT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = plan.cp_initial[cp_offset + head_state_offset<S>(p, at, j, e)];
+  } else if (bulk_in) {
+    mbarrier_wait(&prep_bars[S::kStateIn], 0);
+    load_head_state_slice<S>(s, at, &stage[kStages - 1], p.state.dtype);
+    mbarrier_arrive(&prep_bars[S::kStateIn + 1]);  // the producer may load the stage's chunk
   } else if (sq.islot >= 0 && p.state.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
     load_head_state_e4m3<S>(s, at, static_cast<const uint8_t*>(p.state.data) + int64_t(sq.islot) * p.state.slot_stride,
                             p.state.scales + int64_t(sq.islot) * at.HV * (K * V / kFp8Block));
@@ -287,17 +308,38 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   if constexpr (kWgmma && S::kOutputs && !kMWarpgroup)
     if (at.tid % 128 == 0) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
 
+  // The state at `offset` of a buffer of dtype dt. Beside a prep warpgroup, K-last: each state warpgroup's 64 value
+  // rows by one bulk copy (head_state_io.cuh store_head_rows_bulk) through the k, q rows of a stage that no thread
+  // reads any more: warpgroup g's is the stage of chunk nchunks - kStages + g (not the last chunk's, which the other
+  // warpgroup may still read), once every state thread released that chunk.
+  const auto store_state = [&](void* base, DType dt, int64_t offset, bool pairs, [[maybe_unused]] bool bulk) {
+    if constexpr (kMWarpgroup) {
+      if (bulk) {
+        const int wg = at.tid / kThreads;
+        const int64_t last = nchunks - kStages + wg;
+        Stage& buf = stage[(last % kStages + kStages) % kStages];
+        if (last >= 0) mbarrier_wait(&prep_bars[kStages + last % kStages], uint32_t(last / kStages) & 1);
+        const int64_t first = offset + state_offset(StateLayout::kKLast, at.h, 0, 64 * wg, K, V);
+        store_head_rows_bulk<S>(s, at, buf.ks,
+                                static_cast<char*>(base) + first * (dt == DType::kFloat32 ? 4 : 2), dt,
+                                kOStoreBarrier + wg);
+        return;
+      }
+    }
+    store_head_state<S>(s, p, at, base, dt, offset, pairs);
+  };
+  const bool klast = p.state.layout == StateLayout::kKLast;
   if constexpr (kCpMode == 1) {  // the segment's local state or transition, fp32, for the scan
     float* dst = transition ? plan.cp_transition : plan.cp_local;
-    store_head_state<S>(s, p, at, dst, DType::kFloat32, cp_offset, p.state.layout == StateLayout::kKLast);
+    store_state(dst, DType::kFloat32, cp_offset, klast, klast);
   } else if (sq.fslot >= 0 && (kCpMode == 0 || seg.state < 0)) {  // a cut sequence's: the scan's
     if (p.state.dtype == DType::kFloat8E4M3)
       store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(p.state.data),
                                p.state.scales + int64_t(sq.fslot) * at.HV * (K * V / kFp8Block),
                                int64_t(sq.fslot) * p.state.slot_stride);
     else
-      store_head_state<S>(s, p, at, p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride,
-                          plan.state_pairs);
+      store_state(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs,
+                  plan.state_bulk);
   }
 }
 
