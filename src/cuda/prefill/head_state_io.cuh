@@ -40,56 +40,18 @@ __device__ __forceinline__ void store_head_state(const float (&s)[S::KT][4], con
     }
 }
 
-// S <- `slice`, a copy of the head's K-last K x V slot slice of dtype dt in shared memory (the bulk copy the producer
-// warpgroup issues where Plan::state_bulk holds).
+// S to a float8_e4m3 K-last head (its K x V bytes at `head`, its block scales at `scales`; docs/semantics.md
+// "float8_e4m3 states"), value rows from row0 on (row0 > 0: a warpgroup's rows alone, in a buffer of its own). The
+// 32-element block b of column v (k = 32 b .. 32 b + 31) is this thread's tiles j = 4 b .. 4 b + 3 (k pairs q2, q2 + 1)
+// in the 4 lanes of its row r: two shuffles for its amax.
 template <class S>
-__device__ __forceinline__ void load_head_state_slice(float (&s)[S::KT][4], const HeadCoords& at, const void* slice,
-                                                      DType dt) {
-#pragma unroll
-  for (int j = 0; j < S::KT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; e += 2) {
-      const float2 x = load_state_pair(slice, dt, int64_t(at.vw + at.r + 4 * e) * S::K + 8 * j + at.q2);
-      s[j][e] = x.x;
-      s[j][e + 1] = x.y;
-    }
-}
-
-// S of this thread's state warpgroup (its 64 value rows) to `rows`, the first of them in a K-last buffer of dtype dt
-// (64 K contiguous elements, 16-byte aligned), through `buf` (as many bytes of shared memory that no thread reads any
-// more) and one bulk copy: the K / 4 paired stores a thread would wait in the memory queues behind the other CTAs'
-// streams, the bulk copy does not. Meets the warpgroup's 128 threads on named barrier `bar`.
-template <class S>
-__device__ __forceinline__ void store_head_rows_bulk(const float (&s)[S::KT][4], const HeadCoords& at, void* buf,
-                                                     void* rows, DType dt, int bar) {
-  const int row = (at.warp % 4) * 16 + at.r;  // the thread's value rows row, row + 8 of the warpgroup's 64
-#pragma unroll
-  for (int j = 0; j < S::KT; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; e += 2)
-      store_state_pair(buf, dt, int64_t(row + 4 * e) * S::K + 8 * j + at.q2, s[j][e], s[j][e + 1]);
-  fence_proxy_async();  // the rows are read by the bulk copy
-  named_barrier_sync(bar, kThreads);
-  if (at.tid % kThreads == 0) {
-    bulk_store(rows, buf, uint32_t(64 * S::K * (dt == DType::kFloat32 ? 4 : 2)));
-    bulk_commit_group();
-    bulk_wait_group_read<0>();  // the CTA's shared memory stays until the copy has read it
-  }
-}
-
-// S to a float8_e4m3 entry of a K-last buffer at byte `offset`, its block scales at `scales` (the entry's first
-// block; docs/semantics.md "float8_e4m3 states"). The 32-element block b of column v (k = 32 b .. 32 b + 31) is this
-// thread's tiles j = 4 b .. 4 b + 3 (k pairs q2, q2 + 1) in the 4 lanes of its row r: two shuffles for its amax.
-template <class S>
-__device__ __forceinline__ void store_head_state_e4m3(const float (&s)[S::KT][4], const HeadCoords& at, uint8_t* base,
-                                                      uint8_t* scales, int64_t offset) {
+__device__ __forceinline__ void store_head_state_e4m3(const float (&s)[S::KT][4], const HeadCoords& at, uint8_t* head,
+                                                      uint8_t* scales, int row0 = 0) {
   constexpr int K = S::K, kBlocks = K / kFp8Block;
   static_assert(S::KT == 4 * kBlocks, "four n8 tiles of k per block");
-  uint8_t* const head = base + offset + int64_t(at.h) * K * S::V;
-  uint8_t* const head_scales = scales + int64_t(at.h) * (K * S::V / kFp8Block);
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    const int v = at.vw + at.r + 8 * hh;
+    const int v = at.vw + at.r + 8 * hh - row0;
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b) {
       uint32_t m = 0;
@@ -103,19 +65,17 @@ __device__ __forceinline__ void store_head_state_e4m3(const float (&s)[S::KT][4]
       for (int jj = 0; jj < 4; ++jj)
         *reinterpret_cast<uint16_t*>(head + int64_t(v) * K + 8 * (4 * b + jj) + at.q2) =
             uint16_t(e4m3x2(s[4 * b + jj][2 * hh], s[4 * b + jj][2 * hh + 1], sc));
-      if (at.q2 == 0) head_scales[v * kBlocks + b] = uint8_t(sc.byte);
+      if (at.q2 == 0) scales[v * kBlocks + b] = uint8_t(sc.byte);
     }
   }
 }
 
-// S <- a float8_e4m3 K-last slot at `slot` (its first byte), its block scales at `scales` (its first block): a lane's
-// k pair (q2, q2 + 1) of tile j is two adjacent bytes of column v, in block j / 4.
+// S <- a float8_e4m3 K-last head (its bytes at `head`, its block scales at `scales`): a lane's k pair (q2, q2 + 1) of
+// tile j is two adjacent bytes of column v, in block j / 4.
 template <class S>
-__device__ __forceinline__ void load_head_state_e4m3(float (&s)[S::KT][4], const HeadCoords& at, const uint8_t* slot,
+__device__ __forceinline__ void load_head_state_e4m3(float (&s)[S::KT][4], const HeadCoords& at, const uint8_t* head,
                                                      const uint8_t* scales) {
   constexpr int K = S::K, kBlocks = K / kFp8Block;
-  const uint8_t* const head = slot + int64_t(at.h) * K * S::V;
-  const uint8_t* const head_scales = scales + int64_t(at.h) * (K * S::V / kFp8Block);
   uint32_t raw[S::KT][2], sbyte[S::KT / 4][2];  // every load issued before any use
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -123,7 +83,7 @@ __device__ __forceinline__ void load_head_state_e4m3(float (&s)[S::KT][4], const
 #pragma unroll
     for (int j = 0; j < S::KT; ++j) raw[j][hh] = *reinterpret_cast<const uint16_t*>(head + int64_t(v) * K + 8 * j + at.q2);
 #pragma unroll
-    for (int b = 0; b < kBlocks; ++b) sbyte[b][hh] = head_scales[v * kBlocks + b];
+    for (int b = 0; b < kBlocks; ++b) sbyte[b][hh] = scales[v * kBlocks + b];
   }
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh)
@@ -132,6 +92,56 @@ __device__ __forceinline__ void load_head_state_e4m3(float (&s)[S::KT][4], const
       const float2 f = e4m3x2_to_float2(raw[j][hh], e8m0_scale(sbyte[j / 4][hh]));
       s[j][2 * hh] = f.x, s[j][2 * hh + 1] = f.y;
     }
+}
+
+// S <- `slice`, a copy of the head's K-last K x V slot slice of dtype dt in shared memory (float8_e4m3: its block
+// scales right after it), the bulk copy the producer warpgroup issues where Plan::state_bulk holds.
+template <class S>
+__device__ __forceinline__ void load_head_state_slice(float (&s)[S::KT][4], const HeadCoords& at, const void* slice,
+                                                      DType dt) {
+  if (dt == DType::kFloat8E4M3) {
+    const uint8_t* const bytes = static_cast<const uint8_t*>(slice);
+    return load_head_state_e4m3<S>(s, at, bytes, bytes + S::K * S::V);
+  }
+#pragma unroll
+  for (int j = 0; j < S::KT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const float2 x = load_state_pair(slice, dt, int64_t(at.vw + at.r + 4 * e) * S::K + 8 * j + at.q2);
+      s[j][e] = x.x;
+      s[j][e + 1] = x.y;
+    }
+}
+
+// S of this thread's state warpgroup (its 64 value rows) to `rows`, the first of them in a K-last buffer of dtype dt
+// (64 K contiguous elements, 16-byte aligned; float8_e4m3: their block scales at `row_scales`, 2 K contiguous bytes),
+// through `buf` (as many bytes of shared memory, then the scales', that no thread reads any more) and one bulk copy
+// (two with scales): the thread's K / 4 stores would wait in the memory queues behind the other CTAs' streams, the
+// bulk copy does not. Meets the warpgroup's 128 threads on named barrier `bar`.
+template <class S>
+__device__ __forceinline__ void store_head_rows_bulk(const float (&s)[S::KT][4], const HeadCoords& at, void* buf,
+                                                     void* rows, uint8_t* row_scales, DType dt, int bar) {
+  const int row = (at.warp % 4) * 16 + at.r;  // the thread's value rows row, row + 8 of the warpgroup's 64
+  const bool e4m3 = dt == DType::kFloat8E4M3;
+  const uint32_t bytes = uint32_t(64 * S::K * (dt == DType::kFloat32 ? 4 : e4m3 ? 1 : 2));
+  uint8_t* const buf_scales = static_cast<uint8_t*>(buf) + bytes;
+  if (e4m3) {
+    store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(buf), buf_scales, at.vw + at.r - row);  // from its first row
+  } else {
+#pragma unroll
+    for (int j = 0; j < S::KT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2)
+        store_state_pair(buf, dt, int64_t(row + 4 * e) * S::K + 8 * j + at.q2, s[j][e], s[j][e + 1]);
+  }
+  fence_proxy_async();  // the rows are read by the bulk copy
+  named_barrier_sync(bar, kThreads);
+  if (at.tid % kThreads == 0) {
+    bulk_store(rows, buf, bytes);
+    if (e4m3) bulk_store(row_scales, buf_scales, uint32_t(64 * S::K / kFp8Block));
+    bulk_commit_group();
+    bulk_wait_group_read<0>();  // the CTA's shared memory stays until the copy has read it
+  }
 }
 
 // After chunk c of a run: checkpoint entry j holds the state after token (j+1)*C of the sequence, for j < steps, within
@@ -150,9 +160,10 @@ __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4]
       const int64_t entry = int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(at.HV) * S::K * S::V);
       if (p.checkpoints.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
         const int64_t blocks = int64_t(at.HV) * S::K * S::V / kFp8Block;
-        store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(p.checkpoints.data),
-                                 p.checkpoints.scales + (int64_t(sq.cslot) * p.checkpoints.num_steps + j) * blocks,
-                                 entry);
+        store_head_state_e4m3<S>(
+            s, at, static_cast<uint8_t*>(p.checkpoints.data) + entry + int64_t(at.h) * S::K * S::V,
+            p.checkpoints.scales + (int64_t(sq.cslot) * p.checkpoints.num_steps + j) * blocks +
+                int64_t(at.h) * (S::K * S::V / kFp8Block));
       } else {
         store_head_state<S>(s, p, at, p.checkpoints.data, p.checkpoints.dtype, entry, plan.checkpoint_pairs);
       }

@@ -214,6 +214,11 @@ __device__ __forceinline__ int64_t state_offset(StateLayout layout, int h, int k
   return int64_t(h) * K * V + (layout == StateLayout::kVLast ? int64_t(k) * V + v : int64_t(v) * K + k);
 }
 
+// Bytes of one element of a state buffer of dtype dt.
+__device__ __forceinline__ int64_t dtype_bytes(DType dt) {
+  return dt == DType::kFloat32 ? 4 : dt == DType::kFloat8E4M3 ? 1 : 2;
+}
+
 // Elements i, i+1 in one access (i even, the buffer aligned to two elements).
 __device__ __forceinline__ float2 load_state_pair(const void* base, DType dt, int64_t i) {
   if (dt == DType::kBFloat16)

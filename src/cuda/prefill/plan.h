@@ -67,7 +67,7 @@ struct Plan {
   bool fused_prep = false;
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep (or the gate kernel)
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
-  // K-last pool of fp32, bf16 or fp16 with 16-byte aligned slots: beside a prep warpgroup the initial and final states
+  // K-last pool with 16-byte aligned slots (and block scales): beside a prep warpgroup the initial and final states
   // move by bulk copies through shared memory (state_pass_head.cuh)
   bool state_bulk = false;
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer

@@ -303,12 +303,14 @@ __device__ __forceinline__ void producer_norms(const PrefillParams& p, const Pla
   }
 }
 
-// The initial state's bulk copy (Plan::state_bulk): the head's slot slice at src, `bytes` of it (0: none), into the
-// last stage; bars[0] counts the bytes, bars[1] every state thread's read of them.
+// The initial state's bulk copy (Plan::state_bulk): the head's slot slice at src, `bytes` of it (0: none), then
+// (float8_e4m3) its block scales, into the last stage; bars[0] counts the bytes, bars[1] every state thread's read.
 struct InitialStateCopy {
-  const void* src;
-  uint32_t bytes;
-  uint64_t* bars;
+  const void* src = nullptr;
+  uint32_t bytes = 0;
+  const void* scales = nullptr;
+  uint32_t scale_bytes = 0;
+  uint64_t* bars = nullptr;
 };
 
 // The producer warpgroup (kMWarpgroup): its first thread issues every stage's loads, so that no warpgroup that
@@ -326,8 +328,10 @@ __device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* 
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   if (nchunks > 0) loader.issue(0, stage[0], kInputs);
   if (in.bytes > 0) {  // the pool is not the prep's: before the wait
-    mbarrier_arrive_expect_tx(&in.bars[0], in.bytes);
+    mbarrier_arrive_expect_tx(&in.bars[0], in.bytes + in.scale_bytes);
     bulk_load(&stage[kStages - 1], in.src, in.bytes, &in.bars[0]);
+    if (in.scale_bytes > 0)
+      bulk_load(reinterpret_cast<char*>(&stage[kStages - 1]) + in.bytes, in.scales, in.scale_bytes, &in.bars[0]);
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
   if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);

@@ -215,12 +215,17 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
         }
       }
       const HeadLoader<S> loader(p, plan, maps, pa, start, len, slot0, bars, !transition);
-      const int64_t es = p.state.dtype == DType::kFloat32 ? 4 : 2;  // (the bulk copy's dtypes: Plan::state_bulk)
-      InitialStateCopy in{nullptr, 0u, &prep_bars[S::kStateIn]};
+      InitialStateCopy in;
+      in.bars = &prep_bars[S::kStateIn];
       if (bulk_in) {
+        const int64_t es = dtype_bytes(p.state.dtype);
         in.src = static_cast<const char*>(p.state.data) +
                  (int64_t(sq.islot) * p.state.slot_stride + int64_t(at.h) * K * V) * es;
         in.bytes = uint32_t(K * V * es);
+        if (p.state.dtype == DType::kFloat8E4M3) {
+          in.scales = p.state.scales + (int64_t(sq.islot) * at.HV + at.h) * (K * V / kFp8Block);
+          in.scale_bytes = uint32_t(K * V / kFp8Block);
+        }
       }
       producer_warpgroup<kStages, S::kOutputs>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h, start,
                                                in);
@@ -249,8 +254,9 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     load_head_state_slice<S>(s, at, &stage[kStages - 1], p.state.dtype);
     mbarrier_arrive(&prep_bars[S::kStateIn + 1]);  // the producer may load the stage's chunk
   } else if (sq.islot >= 0 && p.state.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
-    load_head_state_e4m3<S>(s, at, static_cast<const uint8_t*>(p.state.data) + int64_t(sq.islot) * p.state.slot_stride,
-                            p.state.scales + int64_t(sq.islot) * at.HV * (K * V / kFp8Block));
+    load_head_state_e4m3<S>(
+        s, at, static_cast<const uint8_t*>(p.state.data) + int64_t(sq.islot) * p.state.slot_stride + int64_t(at.h) * K * V,
+        p.state.scales + (int64_t(sq.islot) * at.HV + at.h) * (K * V / kFp8Block));
   } else {
     const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
 #pragma unroll
@@ -308,37 +314,39 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   if constexpr (kWgmma && S::kOutputs && !kMWarpgroup)
     if (at.tid % 128 == 0) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
 
-  // The state at `offset` of a buffer of dtype dt. Beside a prep warpgroup, K-last: each state warpgroup's 64 value
-  // rows by one bulk copy (head_state_io.cuh store_head_rows_bulk) through the k, q rows of a stage that no thread
-  // reads any more: warpgroup g's is the stage of chunk nchunks - kStages + g (not the last chunk's, which the other
-  // warpgroup may still read), once every state thread released that chunk.
-  const auto store_state = [&](void* base, DType dt, int64_t offset, bool pairs, [[maybe_unused]] bool bulk) {
+  // The state at `offset` of a buffer of dtype dt (float8_e4m3: the slot's block scales at `scales`). Beside a prep
+  // warpgroup, K-last: each state warpgroup's 64 value rows by bulk copies (head_state_io.cuh store_head_rows_bulk)
+  // through the k, q rows of a stage that no thread reads any more: warpgroup g's is the stage of chunk nchunks -
+  // kStages + g (not the last chunk's, which the other warpgroup may still read), once every state thread released
+  // that chunk.
+  const auto store_state = [&](void* base, uint8_t* scales, DType dt, int64_t offset, bool pairs,
+                               [[maybe_unused]] bool bulk) {
+    const int64_t head = int64_t(at.h) * K * V;
     if constexpr (kMWarpgroup) {
       if (bulk) {
         const int wg = at.tid / kThreads;
-        const int64_t last = nchunks - kStages + wg;
+        const int64_t last = nchunks - kStages + wg, first = head + int64_t(64 * wg) * K;
         Stage& buf = stage[(last % kStages + kStages) % kStages];
         if (last >= 0) mbarrier_wait(&prep_bars[kStages + last % kStages], uint32_t(last / kStages) & 1);
-        const int64_t first = offset + state_offset(StateLayout::kKLast, at.h, 0, 64 * wg, K, V);
-        store_head_rows_bulk<S>(s, at, buf.ks,
-                                static_cast<char*>(base) + first * (dt == DType::kFloat32 ? 4 : 2), dt,
-                                kOStoreBarrier + wg);
+        store_head_rows_bulk<S>(s, at, buf.ks, static_cast<char*>(base) + (offset + first) * dtype_bytes(dt),
+                                scales ? scales + first / kFp8Block : nullptr, dt, kOStoreBarrier + wg);
         return;
       }
     }
-    store_head_state<S>(s, p, at, base, dt, offset, pairs);
+    if (dt == DType::kFloat8E4M3)
+      store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(base) + offset + head, scales + head / kFp8Block);
+    else
+      store_head_state<S>(s, p, at, base, dt, offset, pairs);
   };
   const bool klast = p.state.layout == StateLayout::kKLast;
   if constexpr (kCpMode == 1) {  // the segment's local state or transition, fp32, for the scan
     float* dst = transition ? plan.cp_transition : plan.cp_local;
-    store_state(dst, DType::kFloat32, cp_offset, klast, klast);
+    store_state(dst, nullptr, DType::kFloat32, cp_offset, klast, klast);
   } else if (sq.fslot >= 0 && (kCpMode == 0 || seg.state < 0)) {  // a cut sequence's: the scan's
-    if (p.state.dtype == DType::kFloat8E4M3)
-      store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(p.state.data),
-                               p.state.scales + int64_t(sq.fslot) * at.HV * (K * V / kFp8Block),
-                               int64_t(sq.fslot) * p.state.slot_stride);
-    else
-      store_state(p.state.data, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs,
+    uint8_t* const scales = p.state.dtype == DType::kFloat8E4M3
+                                ? p.state.scales + int64_t(sq.fslot) * at.HV * (K * V / kFp8Block)
+                                : nullptr;
+    store_state(p.state.data, scales, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs,
                   plan.state_bulk);
   }
 }
