@@ -146,6 +146,8 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   using Stage = typename S::Stage;
   constexpr int kStages = S::kStages;
   static_assert(!kMWarpgroup || sizeof(Stage) >= size_t(K) * V * 4, "a stage holds an fp32 slot slice");
+  static_assert(!kMWarpgroup || sizeof(Stage::ks) + sizeof(Stage::qs) >= size_t(64) * K * 4,
+                "a stage's k and q rows hold a state warpgroup's 64 fp32 value rows");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWgmma ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
 
