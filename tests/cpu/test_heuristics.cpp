@@ -464,6 +464,32 @@ TEST(PrefillHeuristics, Fp8PoolsOnTheHeadOrTiledPass) {
                               "only, not by value tile " + std::to_string(vtile64));
 }
 
+// The head pass copies a pool's head slices in bulk where they are K-last and 16-byte aligned (base, slot stride and,
+// for float8_e4m3, the block scales); anything else keeps the per-thread loads and stores.
+TEST(PrefillHeuristics, StateBulkCopiesOnAlignedKLastPools) {
+  PrefillCall call({8192});
+  StatePool& s = call.p.state;
+  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p));  // fp32, 16-byte aligned
+  s.layout = StateLayout::kVLast;
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+  s.layout = StateLayout::kKLast;
+  s.data = static_cast<char*>(s.data) + 8;
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+  s.data = static_cast<char*>(s.data) - 8;
+  s.slot_stride += 2;  // 8 bytes: fp32 slots 8-byte aligned
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+  s.dtype = DType::kBFloat16;
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));  // 4 bytes
+  s.slot_stride += 6;  // 16 bytes more than a whole slot of bf16
+  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p));
+  s.dtype = DType::kFloat8E4M3;
+  s.slot_stride -= 8;
+  s.scales = reinterpret_cast<uint8_t*>(uintptr_t(1) << 21);
+  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p));
+  s.scales += 4;
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+}
+
 TEST(PrefillHeuristics, ManyCtasLaunchAfterThePrep) {
   PrefillCall call(std::vector<int64_t>(8192, 32));  // 262144 (sequence, head) CTAs
   const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});

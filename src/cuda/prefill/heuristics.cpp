@@ -50,6 +50,12 @@ bool head_split_supported(int V, int split) { return split == 1 || (split == 2 &
 
 bool qkv_vectorized(const PrefillParams& p) { return vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v); }
 
+bool state_bulk_copies(const PrefillParams& p) {
+  const StatePool& s = p.state;
+  return s.layout == StateLayout::kKLast && aligned(s.data, 16) && s.slot_stride * dtype_size(s.dtype) % 16 == 0 &&
+         (s.dtype != DType::kFloat8E4M3 || aligned(s.scales, 16));
+}
+
 bool head_pass_ok(const PrefillParams& p) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   const DType dt = p.q.dtype;

@@ -164,8 +164,7 @@ Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   // slot stride is (heads and value rows are K elements apart, K even).
   const bool klast = p.state.layout == StateLayout::kKLast;
   plan.state_pairs = klast && aligned(p.state.data, 2 * dtype_size(p.state.dtype)) && p.state.slot_stride % 2 == 0;
-  plan.state_bulk = klast && aligned(p.state.data, 16) && (p.state.slot_stride * dtype_size(p.state.dtype)) % 16 == 0 &&
-                    (p.state.dtype != DType::kFloat8E4M3 || aligned(p.state.scales, 16));
+  plan.state_bulk = state_bulk_copies(p);
   plan.checkpoint_pairs = klast && p.checkpoints.data != nullptr &&
                           aligned(p.checkpoints.data, 2 * dtype_size(p.checkpoints.dtype)) &&
                           p.checkpoints.slot_stride % 2 == 0;
