@@ -58,6 +58,7 @@ struct Options {
   int replays = 20;              // decode/verify graph replays (>= 15)
   int prefill_iters = 12;        // prefill timed runs (>= 10)
   int64_t cp_segment = -1;       // A/B switch: prefill's context-parallel segments forced (0: off; -1: the heuristic)
+  int64_t checkpoint = 0;        // prefill: a checkpoint of every sequence's state every C tokens (0: none)
   int fp8_columns = 0;           // A/B switch: the fp8 decode kernel's columns per warp (0: the heuristic)
   int vlast_fp8_columns = 0;     // A/B switch: V-last fp8 decode's columns per CTA (0: the heuristic)
   int chain_min_tokens = -1;     // A/B switch: fewest tokens on the tensor-core chain kernel (0: never; -1: the heuristic)
@@ -118,6 +119,7 @@ struct Row {
   int32_t ranks = 0;             // GPUs
   double efficiency = -1;        // time on 1 GPU / (ranks x time), the 1-GPU prefill of the same run
   double exchange_us = -1;       // the all-gather of the summaries
+  int64_t checkpoint_interval = 0;  // prefill: tokens between the checkpoints it stores (0: none)
   // Sanity of the result the timing ran on.
   int64_t nonfinite_outputs = -1;  // o entries that are NaN/inf after the runs (o is NaN-poisoned first)
   int64_t error_flag = -1;         // the op's device error counter (out-of-range slots); must be 0
@@ -190,13 +192,20 @@ double decode_bytes(const Shape& s, int32_t B, DType in, DType state);
 double verify_bytes(const Shape& s, int32_t B, int32_t T, DType in, DType state, VerifyMode mode,
                     int64_t accepted_total);
 double prefill_floor_bytes(const Shape& s, const SeqSet& set, DType in, DType state);
+// Checkpoint entries per sequence for a checkpoint every C tokens (the longest sequence's), and their bytes in all.
+int64_t checkpoint_steps(const SeqSet& set, int64_t C);
+double checkpoint_bytes(const Shape& s, const SeqSet& set, DType state, int64_t C);
+// Checkpoint buffer of `slots` entries of `steps` states each, the pool's layout and dtype.
+StateCache make_checkpoints(const Shape& s, void* data, DType dtype, StateLayout layout, int64_t slots, int64_t steps,
+                            uint8_t* scales = nullptr);
 double prefill_flops(const Shape& s, int64_t total_tokens);
 // A row with the fields every op fills the same way.
 Row make_row(const std::string& backend, const std::string& op, const Shape& s, DType input, DType state,
              StateLayout layout);
-// A prefill row of one sequence set: the fields above plus the set, its sizes and the op's FLOP and byte models.
+// A prefill row of one sequence set: the fields above plus the set, its sizes and the op's FLOP and byte models
+// (with a checkpoint every C tokens: their states in the floor).
 Row make_prefill_row(const std::string& backend, const Shape& s, DType input, DType state, StateLayout layout,
-                     const SeqSet& set);
+                     const SeqSet& set, int64_t C = 0);
 void finish_row(Row& r, double copy_ceiling_tbps);  // fills tbps / pct / tflops / floor from time_us
 
 double median(std::vector<double> v);

@@ -229,6 +229,31 @@ double prefill_floor_bytes(const Shape& s, const SeqSet& set, DType in, DType st
          4.0 * (n + 1) + 8.0 * n + gate_param_bytes(s);
 }
 
+int64_t checkpoint_steps(const SeqSet& set, int64_t C) {
+  int64_t longest = 0;
+  for (int64_t L : set.lengths) longest = std::max(longest, L);
+  return C > 0 ? longest / C : 0;
+}
+
+double checkpoint_bytes(const Shape& s, const SeqSet& set, DType state, int64_t C) {
+  double entries = 0;
+  for (int64_t L : set.lengths) entries += C > 0 ? double(L / C) : 0.0;
+  return entries * slot_elems(s) * state_elem_bytes(state);
+}
+
+StateCache make_checkpoints(const Shape& s, void* data, DType dtype, StateLayout layout, int64_t slots, int64_t steps,
+                            uint8_t* scales) {
+  StateCache c;
+  c.data = data;
+  c.dtype = dtype;
+  c.layout = layout;
+  c.num_slots = slots;
+  c.num_steps = steps;
+  c.slot_stride = steps * int64_t(s.HV) * s.K * s.V;
+  c.scales = scales;
+  return c;
+}
+
 double prefill_flops(const Shape& s, int64_t total_tokens) {
   return 4.0 * double(total_tokens) * s.HV * s.K * s.V;
 }
@@ -246,13 +271,14 @@ Row make_row(const std::string& backend, const std::string& op, const Shape& s, 
 }
 
 Row make_prefill_row(const std::string& backend, const Shape& s, DType input, DType state, StateLayout layout,
-                     const SeqSet& set) {
+                     const SeqSet& set, int64_t C) {
   Row r = make_row(backend, "prefill", s, input, state, layout);
   r.seqset = set.name;
   r.num_seqs = int32_t(set.lengths.size());
   r.total_tokens = set.total();
   r.flops = prefill_flops(s, r.total_tokens);
-  r.floor_bytes = prefill_floor_bytes(s, set, input, state);
+  r.floor_bytes = prefill_floor_bytes(s, set, input, state) + checkpoint_bytes(s, set, state, C);
+  r.checkpoint_interval = C;
   return r;
 }
 
@@ -353,6 +379,7 @@ std::string row_json(const Row& r) {
   o.num("flops", r.flops).num("tflops", r.tflops).num("floor_bytes", r.floor_bytes).num("floor_us", r.floor_us)
       .num("pct_memory_floor", r.pct_floor);
   o.integer("ranks", r.ranks, true).num("efficiency", r.efficiency).num("exchange_us", r.exchange_us);
+  o.integer("checkpoint_interval", r.checkpoint_interval, true);
   o.integer("nonfinite_outputs", r.nonfinite_outputs).integer("error_flag", r.error_flag);
   return o.done();
 }

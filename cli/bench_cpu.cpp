@@ -169,8 +169,9 @@ Row cpu_verify(const Shape& s, DType state, StateLayout layout, VerifyMode mode,
   return r;
 }
 
-Row cpu_prefill(const Shape& s, DType state, StateLayout layout, const SeqSet& set, PrefillAlgorithm algo) {
-  Row r = make_prefill_row("cpu", s, g_input, state, layout, set);
+Row cpu_prefill(const Shape& s, DType state, StateLayout layout, const SeqSet& set, PrefillAlgorithm algo,
+                int64_t C) {
+  Row r = make_prefill_row("cpu", s, g_input, state, layout, set, C);
   r.mode = algo == PrefillAlgorithm::kRecurrent ? "recurrent" : algo == PrefillAlgorithm::kChunked ? "chunked" : "auto";
   const int32_t N = r.num_seqs;
   const int64_t T = r.total_tokens;
@@ -196,6 +197,17 @@ Row cpu_prefill(const Shape& s, DType state, StateLayout layout, const SeqSet& s
   p.final_indices = slots.data();
   p.error_flag = &flag;
   p.cpu_algorithm = algo;
+  // Checkpoints (--checkpoint C): sequence n's states after every C of its tokens in checkpoint slot n.
+  const int64_t steps = checkpoint_steps(set, C);
+  std::vector<int32_t> ckpt_idx(static_cast<size_t>(N));
+  for (int32_t i = 0; i < N; ++i) ckpt_idx[size_t(i)] = i;
+  HostBuf ckpt(size_t(N * steps * slot_elems(s) * dtype_size(state)));
+  if (steps > 0) {
+    p.checkpoints = make_checkpoints(s, ckpt.get(), state, layout, N, steps);
+    p.checkpoint_interval = int32_t(C);
+    p.checkpoint_indices = ckpt_idx.data();
+    r.mode += " ckpt" + std::to_string(C);
+  }
   time_calls(r, 1, [&] { prefill(p, {Backend::kCPU, nullptr}); });
   r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, T * s.HV * s.V);
   r.error_flag = flag;
@@ -278,7 +290,8 @@ void run_cpu(const Options& o, RunInfo& info, const RowSink& sink) {
             fb.mode = algo == PrefillAlgorithm::kRecurrent ? "recurrent" : "chunked";
             const DType st = states.front();
             const StateLayout ly = layouts.front();
-            jobs.push_back({fb, [=] { return cpu_prefill(s, st, ly, set, algo); }});
+            const int64_t C = o.checkpoint;
+            jobs.push_back({fb, [=] { return cpu_prefill(s, st, ly, set, algo, C); }});
           }
       }
     }

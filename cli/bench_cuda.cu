@@ -548,7 +548,7 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
 
 Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout,
                   const SeqSet& set) {
-  Row r = make_prefill_row("cuda", s, g_input, state, layout, set);
+  Row r = make_prefill_row("cuda", s, g_input, state, layout, set, o.checkpoint);
   const int32_t N = r.num_seqs;
   const int64_t T = r.total_tokens;
   const int64_t slot_elems = int64_t(s.HV) * s.K * s.V;
@@ -585,6 +585,18 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   p.initial_indices = slots.get<int32_t>();
   p.final_indices = slots.get<int32_t>();
   p.error_flag = flag.get<int32_t>();
+  // Checkpoints (--checkpoint C): sequence n's states after every C of its tokens in checkpoint slot n.
+  const int64_t steps = checkpoint_steps(set, o.checkpoint);
+  std::vector<int32_t> ckpt_host(static_cast<size_t>(N));
+  for (int32_t i = 0; i < N; ++i) ckpt_host[size_t(i)] = i;
+  DevBuf ckpt(size_t(N * steps * slot_elems * dtype_size(state))), ckpt_idx(size_t(N) * 4),
+      ckpt_scales(fp8 ? size_t(N * steps * slot_elems / kFp8Block) : 0);
+  if (steps > 0) {
+    upload(ckpt_idx.get(), ckpt_host.data(), ckpt_idx.bytes(), d.stream);
+    p.checkpoints = make_checkpoints(s, ckpt.get(), state, layout, N, steps, fp8 ? ckpt_scales.get<uint8_t>() : nullptr);
+    p.checkpoint_interval = int32_t(o.checkpoint);
+    p.checkpoint_indices = ckpt_idx.get<int32_t>();
+  }
   // The path the library takes: sequences of at most short_max_len tokens on the recurrent kernels, the others
   // on the chunked kernels.
   const PrefillPath path = prefill_path(p);
@@ -593,6 +605,7 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   r.mode = n_short == N ? "short" : n_short == 0 ? "chunked" : "short+chunked";
   if (path.context_parallel_segment > 0 && n_short < N)
     r.mode += " cp" + std::to_string(path.context_parallel_segment);
+  if (steps > 0) r.mode += " ckpt" + std::to_string(o.checkpoint);
   std::unique_ptr<DevBuf> workspace;
   const Context ctx = d.ctx();
   try {

@@ -49,6 +49,8 @@ bench options:
                              (default: the 10 standard sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
   --gpus 1,2,4               prefill-split GPU counts (default: 1, 2, 4, ... up to the machine's; sets
                              1x262144, 1x1048576 on qwen3-next and qwen3.5-397b-tp8)
+  --checkpoint C             prefill: also store every sequence's state after each C of its tokens (prefix-cache
+                             checkpoints, the pool's dtype and layout; C a multiple of 64; the mode column says ckptC)
   --cp-segment N             A/B switch: prefill's context-parallel segments of N tokens (0: off) instead of
                              the library's choice (the mode column says what ran)
   --fp8-columns N            A/B switch: columns per warp of the float8_e4m3 decode kernel, 8, 16 or 32 (32 at
@@ -174,6 +176,9 @@ Options parse_bench(int argc, char** argv, int first) {
       o.replays = int_list(a, value(i), 15, 10000).front();
     } else if (a == "--prefill-iters") {
       o.prefill_iters = int_list(a, value(i), 10, 10000).front();
+    } else if (a == "--checkpoint") {
+      o.checkpoint = int_list(a, value(i), 64, 1 << 30).front();
+      if (o.checkpoint % 64 != 0) usage_error("--checkpoint: a multiple of 64 tokens");
     } else if (a == "--cp-segment") {
       o.cp_segment = int_list(a, value(i), 0, 1 << 30).front();
       if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
