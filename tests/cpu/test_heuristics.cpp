@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cuda/host/overrides.h"
+#include "cuda/prefill/checkpoint_clock.h"
 #include "cuda/prefill/heuristics.h"
 #include "cuda/recurrent/heuristics.h"
 #include "gdnkit/gdnkit.h"
@@ -488,6 +489,54 @@ TEST(PrefillHeuristics, StateBulkCopiesOnAlignedKLastPools) {
   EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p));
   s.scales += 4;
   EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+}
+
+// The same rule for the checkpoint buffer, whose entries the kernels lay out as the pool: a K-last pool too.
+TEST(PrefillHeuristics, CheckpointBulkCopiesOnAlignedKLastBuffers) {
+  PrefillCall call({8192});
+  alignas(16) static float buffer[4];
+  StateCache& c = call.p.checkpoints;
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));  // no buffer
+  c.data = buffer, c.dtype = DType::kFloat32, c.num_slots = 1, c.num_steps = 8;
+  c.slot_stride = int64_t(8) * 32 * 128 * 128;
+  EXPECT_TRUE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  call.p.state.layout = StateLayout::kVLast;
+  c.layout = StateLayout::kVLast;
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  call.p.state.layout = c.layout = StateLayout::kKLast;
+  c.data = reinterpret_cast<char*>(buffer) + 8;
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  c.data = buffer;
+  c.slot_stride += 2;  // 8 bytes
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  c.dtype = DType::kFloat8E4M3;  // 2 bytes
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  c.slot_stride += 14;
+  c.scales = reinterpret_cast<uint8_t*>(buffer);
+  EXPECT_TRUE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  c.scales += 8;
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+}
+
+// The head pass's checkpoint clock against the rule it replaces in the chunk loop: after chunk c of a run from chunk
+// `first`, entry j = done / C - 1 where done = offset + 64 (first + c + 1) tokens of the sequence is a multiple of C
+// within its full chunks and j < steps; none where the piece's offset is negative or not a multiple of 64.
+TEST(PrefillHeuristics, CheckpointClockMatchesTheRule) {
+  std::mt19937 gen(11);
+  for (int it = 0; it < 20000; ++it) {
+    const int64_t C = 64 * int64_t(gen() % 6), len = int64_t(gen() % 1200), steps = int64_t(gen() % 8);
+    const int64_t first = int64_t(gen() % 12), kinds = gen() % 4;
+    const int64_t offset = kinds == 0 ? 0 : kinds == 1 ? 64 * int64_t(gen() % 10) : kinds == 2 ? -64 : 32;
+    auto clock = chunked_prefill::checkpoint_clock(first, offset, len, steps, C);
+    for (int64_t c = 0; c < 24; ++c) {
+      const int64_t done = offset + 64 * (first + c + 1);
+      const bool due = C > 0 && offset >= 0 && offset % 64 == 0 && done % C == 0 && done <= offset + len &&
+                       done / C - 1 < steps;
+      ASSERT_EQ(clock.tick(c), due ? done / C - 1 : -1)
+          << "C " << C << " len " << len << " steps " << steps << " first " << first << " offset " << offset
+          << " chunk " << c;
+    }
+  }
 }
 
 TEST(PrefillHeuristics, ManyCtasLaunchAfterThePrep) {

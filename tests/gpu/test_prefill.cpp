@@ -334,6 +334,15 @@ std::vector<Case> shape_cases() {
     c.same_slot = true;
     add(c, "f8tiled");
   }
+  // Checkpoints by bulk copies through a stage (head_state_io.cuh store_head_checkpoint_bulk) beside the prep
+  // warpgroup, fp32 (two rounds a warpgroup) and bf16, one at a sequence's last chunk beside its final state; the
+  // other two-warpgroup build's per-thread stores.
+  for (DType cache : {DType::kFloat32, DType::kBFloat16})
+    for (int aux : {0, 1}) {
+      ProblemConfig c = base({640, 64, 333, 1000}, 1, 2);
+      c.checkpoint_interval = 64, c.cache_dtype = cache, c.slot_pad = 16;
+      add(c, "bulk_aux" + std::to_string(aux), cuda::chunked_prefill::kVTileHead, 1, aux);
+    }
   return out;
 }
 
@@ -458,10 +467,15 @@ std::vector<Case> sanitize_cases() {
                    cuda::chunked_prefill::kVTileHead, 1, 0, aux});
     c.seed = 3000 + i++;
   }
-  {  // the default prep warpgroup (M) over 11 chunks: its stages' mbarrier phases wrap
+  {  // the default prep warpgroup (M) over 11 chunks: its stages' mbarrier phases wrap; then with checkpoints by bulk
+     // copies through the stages (fp32 in two rounds a warpgroup, bf16 in one)
     ProblemConfig l = base({650, 70}, 1, 2, 128, 128);
     l.seed = 3000 + i++;
     out.push_back({case_name(l, "long_aux1"), l, cuda::chunked_prefill::kVTileHead, 1, 0, 1});
+    for (DType cache : {DType::kFloat32, DType::kBFloat16}) {
+      l.checkpoint_interval = 128, l.cache_dtype = cache, l.seed = 3000 + i++;
+      out.push_back({case_name(l, "long_aux1"), l, cuda::chunked_prefill::kVTileHead, 1, 0, 1});
+    }
   }
   out.push_back({case_name(c, "head2"), c, cuda::chunked_prefill::kVTileHead, 2});
   c.seed = 3000 + i++;

@@ -56,8 +56,9 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 constexpr int kPqTurnBarrier = 5;  // + the warpgroup that waits
 
 // Named barriers: 0 is __syncthreads; the prep warpgroup meets on 2, state warpgroup g before its o store on
-// kOStoreBarrier + g; beside a producer warpgroup the state warpgroups take their P/Q turns on kPqTurnBarrier + g.
-constexpr int kPrepBarrier = 2, kOStoreBarrier = 3;
+// kOStoreBarrier + g; beside a producer warpgroup the state warpgroups take their P/Q turns on kPqTurnBarrier + g;
+// two state warpgroups meet on kCheckpointBarrier before they store a state through a stage (head_state_io.cuh).
+constexpr int kPrepBarrier = 2, kOStoreBarrier = 3, kCheckpointBarrier = 7;
 
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
 // wgmma build; kMWarpgroup a prep and a producer warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode

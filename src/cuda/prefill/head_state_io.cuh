@@ -9,6 +9,7 @@
 #include "cuda/arch/fp8.cuh"
 #include "cuda/arch/tma.cuh"
 #include "cuda/arch/wgmma.cuh"
+#include "cuda/prefill/checkpoint_clock.h"
 #include "cuda/prefill/head_stage.cuh"
 #include "cuda/prefill/io.cuh"
 #include "cuda/prefill/plan.h"
@@ -115,60 +116,107 @@ __device__ __forceinline__ void load_head_state_slice(float (&s)[S::KT][4], cons
 
 // S of this thread's state warpgroup (its 64 value rows) to `rows`, the first of them in a K-last buffer of dtype dt
 // (64 K contiguous elements, 16-byte aligned; float8_e4m3: their block scales at `row_scales`, 2 K contiguous bytes),
-// through `buf` (as many bytes of shared memory, then the scales', that no thread reads any more) and one bulk copy
-// (two with scales): the thread's K / 4 stores would wait in the memory queues behind the other CTAs' streams, the
-// bulk copy does not. Meets the warpgroup's 128 threads on named barrier `bar`.
-template <class S>
-__device__ __forceinline__ void store_head_rows_bulk(const float (&s)[S::KT][4], const HeadCoords& at, void* buf,
-                                                     void* rows, uint8_t* row_scales, DType dt, int bar) {
+// through `buf` (shared memory that no thread reads any more, then the scales') and bulk copies: the thread's K / 4
+// stores would wait in the memory queues behind the other CTAs' streams, the bulk copy does not. Rows go in rounds of
+// kRoundRows, each round's copy read before the next one writes. Meets the warpgroup's 128 threads on named barrier
+// `bar`; on return the copies have read buf (its issuer waited; the others know once they meet it again).
+template <class S, int kRoundRows>
+__device__ __forceinline__ void store_head_rows_rounds(const float (&s)[S::KT][4], const HeadCoords& at, void* buf,
+                                                       void* rows, uint8_t* row_scales, DType dt, int bar) {
+  static_assert(64 % kRoundRows == 0 && kRoundRows % 16 == 0, "rounds of whole warps' rows");
   const int row = (at.warp % 4) * 16 + at.r;  // the thread's value rows row, row + 8 of the warpgroup's 64
   const bool e4m3 = dt == DType::kFloat8E4M3;
-  const uint32_t bytes = uint32_t(64 * S::K * (dt == DType::kFloat32 ? 4 : e4m3 ? 1 : 2));
-  uint8_t* const buf_scales = static_cast<uint8_t*>(buf) + bytes;
-  if (e4m3) {
-    store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(buf), buf_scales, at.vw + at.r - row);  // from its first row
-  } else {
+  const uint32_t row_bytes = uint32_t(S::K * dtype_bytes(dt));
 #pragma unroll
-    for (int j = 0; j < S::KT; ++j)
+  for (int r0 = 0; r0 < 64; r0 += kRoundRows) {
+    if (r0 > 0) named_barrier_sync(bar, kThreads);  // the previous round's copy has read buf
+    if (e4m3) {
+      store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(buf), static_cast<uint8_t*>(buf) + 64 * row_bytes,
+                               at.vw + at.r - row);  // from its first row (one round)
+    } else if (row >= r0 && row < r0 + kRoundRows) {
 #pragma unroll
-      for (int e = 0; e < 4; e += 2)
-        store_state_pair(buf, dt, int64_t(row + 4 * e) * S::K + 8 * j + at.q2, s[j][e], s[j][e + 1]);
-  }
-  fence_proxy_async();  // the rows are read by the bulk copy
-  named_barrier_sync(bar, kThreads);
-  if (at.tid % kThreads == 0) {
-    bulk_store(rows, buf, bytes);
-    if (e4m3) bulk_store(row_scales, buf_scales, uint32_t(64 * S::K / kFp8Block));
-    bulk_commit_group();
-    bulk_wait_group_read<0>();  // the CTA's shared memory stays until the copy has read it
+      for (int j = 0; j < S::KT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          store_state_pair(buf, dt, int64_t(row - r0 + 4 * e) * S::K + 8 * j + at.q2, s[j][e], s[j][e + 1]);
+    }
+    fence_proxy_async();  // the rows are read by the bulk copy
+    named_barrier_sync(bar, kThreads);
+    if (at.tid % kThreads == 0) {
+      bulk_store(static_cast<char*>(rows) + r0 * row_bytes, buf, uint32_t(kRoundRows) * row_bytes);
+      if (e4m3) bulk_store(row_scales, static_cast<uint8_t*>(buf) + 64 * row_bytes, uint32_t(64 * S::K / kFp8Block));
+      bulk_commit_group();
+      bulk_wait_group_read<0>();  // buf is free again (and the CTA's shared memory may go)
+    }
   }
 }
+// The same through kBufBytes of shared memory: one round where the rows fit (16-bit and float8_e4m3 states in a 64 x
+// K 16-bit buffer), else two (fp32).
+template <class S, uint32_t kBufBytes>
+__device__ __forceinline__ void store_head_rows_bulk(const float (&s)[S::KT][4], const HeadCoords& at, void* buf,
+                                                     void* rows, uint8_t* row_scales, DType dt, int bar) {
+  static_assert(kBufBytes >= 64u * S::K * 2, "a round holds 64 value rows of a 16-bit state (32 of fp32)");
+  if (kBufBytes < 64u * S::K * 4 && dt == DType::kFloat32)
+    store_head_rows_rounds<S, 32>(s, at, buf, rows, row_scales, dt, bar);
+  else
+    store_head_rows_rounds<S, 64>(s, at, buf, rows, row_scales, dt, bar);
+}
 
-// After chunk c of a run: checkpoint entry j holds the state after token (j+1)*C of the sequence, for j < steps, within
-// the run. A split call's piece of sequence `piece` (else -1) starts Plan::split_offsets[piece] tokens into its
-// sequence (none stored where that is negative or not a multiple of 64: the split call counts it as an error).
+// The checkpoints of a run of chunks from chunk `first` of its sequence (checkpoint_clock.h). A split call's piece of
+// sequence `piece` (else -1) starts Plan::split_offsets[piece] tokens into its sequence.
+__device__ __forceinline__ CheckpointClock head_checkpoint_clock(const PrefillParams& p, const Plan& plan,
+                                                                 const SeqSlots& sq, int64_t first, int piece) {
+  if (sq.cslot < 0) return CheckpointClock{};
+  const int64_t offset = piece >= 0 && plan.cp_split && plan.split_offsets ? plan.split_offsets[piece] : 0;
+  return checkpoint_clock(first, offset, sq.len, p.checkpoints.num_steps, p.checkpoint_interval);
+}
+
+// Element (float8_e4m3: byte) offset of checkpoint entry j of the sequence's slot, and of its block scales.
+template <class S>
+__device__ __forceinline__ int64_t head_checkpoint_entry(const PrefillParams& p, const SeqSlots& sq, int HV, int64_t j) {
+  return int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * S::K * S::V);
+}
+template <class S>
+__device__ __forceinline__ uint8_t* head_checkpoint_scales(const PrefillParams& p, const SeqSlots& sq, int HV,
+                                                           int64_t j) {
+  return p.checkpoints.scales + (int64_t(sq.cslot) * p.checkpoints.num_steps + j) * (int64_t(HV) * S::K * S::V /
+                                                                                     kFp8Block);
+}
+
+// S to checkpoint entry j, K / 4 stores a thread.
 template <class S>
 __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4], const PrefillParams& p,
                                                       const Plan& plan, const HeadCoords& at, const SeqSlots& sq,
-                                                      int64_t c, int64_t C, int piece) {
-  if (sq.cslot >= 0) {
-    // (read here, not held across the chunk loop: the registers are the state's)
-    const int64_t offset = piece >= 0 && plan.cp_split && plan.split_offsets ? plan.split_offsets[piece] : 0;
-    const int64_t done = offset + (c + 1) * kChunk;  // tokens of the sequence after chunk c
-    if (done > 0 && done % C == 0 && done <= offset + sq.len && done / C - 1 < p.checkpoints.num_steps) {
-      const int64_t j = done / C - 1;
-      const int64_t entry = int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(at.HV) * S::K * S::V);
-      if (p.checkpoints.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
-        const int64_t blocks = int64_t(at.HV) * S::K * S::V / kFp8Block;
-        store_head_state_e4m3<S>(
-            s, at, static_cast<uint8_t*>(p.checkpoints.data) + entry + int64_t(at.h) * S::K * S::V,
-            p.checkpoints.scales + (int64_t(sq.cslot) * p.checkpoints.num_steps + j) * blocks +
-                int64_t(at.h) * (S::K * S::V / kFp8Block));
-      } else {
-        store_head_state<S>(s, p, at, p.checkpoints.data, p.checkpoints.dtype, entry, plan.checkpoint_pairs);
-      }
-    }
+                                                      int64_t j) {
+  const int64_t entry = head_checkpoint_entry<S>(p, sq, at.HV, j);
+  if (p.checkpoints.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
+    store_head_state_e4m3<S>(s, at,
+                             static_cast<uint8_t*>(p.checkpoints.data) + entry + int64_t(at.h) * S::K * S::V,
+                             head_checkpoint_scales<S>(p, sq, at.HV, j) + int64_t(at.h) * (S::K * S::V / kFp8Block));
+  } else {
+    store_head_state<S>(s, p, at, p.checkpoints.data, p.checkpoints.dtype, entry, plan.checkpoint_pairs);
   }
+}
+
+// The wgmma build, K-last (Plan::checkpoint_bulk): S to checkpoint entry j by bulk copies through the k and q rows of
+// stage b, the chunk's that every state thread has just finished (the builds issue its next loads only after the
+// copies read it: beside a producer warpgroup the caller releases the stage after this). Two state warpgroups meet
+// first and take the k rows (warpgroup 0) and the q rows (1), in rounds; one takes both.
+template <class S>
+__device__ __forceinline__ void store_head_checkpoint_bulk(const float (&s)[S::KT][4], const PrefillParams& p,
+                                                           const HeadCoords& at, const SeqSlots& sq, int64_t j,
+                                                           typename S::Stage& b) {
+  constexpr bool kTwo = S::kWarps == 8;
+  constexpr uint32_t kBufBytes = kTwo ? sizeof(b.ks) : sizeof(b.ks) + sizeof(b.qs);
+  const int wg = at.tid / kThreads;
+  named_barrier_sync(kTwo ? kCheckpointBarrier : kOStoreBarrier, S::kThr);
+  const DType dt = p.checkpoints.dtype;
+  const int64_t first = int64_t(at.h) * S::K * S::V + int64_t(at.v0 + 64 * wg) * S::K;  // the warpgroup's rows
+  char* const rows = static_cast<char*>(p.checkpoints.data) +
+                     (head_checkpoint_entry<S>(p, sq, at.HV, j) + first) * dtype_bytes(dt);
+  uint8_t* const scales =
+      dt == DType::kFloat8E4M3 ? head_checkpoint_scales<S>(p, sq, at.HV, j) + first / kFp8Block : nullptr;
+  store_head_rows_bulk<S, kBufBytes>(s, at, kTwo && wg == 1 ? b.qs : b.ks, rows, scales, dt, kOStoreBarrier + wg);
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -50,10 +50,23 @@ bool head_split_supported(int V, int split) { return split == 1 || (split == 2 &
 
 bool qkv_vectorized(const PrefillParams& p) { return vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v); }
 
+namespace {
+// A K-last state buffer whose head slices (and float8_e4m3 block scales) start on 16-byte boundaries.
+bool bulk_buffer(StateLayout layout, const void* data, int64_t slot_stride, DType dt, const uint8_t* scales) {
+  return layout == StateLayout::kKLast && aligned(data, 16) && slot_stride * dtype_size(dt) % 16 == 0 &&
+         (dt != DType::kFloat8E4M3 || aligned(scales, 16));
+}
+}  // namespace
+
 bool state_bulk_copies(const PrefillParams& p) {
   const StatePool& s = p.state;
-  return s.layout == StateLayout::kKLast && aligned(s.data, 16) && s.slot_stride * dtype_size(s.dtype) % 16 == 0 &&
-         (s.dtype != DType::kFloat8E4M3 || aligned(s.scales, 16));
+  return bulk_buffer(s.layout, s.data, s.slot_stride, s.dtype, s.scales);
+}
+
+bool checkpoint_bulk_copies(const PrefillParams& p) {
+  const StateCache& c = p.checkpoints;
+  return c.data != nullptr && p.state.layout == StateLayout::kKLast &&
+         bulk_buffer(c.layout, c.data, c.slot_stride, c.dtype, c.scales);
 }
 
 bool head_pass_ok(const PrefillParams& p) {

@@ -109,6 +109,9 @@ bool qkv_vectorized(const PrefillParams& p);
 // The pool's head slices (and a float8_e4m3 pool's block scales) allow bulk copies: K-last, 16-byte aligned base and
 // slot stride (Plan::state_bulk).
 bool state_bulk_copies(const PrefillParams& p);
+// The same for the checkpoint buffer (Plan::checkpoint_bulk; the pool K-last too: the kernels lay checkpoints out as
+// the pool).
+bool checkpoint_bulk_copies(const PrefillParams& p);
 // The short-sequence path is built for this call: the head pass's conditions, K = V in {64, 128}, 16-byte
 // aligned state slots, and a grid of N rows.
 bool short_path_supported(const PrefillParams& p);

@@ -67,10 +67,11 @@ struct Plan {
   bool fused_prep = false;
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep (or the gate kernel)
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
-  // K-last pool with 16-byte aligned slots (and block scales): beside a prep warpgroup the initial and final states
-  // move by bulk copies through shared memory (state_pass_head.cuh)
+  // K-last pool with 16-byte aligned slots (and block scales): the wgmma build's final states (beside a prep
+  // warpgroup the initial ones too) move by bulk copies through shared memory (state_pass_head.cuh)
   bool state_bulk = false;
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
+  bool checkpoint_bulk = false;
   // Sequences of at most short_len tokens (prefill/short_sequence.h) run on the short-sequence path
   // instead: both kernels skip them. 0: the chunked kernels run every sequence.
   int32_t short_len = 0;

@@ -168,6 +168,7 @@ Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   plan.checkpoint_pairs = klast && p.checkpoints.data != nullptr &&
                           aligned(p.checkpoints.data, 2 * dtype_size(p.checkpoints.dtype)) &&
                           p.checkpoints.slot_stride % 2 == 0;
+  plan.checkpoint_bulk = checkpoint_bulk_copies(p);
   plan.num_slots = p.total_tokens > 0 ? num_chunk_slots(p) : 0;
   plan.head_split = choice.head_split;
   plan.wgmma_pass = choice.wgmma_pass;

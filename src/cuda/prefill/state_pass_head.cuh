@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   using Stage = typename S::Stage;
   constexpr int kStages = S::kStages;
   static_assert(!kMWarpgroup || sizeof(Stage) >= size_t(K) * V * 4, "a stage holds an fp32 slot slice");
-  static_assert(!kMWarpgroup || sizeof(Stage::ks) + sizeof(Stage::qs) >= size_t(64) * K * 4,
+  static_assert(!kWgmma || sizeof(Stage::ks) + sizeof(Stage::qs) >= size_t(64) * K * 4,
                 "a stage's k and q rows hold a state warpgroup's 64 fp32 value rows");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWgmma ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
@@ -278,7 +278,13 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   }
 
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
-  const int64_t C = p.checkpoint_interval;
+  // the checkpoints this run stores (the local pass stores none)
+  CheckpointClock clock;
+  if constexpr (kCpMode != 1)
+    clock = head_checkpoint_clock(p, plan, sq, kCpMode == 2 ? seg.first_chunk : 0, kCpMode == 2 ? seg.seq : -1);
+  // Checkpoints by bulk copies (Plan::checkpoint_bulk) in the wgmma builds of one state warpgroup or beside a prep
+  // warpgroup; the other two-warpgroup build runs sequences of a few chunks, and ptxas spills its loop with them.
+  constexpr bool kCheckpointBulk = kWgmma && (kMWarpgroup || S::kWarps == 4);
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
   const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition,
                                 kMWarpgroup ? &prep_bars[2 * kStages] : nullptr);  // the o hand-over
@@ -308,30 +314,40 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
       warps.template chunk<true>(b, s, c, L, nchunks, loader, stage);
     else
       warps.template chunk<false>(b, s, c, L, nchunks, loader, stage);
+    const int64_t ck = kCpMode == 1 ? -1 : clock.tick(c);  // the checkpoint entry due after this chunk
+    const bool ck_bulk = kCheckpointBulk && ck >= 0 && plan.checkpoint_bulk;
+    if constexpr (kCheckpointBulk)
+      if (ck_bulk) store_head_checkpoint_bulk<S>(s, p, at, sq, ck, b);
     if constexpr (kMWarpgroup) mbarrier_arrive(&prep_bars[kStages + c % kStages]);  // this thread is done with b
-    if constexpr (kCpMode == 0) store_head_checkpoint<S>(s, p, plan, at, sq, c, C, -1);
-    if constexpr (kCpMode == 2) store_head_checkpoint<S>(s, p, plan, at, sq, seg.first_chunk + c, C, seg.seq);
+    if (ck >= 0 && !ck_bulk) store_head_checkpoint<S>(s, p, plan, at, sq, ck);
   }
 
   if constexpr (kWgmma && S::kOutputs && !kMWarpgroup)
     if (at.tid % 128 == 0) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
 
-  // The state at `offset` of a buffer of dtype dt (float8_e4m3: the slot's block scales at `scales`). Beside a prep
-  // warpgroup, K-last: each state warpgroup's 64 value rows by bulk copies (head_state_io.cuh store_head_rows_bulk)
-  // through the k, q rows of a stage that no thread reads any more: warpgroup g's is the stage of chunk nchunks -
-  // kStages + g (not the last chunk's, which the other warpgroup may still read), once every state thread released
-  // that chunk.
+  // The state at `offset` of a buffer of dtype dt (float8_e4m3: the slot's block scales at `scales`). The wgmma build,
+  // K-last: each state warpgroup's 64 value rows by bulk copies (head_state_io.cuh store_head_rows_bulk) through the
+  // k, q rows of a stage that no thread reads any more: beside a producer warpgroup, warpgroup g's is the stage of
+  // chunk nchunks - kStages + g (not the last chunk's, which the other warpgroup may still read), once every state
+  // thread released that chunk; without one (no loads left) stage g, once the state warps met.
   const auto store_state = [&](void* base, uint8_t* scales, DType dt, int64_t offset, bool pairs,
                                [[maybe_unused]] bool bulk) {
     const int64_t head = int64_t(at.h) * K * V;
-    if constexpr (kMWarpgroup) {
+    if constexpr (kWgmma) {
       if (bulk) {
         const int wg = at.tid / kThreads;
-        const int64_t last = nchunks - kStages + wg, first = head + int64_t(64 * wg) * K;
-        Stage& buf = stage[(last % kStages + kStages) % kStages];
-        if (last >= 0) mbarrier_wait(&prep_bars[kStages + last % kStages], uint32_t(last / kStages) & 1);
-        store_head_rows_bulk<S>(s, at, buf.ks, static_cast<char*>(base) + (offset + first) * dtype_bytes(dt),
-                                scales ? scales + first / kFp8Block : nullptr, dt, kOStoreBarrier + wg);
+        const int64_t first = head + int64_t(at.v0 + 64 * wg) * K;
+        Stage* buf = &stage[wg];
+        if constexpr (kMWarpgroup) {
+          const int64_t last = nchunks - kStages + wg;
+          buf = &stage[(last % kStages + kStages) % kStages];
+          if (last >= 0) mbarrier_wait(&prep_bars[kStages + last % kStages], uint32_t(last / kStages) & 1);
+        } else {
+          named_barrier_sync(S::kWarps == 8 ? kCheckpointBarrier : kOStoreBarrier, S::kThr);
+        }
+        store_head_rows_bulk<S, sizeof(buf->ks) + sizeof(buf->qs)>(
+            s, at, buf->ks, static_cast<char*>(base) + (offset + first) * dtype_bytes(dt),
+            scales ? scales + first / kFp8Block : nullptr, dt, kOStoreBarrier + wg);
         return;
       }
     }
