@@ -86,8 +86,8 @@ struct HeadStateWarps {
   // The wgmma build: o of a full chunk leaves by a TMA store of each warpgroup's staged 64 columns (token start + 64 c).
   const CUtensorMap* o_map;
   int64_t start;
-  // kMWarpgroup: per warpgroup and stage, the mbarrier on which its 128 threads hand a full chunk's staged o to the
-  // producer warpgroup, which stores it
+  // kProducer: per warpgroup and stage, the mbarrier on which its 128 threads hand a full chunk's staged o to the
+  // producer, which stores it
   uint64_t* o_bars;
 
   __device__ __forceinline__ HeadStateWarps(const PrefillParams& p_, const Plan& plan_, const HeadCoords& at_,
@@ -108,7 +108,8 @@ struct HeadStateWarps {
   }
 
   // Chunk c (L tokens) in stage b; issues chunk c + kStages - 1's inputs once its first products are under way
-  // (beside a producer warpgroup, kMWarpgroup, the producer issues them and the state warpgroups take turns at P/Q).
+  // (beside a producer, kProducer, the producer issues them; beside a prep warpgroup the state warpgroups take turns
+  // at P/Q).
   // Built twice: for a full chunk without any length test (one branch-free block that ptxas schedules across the
   // products), and for the last, partial one. c, L, nchunks and stage by reference: the caller's loop variables.
   template <bool kFull>
@@ -133,7 +134,7 @@ struct HeadStateWarps {
 
     // The inputs of chunk c + kStages - 1 (into the stage chunk c - 1 used: every warp is past it): issued here, so
     // that the P/Q products above start right after the barrier (kMWarpgroup: by the producer warpgroup).
-    if constexpr (!S::kMWarpgroup)
+    if constexpr (!S::kProducer)
       if (c + kStages - 1 < nchunks) loader.issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
     if constexpr (kFormsM) q_norms(b);
     if constexpr (kWgmma) {
@@ -381,8 +382,8 @@ struct HeadStateWarps {
   // ---- o: staged transposed (stmatrix) in this warp's v columns, read above, then stored: a full chunk of the wgmma
   // build as its warpgroup's 64 columns by one TMA store (the staged rows are the v tile's box, swizzle and all),
   // otherwise as 32-byte row pieces from each lane. The TMA store's thread waits for it to have read the stage
-  // before the stage is loaded again (state_pass_head.cuh); kMWarpgroup: the warpgroup hands the staged rows to the
-  // producer warpgroup (o_bars), which stores them and waits for that read itself.
+  // before the stage is loaded again (state_pass_head.cuh); kProducer: the warpgroup hands the staged rows to the
+  // producer (o_bars), which stores them and waits for that read itself.
   template <bool kFull>
   __device__ __forceinline__ void store_o(const Stage& b, const float (&qo)[8][4], uint32_t vs_b, int64_t c,
                                           int L) const {
@@ -396,7 +397,7 @@ struct HeadStateWarps {
     if constexpr (kWgmma && kFull) {
       const int wg = at.warp / 4;
       fence_proxy_async();  // the staged rows are read by the TMA unit
-      if constexpr (S::kMWarpgroup) {
+      if constexpr (S::kProducer) {
         mbarrier_arrive(&o_bars[wg * kStages + c % kStages]);
         return;
       }

@@ -57,8 +57,9 @@ constexpr int kPqTurnBarrier = 5;  // + the warpgroup that waits
 
 // Named barriers: 0 is __syncthreads; the prep warpgroup meets on 2, state warpgroup g before its o store on
 // kOStoreBarrier + g; beside a producer warpgroup the state warpgroups take their P/Q turns on kPqTurnBarrier + g;
-// two state warpgroups meet on kCheckpointBarrier before they store a state through a stage (head_state_io.cuh).
-constexpr int kPrepBarrier = 2, kOStoreBarrier = 3, kCheckpointBarrier = 7;
+// two state warpgroups meet on kCheckpointBarrier before they store a state through a stage (head_state_io.cuh);
+// beside a producer warp the state warpgroup meets on kZeroRowsBarrier once it zeroed a partial chunk's rows.
+constexpr int kPrepBarrier = 2, kOStoreBarrier = 3, kCheckpointBarrier = 7, kZeroRowsBarrier = 8;
 
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
 // wgmma build; kMWarpgroup a prep and a producer warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode
@@ -73,6 +74,13 @@ struct HeadPass {
   static_assert(!kFusedPrep || (kMWarpgroup && kCpMode == 0), "the fused prep: the prep warpgroup, whole sequences");
   static constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;  // the state warps
   static constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
+  // A producer warp beside the one state warpgroup of the wgmma build (whole sequences, K = 128: at K = 64 ptxas spills
+  // the chunk loop with it) issues its loads and o stores, so that the state warps never wait for a TMA issue;
+  // kProducer: a producer warp or warpgroup (kMWarpgroup).
+  static constexpr bool kLoadWarp = kWgmma && !kMWarpgroup && kWarps == 4 && kCpMode == 0 && K == 128;
+  static constexpr bool kProducer = kMWarpgroup || kLoadWarp;
+  // The CTA's threads: the state warps, then the prep and producer warpgroups, or the producer warp.
+  static constexpr int kCtaThreads = kThr + (kMWarpgroup ? 2 * 128 : kLoadWarp ? 32 : 0);
   static_assert(!kWgmma || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
   static_assert(!kMWarpgroup || (kWgmma && kCols == 128), "the prep warpgroup: beside two state warpgroups");
   // M formed by the state warpgroups, not read from the stage (with a prep warpgroup, that warpgroup forms it)

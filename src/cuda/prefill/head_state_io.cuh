@@ -200,7 +200,7 @@ __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4]
 
 // The wgmma build, K-last (Plan::checkpoint_bulk): S to checkpoint entry j by bulk copies through the k and q rows of
 // stage b, the chunk's that every state thread has just finished (the builds issue its next loads only after the
-// copies read it: beside a producer warpgroup the caller releases the stage after this). Two state warpgroups meet
+// copies read it: beside a producer the caller releases the stage after this). Two state warpgroups meet
 // first and take the k rows (warpgroup 0) and the q rows (1), in rounds; one takes both.
 template <class S>
 __device__ __forceinline__ void store_head_checkpoint_bulk(const float (&s)[S::KT][4], const PrefillParams& p,

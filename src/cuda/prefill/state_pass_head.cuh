@@ -71,33 +71,27 @@ constexpr size_t head_smem_bytes() {
          (kWgmma ? 1024 : 0);  // + alignment slack
 }
 
-// The head pass's threads: V / kSplit / 16 warps of state columns, and with a prep warpgroup its 128 and the
-// producer warpgroup's 128.
-template <int V, int kSplit, bool kMWarpgroup>
-constexpr int head_pass_threads() {
-  return V / kSplit / 16 * 32 + (kMWarpgroup ? 2 * kThreads : 0);
-}
 
-// bars: the wgmma build's TMA completion of each stage. prep_bars (kMWarpgroup): [0, kStages) the prep
-// warpgroup's completion of each stage; [kStages, 2 kStages) the state warps' release of a stage (each state thread
+// bars: the wgmma build's TMA completion of each stage. prep_bars (kProducer): [0, kStages) the prep warpgroup's
+// completion of each stage (kMWarpgroup); [kStages, 2 kStages) the state warps' release of a stage (each state thread
 // arrives after its last access to a chunk's stage), on which the producer waits before it loads the stage again and
 // the prep warpgroup before it writes there; [2 kStages, 4 kStages) state warpgroup g's o of a full chunk staged in
 // the stage's v rows (2 kStages + g kStages + stage), which the producer stores. The producer loads a stage again
 // only after its o stores have read it. kFusedPrep: [4 kStages, 5 kStages) the producer's norms of the stage's chunk
 // (producer_norms, 64 arrivals). Then (kStateIn) the initial state's bulk copy into the last stage, and every state
-// thread's read of it (Plan::state_bulk).
+// thread's read of it (Plan::state_bulk; kMWarpgroup).
 template <class S>
 __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uint64_t* prep_bars) {
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < S::kStages; ++i) {
       mbarrier_init(&bars[i], 1);
-      if constexpr (S::kMWarpgroup) {
-        mbarrier_init(&prep_bars[i], kThreads);
+      if constexpr (S::kProducer) {
+        if constexpr (S::kMWarpgroup) mbarrier_init(&prep_bars[i], kThreads);
         mbarrier_init(&prep_bars[S::kStages + i], S::kThr);
         // a state warpgroup's o of a full chunk staged in the stage's v rows (warpgroup g: 2 kStages + g kStages + i)
-        mbarrier_init(&prep_bars[2 * S::kStages + i], kThreads);
-        mbarrier_init(&prep_bars[3 * S::kStages + i], kThreads);
+#pragma unroll
+        for (int g = 0; g < S::kWarps / 4; ++g) mbarrier_init(&prep_bars[(2 + g) * S::kStages + i], kThreads);
         if constexpr (S::kFusedPrep) mbarrier_init(&prep_bars[4 * S::kStages + i], 64);
       }
     }
@@ -123,12 +117,14 @@ __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, 
     if (L < kChunk) {
       zero_rows_past<S::K, typename S::Op>(b, L, tid, S::kThr);
       fence_proxy_async();  // the zeros are read by the tensor cores
+      if constexpr (S::kLoadWarp) named_barrier_sync(kZeroRowsBarrier, S::kThr);
     }
   } else {
     cp_async_wait_all();
   }
-  // the kMWarpgroup build's state warpgroups run apart, taking turns at their P/Q products (head_chunk.cuh)
-  if constexpr (!S::kMWarpgroup) __syncthreads();
+  // beside a producer no state thread loads a stage: the state warps meet only where they zeroed rows (above), and
+  // beside a prep warpgroup they run apart, taking turns at their P/Q products (head_chunk.cuh)
+  if constexpr (!S::kProducer) __syncthreads();
 }
 
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
@@ -140,7 +136,7 @@ __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, 
 // kFusedPrep (with kMWarpgroup, whole sequences): the prep warpgroup forms the whole chunk prep (fused_prep_warpgroup)
 // after the gate kernel, with the norms from the producer's last two warps.
 template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0, bool kFusedPrep = false>
-__global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1)
+__global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>::kCtaThreads, 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
   using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>;
   using Stage = typename S::Stage;
@@ -164,10 +160,10 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     if (entry >= 0) seg = plan.cp_segments[entry];
     run = entry >= 0 && seg.seq >= 0 &&
           (kCpMode == 2 || (seg.state >= 0 && (!transition || seg.index > 0 || plan.cp_split)));
-    run = run && begin_sequence<head_pass_threads<V, kSplit, kMWarpgroup>()>(
+    run = run && begin_sequence<S::kCtaThreads>(
                      p, plan, seg.seq, at.h, at.v0, S::kCols, kCpMode == 2 && seg.index == 0 && at.h == 0, sq);
   } else {
-    run = begin_sequence<head_pass_threads<V, kSplit, kMWarpgroup>()>(p, plan, at.n, at.h, at.v0, S::kCols,
+    run = begin_sequence<S::kCtaThreads>(p, plan, at.n, at.h, at.v0, S::kCols,
                                                                        at.h == 0 && at.split == 0, sq);
   }
   if (!run) {
@@ -183,7 +179,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   __shared__ uint64_t bars[kStages];
   // kMWarpgroup: [0, kStages) the prep's, [kStages, 2 kStages) the release, [2 kStages, 4 kStages) o staged (below);
   // kFusedPrep: [4 kStages, 5 kStages) the norms; then the initial state's copy and its read (S::kStateIn)
-  __shared__ uint64_t prep_bars[kMWarpgroup ? S::kStateIn + 2 : 1];
+  __shared__ uint64_t prep_bars[kMWarpgroup ? S::kStateIn + 2 : S::kLoadWarp ? 4 * kStages : 1];
   __shared__ __align__(16) float s_rq[S::kMInPass ? kChunk : 1];
   // Beside a producer warpgroup, the initial slot comes by one bulk copy into the last stage (before that stage's
   // chunk) instead of K / 4 paired loads a thread, which wait behind the other CTAs' streams.
@@ -229,11 +225,22 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
           in.scale_bytes = uint32_t(K * V / kFp8Block);
         }
       }
-      producer_warpgroup<kStages, S::kOutputs>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h, start,
-                                               in);
+      producer_warpgroup<kStages, S::kOutputs, 2>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h,
+                                                  start, in);
       return;
     }
     setmaxnreg_inc<kStateRegs>();
+  }
+  if constexpr (S::kLoadWarp) {  // the producer warp leaves here
+    init_stage_barriers<S>(at.tid, bars, prep_bars);
+    if (at.tid >= S::kThr) {
+      HeadCoords pa = at;
+      pa.tid = at.tid - S::kThr;  // its first thread issues every stage's loads and o stores
+      const HeadLoader<S> loader(p, plan, maps, pa, start, len, slot0, bars);
+      producer_warpgroup<kStages, S::kOutputs, 1>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h,
+                                                  start, InitialStateCopy{});
+      return;
+    }
   }
 
   // S^T in registers (head_chunk.cuh), from the initial slot (pairs where Plan::state_pairs: head_state_io.cuh), or
@@ -287,16 +294,16 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
   constexpr bool kCheckpointBulk = kWgmma && (kMWarpgroup || S::kWarps == 4);
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
   const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition,
-                                kMWarpgroup ? &prep_bars[2 * kStages] : nullptr);  // the o hand-over
+                                S::kProducer ? &prep_bars[2 * kStages] : nullptr);  // the o hand-over
 
-  if constexpr (kWgmma && !kMWarpgroup) init_stage_barriers<S>(at.tid, bars, prep_bars);
+  if constexpr (kWgmma && !S::kProducer) init_stage_barriers<S>(at.tid, bars, prep_bars);
   // Launched right behind the chunk prep with programmatic dependent launch (launch_state_pass_head), the
   // CTAs that find a free SM while the prep's last CTAs finish got here early: the state loads above read
   // the pool and cu_seqlens, which the prep does not write (and what ran before the prep finished before
   // it started). The workspace is read only after the prep's grid completed. Without PDL a no-op.
-  if (!kMWarpgroup && nchunks > 0) loader.issue(0, stage[0], kInputs);
+  if (!S::kProducer && nchunks > 0) loader.issue(0, stage[0], kInputs);
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if constexpr (!kMWarpgroup) {
+  if constexpr (!S::kProducer) {
     if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);
 #pragma unroll
     for (int i = 1; i < kStages - 1; ++i)
@@ -307,7 +314,7 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     // chunk c - 1's o store has read its stage, which chunk c loads again (head_chunk.cuh store_o); with a producer
     // warpgroup the producer stores o and waits for that itself
-    if constexpr (kWgmma && S::kOutputs && !kMWarpgroup)
+    if constexpr (kWgmma && S::kOutputs && !S::kProducer)
       if (at.tid % 128 == 0) bulk_wait_group_read<0>();
     wait_for_stage<S>(b, c, L, at.tid, bars, prep_bars);
     if (L == kChunk)
@@ -318,11 +325,11 @@ __global__ void __launch_bounds__(head_pass_threads<V, kSplit, kMWarpgroup>(), 1
     const bool ck_bulk = kCheckpointBulk && ck >= 0 && plan.checkpoint_bulk;
     if constexpr (kCheckpointBulk)
       if (ck_bulk) store_head_checkpoint_bulk<S>(s, p, at, sq, ck, b);
-    if constexpr (kMWarpgroup) mbarrier_arrive(&prep_bars[kStages + c % kStages]);  // this thread is done with b
+    if constexpr (S::kProducer) mbarrier_arrive(&prep_bars[kStages + c % kStages]);  // this thread is done with b
     if (ck >= 0 && !ck_bulk) store_head_checkpoint<S>(s, p, plan, at, sq, ck);
   }
 
-  if constexpr (kWgmma && S::kOutputs && !kMWarpgroup)
+  if constexpr (kWgmma && S::kOutputs && !S::kProducer)
     if (at.tid % 128 == 0) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
 
   // The state at `offset` of a buffer of dtype dt (float8_e4m3: the slot's block scales at `scales`). The wgmma build,
@@ -383,7 +390,7 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
                         : kCpMode == 2 ? unsigned(plan.cp_max_segments)
                                        : unsigned(p.num_seqs);
   cfg.gridDim = dim3(rows * unsigned(p.heads.num_v_heads) * kSplit, kCpMode == 1 ? 2 : 1);
-  cfg.blockDim = dim3(head_pass_threads<V, kSplit, kMWarpgroup>());
+  cfg.blockDim = dim3(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>::kCtaThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute pdl;
