@@ -133,7 +133,7 @@ struct HeadStateWarps {
     pq_products<kFull>(b, s, pk, qo, mk, ks_b, qs_b, dk, dq, L);
 
     // The inputs of chunk c + kStages - 1 (into the stage chunk c - 1 used: every warp is past it): issued here, so
-    // that the P/Q products above start right after the barrier (kMWarpgroup: by the producer warpgroup).
+    // that the P/Q products above start right after the barrier (kProducer: by the producer).
     if constexpr (!S::kProducer)
       if (c + kStages - 1 < nchunks) loader.issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
     if constexpr (kFormsM) q_norms(b);

@@ -173,7 +173,8 @@ __device__ __forceinline__ CheckpointClock head_checkpoint_clock(const PrefillPa
 
 // Element (float8_e4m3: byte) offset of checkpoint entry j of the sequence's slot, and of its block scales.
 template <class S>
-__device__ __forceinline__ int64_t head_checkpoint_entry(const PrefillParams& p, const SeqSlots& sq, int HV, int64_t j) {
+__device__ __forceinline__ int64_t head_checkpoint_entry(const PrefillParams& p, const SeqSlots& sq, int HV,
+                                                         int64_t j) {
   return int64_t(sq.cslot) * p.checkpoints.slot_stride + j * (int64_t(HV) * S::K * S::V);
 }
 template <class S>
@@ -200,8 +201,8 @@ __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4]
 
 // The wgmma build, K-last (Plan::checkpoint_bulk): S to checkpoint entry j by bulk copies through the k and q rows of
 // stage b, the chunk's that every state thread has just finished (the builds issue its next loads only after the
-// copies read it: beside a producer the caller releases the stage after this). Two state warpgroups meet
-// first and take the k rows (warpgroup 0) and the q rows (1), in rounds; one takes both.
+// copies read it: beside a producer the caller releases the stage after this). Two state warpgroups meet first and
+// take the k rows (warpgroup 0) and the q rows (1), in rounds; one takes both.
 template <class S>
 __device__ __forceinline__ void store_head_checkpoint_bulk(const float (&s)[S::KT][4], const PrefillParams& p,
                                                            const HeadCoords& at, const SeqSlots& sq, int64_t j,

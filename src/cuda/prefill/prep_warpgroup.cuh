@@ -313,13 +313,13 @@ struct InitialStateCopy {
   uint64_t* bars = nullptr;
 };
 
-// The producer warpgroup (kMWarpgroup), or warp (kLoadWarp): its first thread issues every stage's loads, so that no warpgroup that
-// computes waits for a TMA issue (each takes about a hundred cycles). Chunk 0's rows go out before the chunk prep's
-// grid completed, its workspace part after; chunk n (from kStages - 1 on) into the stage of chunk n - kStages once
-// every state thread released it (done[kStages + ...]) and this thread's o stores have read it (below).
-// It also stores each full chunk's o, which the kStateWgs state warpgroups stage in their v rows of the stage and hand over
-// on done[2 kStages + g kStages + c % kStages] (128 arrivals after a proxy fence), by one TMA store per warpgroup; the
-// stage is loaded again only once those stores have read it.
+// The producer warpgroup (kMWarpgroup), or warp (kLoadWarp): its first thread issues every stage's loads, so that no
+// warpgroup that computes waits for a TMA issue (each takes about a hundred cycles). Chunk 0's rows go out before the
+// chunk prep's grid completed, its workspace part after; chunk n (from kStages - 1 on) into the stage of chunk n -
+// kStages once every state thread released it (done[kStages + ...]) and this thread's o stores have read it (below).
+// It also stores each full chunk's o, which the kStateWgs state warpgroups stage in their v rows of the stage and hand
+// over on done[2 kStages + g kStages + c % kStages] (128 arrivals after a proxy fence), by one TMA store per warpgroup;
+// the stage is loaded again only once those stores have read it.
 template <int kStages, bool kOutputs, int kStateWgs, class Loader, class Stage>
 __device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* stage, uint64_t* done, int64_t len,
                                                    bool issuer, const CUtensorMap* o_map, int v0, int h,

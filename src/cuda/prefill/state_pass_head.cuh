@@ -71,7 +71,6 @@ constexpr size_t head_smem_bytes() {
          (kWgmma ? 1024 : 0);  // + alignment slack
 }
 
-
 // bars: the wgmma build's TMA completion of each stage. prep_bars (kProducer): [0, kStages) the prep warpgroup's
 // completion of each stage (kMWarpgroup); [kStages, 2 kStages) the state warps' release of a stage (each state thread
 // arrives after its last access to a chunk's stage), on which the producer waits before it loads the stage again and
@@ -160,11 +159,10 @@ __global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup
     if (entry >= 0) seg = plan.cp_segments[entry];
     run = entry >= 0 && seg.seq >= 0 &&
           (kCpMode == 2 || (seg.state >= 0 && (!transition || seg.index > 0 || plan.cp_split)));
-    run = run && begin_sequence<S::kCtaThreads>(
-                     p, plan, seg.seq, at.h, at.v0, S::kCols, kCpMode == 2 && seg.index == 0 && at.h == 0, sq);
+    run = run && begin_sequence<S::kCtaThreads>(p, plan, seg.seq, at.h, at.v0, S::kCols,
+                                                kCpMode == 2 && seg.index == 0 && at.h == 0, sq);
   } else {
-    run = begin_sequence<S::kCtaThreads>(p, plan, at.n, at.h, at.v0, S::kCols,
-                                                                       at.h == 0 && at.split == 0, sq);
+    run = begin_sequence<S::kCtaThreads>(p, plan, at.n, at.h, at.v0, S::kCols, at.h == 0 && at.split == 0, sq);
   }
   if (!run) {
     // A CTA leaves here (a sequence the recurrent kernels or nobody takes) only after the prep's grid
