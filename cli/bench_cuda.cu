@@ -899,6 +899,7 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
   if (o.vlast_fp8_columns > 0) overrides.decode_vlast_fp8_columns = o.vlast_fp8_columns;
   if (o.chain_min_tokens >= 0) overrides.chain_mma_min_tokens = o.chain_min_tokens;
   if (o.prep_warpgroup >= 0) overrides.prefill_m_warpgroup = o.prep_warpgroup;
+  if (o.chunk_flags >= 0) overrides.prefill_chunk_flags = o.chunk_flags;
   if (o.solo_min_batch >= 0) overrides.decode_solo_min_batch = o.solo_min_batch;
   overrides.prefill_stages = o.prefill_stages;
   const cuda::ScopedOverrides scoped(overrides);  // the A/B switches of this run

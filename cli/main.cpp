@@ -64,6 +64,8 @@ bench options:
   --prep-warpgroup N         A/B switch: prefill's prep warpgroup beside two state warpgroups, 0 none, 1 forming M,
                              2 forming the whole chunk prep (no chunk prep kernel), where the call allows it,
                              instead of the library's choice
+  --chunk-flags N            A/B switch: prefill's head pass waits for the chunk prep's grid (0) or for each chunk's
+                             flag wherever its producer can (1), instead of the library's choice
   --prefill-stages N         timing: prefill's chunk prep alone (1) or state pass alone (2) instead of both (3);
                              the outputs of one alone are not the op's
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
@@ -188,6 +190,8 @@ Options parse_bench(int argc, char** argv, int first) {
       o.solo_min_batch = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--prep-warpgroup") {
       o.prep_warpgroup = int_list(a, value(i), 0, 2).front();
+    } else if (a == "--chunk-flags") {
+      o.chunk_flags = int_list(a, value(i), 0, 1).front();
     } else if (a == "--prefill-stages") {
       o.prefill_stages = int_list(a, value(i), 1, 3).front();
     } else if (a == "--vlast-fp8-columns") {

@@ -539,6 +539,43 @@ TEST(PrefillHeuristics, CheckpointClockMatchesTheRule) {
   }
 }
 
+// The head pass's producer waits for each chunk's flag instead of the chunk prep's grid beside the prep warpgroup for
+// sequences of a mean of at most 2048 tokens (8x1024, 4x2048; not 8x8192, nor the head split's 1x8192), wherever a
+// producer can with the override (the head split too), never under context parallelism, without PDL, or in the
+// two-warpgroup build of sequences of few chunks; off by the override.
+TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
+  PrefillCall eight({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024});
+  auto c = chunked_prefill::choose_prefill(eight.p, kSms, {});
+  EXPECT_TRUE(c.m_warpgroup);
+  EXPECT_TRUE(c.chunk_flags);
+  Overrides off;
+  off.prefill_chunk_flags = 0;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(eight.p, kSms, off).chunk_flags);
+  PrefillCall four({2048, 2048, 2048, 2048});
+  EXPECT_TRUE(chunked_prefill::choose_prefill(four.p, kSms, {}).chunk_flags);
+  PrefillCall longer({8192, 8192, 8192, 8192, 8192, 8192, 8192, 8192});
+  c = chunked_prefill::choose_prefill(longer.p, kSms, {});
+  EXPECT_TRUE(c.m_warpgroup);
+  EXPECT_FALSE(c.chunk_flags);
+  PrefillCall one({8192});
+  c = chunked_prefill::choose_prefill(one.p, kSms, {});
+  EXPECT_EQ(c.head_split, 2);
+  EXPECT_FALSE(c.chunk_flags);
+  Overrides on;
+  on.prefill_chunk_flags = 1;
+  EXPECT_TRUE(chunked_prefill::choose_prefill(one.p, kSms, on).chunk_flags);
+  PrefillCall short_seqs(std::vector<int64_t>(64, 128));  // two chunks each: no prep warpgroup
+  c = chunked_prefill::choose_prefill(short_seqs.p, kSms, {});
+  EXPECT_FALSE(c.m_warpgroup);
+  EXPECT_FALSE(c.chunk_flags);
+  PrefillCall cp({65536}, 2, 8);
+  c = chunked_prefill::choose_prefill(cp.p, kSms, {});
+  EXPECT_GT(c.cp_segment_len, 0);
+  EXPECT_FALSE(c.chunk_flags);
+  PrefillCall many(std::vector<int64_t>(8192, 32));  // no PDL
+  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, {}).chunk_flags);
+}
+
 TEST(PrefillHeuristics, ManyCtasLaunchAfterThePrep) {
   PrefillCall call(std::vector<int64_t>(8192, 32));  // 262144 (sequence, head) CTAs
   const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});

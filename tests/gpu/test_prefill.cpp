@@ -89,9 +89,10 @@ ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128
 constexpr int kShortOnly = -100;
 
 // The library's entry under the overrides a case asks for (0 / -1: the heuristics' choice).
-cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux, int cp = -1) {
+cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux, int cp = -1, int flags = -1) {
   cuda::Overrides o;
   o.prefill_cp_segment_len = cp;
+  o.prefill_chunk_flags = flags;
   o.prefill_vtile = vtile == kShortOnly ? 0 : vtile;
   o.prefill_head_split = head_split;
   o.prefill_short_max_len = short_len;
@@ -100,9 +101,13 @@ cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux
 }
 
 void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1,
-             int cp = -1) {
+             int cp = -1, int flags = -1) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp);
+  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp, flags);
+  // A case that asks for the pass to wait per chunk (or for the prep's grid) must get what it asks for.
+  if (flags >= 0) {
+    EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).chunk_flags, flags > 0);
+  }
   // ... and one that asks for context parallelism must get it.
   if (cp > 0) {
     EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).cp_segment_len, cp);
@@ -130,12 +135,12 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
 void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1, int aux = -1,
-                   int cp = -1) {
+                   int cp = -1, int flags = -1) {
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split, short_len, aux, cp);
+    run_gpu(got, dev, vtile, head_split, short_len, aux, cp, flags);
   }
   check_prefill_results(before, got, ref);
 }
@@ -608,6 +613,39 @@ TEST(PrefillGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
     for (int32_t r = 1; r < 4; ++r)
       EXPECT_TRUE(AllZero("o of sequence " + std::to_string(r),
                           token_rows(o, int64_t(c.HV) * c.V, p.row_start(r), p.row_start(r) + p.row_len(r))));
+  }
+}
+
+// The head pass waiting for each chunk's count (Plan::chunk_ready) computes what it does after the chunk prep's grid:
+// the outputs, final states, checkpoints and error flag of both bit for bit, and within the tolerances of the fp64
+// recurrence; beside the prep warpgroup (a varlen batch with an empty sequence and checkpoints) and in the head split's
+// one state warpgroup (one sequence, and a batch of few heads), the override taking it wherever a producer can.
+TEST(PrefillGpu, ChunkFlagsMatchTheGridWait) {
+  struct Set {
+    std::vector<int32_t> lens;
+    int H, HV, aux;
+  };
+  const Set sets[] = {{{700, 0, 1000, 333, 256}, 2, 4, 1}, {{1000}, 1, 2, -1}, {{300, 0, 129, 640}, 2, 8, -1}};
+  int seed = 4700;
+  for (const Set& s : sets) {
+    SCOPED_TRACE("sequences " + std::to_string(s.lens.size()) + ", HV " + std::to_string(s.HV));
+    ProblemConfig c = base(s.lens, s.H, s.HV);
+    c.checkpoint_interval = 128;
+    c.seed = seed++;
+    const Problem before(c);
+    const int vtile = s.aux > 0 ? cuda::chunked_prefill::kVTileHead : 0, split = s.aux > 0 ? 1 : 0;
+    check_prefill(before, vtile, split, -1, s.aux, -1, 1);
+    Problem flags = before, grid = before;
+    {
+      DeviceProblem dev(flags);
+      run_gpu(flags, dev, vtile, split, -1, s.aux, -1, 1);
+    }
+    {
+      DeviceProblem dev(grid);
+      run_gpu(grid, dev, vtile, split, -1, s.aux, -1, 0);
+    }
+    for (const Buffer& b : flags.buffers())
+      if (b.is_output) EXPECT_TRUE(b.bytes == grid.buffer(b.name).bytes) << b.name << " differs";
   }
 }
 

@@ -211,9 +211,11 @@ __device__ __forceinline__ void masked_decay_pass(const float* gc, const float* 
   }
 }
 
-// One CTA per (chunk slot, q/k head hk): q and k rows, their norms, G = k k^T and q k^T (kM) are computed
-// once; the gates, gcum, M, A, the solve and the workspace writes then run per value head
-// h = hk * HV/H + j of the GVA group (the same operations as one CTA per value head would run).
+// One CTA per (chunk slot, q/k head hk), slot-major (CTA slot * H + hk: a slot's chunks are finished together, early
+// slots first): q and k rows, their norms, G = k k^T and q k^T (kM) are computed once; the gates, gcum, M, A, the
+// solve and the workspace writes then run per value head h = hk * HV/H + j of the GVA group (the same operations as one
+// CTA per value head would run). With Plan::chunk_ready the CTA then counts itself into its slot's count, on which the
+// head pass's producer waits.
 // Without kM (the wgmma head pass forms M from the chunk's rows and takes the q norms there, in its state warpgroups
 // or in its prep warpgroup) q is not read, q k^T and M are skipped, kDecayRq is e^gcum alone, and M's per-token terms
 // (kLog2Gcum, kInvNormK) are written with the other factors, or alone beside a prep warpgroup (Plan::m_warpgroup),
@@ -241,9 +243,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   // The head state pass may launch once every CTA of this grid has started (it waits for the grid's end
   // before reading the workspace): its first CTAs then take the SMs the last wave frees.
   asm volatile("griddepcontrol.launch_dependents;");
-  const int slot = blockIdx.x, hk = blockIdx.y;
+  const int H = p.heads.num_qk_heads, slot = int(blockIdx.x) / H, hk = int(blockIdx.x) - slot * H;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int HV = p.heads.num_v_heads, group = HV / p.heads.num_qk_heads;
+  const int HV = p.heads.num_v_heads, group = HV / H;
   const int h0 = hk * group, h1 = h0 + group;  // the value heads of the group
   // T' and M for the wgmma head pass as causal images (causal_image.cuh; always so without kM), else row-major
   const bool image = !kM || plan.wgmma_pass;
@@ -307,6 +309,11 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
     if (warp == 0 && h + 1 < h1)
       store_gates(p, gates, head_params(h + 1), L, lane, s_gc[(h + 1) & 1], s_beta[(h + 1) & 1]);
     __syncthreads();  // the next head's gcum and beta are final; T is read, the next A may replace it
+  }
+  if (plan.chunk_ready != nullptr) {
+    __threadfence();  // this thread's T', M and factor rows, before the count
+    __syncthreads();
+    if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(plan.chunk_ready + slot) : "memory");
   }
 }
 

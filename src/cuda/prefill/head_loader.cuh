@@ -21,6 +21,18 @@ namespace gdnkit::cuda::chunked_prefill {
 // it (both arrive on one mbarrier / in one cp.async group).
 constexpr int kInputs = 1, kWorkspace = 2, kBoth = 3;
 
+// Until `count` (a chunk slot's q/k heads the chunk prep finished: Plan::chunk_ready) reaches `target`; the acquire
+// orders the prep's writes before this thread's bulk copies of them (after the proxy fence).
+__device__ __forceinline__ void wait_chunk_ready(const uint32_t* count, uint32_t target) {
+  uint32_t n;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(n) : "l"(count) : "memory");
+    if (n >= target) break;
+    __nanosleep(64);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 template <class S>  // HeadPass
 struct HeadLoader {
   using Op = typename S::Op;
@@ -28,6 +40,8 @@ struct HeadLoader {
   // The mma.sync build's pieces: 16 bytes each, a thread's are rows row0 + u * step of fixed columns.
   static constexpr int KP = K / 8, VP = kCols / 8;              // 16-byte pieces per row
   static constexpr int kStepK = kThr / KP, kStepV = kThr / VP;  // rows between a thread's pieces
+  // The builds whose producer may wait for each chunk's count (Plan::chunk_ready): beside a producer, whole sequences.
+  static constexpr bool kChunkFlags = S::kProducer && S::kCpMode == 0;
 
   const PrefillParams& p;
   const HeadTensorMaps& maps;
@@ -43,6 +57,9 @@ struct HeadLoader {
   const Op *t_img, *m_img;
   // The context-parallel transition CTA reads v as zero: its v tiles are not loaded.
   bool load_v;
+  // Beside a producer, Plan::chunk_ready from the sequence's first chunk slot: chunk c's workspace part waits for its
+  // count to reach num_qk_heads (null: the pass waited for the prep's grid).
+  const uint32_t* ready;
 
   __device__ __forceinline__ HeadLoader(const PrefillParams& p_, const Plan& plan, const HeadTensorMaps& maps_,
                                         const HeadCoords& at, int64_t start_, int64_t len_, int64_t slot0,
@@ -63,6 +80,7 @@ struct HeadLoader {
     f_src = plan.ws_factors + ws0 * (kFRows * kChunk);
     t_img = static_cast<const Op*>(plan.ws_tprime) + ws0 * (kChunk * kChunk);
     m_img = S::kMInPass ? nullptr : static_cast<const Op*>(plan.ws_masked_qk) + ws0 * (kChunk * kChunk);
+    ready = kChunkFlags && plan.chunk_ready != nullptr ? plan.chunk_ready + slot0 : nullptr;
   }
 
   // Chunk c's `parts` into stage b.
@@ -103,6 +121,8 @@ struct HeadLoader {
       }
     }
     if (parts & kWorkspace) {
+      if constexpr (kChunkFlags)
+        if (ready != nullptr) wait_chunk_ready(ready + c, uint32_t(p.heads.num_qk_heads));
       const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's causal images: one bulk copy each
       if constexpr (!S::kFusedPrep) bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
       if constexpr (!S::kMInPass && !S::kMWarpgroup && S::kOutputs)

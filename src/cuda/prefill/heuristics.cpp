@@ -27,6 +27,11 @@ bool m_warpgroup_wanted(const PrefillParams& p, const Overrides& o) {
   if (o.prefill_m_warpgroup >= 0) return o.prefill_m_warpgroup > 0;
   return p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs;
 }
+// The head pass waits for each chunk's flag beside the prep warpgroup up to this mean sequence length: a memset
+// before the prep and the producer's polling cost more than the overlap gains on long sequences (8x8192 1% slower),
+// and the head split's one-wave grids gain nothing (their other sequences' first chunks come late in the prep's
+// slot order: tp8 8x1024 and 4x2048 3-4% slower).
+constexpr int64_t kChunkFlagsMaxTokens = 2048;
 // The state pass launches behind the chunk prep with PDL while the grid is at most this many CTAs per SM:
 // with many short CTAs each one's wait costs more than the overlap saves.
 constexpr int kEarlyPassMaxCtasPerSm = 4;
@@ -264,6 +269,13 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   // (under context parallelism the pass behind the prep is the local pass: two CTAs per state and value head)
   const int64_t rows = cp ? 2 * cp_max_states(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;
   c.early_state_pass = prep && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
+  // The pass's producer waits for each chunk's flag, so that the chunks the prep finished early run while its last
+  // wave does: beside the prep warpgroup (HeadPass::kProducer), for sequences of a mean of at most
+  // kChunkFlagsMaxTokens (the override: wherever a producer can wait).
+  const bool producer = c.m_warpgroup || (K == 128 && V / c.head_split == 64);
+  const bool flags_pay = c.m_warpgroup && p.total_tokens <= kChunkFlagsMaxTokens * int64_t(p.num_seqs);
+  c.chunk_flags = c.early_state_pass && c.wgmma_pass && !cp && !c.fused_prep && producer &&
+                  c.stages == kStagesAll && (o.prefill_chunk_flags >= 0 ? o.prefill_chunk_flags > 0 : flags_pay);
   return c;
 }
 

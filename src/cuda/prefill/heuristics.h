@@ -41,6 +41,9 @@ struct PrefillChoice {
   // alone run before the pass (gate_prep_kernel), no chunk prep kernel
   bool fused_prep = false;
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep
+  // ... and waits for each chunk's flag (the chunk prep counts its q/k heads) instead of the prep's grid: the head
+  // pass's builds with a producer (the prep warpgroup's, or the producer warp's), whole sequences
+  bool chunk_flags = false;
   int stages = kStagesAll;
   // > 0: the context-parallel path (context_parallel.cuh) with sequences cut into segments of this many tokens
   int64_t cp_segment_len = 0;

@@ -52,10 +52,12 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
 // The chunk prep, with M (kM) or without (the head pass forms it: Plan::m_in_pass).
 template <int K, class Op, bool kM>
 void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  const dim3 grid(unsigned(plan.num_slots), unsigned(p.heads.num_qk_heads));  // a CTA per GVA group
+  const unsigned grid = unsigned(plan.num_slots) * unsigned(p.heads.num_qk_heads);  // a CTA per GVA group, slot-major
   constexpr size_t smem = prep_smem_bytes<K, Op, kM>();
   const auto kernel = chunk_prep_kernel<K, Op, kM>;
   allow_dynamic_smem<chunk_prep_kernel<K, Op, kM>>(smem);
+  if (plan.chunk_ready != nullptr)
+    GDNKIT_CUDA_CHECK(cudaMemsetAsync(plan.chunk_ready, 0, size_t(plan.num_slots) * sizeof(uint32_t), stream));
   kernel<<<grid, kThreads, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }

@@ -66,6 +66,9 @@ struct Plan {
   // T' or M in the workspace)
   bool fused_prep = false;
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep (or the gate kernel)
+  // PrefillChoice::chunk_flags: per chunk slot the q/k heads the chunk prep finished (zeroed before it), on which the
+  // pass's producer waits chunk by chunk instead of the prep's grid; else null
+  uint32_t* chunk_ready = nullptr;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   // K-last pool with 16-byte aligned slots (and block scales): the wgmma build's final states (beside a prep
   // warpgroup the initial ones too) move by bulk copies through shared memory (state_pass_head.cuh)
@@ -108,11 +111,13 @@ struct HeadTensorMaps {
 };
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
-// Workspace bytes for T', M and the token factors (each 256-byte aligned; prefill_workspace_bytes): M's
-// region also where the pass forms M, so that the size grows with total_tokens and num_seqs alone.
+// Workspace bytes for T', M, the token factors and the chunks' counts (each 256-byte aligned;
+// prefill_workspace_bytes): M's region also where the pass forms M, so that the size grows with total_tokens and
+// num_seqs alone.
 size_t workspace_bytes(const PrefillParams& p);
-// The plan's workspace pointers (ws_tprime, ws_masked_qk: null where the pass forms M, ws_factors) in `base`.
-void carve_workspace(const PrefillParams& p, void* base, Plan& plan);
+// The plan's workspace pointers (ws_tprime, ws_masked_qk: null where the pass forms M, ws_factors, and chunk_ready
+// where chunk_flags) in `base`.
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags);
 
 // Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
 template <int K>

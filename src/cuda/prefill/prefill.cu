@@ -29,6 +29,8 @@ size_t t_bytes(const PrefillParams& p) {
 size_t f_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRowsMax * kChunk * 4);
 }
+// A count per chunk slot: the q/k heads the chunk prep finished (Plan::chunk_ready).
+size_t ready_bytes(const PrefillParams& p) { return round_up(size_t(num_chunk_slots(p)) * 4); }
 
 // The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
 // growing frees the old buffer (cudaFree waits for the device, so kernels still using it finish
@@ -75,10 +77,10 @@ bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>
 // every smaller one, whose pass may read M (one or two sequences: the column split).
 size_t workspace_bytes(const PrefillParams& p) {
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return 2 * t_bytes(p) + f_bytes(p) + cp_workspace_bytes(p, overrides());
+  return 2 * t_bytes(p) + f_bytes(p) + cp_workspace_bytes(p, overrides()) + ready_bytes(p);
 }
 
-void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags) {
   if (base == nullptr) {  // no workspace: no tokens
     plan.ws_tprime = plan.ws_masked_qk = nullptr;
     plan.ws_factors = nullptr;
@@ -88,6 +90,8 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan) {
   plan.ws_tprime = at;
   plan.ws_masked_qk = plan.m_in_pass ? nullptr : at + t_bytes(p);
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
+  if (chunk_flags)
+    plan.chunk_ready = reinterpret_cast<uint32_t*>(at + 2 * t_bytes(p) + f_bytes(p) + cp_workspace_bytes(p, overrides()));
   if (plan.cp_segment_len > 0) {  // the segment table and its indices, then the three per-segment states
     char* cp = at + 2 * t_bytes(p) + f_bytes(p);
     const CpLayout l = cp_layout(p, plan.cp_max_segments, plan.cp_max_states, plan.cp_max_cuts);
@@ -207,7 +211,7 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
                 "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
   Plan plan = make_plan(p, choice);
   void* ws = call_workspace(p, workspace_bytes(p), "prefill_workspace_bytes", stream);
-  carve_workspace(p, ws, plan);
+  carve_workspace(p, ws, plan, choice.chunk_flags);
   if (choice.short_len > 0) prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
   if (K == 64) launch<64>(p, plan, choice.vtile, stream, choice.stages);
   if (K == 128) launch<128>(p, plan, choice.vtile, stream, choice.stages);
@@ -233,7 +237,7 @@ void run_split(const SplitPrefillParams& sp, bool begin, cudaStream_t stream) {
   plan.split_final = p.final_indices != nullptr;
   plan.split_offsets = sp.piece_offsets;
   plan.split_exchange = sp.exchange;
-  carve_workspace(p, call_workspace(p, split_workspace_bytes(sp), "split_prefill_workspace_bytes", stream), plan);
+  carve_workspace(p, call_workspace(p, split_workspace_bytes(sp), "split_prefill_workspace_bytes", stream), plan, false);
   if (p.heads.head_dim_k == 64) launch_split<64>(p, plan, begin, stream);
   if (p.heads.head_dim_k == 128) launch_split<128>(p, plan, begin, stream);
 }

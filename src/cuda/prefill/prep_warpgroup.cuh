@@ -333,7 +333,7 @@ __device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* 
     if (in.scale_bytes > 0)
       bulk_load(reinterpret_cast<char*>(&stage[kStages - 1]) + in.bytes, in.scales, in.scale_bytes, &in.bars[0]);
   }
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (loader.ready == nullptr) asm volatile("griddepcontrol.wait;" ::: "memory");  // else per chunk (the loader)
   if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);
 #pragma unroll
   for (int i = 1; i < kStages - 1; ++i)

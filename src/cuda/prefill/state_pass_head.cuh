@@ -300,7 +300,10 @@ __global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup
   // the pool and cu_seqlens, which the prep does not write (and what ran before the prep finished before
   // it started). The workspace is read only after the prep's grid completed. Without PDL a no-op.
   if (!S::kProducer && nchunks > 0) loader.issue(0, stage[0], kInputs);
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  // (beside a producer with Plan::chunk_ready, the producer waits for each chunk's count instead, and the state warps
+  // for the prep's grid at their end)
+  const bool chunk_flags = HeadLoader<S>::kChunkFlags && plan.chunk_ready != nullptr;
+  if (!chunk_flags) asm volatile("griddepcontrol.wait;" ::: "memory");
   if constexpr (!S::kProducer) {
     if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);
 #pragma unroll
@@ -329,6 +332,8 @@ __global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup
 
   if constexpr (kWgmma && S::kOutputs && !S::kProducer)
     if (at.tid % 128 == 0) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
+  // this grid never completes before the prep's (whatever the stream's next launch assumes about PDL)
+  if (chunk_flags) asm volatile("griddepcontrol.wait;" ::: "memory");
 
   // The state at `offset` of a buffer of dtype dt (float8_e4m3: the slot's block scales at `scales`). The wgmma build,
   // K-last: each state warpgroup's 64 value rows by bulk copies (head_state_io.cuh store_head_rows_bulk) through the
