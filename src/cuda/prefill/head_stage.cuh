@@ -74,10 +74,9 @@ struct HeadPass {
   static_assert(!kFusedPrep || (kMWarpgroup && kCpMode == 0), "the fused prep: the prep warpgroup, whole sequences");
   static constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;  // the state warps
   static constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
-  // A producer warp beside the one state warpgroup of the wgmma build (whole sequences, K = 128: at K = 64 ptxas spills
-  // the chunk loop with it) issues its loads and o stores, so that the state warps never wait for a TMA issue;
-  // kProducer: a producer warp or warpgroup (kMWarpgroup).
-  static constexpr bool kLoadWarp = kWgmma && !kMWarpgroup && kWarps == 4 && kCpMode == 0 && K == 128;
+  // A producer warp beside the one state warpgroup of the wgmma build (head_pass_load_warp) issues its loads and o
+  // stores, so that the state warps never wait for a TMA issue; kProducer: a producer warp or warpgroup (kMWarpgroup).
+  static constexpr bool kLoadWarp = head_pass_load_warp(kWgmma, kMWarpgroup, K, kCols, kCpMode != 0);
   static constexpr bool kProducer = kMWarpgroup || kLoadWarp;
   // The CTA's threads: the state warps, then the prep and producer warpgroups, or the producer warp.
   static constexpr int kCtaThreads = kThr + (kMWarpgroup ? 2 * 128 : kLoadWarp ? 32 : 0);

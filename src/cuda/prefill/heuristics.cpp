@@ -272,7 +272,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   // The pass's producer waits for each chunk's flag, so that the chunks the prep finished early run while its last
   // wave does: beside the prep warpgroup (HeadPass::kProducer), for sequences of a mean of at most
   // kChunkFlagsMaxTokens (the override: wherever a producer can wait).
-  const bool producer = c.m_warpgroup || (K == 128 && V / c.head_split == 64);
+  const bool producer = c.m_warpgroup || head_pass_load_warp(c.wgmma_pass, c.m_warpgroup, K, V / c.head_split, cp);
   const bool flags_pay = c.m_warpgroup && p.total_tokens <= kChunkFlagsMaxTokens * int64_t(p.num_seqs);
   c.chunk_flags = c.early_state_pass && c.wgmma_pass && !cp && !c.fused_prep && producer &&
                   c.stages == kStagesAll && (o.prefill_chunk_flags >= 0 ? o.prefill_chunk_flags > 0 : flags_pay);

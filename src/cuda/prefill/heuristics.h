@@ -123,6 +123,11 @@ bool head_tensor_maps_ok(const PrefillParams& p);
 // The wgmma build with `cols` value columns per CTA forms M itself (two warpgroups each form half of it
 // beside their own products); with one warpgroup per CTA M stays in the workspace.
 constexpr bool head_pass_forms_m(bool wgmma, int cols) { return wgmma && cols == 128; }
+// ... and (without the prep warpgroup, which has a producer warpgroup) a producer warp issues the loads and o stores of
+// its one state warpgroup: 64 columns per CTA, K = 128 (at K = 64 ptxas spills the chunk loop with it), whole sequences.
+constexpr bool head_pass_load_warp(bool wgmma, bool m_warpgroup, int K, int cols, bool context_parallel) {
+  return wgmma && !m_warpgroup && cols == 64 && K == 128 && !context_parallel;
+}
 
 // The longest sequence the short-sequence path takes by default, per layout, input and pool dtype.
 int short_len_default(const PrefillParams& p);

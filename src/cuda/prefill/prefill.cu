@@ -31,6 +31,9 @@ size_t f_bytes(const PrefillParams& p) {
 }
 // A count per chunk slot: the q/k heads the chunk prep finished (Plan::chunk_ready).
 size_t ready_bytes(const PrefillParams& p) { return round_up(size_t(num_chunk_slots(p)) * 4); }
+// The regions in order: T', M, the factors, the context-parallel part (cp_workspace_bytes), the counts.
+size_t cp_offset(const PrefillParams& p) { return 2 * t_bytes(p) + f_bytes(p); }
+size_t ready_offset(const PrefillParams& p) { return cp_offset(p) + cp_workspace_bytes(p, overrides()); }
 
 // The workspace the library owns per device when PrefillParams::workspace is nullptr. It only grows;
 // growing frees the old buffer (cudaFree waits for the device, so kernels still using it finish
@@ -77,7 +80,7 @@ bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>
 // every smaller one, whose pass may read M (one or two sequences: the column split).
 size_t workspace_bytes(const PrefillParams& p) {
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  return 2 * t_bytes(p) + f_bytes(p) + cp_workspace_bytes(p, overrides()) + ready_bytes(p);
+  return ready_offset(p) + ready_bytes(p);
 }
 
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags) {
@@ -90,10 +93,9 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_
   plan.ws_tprime = at;
   plan.ws_masked_qk = plan.m_in_pass ? nullptr : at + t_bytes(p);
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
-  if (chunk_flags)
-    plan.chunk_ready = reinterpret_cast<uint32_t*>(at + 2 * t_bytes(p) + f_bytes(p) + cp_workspace_bytes(p, overrides()));
+  if (chunk_flags) plan.chunk_ready = reinterpret_cast<uint32_t*>(at + ready_offset(p));
   if (plan.cp_segment_len > 0) {  // the segment table and its indices, then the three per-segment states
-    char* cp = at + 2 * t_bytes(p) + f_bytes(p);
+    char* cp = at + cp_offset(p);
     const CpLayout l = cp_layout(p, plan.cp_max_segments, plan.cp_max_states, plan.cp_max_cuts);
     plan.cp_segments = reinterpret_cast<CpSegment*>(cp);
     plan.cp_state_entry = reinterpret_cast<int32_t*>(cp + l.state_entry);
@@ -221,7 +223,7 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
 size_t split_workspace_bytes(const SplitPrefillParams& sp) {
   const PrefillParams p = split_local_params(sp);
   if (p.num_seqs <= 0) return 0;
-  return 2 * t_bytes(p) + f_bytes(p) + split_cp_workspace_bytes(p, device_sms(), overrides());
+  return cp_offset(p) + split_cp_workspace_bytes(p, device_sms(), overrides());
 }
 
 void run_split(const SplitPrefillParams& sp, bool begin, cudaStream_t stream) {
