@@ -16,6 +16,13 @@ __device__ __forceinline__ float e8m0_scale(uint32_t e) {
   return __uint_as_float(e == 0u ? 0x00400000u : bits);
 }
 
+// 1 / x to about 1 ulp (rcp.approx.ftz: a subnormal x counts as 0, its reciprocal infinite).
+__device__ __forceinline__ float rcp_approx_ftz(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // |x| as bits: their max over a block orders NaN and infinities above every finite value.
 __device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
@@ -94,9 +101,12 @@ __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16])
 }
 
 // A 32-element block held by lanes l and l ^ kPartner, 16 values each, to e4m3 bytes and its E8M0 scale byte (the
-// same on both lanes).
-template <int kPartner>
-__device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t& scale_byte) {
+// same on both lanes). kFactored: the values are x w, for a w > 0 the same on both lanes (a factor the caller kept
+// out of its elements): the scale comes from w max|x|, each element goes through x (w 2^-s), and the NaN scale's
+// factor is NaN (every element then converts to the NaN code, with no branch). Otherwise the values are x (w unused)
+// and the NaN scale a branch, which keeps narrow decode warps faster (docs/design/decode.md "fp8 pools").
+template <int kPartner, bool kFactored = false>
+__device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t& scale_byte, float w = 1.0f) {
   float h[8];  // a pairwise tree: 4 dependent steps, not 16
 #pragma unroll
   for (int j = 0; j < 8; ++j) h[j] = max_abs_nan(x[j], x[j + 8]);
@@ -105,12 +115,26 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t
 #pragma unroll
     for (int j = 0; j < n; ++j) h[j] = max_abs_nan(h[j], h[j + n]);
   const float m = max_abs_nan(h[0], __shfl_xor_sync(0xffffffffu, h[0], kPartner));
-  const Fp8Scale sc = e4m3_block_scale(__float_as_uint(m));
-  scale_byte = sc.byte;
-  uint32_t w[4];
+  if constexpr (!kFactored) {
+    const Fp8Scale sc = e4m3_block_scale(__float_as_uint(m));
+    scale_byte = sc.byte;
+    uint32_t out[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], sc);
-  return make_uint4(w[0], w[1], w[2], w[3]);
+    for (int i = 0; i < 4; ++i) out[i] = e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], sc);
+    return make_uint4(out[0], out[1], out[2], out[3]);
+  }
+  const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w * m));
+  scale_byte = sc.byte;
+  const float f = sc.byte == 255u ? __uint_as_float(0x7fffffffu) : w * sc.inv;
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = make_float2(x[4 * i] * f, x[4 * i + 1] * f), b = make_float2(x[4 * i + 2] * f, x[4 * i + 3] * f);
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(b, __NV_SATFINITE, __NV_E4M3);
+    out[i] = lo | (hi << 16);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 }  // namespace gdnkit::cuda

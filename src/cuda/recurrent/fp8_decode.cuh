@@ -9,10 +9,11 @@
 //   d_k = S . k, d_q = S . q                        (per-lane sums of e4m3 x k times the lane's block scale,
 //                                                    reduced over the column's lanes; e^g S as (e^g 2^s) e4m3)
 //   u = beta (v - e^g rk d_k),  o = e^g rq d_q + kq_n u
-//   S_new = e^g S + k (rk u), then per block: the scale from the block's largest magnitude (its exponent after
-//   rounding to 4 significant bits, minus 7: the largest element lands on [128, 240]), each element x 2^-s
-//   rounded to nearest even; a block holding NaN or an infinity gets the NaN scale (host_dtype.h
-//   quantize_e4m3_block, which the CPU backend stores: the same bytes for the same fp32 values).
+//   S_new = e^g S + k (rk u) (32-column warps: as w (e4m3 + r k), w = e^g 2^s, one FFMA an element), then per
+//   block: the scale from the block's largest magnitude (its exponent after rounding to 4 significant bits, minus 7:
+//   the largest element lands on [128, 240]), each element x 2^-s rounded to nearest even; a block holding NaN or
+//   an infinity gets the NaN scale (host_dtype.h quantize_e4m3_block, which the CPU backend stores: the same bytes
+//   for the same fp32 values).
 // Padding rows, out-of-range slots (counted), GVA, fused or given gates and the L2 norm as in the warp kernel
 // (row.cuh, token.cuh); the gates by their SFU forms (token.cuh gate_log_values<true>: a few ulp, far inside
 // the e4m3 state's rounding).
@@ -52,6 +53,8 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
   constexpr int kColBlocks = K / kFp8Block;  // scale blocks per column
   constexpr int64_t kHeadElems = int64_t(K) * V, kHeadBlocks = kHeadElems / kFp8Block;
   static_assert(V % Tile::kCtaCols == 0, "fp8 decode: V a multiple of the CTA's columns");
+  // The factored update and quantization in the wide warps (large grids, bound by the schedulers' issue).
+  constexpr bool kFactored = kColsPerWarp == 32;
   (void)prefetch;  // every grid runs the same way
 
   const int lane = int(threadIdx.x) % 32, c = lane % kLPC, g = lane / kLPC;
@@ -126,10 +129,26 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     const float u = beta * (to_float(vv[i]) - decay * (dk * rk));
     if (c == 0) o[kCPL * i + g] = from_float<TInput>(fmaf(kq_n, u, decay * (dq * rq)));
     const float uk = u * rk, ds = decay * sc;  // decay (S / scale) scale = (decay scale) (S / scale)
+    float w = 1.0f;
+    if constexpr (kFactored) {
+      // S_new = ds (S / scale) + uk k kept as w (S / scale + r k), w = ds and r = uk / ds: one FFMA an element, w
+      // applied with the new block's 2^-s. Where ds is not a normal number (a block of the smallest scale, a decay
+      // near zero: flushed to 0 by the reciprocal) or r would overflow, w = 1 and S / scale is multiplied by ds first.
+      float r = uk * rcp_approx_ftz(ds);
+      w = ds;
+      if (!(fabsf(r) <= 3.40282347e38f)) {
+        r = uk, w = 1.0f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) s[j] = fmaf(kf[j], uk, ds * s[j]);
+        for (int j = 0; j < 16; ++j) s[j] *= ds;
+      }
+#pragma unroll
+      for (int j = 0; j < 16; ++j) s[j] = fmaf(kf[j], r, s[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) s[j] = fmaf(kf[j], uk, ds * s[j]);
+    }
     uint32_t new_scale;
-    const uint4 out = quantize_e4m3x16<1>(s, new_scale);
+    const uint4 out = quantize_e4m3x16<1, kFactored>(s, new_scale, w);
     const int col = v0 + kCPL * i + g;
     *reinterpret_cast<uint4*>(head + int64_t(col) * K + 16 * c) = out;
     if (c % 2 == 0) scales[col * kColBlocks + c / 2] = uint8_t(new_scale);
