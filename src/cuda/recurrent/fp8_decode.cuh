@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
   gate_log_values<true>(p.gating, hg, gate_bits, gl, beta);
   const float decay = __expf(gl);
 
+  float o_lane = 0.0f;  // kFactored: o of column kCPL c + g, run c's
 #pragma unroll
   for (int i = 0; i < kLoads; ++i) {
     float s[16];
@@ -127,7 +128,11 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
       dq += __shfl_xor_sync(0xffffffffu, dq, off);
     }
     const float u = beta * (to_float(vv[i]) - decay * (dk * rk));
-    if (c == 0) o[kCPL * i + g] = from_float<TInput>(fmaf(kq_n, u, decay * (dq * rq)));
+    if constexpr (kFactored) {
+      if (c == i) o_lane = fmaf(kq_n, u, decay * (dq * rq));  // stored after the loop, one element a lane
+    } else {
+      if (c == 0) o[kCPL * i + g] = from_float<TInput>(fmaf(kq_n, u, decay * (dq * rq)));
+    }
     const float uk = u * rk, ds = decay * sc;  // decay (S / scale) scale = (decay scale) (S / scale)
     float w = 1.0f;
     if constexpr (kFactored) {
@@ -152,6 +157,10 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     const int col = v0 + kCPL * i + g;
     *reinterpret_cast<uint4*>(head + int64_t(col) * K + 16 * c) = out;
     if (c % 2 == 0) scales[col * kColBlocks + c / 2] = uint8_t(new_scale);
+  }
+  if constexpr (kFactored) {
+    static_assert(Tile::kLoads <= Tile::kLanesPerCol, "a lane of each column group per run");
+    if (c < kLoads) o[kCPL * c + g] = from_float<TInput>(o_lane);
   }
 }
 
