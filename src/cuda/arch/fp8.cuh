@@ -60,9 +60,16 @@ __device__ __forceinline__ uint32_t e4m3x2(float a, float b, const Fp8Scale& sc)
   return __nv_cvt_float2_to_fp8x2(make_float2(a * sc.inv, b * sc.inv), __NV_SATFINITE, __NV_E4M3);
 }
 
-// Four values as e4m3x4, from the scale's 2^-s alone (0: the NaN scale).
-__device__ __forceinline__ uint32_t e4m3x4_by_inv(float a, float b, float c, float d, float inv) {
-  return e4m3x4(a, b, c, d, Fp8Scale{inv == 0.0f ? 255u : 0u, inv});
+// Four values times f as e4m3 bytes, the first in the low byte: no branch, a NaN f (the NaN scale's) gives the NaN
+// codes.
+__device__ __forceinline__ uint32_t e4m3x4_by_factor(float a, float b, float c, float d, float f) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a * f, b * f), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c * f, d * f), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+// The factor of a scale for e4m3x4_by_factor: 2^-s, NaN for the NaN scale.
+__device__ __forceinline__ float e4m3_factor(const Fp8Scale& sc) {
+  return sc.byte == 255u ? __uint_as_float(0x7fffffffu) : sc.inv;
 }
 
 // One value x 2^-s as an e4m3 byte (the NaN code under the NaN scale).
@@ -128,12 +135,7 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t
   const float f = sc.byte == 255u ? __uint_as_float(0x7fffffffu) : w * sc.inv;
   uint32_t out[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 a = make_float2(x[4 * i] * f, x[4 * i + 1] * f), b = make_float2(x[4 * i + 2] * f, x[4 * i + 3] * f);
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3);
-    const uint32_t hi = __nv_cvt_float2_to_fp8x2(b, __NV_SATFINITE, __NV_E4M3);
-    out[i] = lo | (hi << 16);
-  }
+  for (int i = 0; i < 4; ++i) out[i] = e4m3x4_by_factor(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], f);
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
