@@ -200,16 +200,16 @@ struct WarpTile<StateLayout::kKLast, TState, K, V, kWidth> {
       if (lane % kLanesPerCol == 0) scales[mine * (K / kFp8Block) + k / kFp8Block] = uint8_t(own.byte);
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
-        const float inv = __shfl_sync(0xffffffffu, e4m3_factor(own), group + i * kLanesPerCol);
+        const float f = __shfl_sync(0xffffffffu, e4m3_factor(own), group + i * kLanesPerCol);
         const float* x = &s.v[i][j];
         uint8_t* at = tile + i * K + k;
         if constexpr (kVec == 2) {
-          *reinterpret_cast<uint16_t*>(at) = uint16_t(e4m3x4_by_factor(x[0], x[1], 0.0f, 0.0f, inv));
+          *reinterpret_cast<uint16_t*>(at) = uint16_t(e4m3x4_by_factor(x[0], x[1], 0.0f, 0.0f, f));
         } else if constexpr (kVec == 4) {
-          *reinterpret_cast<uint32_t*>(at) = e4m3x4_by_factor(x[0], x[1], x[2], x[3], inv);
+          *reinterpret_cast<uint32_t*>(at) = e4m3x4_by_factor(x[0], x[1], x[2], x[3], f);
         } else {
           *reinterpret_cast<uint2*>(at) =
-              make_uint2(e4m3x4_by_factor(x[0], x[1], x[2], x[3], inv), e4m3x4_by_factor(x[4], x[5], x[6], x[7], inv));
+              make_uint2(e4m3x4_by_factor(x[0], x[1], x[2], x[3], f), e4m3x4_by_factor(x[4], x[5], x[6], x[7], f));
         }
       }
     }
