@@ -47,19 +47,6 @@ __device__ __forceinline__ float max_abs_nan(float a, float b) {
   return m;
 }
 
-// Four values x 2^-s as e4m3 bytes, the first in the low byte (all NaN codes under the NaN scale).
-__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, const Fp8Scale& sc) {
-  if (sc.byte == 255u) return 0x7f7f7f7fu;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a * sc.inv, b * sc.inv), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c * sc.inv, d * sc.inv), __NV_SATFINITE, __NV_E4M3);
-  return lo | (hi << 16);
-}
-// Two values, the first in the low byte.
-__device__ __forceinline__ uint32_t e4m3x2(float a, float b, const Fp8Scale& sc) {
-  if (sc.byte == 255u) return 0x7f7fu;
-  return __nv_cvt_float2_to_fp8x2(make_float2(a * sc.inv, b * sc.inv), __NV_SATFINITE, __NV_E4M3);
-}
-
 // Four values times f as e4m3 bytes, the first in the low byte: no branch, a NaN f (the NaN scale's) gives the NaN
 // codes.
 __device__ __forceinline__ uint32_t e4m3x4_by_factor(float a, float b, float c, float d, float f) {
@@ -67,9 +54,20 @@ __device__ __forceinline__ uint32_t e4m3x4_by_factor(float a, float b, float c, 
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c * f, d * f), __NV_SATFINITE, __NV_E4M3);
   return lo | (hi << 16);
 }
+// The factor of the NaN scale for e4m3x4_by_factor.
+__device__ __forceinline__ float e4m3_nan_factor() { return __uint_as_float(0x7fffffffu); }
 // The factor of a scale for e4m3x4_by_factor: 2^-s, NaN for the NaN scale.
-__device__ __forceinline__ float e4m3_factor(const Fp8Scale& sc) {
-  return sc.byte == 255u ? __uint_as_float(0x7fffffffu) : sc.inv;
+__device__ __forceinline__ float e4m3_factor(const Fp8Scale& sc) { return sc.byte == 255u ? e4m3_nan_factor() : sc.inv; }
+
+// Four values x 2^-s as e4m3 bytes, the first in the low byte (all NaN codes under the NaN scale).
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, const Fp8Scale& sc) {
+  if (sc.byte == 255u) return 0x7f7f7f7fu;
+  return e4m3x4_by_factor(a, b, c, d, sc.inv);
+}
+// Two values, the first in the low byte.
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b, const Fp8Scale& sc) {
+  if (sc.byte == 255u) return 0x7f7fu;
+  return __nv_cvt_float2_to_fp8x2(make_float2(a * sc.inv, b * sc.inv), __NV_SATFINITE, __NV_E4M3);
 }
 
 // One value x 2^-s as an e4m3 byte (the NaN code under the NaN scale).
@@ -132,7 +130,7 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t
   }
   const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w * m));
   scale_byte = sc.byte;
-  const float f = sc.byte == 255u ? __uint_as_float(0x7fffffffu) : w * sc.inv;
+  const float f = sc.byte == 255u ? e4m3_nan_factor() : w * sc.inv;
   uint32_t out[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) out[i] = e4m3x4_by_factor(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], f);

@@ -22,6 +22,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 
 #include "cuda/arch/dtype.cuh"
@@ -141,7 +142,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
       // near zero: flushed to 0 by the reciprocal) or r would overflow, w = 1 and S / scale is multiplied by ds first.
       float r = uk * rcp_approx_ftz(ds);
       w = ds;
-      if (!(fabsf(r) <= 3.40282347e38f)) {
+      if (!(fabsf(r) <= FLT_MAX)) {
         r = uk, w = 1.0f;
 #pragma unroll
         for (int j = 0; j < 16; ++j) s[j] *= ds;
