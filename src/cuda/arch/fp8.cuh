@@ -57,7 +57,9 @@ __device__ __forceinline__ uint32_t e4m3x4_by_factor(float a, float b, float c, 
 // The factor of the NaN scale for e4m3x4_by_factor.
 __device__ __forceinline__ float e4m3_nan_factor() { return __uint_as_float(0x7fffffffu); }
 // The factor of a scale for e4m3x4_by_factor: 2^-s, NaN for the NaN scale.
-__device__ __forceinline__ float e4m3_factor(const Fp8Scale& sc) { return sc.byte == 255u ? e4m3_nan_factor() : sc.inv; }
+__device__ __forceinline__ float e4m3_factor(const Fp8Scale& sc) {
+  return sc.byte == 255u ? e4m3_nan_factor() : sc.inv;
+}
 
 // Four values x 2^-s as e4m3 bytes, the first in the low byte (all NaN codes under the NaN scale).
 __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, const Fp8Scale& sc) {
