@@ -59,6 +59,8 @@ bench options:
                              library's choice
   --chain-min-tokens N       A/B switch: verify and commit of chains of at least N tokens on the tensor-core chain
                              kernel (0: never), instead of the library's choice
+  --fp8-chain N              A/B switch: verify of chains on float8_e4m3 pools on the fp8 chain kernel from N
+                             sequences (0: never), where it is built, instead of the library's choice
   --solo-min-batch N         A/B switch: fp32 K-last decode on one-warp CTAs from N sequences (0: never), instead
                              of the library's choice
   --prep-warpgroup N         A/B switch: prefill's prep warpgroup beside two state warpgroups, 0 none, 1 forming M,
@@ -186,6 +188,8 @@ Options parse_bench(int argc, char** argv, int first) {
       if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
     } else if (a == "--chain-min-tokens") {
       o.chain_min_tokens = int_list(a, value(i), 0, 64).front();
+    } else if (a == "--fp8-chain") {
+      o.fp8_chain = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--solo-min-batch") {
       o.solo_min_batch = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--prep-warpgroup") {

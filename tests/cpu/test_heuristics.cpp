@@ -33,6 +33,7 @@ Candidates h100_candidates(int64_t B) {
   c.vlast_decode = {32 * 4 * B, 8 * kSms};
   c.mma_decode = {32 * 2 * B, 6 * kSms};   // 24 warps per SM
   c.chain_mma = {32 * 4 * B, 8 * kSms};
+  c.fp8_chain = {32 * 2 * B, 3 * kSms};    // 2 CTAs per head, 12 warps per SM
   return c;
 }
 
@@ -172,6 +173,51 @@ TEST(RecurrentHeuristics, ChainsOnTensorCoresFromThreeTokens) {
     r.num_draft_tokens = 8;
     EXPECT_EQ(kernel_at(r), RecurrentKernel::kChainMma);
   }
+}
+
+TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
+  RecurrentCall c = decode_call(DType::kFloat8E4M3, DType::kBFloat16, 64);
+  c.op = RecurrentOp::kVerify;
+  c.num_draft_tokens = 4;
+  c.caches_states = true, c.cache_dtype = DType::kFloat8E4M3;
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8Chain);
+  c.caches_states = false;  // no cache
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8Chain);
+  c.input_dtype = DType::kFloat16;
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8Chain);
+  // The warp kernel: other caches, trees, fp32 inputs, K = 256, V-last, other ops, or where asked.
+  RecurrentCall other = c;
+  other.caches_states = true, other.cache_dtype = DType::kBFloat16;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.tree = true;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.input_dtype = DType::kFloat32;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.head_dim_k = other.head_dim_v = 256;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.head_dim_k = other.head_dim_v = 64;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kFp8Chain);
+  other = c, other.layout = StateLayout::kVLast;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.op = RecurrentOp::kRecompute;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.state_dtype = DType::kBFloat16;
+  EXPECT_NE(kernel_at(other), RecurrentKernel::kFp8Chain);
+  // B = 1 keeps the warp kernel (twice the warps, each a shorter chain), B = 2 takes the fp8 chain kernel.
+  other = c, other.batch = 1;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other.batch = 2;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kFp8Chain);
+  Overrides o;
+  o.verify_fp8_chain_min_batch = 0;  // never
+  EXPECT_EQ(kernel_at(c, o), RecurrentKernel::kWarpRegular);
+  o.verify_fp8_chain_min_batch = 1;
+  other = c, other.batch = 1;
+  EXPECT_EQ(kernel_at(other, o), RecurrentKernel::kFp8Chain);
+  o.verify_fp8_chain_min_batch = 128;
+  EXPECT_EQ(kernel_at(c, o), RecurrentKernel::kWarpRegular);
+  const auto r = recurrent::choose_recurrent_kernel(c, h100_candidates(c.batch), Overrides{});
+  EXPECT_FALSE(r.prefetch);
 }
 
 TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {

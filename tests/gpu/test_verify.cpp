@@ -185,6 +185,33 @@ std::vector<Named> verify_cases() {
       if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
       out.push_back({name_of(s, c), c});
     }
+  // Chains on the fp8 chain kernel (fp8_chain.cuh, from B = 2): past 32 tokens (the gates of the next 32), the
+  // qwen3-next heads over several waves with padding and empty rows, one sequence (the warp kernel), K = 64, fp16
+  // inputs, given gates without the L2 norm, long memory.
+  for (int T : {33, 40}) {
+    ProblemConfig c = make(Shape::kChainUpdate, StateLayout::kKLast, DType::kFloat8E4M3,
+                           T == 40 ? DType::kFloat8E4M3 : DType::kFloat32, T, seed++);
+    c.intermediate = T == 40, c.long_memory = T == 33;
+    out.push_back({name_of(Shape::kChainUpdate, c), c});
+  }
+  for (DType cache : {DType::kFloat8E4M3, DType::kFloat32}) {
+    ProblemConfig c = make(Shape::kVarlenChain, StateLayout::kKLast, DType::kFloat8E4M3, cache, 6, seed++);
+    c.intermediate = cache == DType::kFloat8E4M3, c.H = 16, c.HV = 32, c.batch = 40, c.padding_rows = 5;
+    c.seq_lens = many_lens(c.batch, 6);
+    out.push_back({name_of(Shape::kVarlenChain, c) + "_b40", c});
+  }
+  for (Shape s : {Shape::kChainUpdate, Shape::kVarlenChain}) {  // one sequence: the warp kernel
+    ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+    c.batch = 1, c.padding_rows = 0, c.H = 16, c.HV = 32;
+    if (s == Shape::kVarlenChain) c.seq_lens = {3};
+    out.push_back({name_of(s, c) + "_b1", c});
+  }
+  for (int d : {64, 128}) {
+    ProblemConfig c = make(Shape::kChainUpdate, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 5, seed++);
+    c.K = c.V = d, c.in_dtype = DType::kFloat16, c.gate_mode = GateMode::kGiven, c.use_qk_l2norm = false;
+    c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
+    out.push_back({name_of(Shape::kChainUpdate, c), c});
+  }
   return out;
 }
 

@@ -16,6 +16,8 @@ struct Overrides {
   bool decode_mma = true;           // the tensor-core bf16 decode kernel where the heuristic takes it
   int decode_fp8_columns = 0;       // columns per warp of the fp8 decode kernel: 8, 16 or 32 (0: the heuristic)
   int decode_vlast_fp8_columns = 0;  // columns per CTA of V-last fp8 decode: 64 or 128 (0: the heuristic)
+  int verify_fp8_chain_min_batch = -1;  // smallest batch of verify of chains on float8_e4m3 pools on the fp8 chain
+                                        // kernel, where it is built (0: never)
   // Prefill choice; -1 / 0: the heuristic.
   int prefill_short_max_len = -1;   // longest sequence on the short-sequence path (0: off)
   int prefill_m_warpgroup = -1;     // the prep warpgroup: 0 off, 1 forming M wherever it can run, 2 forming all of

@@ -9,6 +9,7 @@ constexpr int kChainMinTokens = 3;      // the chain kernel from T = 3 (T = 2 is
 constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefetch mode
 constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
 constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode
+constexpr int kFp8ChainMinBatch = 2;    // fp8 chain verify on its kernel from B = 2 (H200)
 
 bool klast_decode_k128(const RecurrentCall& c) {
   return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.head_dim_k == 128;
@@ -28,6 +29,7 @@ const char* kernel_name(RecurrentKernel k) {
     case RecurrentKernel::kVLastDecode: return "V-last decode";
     case RecurrentKernel::kMmaDecode: return "tensor-core decode";
     case RecurrentKernel::kChainMma: return "tensor-core chain";
+    case RecurrentKernel::kFp8Chain: return "fp8 chain";
   }
   return "?";
 }
@@ -73,6 +75,13 @@ bool vlast_decode_built(const RecurrentCall& c) {
 
 bool tile_widths_built(const RecurrentCall& c) { return klast_decode_k128(c); }
 
+bool fp8_chain_built(const RecurrentCall& c) {
+  const bool inputs = c.input_dtype == DType::kBFloat16 || c.input_dtype == DType::kFloat16;
+  const bool cache = !c.caches_states || c.cache_dtype == DType::kFloat8E4M3;
+  return c.layout == StateLayout::kKLast && c.state_dtype == DType::kFloat8E4M3 && c.op == RecurrentOp::kVerify &&
+         !c.tree && cache && inputs && (c.head_dim_k == 64 || c.head_dim_k == 128) && c.head_dim_v == c.head_dim_k;
+}
+
 int prefetch_share(const RecurrentCall& c, RecurrentKernel k) {
   switch (k) {
     case RecurrentKernel::kWarpWide:
@@ -100,6 +109,12 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
     const int min_tokens = o.chain_mma_min_tokens == 0 ? -1 : or_default(o.chain_mma_min_tokens, kChainMinTokens);
     const bool chain = c.op == RecurrentOp::kRecompute || c.op == RecurrentOp::kPrefill || (!c.tree && !c.caches_states);
     if (min_tokens > 0 && c.num_draft_tokens >= min_tokens && chain) return take(K::kChainMma, k.chain_mma);
+  }
+  // Verify of chains on float8_e4m3 pools from B = 2: 16 columns a warp share the token's fixed work (B = 1: the warp
+  // kernel's twice as many warps, each a shorter chain).
+  if (fp8_chain_built(c) && k.fp8_chain.grid_ctas > 0) {
+    const int min_batch = or_default(o.verify_fp8_chain_min_batch, kFp8ChainMinBatch);
+    if (min_batch > 0 && c.batch >= min_batch) return RecurrentChoice{K::kFp8Chain, false};
   }
   // 16-bit decode on tensor cores where this grid and the next fit the GPU together.
   if (mma_decode_built(c) && o.decode_mma && k.mma_decode.grid_ctas > 0 &&

@@ -28,6 +28,7 @@ enum class RecurrentKernel {
   kVLastDecode,  // vlast_decode_kernel (vlast_decode.cuh)
   kMmaDecode,    // mma_decode_kernel: K-last 16-bit state (bf16: bf16 inputs; fp16: fp16 or bf16), tensor cores
   kChainMma,     // chain_mma_kernel: K-last chains of bf16 inputs on tensor cores
+  kFp8Chain,     // fp8_chain_kernel: verify of chains on K-last float8_e4m3 pools, fp8 cache or none
 };
 const char* kernel_name(RecurrentKernel k);
 
@@ -52,6 +53,7 @@ struct RecurrentCall {
   int num_draft_tokens = 1;  // T (prefill: the longest sequence the path takes)
   bool tree = false;         // verify with parent indices
   bool caches_states = false;  // verify stores intermediate states
+  DType cache_dtype = DType::kFloat32;  // ... in this dtype
 };
 
 // A candidate kernel's grid for this call (CTAs) and the CTAs of it the device holds at once (occupancy
@@ -61,7 +63,7 @@ struct KernelFit {
   int64_t resident_ctas = 0;
 };
 struct Candidates {
-  KernelFit regular, wide, narrow, vlast_decode, mma_decode, chain_mma;
+  KernelFit regular, wide, narrow, vlast_decode, mma_decode, chain_mma, fp8_chain;
 };
 
 struct RecurrentChoice {
@@ -74,6 +76,7 @@ bool chain_mma_built(const RecurrentCall& c);
 bool mma_decode_built(const RecurrentCall& c);
 bool vlast_decode_built(const RecurrentCall& c);
 bool tile_widths_built(const RecurrentCall& c);  // the wide, narrow and solo tiles, and the pinned slot
+bool fp8_chain_built(const RecurrentCall& c);
 
 // The largest grid in prefetch mode: resident / share, share 2 so that this grid and the next of its size
 // are resident together (1 where the next needs only to start beside this one; 8 for the regular tile with

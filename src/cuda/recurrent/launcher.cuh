@@ -14,6 +14,7 @@
 
 #include "cuda/host/check.h"
 #include "cuda/recurrent/chain_mma.cuh"
+#include "cuda/recurrent/fp8_chain.cuh"
 #include "cuda/recurrent/heuristics.h"
 #include "cuda/recurrent/launch.cuh"
 #include "cuda/recurrent/mma_decode.cuh"
@@ -45,6 +46,7 @@ RecurrentCall describe_call(const RecurrentParams& p) {
   c.num_draft_tokens = kOp == RecurrentOp::kDecode ? 1 : p.num_draft_tokens;
   c.tree = p.parent != nullptr;
   c.caches_states = p.intermediate.data != nullptr && p.intermediate_indices != nullptr;
+  c.cache_dtype = p.intermediate.dtype;
   return c;
 }
 
@@ -77,6 +79,8 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
        (std::is_same_v<TState, __half> && (std::is_same_v<TInput, __half> || std::is_same_v<TInput, __nv_bfloat16>)));
   constexpr bool kVLastBuilt = kLayout == StateLayout::kVLast && kOp == RecurrentOp::kDecode && K <= 128;
   constexpr bool kWidthsBuilt = kLayout == StateLayout::kKLast && kOp == RecurrentOp::kDecode && K == 128;
+  constexpr bool kFp8ChainBuilt = kLayout == StateLayout::kKLast && kFp8State && kOp == RecurrentOp::kVerify &&
+                                  sizeof(TInput) == 2 && (K == 64 || K == 128) && K == V;
 
   Candidates fit;
   if constexpr (!kVLastBuilt) {  // V-last decode has its own kernel: the warp kernel is not built for it
@@ -94,6 +98,11 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
       return resident_ctas(reinterpret_cast<const void*>(k), kChainWarps * 32);
     }();
     fit.chain_mma = {grid_ctas(head_grid(p, kChainColCtas)), resident};
+  }
+  if constexpr (kFp8ChainBuilt) {
+    static const int64_t resident = resident_ctas(
+        reinterpret_cast<const void*>(fp8_chain_kernel<TInput, K, V, true>), Fp8ChainTile<K>::kWarps * 32);
+    fit.fp8_chain = {grid_ctas(head_grid(p, V / Fp8ChainTile<K>::kCtaCols)), resident};
   }
   if constexpr (kMmaDecodeBuilt) {
     using Tile = MmaDecodeTile<K, V>;
@@ -127,6 +136,15 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
       if constexpr (kChainBuilt)
         return launch_recurrent(chain_mma_kernel<TState, K, V, kOp>, head_grid(p, V / (kChainCols * kChainWarps)),
                                 kChainWarps * 32, choice.prefetch, stream, p, write_state);
+      break;
+    case RecurrentKernel::kFp8Chain:
+      if constexpr (kFp8ChainBuilt) {
+        const dim3 grid = head_grid(p, V / Fp8ChainTile<K>::kCtaCols);
+        constexpr int kThreads8 = Fp8ChainTile<K>::kWarps * 32;
+        if (call.caches_states)
+          return launch_recurrent(fp8_chain_kernel<TInput, K, V, true>, grid, kThreads8, false, stream, p, write_state);
+        return launch_recurrent(fp8_chain_kernel<TInput, K, V, false>, grid, kThreads8, false, stream, p, write_state);
+      }
       break;
     case RecurrentKernel::kMmaDecode:
       if constexpr (kMmaDecodeBuilt)
