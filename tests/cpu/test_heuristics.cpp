@@ -199,8 +199,10 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kFp8Chain);
   other = c, other.layout = StateLayout::kVLast;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.op = RecurrentOp::kRecompute;
+  other = c, other.op = RecurrentOp::kRecompute;  // commit by recompute: the warp kernel (measured no faster there)
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.op = RecurrentOp::kPrefill;
+  EXPECT_NE(kernel_at(other), RecurrentKernel::kFp8Chain);
   other = c, other.state_dtype = DType::kBFloat16;
   EXPECT_NE(kernel_at(other), RecurrentKernel::kFp8Chain);
   // B = 1 keeps the warp kernel (twice the warps, each a shorter chain), B = 2 takes the fp8 chain kernel.

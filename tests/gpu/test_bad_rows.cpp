@@ -18,12 +18,15 @@
 namespace gdnkit::test {
 namespace {
 
-ProblemConfig verify_config(bool tree, uint64_t seed) {
+// state float8_e4m3: an fp8 cache too (verify of chains then runs the fp8 chain kernel).
+ProblemConfig verify_config(bool tree, uint64_t seed, DType state = DType::kFloat32) {
   ProblemConfig c;
   c.op = OpKind::kVerify;
   c.batch = 3, c.draft_tokens = 4, c.H = 1, c.HV = 2, c.K = c.V = 64;
   c.tree = tree, c.update_state = !tree, c.seed = seed;
   if (!tree) c.seq_lens = {2, 3, 3};
+  c.state_dtype = state;
+  if (state == DType::kFloat8E4M3) c.cache_dtype = state;
   return c;
 }
 
@@ -38,8 +41,9 @@ std::vector<double> token_rows(const Problem& p, const std::string& name, int64_
 // length inside 0..T: starting before token 0, or ending past B*T = 12.
 TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
   const std::vector<std::vector<int32_t>> bad_cus = {{0, 2, -1, 2}, {0, 2, 10, 13}};
+  for (DType state : {DType::kFloat32, DType::kFloat8E4M3})
   for (const auto& cu : bad_cus) {
-    const Problem before(verify_config(false, 7100));
+    const Problem before(verify_config(false, 7100, state));
     Problem ref = before, got = before;
     DeviceProblem dev(got);
     verify(ref.verify_params(), {Backend::kCPU, nullptr});
@@ -47,7 +51,7 @@ TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
     verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
     dev.download(got);
     const std::string what = "cu_seqlens {" + std::to_string(cu[1]) + ", " + std::to_string(cu[2]) + ", " +
-                             std::to_string(cu[3]) + "}";
+                             std::to_string(cu[3]) + "}, state " + dtype_name(state);
     // Row 0 as in the reference; rows 1 and 2 counted (row 1's length is negative, row 2's span is the new check).
     EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 2) << what;
     EXPECT_TRUE(RelClose("row 0's o", token_rows(got, "o", 0, 2), token_rows(ref, "o", 0, 2),
@@ -70,8 +74,9 @@ TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
 // A tree commit whose path for row 0 is made of valid token indices that do not follow parent[]: on the
 // device, the row is skipped and counted, from the cache and by recompute.
 TEST(CommitGpu, TreePathThatIsNotAPathSkippedAndCountedSanitize) {
+  for (DType state : {DType::kFloat32, DType::kFloat8E4M3})
   for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute}) {
-    Problem p(verify_config(true, 7200));
+    Problem p(verify_config(true, 7200, state));
     const int T = p.config().draft_tokens;
     // Row 0: token 1 hangs off the pool state, token 2 off token 1; the path {2, 1} lists them out of order.
     int32_t* parent = p.as<int32_t>("parent");
@@ -89,7 +94,8 @@ TEST(CommitGpu, TreePathThatIsNotAPathSkippedAndCountedSanitize) {
     GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("accepted_path"), bad_path, sizeof(bad_path), cudaMemcpyHostToDevice));
     commit(got.commit_params(src, dev.resolver()), {Backend::kCUDA, dev.stream()});
     dev.download(got);
-    const char* name = src == CommitSource::kCache ? "from the cache" : "by recompute";
+    const std::string name = std::string(src == CommitSource::kCache ? "from the cache" : "by recompute") + ", state " +
+                             dtype_name(state);
     EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 1) << name;
     const int64_t slot0 = p.as<int32_t>("state_indices")[0];
     EXPECT_TRUE(Identical("row 0's slot (skipped)", got.read_state("state", slot0), p.read_state("state", slot0)))

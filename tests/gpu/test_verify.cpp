@@ -346,6 +346,25 @@ std::vector<CommitCase> commit_cases() {
       out.push_back({std::string("Sanitize_") + (src == CommitSource::kCache ? "cache_" : "recompute_") + name_of(Shape::kChain, c),
                      c, src});
     }
+  // Replay on float8_e4m3 pools after verify on the fp8 chain kernel: the qwen3-next heads over several waves with
+  // padding rows, along chains and trees' paths, fp16 inputs with given gates, past 32 tokens, one sequence.
+  for (Shape s : {Shape::kChain, Shape::kVarlenTree}) {
+    ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 6, seed++);
+    c.update_state = false, c.intermediate = false, c.H = 16, c.HV = 32, c.batch = 24, c.padding_rows = 4;
+    if (s == Shape::kVarlenTree) c.seq_lens = many_lens(c.batch, 6);
+    out.push_back({"recompute_" + name_of(s, c) + "_b24", c, CommitSource::kRecompute});
+  }
+  {
+    ProblemConfig c = make(Shape::kTree, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 5, seed++);
+    c.update_state = false, c.in_dtype = DType::kFloat16, c.gate_mode = GateMode::kGiven, c.K = c.V = 64;
+    out.push_back({"recompute_" + name_of(Shape::kTree, c), c, CommitSource::kRecompute});
+    c = make(Shape::kChain, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 40, seed++);
+    c.update_state = false, c.long_memory = true;
+    out.push_back({"recompute_" + name_of(Shape::kChain, c), c, CommitSource::kRecompute});
+    c = make(Shape::kTree, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 4, seed++);
+    c.update_state = false, c.batch = 1, c.padding_rows = 0;
+    out.push_back({"recompute_" + name_of(Shape::kTree, c) + "_b1", c, CommitSource::kRecompute});
+  }
   return out;
 }
 
