@@ -25,6 +25,7 @@
 
 #include "cuda/arch/dtype.cuh"
 #include "cuda/arch/fp8.cuh"
+#include "cuda/recurrent/fp8_decode.cuh"
 #include "cuda/recurrent/row.cuh"
 #include "cuda/recurrent/token.cuh"
 #include "gdnkit/params.h"
@@ -88,7 +89,6 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
   using Tile = Fp8ChainTile<K>;
   constexpr int kLPC = Tile::kLanesPerCol, kCPL = Tile::kColsPerLoad, kRuns = Tile::kRuns;
   constexpr int kColCtas = V / Tile::kCtaCols;
-  constexpr int kColBlocks = K / kFp8Block;  // scale blocks per column
   constexpr int64_t kHeadElems = int64_t(K) * V, kHeadBlocks = kHeadElems / kFp8Block;
   constexpr RecurrentOp kOp = RecurrentOp::kVerify;
   static_assert(V % Tile::kCtaCols == 0, "fp8 chain: V a multiple of the CTA's columns");
@@ -131,11 +131,7 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
     uint4 raw[kRuns];
     uint32_t sbyte[kRuns];
 #pragma unroll
-    for (int i = 0; i < kRuns; ++i) {
-      const int col = v0 + kCPL * i + g;
-      raw[i] = *reinterpret_cast<const uint4*>(head + int64_t(col) * K + 16 * c);
-      sbyte[i] = scales[col * kColBlocks + c / 2];
-    }
+    for (int i = 0; i < kRuns; ++i) load_e4m3_run<K>(head, scales, v0 + kCPL * i + g, c, raw[i], sbyte[i]);
 #pragma unroll
     for (int i = 0; i < kRuns; ++i) unpack_e4m3x16(raw[i], x[i]), w[i] = e8m0_scale(sbyte[i]);
   }
@@ -194,16 +190,7 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
     kr.load(k_row0 + int64_t(t) * p.k.token_stride), qr.load(q_row0 + int64_t(t) * p.q.token_stride);
     float kf[16], qf[16];
     kr.to_floats(kf), qr.to_floats(qf);
-    float kk = 0.0f, qq = 0.0f, kq = 0.0f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
-#pragma unroll
-    for (int off = 1; off < kLPC; off <<= 1) {
-      kk += __shfl_xor_sync(0xffffffffu, kk, off);
-      qq += __shfl_xor_sync(0xffffffffu, qq, off);
-      kq += __shfl_xor_sync(0xffffffffu, kq, off);
-    }
-    const QkNorms n = qk_factors(p.heads, K, kk, qq, kq);
+    const QkNorms n = run_norms<kLPC>(p.heads, K, kf, qf);
     group_rk = n.rk, group_rq = n.rq, group_kq = n.kq_n;
   };
 
@@ -269,11 +256,7 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
       uint32_t scale_bytes[kRuns];
       quantize_runs_rescale(x, w, bytes, scale_bytes);
 #pragma unroll
-      for (int i = 0; i < kRuns; ++i) {
-        const int col = v0 + kCPL * i + g;
-        *reinterpret_cast<uint4*>(cache + int64_t(col) * K + 16 * c) = bytes[i];
-        if (c % 2 == 0) cache_scales[col * kColBlocks + c / 2] = uint8_t(scale_bytes[i]);
-      }
+      for (int i = 0; i < kRuns; ++i) store_e4m3_run<K>(cache, cache_scales, v0 + kCPL * i + g, c, bytes[i], scale_bytes[i]);
       cache += num_v_heads * kHeadElems, cache_scales += num_v_heads * kHeadBlocks;
     }
   }
@@ -283,9 +266,7 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
     for (int i = 0; i < kRuns; ++i) {
       uint32_t byte;
       const uint4 bytes = quantize_e4m3x16<1, true>(x[i], byte, w[i]);
-      const int col = v0 + kCPL * i + g;
-      *reinterpret_cast<uint4*>(head + int64_t(col) * K + 16 * c) = bytes;
-      if (c % 2 == 0) scales[col * kColBlocks + c / 2] = uint8_t(byte);
+      store_e4m3_run<K>(head, scales, v0 + kCPL * i + g, c, bytes, byte);
     }
   }
 }

@@ -45,13 +45,45 @@ struct Fp8DecodeTile {
                 "fp8 decode: K in {64, 128, 256}, whole loads of columns");
 };
 
+// The run of lane c of column col in a K-last fp8 pool (its 16 bytes k = 16 c .. 16 c + 15, one 16-byte access) and
+// its block's scale byte (lanes 2m and 2m + 1 of a column share block m); head and scales at the head's column 0.
+template <int K>
+__device__ __forceinline__ void load_e4m3_run(const uint8_t* head, const uint8_t* scales, int col, int c, uint4& raw,
+                                              uint32_t& scale) {
+  raw = *reinterpret_cast<const uint4*>(head + int64_t(col) * K + 16 * c);
+  scale = scales[col * (K / kFp8Block) + c / 2];
+}
+// The same run stored (the even lane of the pair writes the scale byte).
+template <int K>
+__device__ __forceinline__ void store_e4m3_run(uint8_t* head, uint8_t* scales, int col, int c, const uint4& bytes,
+                                               uint32_t scale) {
+  *reinterpret_cast<uint4*>(head + int64_t(col) * K + 16 * c) = bytes;
+  if (c % 2 == 0) scales[col * (K / kFp8Block) + c / 2] = uint8_t(scale);
+}
+
+// A token's factors (qk_factors) from each lane's 16 k and q of a column, the sums reduced over the column's kLanes
+// lanes.
+template <int kLanes>
+__device__ __forceinline__ QkNorms run_norms(const HeadConfig& heads, int K, const float (&kf)[16],
+                                             const float (&qf)[16]) {
+  float kk = 0.0f, qq = 0.0f, kq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
+#pragma unroll
+  for (int off = 1; off < kLanes; off <<= 1) {
+    kk += __shfl_xor_sync(0xffffffffu, kk, off);
+    qq += __shfl_xor_sync(0xffffffffu, qq, off);
+    kq += __shfl_xor_sync(0xffffffffu, kq, off);
+  }
+  return qk_factors(heads, K, kk, qq, kq);
+}
+
 template <class TInput, int K, int V, int kColsPerWarp>
 __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     fp8_decode_kernel(const RecurrentParams p, const bool prefetch) {
   using Tile = Fp8DecodeTile<K, kColsPerWarp>;
   constexpr int kLPC = Tile::kLanesPerCol, kCPL = Tile::kColsPerLoad, kLoads = Tile::kLoads;
   constexpr int kColCtas = V / Tile::kCtaCols;
-  constexpr int kColBlocks = K / kFp8Block;  // scale blocks per column
   constexpr int64_t kHeadElems = int64_t(K) * V, kHeadBlocks = kHeadElems / kFp8Block;
   static_assert(V % Tile::kCtaCols == 0, "fp8 decode: V a multiple of the CTA's columns");
   // The factored update and quantization in the wide warps (large grids, bound by the schedulers' issue).
@@ -82,11 +114,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
   uint4 raw[kLoads];
   uint32_t sbyte[kLoads];
 #pragma unroll
-  for (int i = 0; i < kLoads; ++i) {
-    const int col = v0 + kCPL * i + g;
-    raw[i] = *reinterpret_cast<const uint4*>(head + int64_t(col) * K + 16 * c);
-    sbyte[i] = scales[col * kColBlocks + c / 2];
-  }
+  for (int i = 0; i < kLoads; ++i) load_e4m3_run<K>(head, scales, v0 + kCPL * i + g, c, raw[i], sbyte[i]);
   RawVec<TInput, 16> kr, qr;
   kr.load(kp + 16 * c), qr.load(qp + 16 * c);
   TInput vv[kLoads];
@@ -97,18 +125,9 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
 
   // Norms over the column group's lanes (each group holds all of k and q). k and q are converted to fp32 once and
   // held across the column loop (32 registers, against 32 conversions per column).
-  float kk = 0.0f, qq = 0.0f, kq = 0.0f;
   float kf[16], qf[16];
   kr.to_floats(kf), qr.to_floats(qf);
-#pragma unroll
-  for (int j = 0; j < 16; ++j) kk = fmaf(kf[j], kf[j], kk), qq = fmaf(qf[j], qf[j], qq), kq = fmaf(kf[j], qf[j], kq);
-#pragma unroll
-  for (int off = 1; off < kLPC; off <<= 1) {
-    kk += __shfl_xor_sync(0xffffffffu, kk, off);
-    qq += __shfl_xor_sync(0xffffffffu, qq, off);
-    kq += __shfl_xor_sync(0xffffffffu, kq, off);
-  }
-  const auto [rk, rq, kq_n] = qk_factors(p.heads, K, kk, qq, kq);
+  const auto [rk, rq, kq_n] = run_norms<kLPC>(p.heads, K, kf, qf);
   float gl, beta;
   gate_log_values<true>(p.gating, hg, gate_bits, gl, beta);
   const float decay = __expf(gl);
@@ -155,9 +174,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     }
     uint32_t new_scale;
     const uint4 out = quantize_e4m3x16<1, kFactored>(s, new_scale, w);
-    const int col = v0 + kCPL * i + g;
-    *reinterpret_cast<uint4*>(head + int64_t(col) * K + 16 * c) = out;
-    if (c % 2 == 0) scales[col * kColBlocks + c / 2] = uint8_t(new_scale);
+    store_e4m3_run<K>(head, scales, v0 + kCPL * i + g, c, out, new_scale);
   }
   if constexpr (kFactored) {
     static_assert(Tile::kLoads <= Tile::kLanesPerCol, "a lane of each column group per run");
