@@ -140,10 +140,12 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
     case RecurrentKernel::kFp8Chain:
       if constexpr (kFp8ChainBuilt) {
         const dim3 grid = head_grid(p, V / Fp8ChainTile<K>::kCtaCols);
-        constexpr int kThreads8 = Fp8ChainTile<K>::kWarps * 32;
+        constexpr int kFp8ChainThreads = Fp8ChainTile<K>::kWarps * 32;
         if (call.caches_states)
-          return launch_recurrent(fp8_chain_kernel<TInput, K, V, true>, grid, kThreads8, false, stream, p, write_state);
-        return launch_recurrent(fp8_chain_kernel<TInput, K, V, false>, grid, kThreads8, false, stream, p, write_state);
+          return launch_recurrent(fp8_chain_kernel<TInput, K, V, true>, grid, kFp8ChainThreads, false, stream, p,
+                                  write_state);
+        return launch_recurrent(fp8_chain_kernel<TInput, K, V, false>, grid, kFp8ChainThreads, false, stream, p,
+                                write_state);
       }
       break;
     case RecurrentKernel::kMmaDecode:
