@@ -177,7 +177,8 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
   if (kCache && cache_slot >= 0) {
     cache = static_cast<uint8_t*>(p.intermediate.data) + int64_t(cache_slot) * p.intermediate.slot_stride +
             hv * kHeadElems;
-    cache_scales = p.intermediate.scales + (int64_t(cache_slot) * p.intermediate.num_steps * num_v_heads + hv) * kHeadBlocks;
+    cache_scales =
+        p.intermediate.scales + (int64_t(cache_slot) * p.intermediate.num_steps * num_v_heads + hv) * kHeadBlocks;
     cached = len < p.intermediate.num_steps ? len : int(p.intermediate.num_steps);
   }
 
@@ -256,7 +257,8 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
       uint32_t scale_bytes[kRuns];
       quantize_runs_rescale(x, w, bytes, scale_bytes);
 #pragma unroll
-      for (int i = 0; i < kRuns; ++i) store_e4m3_run<K>(cache, cache_scales, v0 + kCPL * i + g, c, bytes[i], scale_bytes[i]);
+      for (int i = 0; i < kRuns; ++i)
+        store_e4m3_run<K>(cache, cache_scales, v0 + kCPL * i + g, c, bytes[i], scale_bytes[i]);
       cache += num_v_heads * kHeadElems, cache_scales += num_v_heads * kHeadBlocks;
     }
   }
