@@ -65,6 +65,8 @@ struct Fp8DecodeCase {
   DType in;
   int cols;                // columns per warp (Overrides::decode_fp8_columns; 0: the heuristic)
   bool nonfinite = false;  // slot 3, head 1: a block of column 5 holds a NaN, one of column 9 an infinity
+  bool tiny = false;       // some blocks of magnitude 2^-118 .. 2^-108 and v 64x larger: a factored update's
+                           // (rk u / w) k would overflow for a finite state (kMinBlockFactor)
 };
 
 class Fp8DecodeGpu : public ::testing::TestWithParam<Fp8DecodeCase> {};
@@ -89,7 +91,8 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
     for (int64_t s = 0; s < P; ++s)
       for (int64_t e = 0; e < HV * head; e += kFp8Block) {
         // Some blocks so small that their scale is the smallest, 2^-127 (scale byte 0, a subnormal fp32 scale).
-        const int ex = (e / kFp8Block) % 17 == 5 ? -132 : expo(gen);
+        const int64_t blk = e / kFp8Block;
+        const int ex = blk % 17 == 5 ? -132 : GetParam().tiny && blk % 3 == 1 ? -118 + int(blk % 11) : expo(gen);
         for (float& v : x) v = std::ldexp(nd(gen), ex);
         if (GetParam().nonfinite && s == 3 && e == head + 5 * K + kFp8Block) x[7] = NAN;
         if (GetParam().nonfinite && s == 3 && e == head + 9 * K) x[30] = INFINITY;
@@ -107,8 +110,10 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
     for (float& x : A_log) x = std::log(ud(gen));
     for (float& x : dt_bias) x = 0.5f * nd(gen);
   }
-  const std::vector<uint8_t> q = token_bytes(gen, size_t(B * H * K), in), k = token_bytes(gen, size_t(B * H * K), in),
-                             v = token_bytes(gen, size_t(B * HV * V), in);
+  const std::vector<uint8_t> q = token_bytes(gen, size_t(B * H * K), in), k = token_bytes(gen, size_t(B * H * K), in);
+  std::vector<uint8_t> v = token_bytes(gen, size_t(B * HV * V), in);
+  if (GetParam().tiny)
+    for (int64_t i = 0; i < int64_t(B) * HV * V; ++i) host::store(v.data(), in, i, 64.0 * host::load(v.data(), in, i));
   std::vector<uint8_t> o_init(size_t(B * HV * V * dtype_size(in)));
   for (size_t i = 0; i < o_init.size() / size_t(dtype_size(in)); ++i) host::store(o_init.data(), in, int64_t(i), NAN);
 
@@ -225,11 +230,14 @@ INSTANTIATE_TEST_SUITE_P(Dims, Fp8DecodeGpu,
                                            Fp8DecodeCase{256, DType::kBFloat16, 8},
                                            Fp8DecodeCase{256, DType::kFloat32, 16},
                                            Fp8DecodeCase{128, DType::kBFloat16, 16, true},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 32, true}),
+                                           Fp8DecodeCase{128, DType::kBFloat16, 32, true},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 32, false, true},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 16, false, true}),
                          [](const auto& info) {
                            return "K" + std::to_string(info.param.K) +
                                   (info.param.in == DType::kFloat32 ? "_f32" : "_bf16") + "_cols" +
-                                  std::to_string(info.param.cols) + (info.param.nonfinite ? "_nonfinite" : "");
+                                  std::to_string(info.param.cols) + (info.param.nonfinite ? "_nonfinite" : "") +
+                                  (info.param.tiny ? "_tiny" : "");
                          });
 
 }  // namespace

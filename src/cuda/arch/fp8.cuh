@@ -16,6 +16,10 @@ __device__ __forceinline__ float e8m0_scale(uint32_t e) {
   return __uint_as_float(e == 0u ? 0x00400000u : bits);
 }
 
+// The smallest factor w a block kept as w x (the factored updates of fp8 decode and the fp8 chain kernel) keeps: below
+// it the elements take w (x w, w = 1), so that x = S / w, its sums and the update's (rk u / w) k stay far from overflow.
+constexpr float kMinBlockFactor = 0x1p-64f;
+
 // 1 / x to about 1 ulp (rcp.approx.ftz: a subnormal x counts as 0, its reciprocal infinite).
 __device__ __forceinline__ float rcp_approx_ftz(float x) {
   float r;

@@ -8,8 +8,9 @@
 // 32). Each run's values are kept as w x with one factor w a run (both lanes of a block hold the same): the decay is
 // a multiply of w, the update one FFMA an element, x + (rk u / w) k, and a stored block's scale comes from w max|x|.
 // Where the cache takes the token's state, x is rescaled to the block's new scale while it is quantized (the multiply
-// the conversion needs anyway) and w becomes that scale, so w stays a power of two near the values and never drifts.
-// A lane whose w is not a normal number or whose update factor overflows multiplies x by w first (w = 1), as decode.
+// the conversion needs anyway) and w becomes that scale, a power of two near the values. Without a store (no cache)
+// w takes every decay; a run whose w falls below kMinBlockFactor, or whose update factor is not finite, multiplies x
+// by w first (w = 1), as decode, so that x = S / w stays within 2^64 of S.
 //
 // Per token: k and q in fp32 (32 registers); the norms of kColsPerLoad tokens at once, token t0 + g by column group g;
 // the 2 kRuns dot products reduced together over the column's lanes (transpose_group_reduce: lane c < kRuns ends with
@@ -237,12 +238,12 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
       uk[i] = __shfl_sync(0xffffffffu, uk_lane, (lane & ~(kLPC - 1)) + i);
       w[i] *= decay;
       r[i] = uk[i] * rcp_approx_ftz(w[i]);
-      finite = finite && fabsf(r[i]) <= FLT_MAX;
+      finite = finite && fabsf(r[i]) <= FLT_MAX && w[i] >= kMinBlockFactor;
     }
-    if (!finite) {  // w not a normal number, or r overflows: x *= w, w = 1 on those runs
+    if (!finite) {  // w below kMinBlockFactor (decays since the last store, tiny scales), or r not finite: x *= w, w = 1
 #pragma unroll
       for (int i = 0; i < kRuns; ++i)
-        if (!(fabsf(r[i]) <= FLT_MAX)) {
+        if (!(fabsf(r[i]) <= FLT_MAX && w[i] >= kMinBlockFactor)) {
 #pragma unroll
           for (int j = 0; j < 16; ++j) x[i][j] *= w[i];
           w[i] = 1.0f, r[i] = uk[i];

@@ -157,11 +157,11 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
     float w = 1.0f;
     if constexpr (kFactored) {
       // S_new = ds (S / scale) + uk k kept as w (S / scale + r k), w = ds and r = uk / ds: one FFMA an element, w
-      // applied with the new block's 2^-s. Where ds is not a normal number (a block of the smallest scale, a decay
-      // near zero: flushed to 0 by the reciprocal) or r would overflow, w = 1 and S / scale is multiplied by ds first.
+      // applied with the new block's 2^-s. Where ds is below kMinBlockFactor (blocks of tiny scales, a decay near
+      // zero) or r is not finite, w = 1 and S / scale is multiplied by ds first.
       float r = uk * rcp_approx_ftz(ds);
       w = ds;
-      if (!(fabsf(r) <= FLT_MAX)) {
+      if (!(fabsf(r) <= FLT_MAX && ds >= kMinBlockFactor)) {
         r = uk, w = 1.0f;
 #pragma unroll
         for (int j = 0; j < 16; ++j) s[j] *= ds;
