@@ -200,11 +200,11 @@ std::vector<Named> verify_cases() {
     c.seq_lens = many_lens(c.batch, 6);
     out.push_back({name_of(Shape::kVarlenChain, c) + "_b40", c});
   }
-  // No cache, 48 tokens of the usual decays: a run's factor w takes every decay (the sum falls far below -87) and must
-  // be folded into the values before x = S / w leaves the fp32 range (kMinBlockFactor).
+  // No cache, 48 tokens of the usual decays and v 16x larger: a run's factor w takes every decay (the sum falls far
+  // below -87) and must be folded into the values before x = S / w leaves the fp32 range (kMinBlockFactor).
   for (DType in : {DType::kBFloat16, DType::kFloat16}) {
     ProblemConfig c = make(Shape::kChainUpdate, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 48, seed++);
-    c.intermediate = false, c.in_dtype = in, c.H = 4, c.HV = 16, c.batch = 6;
+    c.intermediate = false, c.in_dtype = in, c.H = 4, c.HV = 16, c.batch = 6, c.v_scale = 16.0;
     out.push_back({name_of(Shape::kChainUpdate, c) + "_decayed", c});
   }
   for (Shape s : {Shape::kChainUpdate, Shape::kVarlenChain}) {  // one sequence: the warp kernel

@@ -65,6 +65,7 @@ Problem::Problem(const ProblemConfig& cfg) : cfg_(cfg) {
     build_decode_verify();
   }
   if (cfg_.unit_qk) scale_unit_qk();
+  if (cfg_.v_scale != 1.0) scale_v();
   if (cfg_.out_of_range_rows > 0 || cfg_.out_of_range_cache_rows > 0) place_out_of_range_rows();
 }
 
@@ -418,6 +419,13 @@ void Problem::scale_unit_qk() {
       host::store(b.bytes.data(), cfg_.in_dtype, i,
                   host::load(b.bytes.data(), cfg_.in_dtype, i) / std::sqrt(double(cfg_.K)));
   }
+}
+
+void Problem::scale_v() {
+  Buffer& b = buffer("v");
+  const int64_t n = int64_t(b.bytes.size()) / dtype_size(cfg_.in_dtype);
+  for (int64_t i = 0; i < n; ++i)
+    host::store(b.bytes.data(), cfg_.in_dtype, i, host::load(b.bytes.data(), cfg_.in_dtype, i) * cfg_.v_scale);
 }
 
 // Rows that must be skipped and counted (docs/semantics.md "Padding, out-of-range slots and the error flag").

@@ -69,6 +69,7 @@ struct ProblemConfig {
                                   // the initial, final or checkpoint slot in turn (prefill); never a padding row
   int32_t out_of_range_cache_rows = 0;  // verify/commit: rows whose intermediate slot is >= Q (never a padding row)
   double state_scale = 0.5;  // initial pool states ~ N(0, state_scale^2)
+  double v_scale = 1.0;      // v times this after the draw (large updates, large states)
   uint64_t seed = 1;
   // verify / commit
   bool tree = false;          // random parent[] (each parent[t] in [-1, t-1])
@@ -196,6 +197,7 @@ class Problem {
   void build_decode_verify();
   void build_prefill();
   void scale_unit_qk();
+  void scale_v();
   void place_out_of_range_rows();
   Gating gating(const Resolver& r);
   StatePool pool(const Resolver& r, const std::string& name, StateLayout layout);
