@@ -232,15 +232,15 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
     // Each phase over all runs at once, so that the runs' dependent chains overlap in the warp's instruction stream.
     // w x_new = decay w x + uk k: w *= decay, x += (uk / w) k.
     float uk[kRuns], r[kRuns];
-    bool finite = true;
+    bool in_range = true;
 #pragma unroll
     for (int i = 0; i < kRuns; ++i) {
       uk[i] = __shfl_sync(0xffffffffu, uk_lane, (lane & ~(kLPC - 1)) + i);
       w[i] *= decay;
       r[i] = uk[i] * rcp_approx_ftz(w[i]);
-      finite = finite && fabsf(r[i]) <= FLT_MAX && w[i] >= kMinBlockFactor;
+      in_range = in_range && fabsf(r[i]) <= FLT_MAX && w[i] >= kMinBlockFactor;
     }
-    if (!finite) {  // w below kMinBlockFactor (decays since the last store, tiny scales), or r not finite: x *= w, w = 1
+    if (!in_range) {  // w below kMinBlockFactor (decays since the last store, tiny scales) or r not finite: x *= w
 #pragma unroll
       for (int i = 0; i < kRuns; ++i)
         if (!(fabsf(r[i]) <= FLT_MAX && w[i] >= kMinBlockFactor)) {
