@@ -51,6 +51,18 @@ __device__ __forceinline__ float max_abs_nan(float a, float b) {
   return m;
 }
 
+// The largest magnitude of 16 values (max_abs_nan), by a pairwise tree: 4 dependent steps, not 16.
+__device__ __forceinline__ float max_abs_nan16(const float (&x)[16]) {
+  float h[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) h[j] = max_abs_nan(x[j], x[j + 8]);
+#pragma unroll
+  for (int n = 4; n >= 1; n /= 2)
+#pragma unroll
+    for (int j = 0; j < n; ++j) h[j] = max_abs_nan(h[j], h[j + n]);
+  return h[0];
+}
+
 // Four values times f as e4m3 bytes, the first in the low byte: no branch, a NaN f (the NaN scale's) gives the NaN
 // codes.
 __device__ __forceinline__ uint32_t e4m3x4_by_factor(float a, float b, float c, float d, float f) {
@@ -118,14 +130,8 @@ __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16])
 // and the NaN scale a branch, which keeps narrow decode warps faster (docs/design/decode.md "fp8 pools").
 template <int kPartner, bool kFactored = false>
 __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t& scale_byte, float w = 1.0f) {
-  float h[8];  // a pairwise tree: 4 dependent steps, not 16
-#pragma unroll
-  for (int j = 0; j < 8; ++j) h[j] = max_abs_nan(x[j], x[j + 8]);
-#pragma unroll
-  for (int n = 4; n >= 1; n /= 2)
-#pragma unroll
-    for (int j = 0; j < n; ++j) h[j] = max_abs_nan(h[j], h[j + n]);
-  const float m = max_abs_nan(h[0], __shfl_xor_sync(0xffffffffu, h[0], kPartner));
+  const float own = max_abs_nan16(x);
+  const float m = max_abs_nan(own, __shfl_xor_sync(0xffffffffu, own, kPartner));
   if constexpr (!kFactored) {
     const Fp8Scale sc = e4m3_block_scale(__float_as_uint(m));
     scale_byte = sc.byte;

@@ -52,16 +52,7 @@ __device__ __forceinline__ void quantize_runs_rescale(float (&x)[kRuns][16], flo
                                                       uint32_t (&scale_byte)[kRuns]) {
   float m[kRuns];
 #pragma unroll
-  for (int i = 0; i < kRuns; ++i) {
-    float h[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) h[j] = max_abs_nan(x[i][j], x[i][j + 8]);
-#pragma unroll
-    for (int n = 4; n >= 1; n /= 2)
-#pragma unroll
-      for (int j = 0; j < n; ++j) h[j] = max_abs_nan(h[j], h[j + n]);
-    m[i] = h[0];
-  }
+  for (int i = 0; i < kRuns; ++i) m[i] = max_abs_nan16(x[i]);
 #pragma unroll
   for (int i = 0; i < kRuns; ++i) m[i] = max_abs_nan(m[i], __shfl_xor_sync(0xffffffffu, m[i], 1));
 #pragma unroll
