@@ -343,28 +343,43 @@ TEST(PrefillHeuristics, FewHeadsSplitTheHead) {
 }
 
 // Context parallelism: segments so that the longest sequence's segments and heads give about one CTA per SM, where
-// that sequence holds at least eight of them, or four to seven in a prompt of 32768 tokens or more.
+// that sequence holds at least eight of them, or four to seven in a prompt of 16384 tokens or more. With four to seven,
+// where the local pass (2 s - 3 CTAs a head) would take two waves, the first segment's final pass runs beside it and
+// the sequence takes one segment more (the final pass's other segments still one wave).
 TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   PrefillCall tp8({65536}, 2, 8);  // 16 segments of 4096 tokens x 8 heads = 128 CTAs
   const auto a = chunked_prefill::choose_prefill(tp8.p, kSms, {});
   EXPECT_EQ(a.cp_segment_len, 4096);
+  EXPECT_FALSE(a.cp_first_final);  // 16 segments a wave: each is a sixteenth of the final pass
   EXPECT_EQ(a.head_split, 1);
   EXPECT_TRUE(a.wgmma_pass);
-  EXPECT_TRUE(a.early_state_pass);  // the local pass: 2 x 17 entries x 8 heads <= 4 CTAs per SM
+  EXPECT_TRUE(a.early_state_pass);  // the local pass: 2 x 17 states x 8 heads <= 4 CTAs per SM
+  Overrides beside;
+  beside.prefill_cp_first_final = 1;
+  EXPECT_TRUE(chunked_prefill::choose_prefill(tp8.p, kSms, beside).cp_first_final);
   PrefillCall tp8_32k({32768}, 2, 8);  // 16 segments of 2048
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_32k.p, kSms, {}).cp_segment_len, 2048);
-  PrefillCall next_16k({16384});  // 32 heads: 4 segments per wave, too few to pay for three passes on short prompts
-  EXPECT_EQ(chunked_prefill::choose_prefill(next_16k.p, kSms, {}).cp_segment_len, 0);
-  PrefillCall next({32768});  // ... from 32768 tokens they do: one wave of 4 segments of 8192
-  EXPECT_EQ(chunked_prefill::choose_prefill(next.p, kSms, {}).cp_segment_len, 8192);
-  PrefillCall next_131k({131072});  // 4 segments of 32768
-  EXPECT_EQ(chunked_prefill::choose_prefill(next_131k.p, kSms, {}).cp_segment_len, 32768);
+  PrefillCall next_8k({8192});  // 32 heads: 4 segments per wave, too few to pay for three passes on short prompts
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_8k.p, kSms, {}).cp_segment_len, 0);
+  PrefillCall next_16k({16384});  // ... from 16384 tokens they do: a local pass of 4 segments would take 160 CTAs, so
+  const auto d = chunked_prefill::choose_prefill(next_16k.p, kSms, {});  // 5 segments, the first one's final early
+  EXPECT_EQ(d.cp_segment_len, 3328);
+  EXPECT_TRUE(d.cp_first_final);
+  Overrides after_scan;
+  after_scan.prefill_cp_first_final = 0;  // the first segment's final pass after the scan: one wave of 4 segments
+  const auto e = chunked_prefill::choose_prefill(next_16k.p, kSms, after_scan);
+  EXPECT_EQ(e.cp_segment_len, 4096);
+  EXPECT_FALSE(e.cp_first_final);
+  PrefillCall next({32768});  // 5 segments of 6592
+  EXPECT_EQ(chunked_prefill::choose_prefill(next.p, kSms, {}).cp_segment_len, 6592);
+  PrefillCall next_131k({131072});  // 5 segments of 26240
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_131k.p, kSms, {}).cp_segment_len, 26240);
   PrefillCall next_two({32768, 32768});  // two such prompts: 2 segments each per wave, not cut
   EXPECT_EQ(chunked_prefill::choose_prefill(next_two.p, kSms, {}).cp_segment_len, 0);
-  PrefillCall next_256k({262144});  // one wave: 4 segments of 65536
-  EXPECT_EQ(chunked_prefill::choose_prefill(next_256k.p, kSms, {}).cp_segment_len, 65536);
+  PrefillCall next_256k({262144});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_256k.p, kSms, {}).cp_segment_len, 52480);
   PrefillCall next_1m({1048576});
-  EXPECT_EQ(chunked_prefill::choose_prefill(next_1m.p, kSms, {}).cp_segment_len, 262144);
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_1m.p, kSms, {}).cp_segment_len, 209728);
   PrefillCall wide_1m({1048576}, 16, 64);  // 64 heads: 2 segments per wave, not even then
   EXPECT_EQ(chunked_prefill::choose_prefill(wide_1m.p, kSms, {}).cp_segment_len, 0);
   PrefillCall batch(std::vector<int64_t>(8, 8192), 2, 8);  // 8 sequences of 2 segments each

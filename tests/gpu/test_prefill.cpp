@@ -74,6 +74,8 @@ struct Case {
   int aux = -1;
   // Context-parallel segments of this many tokens: -1 the library's choice, 0 none.
   int cp = -1;
+  // ... each cut sequence's first segment's final pass beside the local pass (1) or after the scan (0); -1 the choice's
+  int first_final = -1;
 };
 
 ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
@@ -89,9 +91,11 @@ ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128
 constexpr int kShortOnly = -100;
 
 // The library's entry under the overrides a case asks for (0 / -1: the heuristics' choice).
-cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux, int cp = -1, int flags = -1) {
+cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux, int cp = -1, int flags = -1,
+                               int first_final = -1) {
   cuda::Overrides o;
   o.prefill_cp_segment_len = cp;
+  o.prefill_cp_first_final = first_final;
   o.prefill_chunk_flags = flags;
   o.prefill_vtile = vtile == kShortOnly ? 0 : vtile;
   o.prefill_head_split = head_split;
@@ -101,16 +105,18 @@ cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux
 }
 
 void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1,
-             int cp = -1, int flags = -1) {
+             int cp = -1, int flags = -1, int first_final = -1) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp, flags);
+  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp, flags, first_final);
   // A case that asks for the pass to wait per chunk (or for the prep's grid) must get what it asks for.
   if (flags >= 0) {
     EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).chunk_flags, flags > 0);
   }
   // ... and one that asks for context parallelism must get it.
   if (cp > 0) {
-    EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).cp_segment_len, cp);
+    const cuda::chunked_prefill::PrefillChoice choice = cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o);
+    EXPECT_EQ(choice.cp_segment_len, cp);
+    if (first_final >= 0) EXPECT_EQ(choice.cp_first_final, first_final > 0);
   }
   // A case that asks for the short path must get it: were it refused, the chunked kernels would run
   // every sequence and the comparison would still pass.
@@ -135,12 +141,12 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
 void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1, int aux = -1,
-                   int cp = -1, int flags = -1) {
+                   int cp = -1, int flags = -1, int first_final = -1) {
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split, short_len, aux, cp, flags);
+    run_gpu(got, dev, vtile, head_split, short_len, aux, cp, flags, first_final);
   }
   check_prefill_results(before, got, ref);
 }
@@ -498,15 +504,18 @@ std::vector<Case> sanitize_cases() {
 // ---- context parallelism (context_parallel.cuh), forced with short segments on small problems --------------
 // Lengths around the segment (len - 1, len, len + 1, one chunk past, several segments), varlen batches of cut and
 // uncut sequences, checkpoints crossing segments, initial == final slot, both layouts, bf16 pools, fp16 inputs,
-// given gates, K = V = 64, the long-memory regime, with and without the prep warpgroup.
+// given gates, K = V = 64, the long-memory regime, with and without the prep warpgroup. Each case twice: the first
+// segment's final pass after the scan ("_after") and beside the local pass ("_beside").
 std::vector<Case> cp_cases() {
   std::vector<Case> out;
   int i = 0;
   auto add = [&](ProblemConfig c, const std::string& tag, int cp, int aux = -1) {
     c.seed = 6000 + i++;
-    Case x{case_name(c, tag + "_cp" + std::to_string(cp)), c};
-    x.cp = cp, x.aux = aux;
-    out.push_back(x);
+    for (int first_final : {0, 1}) {
+      Case x{case_name(c, tag + "_cp" + std::to_string(cp) + (first_final ? "_beside" : "_after")), c};
+      x.cp = cp, x.aux = aux, x.first_final = first_final;
+      out.push_back(x);
+    }
   };
   for (int len : {127, 128, 129, 192, 1000}) add(base({len}, 1, 2), "len" + std::to_string(len), 128);
   add(base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2), "mixed", 128);
@@ -515,9 +524,11 @@ std::vector<Case> cp_cases() {
   {  // the short path beside context parallelism: sequences of at most 32 tokens on the recurrent kernels
     ProblemConfig c = base({5, 20, 1000, 64, 300, 32, 0}, 1, 2);
     c.seed = 6000 + i++;
-    Case x{case_name(c, "short32_cp128"), c};
-    x.cp = 128, x.short_len = 32;
-    out.push_back(x);
+    for (int first_final : {0, 1}) {
+      Case x{case_name(c, first_final ? "short32_cp128_beside" : "short32_cp128_after"), c};
+      x.cp = 128, x.short_len = 32, x.first_final = first_final;
+      out.push_back(x);
+    }
   }
   {
     ProblemConfig c = base({1000, 130, 640}, 1, 2);
@@ -575,7 +586,7 @@ class PrefillTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PrefillTest, MatchesCpuReference) {
   const Case& c = GetParam();
-  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len, c.aux, c.cp);
+  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len, c.aux, c.cp, -1, c.first_final);
 }
 
 INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),
@@ -688,11 +699,12 @@ TEST(PrefillGpu, BadSpanWithShortPathSanitize) {
 // with a caller workspace: all bit-identical to one eager run, which matches the reference.
 // The chunked kernels as the heuristic picks them, then with context-parallel segments of 128 tokens.
 TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
-  for (int cp : {-1, 128})
+  for (int cp : {-1, 128, -128})  // -128: segments of 128 with the first one's final pass beside the local pass
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
     SCOPED_TRACE("context-parallel segment " + std::to_string(cp));
     cuda::Overrides o;
-    o.prefill_cp_segment_len = cp;
+    o.prefill_cp_segment_len = cp == -128 ? 128 : cp;
+    o.prefill_cp_first_final = cp == -128 ? 1 : cp > 0 ? 0 : -1;
     const cuda::ScopedOverrides scoped(o);
     ProblemConfig c = base({300, 1, 64, 129}, 2, 4);
     c.layout = layout;
@@ -870,7 +882,8 @@ TEST(PrefillGpu, SmallCallerWorkspaceRefused) {
 
 // Context parallelism against the fp64 recurrence on one long sequence from a pool state with two value heads
 // (the heuristic's segments: 64 of 1024 tokens at 64K), in the long-memory regime (decays near 1) and with the
-// sweep's faster decays; the whole-sequence path's error on the same inputs printed beside it. The length is
+// sweep's faster decays; the whole-sequence path's error, and the context-parallel path's with the first segment's
+// final pass beside the local pass, on the same inputs printed beside it. The length is
 // 65536 tokens; GDNKIT_CP_PRECISION_TOKENS sets another (262144 for the 256K measurement, a few minutes of CPU).
 TEST(PrefillGpu, ContextParallelLongSequenceAgainstFp64) {
   const char* tokens = std::getenv("GDNKIT_CP_PRECISION_TOKENS");
@@ -884,8 +897,10 @@ TEST(PrefillGpu, ContextParallelLongSequenceAgainstFp64) {
     Problem ref = before;
     prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
     const int32_t slot = before.as<int32_t>("final_indices")[0];
-    double o_err[2], s_err[2];
-    for (int path = 0; path < 2; ++path) {  // 0: the library's choice (context parallel), 1: whole sequences
+    double o_err[3], s_err[3];
+    // 0: the library's choice (context parallel), 1: whole sequences, 2: context parallel with the first segment's
+    // final pass beside the local pass
+    for (int path = 0; path < 3; ++path) {
       Problem got = before;
       {
         DeviceProblem dev(got);
@@ -893,7 +908,7 @@ TEST(PrefillGpu, ContextParallelLongSequenceAgainstFp64) {
           const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
           EXPECT_GT(prefill_path(p).context_parallel_segment, 0) << "the context-parallel path would not run";
         }
-        run_gpu(got, dev, 0, 0, -1, -1, path == 0 ? -1 : 0);
+        run_gpu(got, dev, 0, 0, -1, -1, path == 1 ? 0 : -1, -1, path == 2 ? 1 : -1);
       }
       const ErrorStats o = error_stats(got.read_tokens("o"), ref.read_tokens("o"));
       const ErrorStats st = error_stats(got.read_state("state", slot), ref.read_state("state", slot));
@@ -903,8 +918,10 @@ TEST(PrefillGpu, ContextParallelLongSequenceAgainstFp64) {
       EXPECT_LE(o_err[path], output_tolerance(OpFamily::kPrefill, c.in_dtype)) << "path " << path;
       EXPECT_LE(s_err[path], state_tolerance(OpFamily::kPrefill, c.state_dtype)) << "path " << path;
     }
-    std::printf("1x%d, %s: o rel. error %.3e context-parallel, %.3e whole sequence; final state %.3e, %.3e\n", T,
-                long_memory ? "long memory" : "fast decay", o_err[0], o_err[1], s_err[0], s_err[1]);
+    std::printf("1x%d, %s: o rel. error %.3e context-parallel, %.3e whole sequence, %.3e first segment beside the "
+                "local pass; final state %.3e, %.3e, %.3e\n",
+                T, long_memory ? "long memory" : "fast decay", o_err[0], o_err[1], o_err[2], s_err[0], s_err[1],
+                s_err[2]);
   }
 }
 

@@ -3,14 +3,17 @@
 // state, S_end = P S_in + L (P: K x K, the product of the segment's per-token transitions), so
 //
 //   1. the segment table (cp_segment_table_kernel): each sequence's segments, from cu_seqlens on the device;
-//   2. the local pass (state_pass_head_kernel, kCpMode = 1): per segment of a cut sequence and value head (its grid
-//      over the states, Plan::cp_state_entry) one CTA runs the segment
-//      from zero and stores L (the first segment of a sequence from its initial state: its true final state), and
-//      one more runs it on the identity with v = 0 and stores P; neither writes o;
+//   2. the local pass (state_pass_head_kernel, kCpMode = 1): per segment of a cut sequence but the last and value
+//      head (its grid over the states, Plan::cp_state_entry) one CTA runs the segment from zero and stores L (the
+//      first segment of a sequence from its initial state: its true end state), and one more, but for the first
+//      segment, runs it on the identity with v = 0 and stores P; neither writes o. Where Plan::cp_first_final the first
+//      segment's CTA runs its final pass instead (o, checkpoints, and its end state as L);
 //   3. the scan (cp_scan_kernel): S_in of segment i + 1 = P_i S_in(i) + L_i in fp32, segment by segment; it stores
-//      every segment's true initial state and the sequence's final state;
-//   4. the final pass (state_pass_head_kernel, kCpMode = 2): every segment from its true initial state, writing o
-//      and the checkpoints that fall inside it. A sequence of one segment runs here alone, as without segments.
+//      every segment's true initial state;
+//   4. the final pass (state_pass_head_kernel, kCpMode = 2): every segment from its true initial state (but a first
+//      segment that ran in the local pass's grid), writing o and the checkpoints that fall inside it; a cut
+//      sequence's last segment stores the final state. A sequence of one segment runs here alone, as without
+//      segments.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -127,9 +130,9 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 // threads, which meet in shared memory (the chain of steps is the kernel's time). Each step's P arrives in shared
 // memory by cp.async while the step before runs, as rows of the pool's layout kScanLd = K + 4 floats apart
 // (conflict-free reads in either layout). Three roles:
-//   kSegments: the single-GPU path. Reads the sequence's initial state (before writing the final one: they may be the
-//     same slot), writes every segment's true initial state and the final state. A sequence with a bad slot is left
-//     to the final pass, which skips and counts it.
+//   kSegments: the single-GPU path. Reads the sequence's initial state (the first segment's true initial state) and
+//     writes every segment's (the last segment's final pass stores the final state). A sequence with a bad slot is
+//     left to the final pass, which skips and counts it.
 //   kCompose: a split call's piece summary (Plan::cp_split): from [S_0 | I] (S_0 the initial state on rank 0, else
 //     zero) through every segment of the piece, into this rank's block of the exchange: the piece's state and its
 //     transition (blockIdx.z past V / kScanCols: the transition's columns). A bad piece sends the identity's
@@ -144,6 +147,18 @@ constexpr int kScanLd = K + 4;
 template <int K>
 constexpr size_t cp_scan_smem_bytes() {
   return size_t(2 * K * kScanLd<K>) * sizeof(float);
+}
+
+// Whether the final pass's CTA of table entry `entry` stores its sequence's final state: a sequence of one segment, or
+// the last segment of a cut one (in a split call the fold stores it). Read from the table where the CTA stores, so
+// that nothing of the entry stays in registers across the chunk loop for it.
+__device__ __forceinline__ bool cp_stores_final(const Plan& plan, int entry) {
+  const CpSegment* s = plan.cp_segments + entry;
+  int state, index, count;
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(state) : "l"(&s->state));
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(index) : "l"(&s->index));
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(count) : "l"(&s->count));
+  return state < 0 || (!plan.cp_split && index == count - 1);
 }
 
 // A split piece runs (its span and slots are good): the final pass runs it, else it skips and counts it.
@@ -183,7 +198,8 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
   const int own = kRole == ScanRole::kSegments || (ok && !empty) ? first.count : 0;
   const int before = kRole == ScanRole::kFold ? rank : 0;
   const int after = kRole == ScanRole::kFold && plan.split_final ? plan.split_ranks - 1 - rank : 0;
-  const int steps = before + own + after;
+  // kSegments leaves out the last segment's step: that segment's final pass stores the sequence's final state.
+  const int steps = before + own + after - (kRole == ScanRole::kSegments ? 1 : 0);
   // step i's P (this head's K x K block, contiguous in either layout) and L (nullptr: zero)
   const auto source = [&](int i, const float*& P, const float*& L) {
     if (i >= before && i < before + own) {
@@ -299,6 +315,10 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
     }
   }
   if (part != 0) return;
+  if constexpr (kRole == ScanRole::kSegments) {
+    record(steps, s);  // the last segment's
+    return;
+  }
   if constexpr (kRole == ScanRole::kCompose) {
     float* dst = plan.split_exchange + (int64_t(rank) * p.num_seqs + n) * summary + (p_cols ? per_segment : 0);
 #pragma unroll

@@ -161,9 +161,10 @@ namespace {
 // the longest sequence holds at least this many segments of one wave (docs/design/prefill.md measures where).
 constexpr int64_t kCpMinSegmentsPerSeq = 8;
 // With 4 to 7 segments per wave (32 value heads on 132 SMs: 4) they pay on prompts of this many tokens and more, cut
-// into one wave of segments (docs/design/prefill.md measures it).
+// into one wave of segments and one more, the first one's final pass beside the local pass (docs/design/prefill.md
+// measures it).
 constexpr int64_t kCpFewSegmentsPerWave = 4;
-constexpr int64_t kCpFewSegmentsMinLen = 32768;
+constexpr int64_t kCpFewSegmentsMinLen = 16384;
 
 int64_t longest_sequence(const PrefillParams& p) {
   if (p.cu_seqlens_host == nullptr) return p.num_seqs == 1 ? p.total_tokens : p.total_tokens / p.num_seqs;
@@ -174,6 +175,22 @@ int64_t longest_sequence(const PrefillParams& p) {
 
 bool cp_fits(const PrefillParams& p, int64_t seg_len) {
   return int64_t(p.heads.num_v_heads) * cp_max_states(p, seg_len) <= kCpMaxSegmentHeads;
+}
+
+// Segments of about T / count tokens, whole chunks, at least kCpMinSegment.
+int64_t cp_len_for(const PrefillParams& p, int64_t count) {
+  const int64_t tokens = (p.total_tokens + count - 1) / count;
+  return std::max(kCpMinSegment, (tokens + kChunk - 1) / kChunk * kChunk);
+}
+
+// The first segment's final pass beside the local pass pays where that pass takes a second wave anyway (every segment
+// of the longest sequence but the last from zero and, but the first, on the identity: 2 s - 3 CTAs a value head) and
+// a segment is a large part of the final pass: fewer than kCpMinSegmentsPerSeq a wave (at 8 value heads, 16 a wave,
+// the final pass's segments shrink by a sixteenth and the op moved within +-2%).
+bool cp_first_final_pays(const PrefillParams& p, int num_sms, int64_t seg_len) {
+  const int64_t HV = std::max(p.heads.num_v_heads, 1);
+  const int64_t segments = (longest_sequence(p) + seg_len - 1) / seg_len;
+  return num_sms / HV < kCpMinSegmentsPerSeq && HV * std::max<int64_t>(2 * segments - 3, 1) > num_sms;
 }
 }  // namespace
 
@@ -192,10 +209,20 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
   const int64_t longest = longest_sequence(p);
   const bool few = per_wave < kCpMinSegmentsPerSeq;  // then only a long prompt, in one wave of segments
   if (few && (per_wave < kCpFewSegmentsPerWave || longest < kCpFewSegmentsMinLen)) return 0;
-  const int64_t tokens = (p.total_tokens + per_wave - 1) / per_wave;
-  const int64_t len = std::max(kCpMinSegment, (tokens + kChunk - 1) / kChunk * kChunk);
+  const int64_t len = cp_len_for(p, per_wave);
   if (longest < (few ? per_wave : kCpMinSegmentsPerSeq) * len || !cp_fits(p, len)) return 0;
+  // With the first segment's final pass beside the local pass, the final pass runs one segment fewer per sequence:
+  // one more segment keeps it at one wave.
+  if (o.prefill_cp_first_final != 0 && cp_first_final_pays(p, num_sms, len)) {
+    const int64_t shorter = cp_len_for(p, per_wave + 1);
+    if (cp_fits(p, shorter)) return shorter;
+  }
   return len;
+}
+
+bool choose_cp_first_final(const PrefillParams& p, int num_sms, int64_t seg_len, const Overrides& o) {
+  if (o.prefill_cp_first_final >= 0) return o.prefill_cp_first_final > 0;
+  return cp_first_final_pays(p, num_sms, seg_len);
 }
 
 namespace {
@@ -240,6 +267,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   if (c.stages == kStagesAll && (o.prefill_cp_segment_len > 0 || !forced_pass))
     c.cp_segment_len = choose_cp_segment_len(p, num_sms, o);
   const bool cp = c.cp_segment_len > 0;
+  c.cp_first_final = cp && choose_cp_first_final(p, num_sms, c.cp_segment_len, o);
   c.vtile = o.prefill_vtile != 0 && !cp ? o.prefill_vtile : choose_vtile(p, num_sms);
   c.head_split = cp ? 1 : o.prefill_head_split != 0 ? o.prefill_head_split : choose_head_split(p, num_sms);
   if (is_head_tile(c.vtile) && !head_split_supported(V, c.head_split))

@@ -47,6 +47,9 @@ struct PrefillChoice {
   int stages = kStagesAll;
   // > 0: the context-parallel path (context_parallel.cuh) with sequences cut into segments of this many tokens
   int64_t cp_segment_len = 0;
+  // ... where each cut sequence's first segment runs its final pass (o, checkpoints) in the local pass's grid, beside
+  // the other segments' local states and transitions, instead of after the scan (choose_cp_first_final)
+  bool cp_first_final = false;
 };
 
 // One entry of the context-parallel path's segment table (built on the device from cu_seqlens): tokens
@@ -76,6 +79,9 @@ constexpr int64_t cp_max_cuts(int64_t states) { return states / 2 > 0 ? states /
 // The segment length (0: the path does not run). Auto: about one CTA per SM for the longest sequence's segments
 // and heads, and only where that sequence gets at least eight segments; an override forces it.
 int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
+// Whether a cut sequence's first segment runs its final pass beside the local pass (seg_len > 0): where the local
+// pass would otherwise take more than one wave of CTAs, whose second wave that segment's final pass then fills.
+bool choose_cp_first_final(const PrefillParams& p, int num_sms, int64_t seg_len, const Overrides& o);
 // The path's workspace for a table of `segments` entries and `states` states, each part 256-byte aligned: the table,
 // the entry of each state and of each cut sequence's first segment (int32; `cuts` of them, by default
 // cp_max_cuts(states)), then three regions of fp32 states (one per cut segment and value head). Byte offsets from

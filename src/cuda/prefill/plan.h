@@ -83,6 +83,9 @@ struct Plan {
   // layout: the segment's state from zero (the first segment of a sequence: from its initial state), its transition
   // P (K x K: S_end = P S_in + local) and its true initial state.
   int64_t cp_segment_len = 0;
+  // Each cut sequence's first segment runs its final pass in the local pass's grid (PrefillChoice::cp_first_final);
+  // without a split the last segment of a cut sequence has neither local state nor transition in any case.
+  bool cp_first_final = false;
   int32_t cp_max_segments = 0;
   int32_t cp_max_states = 0;
   int32_t cp_max_cuts = 0;

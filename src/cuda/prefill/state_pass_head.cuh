@@ -126,18 +126,15 @@ __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, 
   if constexpr (!S::kProducer) __syncthreads();
 }
 
-// kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
-// kMWarpgroup (the wgmma build with two state warpgroups): a third warpgroup forms M in each chunk's stage
-// (prep_warpgroup.cuh), after the chunk prep kernel without M; a fourth issues the loads and stores o.
-// kCpMode (context_parallel.cuh): the grid's rows are the segment table's entries instead of the sequences (the
-// local pass (1): the cut segments' states, two CTAs per state and value head; blockIdx.y: 0 the segment from zero,
-// 1 its transition).
-// kFusedPrep (with kMWarpgroup, whole sequences): the prep warpgroup forms the whole chunk prep (fused_prep_warpgroup)
-// after the gate kernel, with the norms from the producer's last two warps.
-template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0, bool kFusedPrep = false>
-__global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>::kCtaThreads, 1)
-    state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
-  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>;
+// One CTA of the head pass, build S (state_pass_head_kernel). kFirstFinal: the final pass's build (S::kCpMode 2) in
+// the local pass's grid, for the first segment of a cut sequence (Plan::cp_first_final): from the sequence's initial
+// slot, writing o and the checkpoints inside the segment, and its end state to cp_local for the scan.
+template <class S, bool kFirstFinal = false>
+__device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan& plan, const HeadTensorMaps& maps) {
+  constexpr int K = S::K, V = S::V, kCpMode = S::kCpMode;
+  constexpr bool kWgmma = S::kWgmma, kMWarpgroup = S::kMWarpgroup, kFusedPrep = S::kFusedPrep;
+  static_assert(!kFirstFinal || kCpMode == 2, "the first segment's final pass");
+  using Op = typename S::Op;
   using Stage = typename S::Stage;
   constexpr int kStages = S::kStages;
   static_assert(!kMWarpgroup || sizeof(Stage) >= size_t(K) * V * 4, "a stage holds an fp32 slot slice");
@@ -146,19 +143,22 @@ __global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWgmma ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
 
-  const HeadCoords at = head_coords<kSplit, S::kCols>(p);
+  const HeadCoords at = head_coords<S::kSplit, S::kCols>(p);
   SeqSlots sq;
   CpSegment seg{};
   bool run;
   [[maybe_unused]] const bool transition = kCpMode == 1 && blockIdx.y == 1;
   if constexpr (kCpMode != 0) {
-    // The local pass runs the segments of cut sequences (the transition of every one but the first; of every one
-    // in a split call); the final pass every entry, and counts a bad sequence once (its first segment's CTA of
-    // head 0).
-    const int entry = kCpMode == 1 ? plan.cp_state_entry[at.n] : at.n;
+    // The local pass runs the segments of cut sequences but the last (whose final pass stores the final state), and
+    // the transition of every one but the first (in a split call: every segment, both); the final pass every entry
+    // but, where Plan::cp_first_final, a cut sequence's first segment (it ran in the local pass's grid), and counts a
+    // bad sequence once (its first segment's CTA of head 0).
+    const int entry = kCpMode == 1 || kFirstFinal ? plan.cp_state_entry[at.n] : at.n;
     if (entry >= 0) seg = plan.cp_segments[entry];
+    const bool last = !plan.cp_split && seg.index == seg.count - 1;
     run = entry >= 0 && seg.seq >= 0 &&
-          (kCpMode == 2 || (seg.state >= 0 && (!transition || seg.index > 0 || plan.cp_split)));
+          (kCpMode == 2 ? kFirstFinal || !(plan.cp_first_final && seg.state >= 0 && seg.index == 0)
+                        : seg.state >= 0 && !last && (!transition || seg.index > 0 || plan.cp_split));
     run = run && begin_sequence<S::kCtaThreads>(p, plan, seg.seq, at.h, at.v0, S::kCols,
                                                 kCpMode == 2 && seg.index == 0 && at.h == 0, sq);
   } else {
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         s[j][e] = transition && 8 * j + at.q2 + (e & 1) == at.vw + at.r + 8 * (e >> 1) ? 1.0f : 0.0f;
-  } else if (kCpMode == 2 && seg.state >= 0) {
+  } else if (kCpMode == 2 && seg.state >= 0 && !kFirstFinal) {
 #pragma unroll
     for (int j = 0; j < S::KT; ++j)
 #pragma unroll
@@ -367,16 +367,40 @@ __global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup
       store_head_state<S>(s, p, at, base, dt, offset, pairs);
   };
   const bool klast = p.state.layout == StateLayout::kKLast;
-  if constexpr (kCpMode == 1) {  // the segment's local state or transition, fp32, for the scan
+  if constexpr (kCpMode == 1 || kFirstFinal) {  // the segment's local state or transition, fp32, for the scan
     float* dst = transition ? plan.cp_transition : plan.cp_local;
     store_state(dst, nullptr, DType::kFloat32, cp_offset, klast, klast);
-  } else if (sq.fslot >= 0 && (kCpMode == 0 || seg.state < 0)) {  // a cut sequence's: the scan's
+  } else if (sq.fslot >= 0 && (kCpMode == 0 || cp_stores_final(plan, at.n))) {
     uint8_t* const scales = p.state.dtype == DType::kFloat8E4M3
                                 ? p.state.scales + int64_t(sq.fslot) * at.HV * (K * V / kFp8Block)
                                 : nullptr;
     store_state(p.state.data, scales, p.state.dtype, int64_t(sq.fslot) * p.state.slot_stride, plan.state_pairs,
                   plan.state_bulk);
   }
+}
+
+// kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
+// kMWarpgroup (the wgmma build with two state warpgroups): a third warpgroup forms M in each chunk's stage
+// (prep_warpgroup.cuh), after the chunk prep kernel without M; a fourth issues the loads and stores o.
+// kCpMode (context_parallel.cuh): the grid's rows are the segment table's entries instead of the sequences (the
+// local pass (1): the cut segments' states, two CTAs per state and value head; blockIdx.y: 0 the segment from zero,
+// 1 its transition; the first segment's y = 0 CTA runs its final pass there where Plan::cp_first_final).
+// kFusedPrep (with kMWarpgroup, whole sequences): the prep warpgroup forms the whole chunk prep (fused_prep_warpgroup)
+// after the gate kernel, with the norms from the producer's last two warps.
+template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0, bool kFusedPrep = false>
+__global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>::kCtaThreads, 1)
+    state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
+  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>;
+  if constexpr (kCpMode == 1) {
+    using Final = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, 2, kFusedPrep>;
+    static_assert(Final::kCtaThreads == S::kCtaThreads && sizeof(typename Final::Stage) == sizeof(typename S::Stage),
+                  "the local pass's grid runs the final pass's build in the same CTA shape");
+    if (plan.cp_first_final && blockIdx.y == 0) {
+      const int entry = plan.cp_state_entry[blockIdx.x / unsigned(kSplit * p.heads.num_v_heads)];
+      if (entry >= 0 && plan.cp_segments[entry].index == 0) return head_pass_cta<Final, true>(p, plan, maps);
+    }
+  }
+  head_pass_cta<S>(p, plan, maps);
 }
 
 // after_prep: the chunk prep (or the fused prep's gate kernel) is the previous kernel of the stream (launch_op), so
