@@ -357,6 +357,7 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   Overrides beside;
   beside.prefill_cp_first_final = 1;
   EXPECT_TRUE(chunked_prefill::choose_prefill(tp8.p, kSms, beside).cp_first_final);
+  EXPECT_EQ(a.cp_scan_cols, 8);  // 8 heads x 16 CTAs of 8 columns
   PrefillCall tp8_32k({32768}, 2, 8);  // 16 segments of 2048
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_32k.p, kSms, {}).cp_segment_len, 2048);
   PrefillCall next_8k({8192});  // 32 heads: 4 segments per wave, too few to pay for three passes on short prompts
@@ -365,6 +366,12 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   const auto d = chunked_prefill::choose_prefill(next_16k.p, kSms, {});  // 5 segments, the first one's final early
   EXPECT_EQ(d.cp_segment_len, 3328);
   EXPECT_TRUE(d.cp_first_final);
+  EXPECT_EQ(d.cp_scan_cols, 32);  // 32 heads x 4 CTAs of 32 columns
+  Overrides narrow;
+  narrow.prefill_cp_scan_cols = 8;
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_16k.p, kSms, narrow).cp_scan_cols, 8);
+  narrow.prefill_cp_scan_cols = 16;
+  EXPECT_THROW(chunked_prefill::choose_prefill(next_16k.p, kSms, narrow), Error);
   Overrides after_scan;
   after_scan.prefill_cp_first_final = 0;  // the first segment's final pass after the scan: one wave of 4 segments
   const auto e = chunked_prefill::choose_prefill(next_16k.p, kSms, after_scan);

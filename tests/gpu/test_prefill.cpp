@@ -96,6 +96,7 @@ cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux
   cuda::Overrides o;
   o.prefill_cp_segment_len = cp;
   o.prefill_cp_first_final = first_final;
+  o.prefill_cp_scan_cols = first_final == 1 ? 32 : first_final == 0 ? 8 : 0;  // both scans on every case
   o.prefill_chunk_flags = flags;
   o.prefill_vtile = vtile == kShortOnly ? 0 : vtile;
   o.prefill_head_split = head_split;
@@ -505,7 +506,8 @@ std::vector<Case> sanitize_cases() {
 // Lengths around the segment (len - 1, len, len + 1, one chunk past, several segments), varlen batches of cut and
 // uncut sequences, checkpoints crossing segments, initial == final slot, both layouts, bf16 pools, fp16 inputs,
 // given gates, K = V = 64, the long-memory regime, with and without the prep warpgroup. Each case twice: the first
-// segment's final pass after the scan ("_after") and beside the local pass ("_beside").
+// segment's final pass after the scan ("_after", the scan's CTAs of 8 columns) and beside the local pass ("_beside",
+// of 32).
 std::vector<Case> cp_cases() {
   std::vector<Case> out;
   int i = 0;
@@ -705,6 +707,7 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     cuda::Overrides o;
     o.prefill_cp_segment_len = cp == -128 ? 128 : cp;
     o.prefill_cp_first_final = cp == -128 ? 1 : cp > 0 ? 0 : -1;
+    o.prefill_cp_scan_cols = cp == -128 ? 32 : 0;
     const cuda::ScopedOverrides scoped(o);
     ProblemConfig c = base({300, 1, 64, 129}, 2, 4);
     c.layout = layout;

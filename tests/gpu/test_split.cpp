@@ -119,9 +119,10 @@ ProblemConfig split_config(std::vector<int32_t> lens, int K, uint64_t seed) {
 // The split run on the GPU against the fp64 recurrence of the whole prefill, with the pool of every rank that stores
 // final states.
 void run_case(const ProblemConfig& cfg, const std::vector<int64_t>& cuts, bool every_rank,
-              int64_t segment_len = -1) {
+              int64_t segment_len = -1, int scan_cols = 0) {
   cuda::Overrides o;
   o.prefill_cp_segment_len = int(segment_len);
+  o.prefill_cp_scan_cols = scan_cols;
   cuda::ScopedOverrides scoped(o);
   const Problem before(cfg);
   Problem ref = before, got = before;
@@ -151,8 +152,10 @@ TEST(SplitPrefillGpu, RanksAndCuts) {
   };
   for (int K : {128, 64})
     for (const auto& c : cuts) {
-      SCOPED_TRACE("K=" + std::to_string(K) + " ranks " + std::to_string(c.size() - 1));
-      run_case(split_config(lens, K, 100 + c.size()), c, false);
+      const int scan_cols = c.size() % 2 == 0 ? 32 : 8;  // both scans (the compose and fold roles)
+      SCOPED_TRACE("K=" + std::to_string(K) + " ranks " + std::to_string(c.size() - 1) + " scan columns " +
+                   std::to_string(scan_cols));
+      run_case(split_config(lens, K, 100 + c.size()), c, false, -1, scan_cols);
     }
 }
 
@@ -169,8 +172,11 @@ TEST(SplitPrefillGpu, LayoutsPoolDtypesAndGates) {
     ProblemConfig c = split_config({1500, 700}, 128, 7 + int(k.state));
     c.layout = k.layout, c.state_dtype = k.state, c.in_dtype = k.in, c.gate_mode = k.gates;
     c.same_slot = k.state == DType::kFloat32;
-    SCOPED_TRACE(std::string(layout_name(k.layout)) + " pool " + dtype_name(k.state));
-    run_case(c, {0, 900, 1800, 2200}, k.state == DType::kBFloat16);
+    for (int scan_cols : {8, 32}) {
+      SCOPED_TRACE(std::string(layout_name(k.layout)) + " pool " + dtype_name(k.state) + " scan columns " +
+                   std::to_string(scan_cols));
+      run_case(c, {0, 900, 1800, 2200}, k.state == DType::kBFloat16, -1, scan_cols);
+    }
   }
 }
 

@@ -125,11 +125,12 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 }
 
 // The scan over the segments of one cut sequence (Plan::cp_cut_first[blockIdx.x] its first entry), value head
-// blockIdx.y, value columns kScanCols blockIdx.z .. + kScanCols - 1: S_in of segment i + 1 = P_i S_in(i) + L_i. Thread
-// k < K owns row k of those columns; the sum over j in P_i S_in(i) is split into kScanSplit ranges, one per group of K
-// threads, which meet in shared memory (the chain of steps is the kernel's time). Each step's P arrives in shared
-// memory by cp.async while the step before runs, as rows of the pool's layout kScanLd = K + 4 floats apart
-// (conflict-free reads in either layout). Three roles:
+// blockIdx.y, value columns kCols blockIdx.z .. + kCols - 1: S_in of segment i + 1 = P_i S_in(i) + L_i. The chain of
+// steps is the kernel's time, so a step is short: P_i S_in(i) runs on the tensor cores as three TF32 products per
+// operand pair (hi hi + hi lo + lo hi: about fp32's precision), warp w forming rows 16 (w % (K / 16)) .. + 15 over its
+// part of the sum over j, the parts meeting in shared memory; S_in and L wait there as the B operand and the addend,
+// and each step's P arrives by cp.async while the step before runs (kScanPLd: conflict-free A fragments in either
+// layout). Three roles:
 //   kSegments: the single-GPU path. Reads the sequence's initial state (the first segment's true initial state) and
 //     writes every segment's (the last segment's final pass stores the final state). A sequence with a bad slot is
 //     left to the final pass, which skips and counts it.
@@ -141,12 +142,37 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 //     piece's segments (writing each one's true initial state for the final pass) and, where this rank stores the
 //     final state, the higher ranks' summaries.
 enum class ScanRole { kSegments, kCompose, kFold };
-constexpr int kScanCols = 8, kScanSplit = 4;
+// 16 warps; kCols columns a CTA (8, or 32 where the heads alone give enough CTAs: Plan::cp_scan_cols).
+constexpr int kScanThreads = 512;
+// Rows of S_in (and of L) in shared memory: the B operand's rows j, j + 4 of a column in different banks.
+template <int kCols>
+constexpr int kScanColsLd = kCols % 32 == 0 ? kCols + 8 : kCols;
+// P's rows in shared memory: K + 8 floats in the K-last layout (P[k][j] at row j), K + 4 in the V-last one (at row
+// k), so that the A fragments are conflict-free; the buffers are sized for K + 8.
 template <int K>
-constexpr int kScanLd = K + 4;
-template <int K>
+constexpr int kScanPLd = K + 8;
+// One buffer of L in the pool's layout: K-last kCols rows of K + 4 floats, V-last K rows of kScanColsLd.
+template <int K, int kCols>
+constexpr int kScanLBuf = kCols * (K + 4) > K * kScanColsLd<kCols> ? kCols * (K + 4) : K * kScanColsLd<kCols>;
+template <int K, int kCols>
 constexpr size_t cp_scan_smem_bytes() {
-  return size_t(2 * K * kScanLd<K>) * sizeof(float);
+  constexpr int kParts = kScanThreads / 32 / (K / 16);
+  return (size_t(2 * K * kScanPLd<K>) + size_t(K) * kScanColsLd<kCols> * kParts + 2 * size_t(kScanLBuf<K, kCols>)) *
+         sizeof(float);
+}
+
+// d += a b on the tensor cores, TF32 operands (mma.sync m16n8k8), fp32 accumulation.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// x as a TF32 value and the rest (x = hi + lo up to 2^-22 |x|; the tensor cores read lo's top bits): the products
+// hi hi + hi lo + lo hi carry about fp32's precision.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 // Whether the final pass's CTA of table entry `entry` stores its sequence's final state: a sequence of one segment, or
@@ -168,14 +194,17 @@ __device__ __forceinline__ bool split_piece_ok(const PrefillParams& p, int n, in
          fslot < p.state.num_slots && cslot < p.checkpoints.num_slots;
 }
 
-template <int K, ScanRole kRole>
-__global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillParams p, const Plan plan) {
-  constexpr int kCols = kScanCols, LD = kScanLd<K>, kRange = K / kScanSplit;
+template <int K, int kCols, ScanRole kRole>
+__global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillParams p, const Plan plan) {
+  constexpr int kMTiles = K / 16, kParts = kScanThreads / 32 / kMTiles, kKSteps = K / 8 / kParts;
+  constexpr int kNTiles = kCols / 8, LDC = kScanColsLd<kCols>;
+  static_assert(K * kCols / 4 % 32 == 0 && kParts >= 1, "whole warps of quads");
   const int entry = plan.cp_cut_first[blockIdx.x];
   if (entry < 0) return;
   const CpSegment first = plan.cp_segments[entry];
   const int n = first.seq, h = blockIdx.y, tid = threadIdx.x;
-  const int k = tid % K, part = tid / K;  // row k, the sum's range part (warp-uniform: K is a multiple of 32)
+  // warp: rows 16 mt .. 16 mt + 15 of the product, its part of the sum over j; lane: (g, t) of the mma fragments
+  const int warp = tid / 32, mt = warp % kMTiles, part = warp / kMTiles, g = (tid % 32) / 4, t = tid % 4;
   const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v;
   const bool p_cols = kRole == ScanRole::kCompose && int(blockIdx.z) * kCols >= V;  // the transition's columns
   const int v0 = p_cols ? int(blockIdx.z) * kCols - V : int(blockIdx.z) * kCols;
@@ -193,6 +222,7 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
   const int64_t per_segment = int64_t(HV) * K * V;
   const int64_t summary = int64_t(HV) * K * (V + K);  // one piece's in the exchange: its state, then its P
   const StateLayout layout = p.state.layout;
+  const bool klast = layout == StateLayout::kKLast;
   const int rank = plan.split_rank;
   // The chain: the piece's own segments (first.state + i), and in the fold the other ranks' summaries around them.
   const int own = kRole == ScanRole::kSegments || (ok && !empty) ? first.count : 0;
@@ -213,122 +243,168 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
       L = b;
     }
   };
-  extern __shared__ __align__(16) float p_smem[];             // two buffers of P, K rows of LD
-  __shared__ __align__(16) float cols[K][kCols];              // S_in(i), read as float4
-  __shared__ float partial[kScanSplit - 1][kCols][K];         // the other ranges' sums
+  extern __shared__ __align__(16) float scan_smem[];
+  float* const p_buf = scan_smem;                   // two buffers of P, K rows of ldp
+  float* const cols = p_buf + 2 * K * kScanPLd<K>;  // [K][LDC]: S_in of the step, the products' B operand
+  float* const lbuf = cols + K * LDC;               // two buffers of L in the pool's layout: [kCols][K + 4] or [K][LDC]
+  float* const partial = lbuf + 2 * kScanLBuf<K, kCols>;  // [kParts - 1][K][LDC]: the other parts' sums
+  const int ldp = K + (klast ? 8 : 4);
+  const auto l_at = [&](int k, int c) { return klast ? c * (K + 4) + k : k * LDC + c; };  // L's (k, c) in a buffer
 
   const auto fetch_p = [&](int i) {  // into buffer i & 1
     const float *src, *unused;
     source(i, src, unused);
-    float* dst = p_smem + (i & 1) * K * LD;
-    for (int u = tid; u < K * K / 4; u += K * kScanSplit)
-      cp_async16(dst + (4 * u / K) * LD + 4 * u % K, src + 4 * u, true);
-    cp_async_commit();
+    float* dst = p_buf + (i & 1) * K * kScanPLd<K>;
+    for (int u = tid; u < K * K / 4; u += kScanThreads) cp_async16(dst + (4 * u / K) * ldp + 4 * u % K, src + 4 * u, true);
   };
-  const auto load_local = [&](int i, float (&x)[kCols]) {
-    const float *unused, *local;
-    source(i, unused, local);
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) x[c] = local ? local[state_offset(layout, h, k, v0 + c, K, V)] : 0.0f;
+  // Quad q of the K x kCols block: four elements adjacent in the pool's layout, rows k .. k + 3 of column c (K-last)
+  // or columns c .. c + 3 of row k (V-last).
+  constexpr int kQuads = K * kCols / 4;
+  const auto quad = [&](int q, int& k, int& c) {
+    if (klast)
+      c = q / (K / 4), k = q % (K / 4) * 4;
+    else
+      k = q / (kCols / 4), c = q % (kCols / 4) * 4;
   };
+  const auto offset = [&](int k, int c) { return state_offset(layout, h, k, v0 + c, K, V); };
+  const auto fetch_local = [&](int i) {  // L_i into lbuf buffer i & 1 (zeros where there is none)
+    const float *P, *local;
+    source(i, P, local);
+    float* dst = lbuf + (i & 1) * kScanLBuf<K, kCols>;
+    for (int q = tid; q < kQuads; q += kScanThreads) {
+      int k, c;
+      quad(q, k, c);
+      cp_async16(dst + l_at(k, c), local ? local + offset(k, c) : P, local != nullptr);
+    }
+  };
+  const auto cols_at = [&](int k, int c, int e) -> float& { return klast ? cols[(k + e) * LDC + c] : cols[k * LDC + c + e]; };
   // The sequence's initial state on the rank that reads it (rank 0 of a split call), else zero; the identity in a
   // summary's transition columns.
-  const auto initial = [&](int c) -> float {
+  const auto initial = [&](int k, int c) -> float {
     if (p_cols) return k == v0 + c ? 1.0f : 0.0f;
     if (islot < 0 || !ok || (kRole != ScanRole::kSegments && rank != 0)) return 0.0f;
-    const int64_t off = state_offset(layout, h, k, v0 + c, K, V);
+    const int64_t off = offset(k, c);
     if (p.state.dtype == DType::kFloat8E4M3)  // K-last (api/dispatch.cpp refuses the rest)
       return e4m3_to_float(static_cast<const uint8_t*>(p.state.data)[int64_t(islot) * p.state.slot_stride + off],
                            e8m0_scale(p.state.scales[(int64_t(islot) * per_segment + off) / kFp8Block]));
     return load_state_elem(p.state.data, p.state.dtype, int64_t(islot) * p.state.slot_stride + off);
   };
-  // The true initial state of own segment i (the final pass starts there).
-  const auto record = [&](int i, const float (&x)[kCols]) {
+  // cols (the chain's state) to `dst` in the pool's layout, fp32, four elements a store.
+  const auto store_cols = [&](float* dst) {
+    for (int q = tid; q < kQuads; q += kScanThreads) {
+      int k, c;
+      quad(q, k, c);
+      *reinterpret_cast<float4*>(dst + offset(k, c)) =
+          make_float4(cols_at(k, c, 0), cols_at(k, c, 1), cols_at(k, c, 2), cols_at(k, c, 3));
+    }
+  };
+  // The true initial state of own segment i (the final pass starts there), from cols.
+  const auto record = [&](int i) {
     if (kRole == ScanRole::kCompose || i < before || i >= before + own) return;
-    float* init = plan.cp_initial + (int64_t(first.state) + i - before) * per_segment;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) init[state_offset(layout, h, k, v0 + c, K, V)] = x[c];
+    store_cols(plan.cp_initial + (int64_t(first.state) + i - before) * per_segment);
   };
 
   // kSegments: the first segment ran from the initial state, so its local state is already S_in of the second.
   const int i0 = kRole == ScanRole::kSegments ? 1 : 0;
-  if (i0 < steps) fetch_p(i0);
-  float s[kCols] = {}, local[kCols] = {};  // part 0's
-  if (part == 0) {
+  for (int q = tid; q < kQuads; q += kScanThreads) {
+    int k, c;
+    quad(q, k, c);
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) s[c] = initial(c);
-    if constexpr (kRole == ScanRole::kSegments) {
-      record(0, s);
-      load_local(0, s);
+    for (int e = 0; e < 4; ++e) cols_at(k, c, e) = klast ? initial(k + e, c) : initial(k, c + e);
+  }
+  if constexpr (kRole == ScanRole::kSegments) {
+    record(0);  // (each thread's own elements)
+    fetch_local(0);
+    cp_async_commit();
+    cp_async_wait_group<0>();
+    for (int q = tid; q < kQuads; q += kScanThreads) {  // cols = L_0, each thread its own elements
+      int k, c;
+      quad(q, k, c);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cols_at(k, c, e) = lbuf[klast ? l_at(k + e, c) : l_at(k, c + e)];
     }
-    if (i0 < steps) load_local(i0, local);
+  }
+  if (i0 < steps) {
+    fetch_p(i0);
+    fetch_local(i0);
+    cp_async_commit();
   }
   for (int i = i0; i < steps; ++i) {
-    const bool more = i + 1 < steps;
-    if (more) fetch_p(i + 1);  // into the buffer step i - 1 read (every thread passed its last barrier)
-    float next[kCols] = {};
-    if (part == 0) {
-      if (more) load_local(i + 1, next);
-      record(i, s);
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) cols[k][c] = s[c];
+    cp_async_wait_group<0>();
+    __syncthreads();  // P_i, S_in(i) and L_i
+    if (i + 1 < steps) {  // into the buffers step i - 1 read, while this step runs
+      fetch_p(i + 1);
+      fetch_local(i + 1);
+      cp_async_commit();
     }
-    if (more)
-      cp_async_wait_group<1>();
-    else
-      cp_async_wait_group<0>();
-    __syncthreads();  // P_i and the columns
-    const float* P = p_smem + (i & 1) * K * LD;
-    float acc[kCols] = {};
-    const auto fma_row = [&](int j, float pkj) {
-      const float4 a = *reinterpret_cast<const float4*>(&cols[j][0]);
-      const float4 b = *reinterpret_cast<const float4*>(&cols[j][4]);
-      acc[0] = fmaf(pkj, a.x, acc[0]), acc[1] = fmaf(pkj, a.y, acc[1]);
-      acc[2] = fmaf(pkj, a.z, acc[2]), acc[3] = fmaf(pkj, a.w, acc[3]);
-      acc[4] = fmaf(pkj, b.x, acc[4]), acc[5] = fmaf(pkj, b.y, acc[5]);
-      acc[6] = fmaf(pkj, b.z, acc[6]), acc[7] = fmaf(pkj, b.w, acc[7]);
-    };
-    const int j0 = part * kRange;
-    if (layout == StateLayout::kKLast) {  // P[k][j] at row j
-#pragma unroll 8
-      for (int j = j0; j < j0 + kRange; ++j) fma_row(j, P[j * LD + k]);
-    } else {  // P[k][j] at row k
+    record(i);
+    // P_i S_in(i) on the tensor cores: warp (mt, part) forms rows 16 mt .. + 15 over its kKSteps steps of j.
+    const float* P = p_buf + (i & 1) * K * kScanPLd<K>;
+    float acc[kNTiles][4] = {};
+    const int m0 = 16 * mt;
 #pragma unroll 2
-      for (int j = j0; j < j0 + kRange; j += 4) {
-        const float4 pk = *reinterpret_cast<const float4*>(&P[k * LD + j]);
-        fma_row(j, pk.x), fma_row(j + 1, pk.y), fma_row(j + 2, pk.z), fma_row(j + 3, pk.w);
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      const int j0 = 8 * (part * kKSteps + ks);
+      float a[4];
+      if (klast) {  // P[k][j] at row j
+        a[0] = P[(j0 + t) * ldp + m0 + g], a[1] = P[(j0 + t) * ldp + m0 + g + 8];
+        a[2] = P[(j0 + t + 4) * ldp + m0 + g], a[3] = P[(j0 + t + 4) * ldp + m0 + g + 8];
+      } else {  // at row k
+        a[0] = P[(m0 + g) * ldp + j0 + t], a[1] = P[(m0 + g + 8) * ldp + j0 + t];
+        a[2] = P[(m0 + g) * ldp + j0 + t + 4], a[3] = P[(m0 + g + 8) * ldp + j0 + t + 4];
+      }
+      uint32_t ah[4], al[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) split_tf32(a[r], ah[r], al[r]);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        uint32_t bh0, bl0, bh1, bl1;
+        split_tf32(cols[(j0 + t) * LDC + 8 * nt + g], bh0, bl0);
+        split_tf32(cols[(j0 + t + 4) * LDC + 8 * nt + g], bh1, bl1);
+        mma_tf32(acc[nt], al, bh0, bh1);
+        mma_tf32(acc[nt], ah, bl0, bl1);
+        mma_tf32(acc[nt], ah, bh0, bh1);
       }
     }
+    // accumulator (r, r + 1) of tile nt: row m0 + g + 8 (r / 2), columns 8 nt + 2 t, + 1
     if (part > 0)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) partial[part - 1][c][k] = acc[c];
-    __syncthreads();  // the columns and this P are read, the partial sums written
-    if (part == 0) {
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        float x = local[c] + acc[c];
+        for (int r = 0; r < 4; r += 2)
+          *reinterpret_cast<float2*>(&partial[(part - 1) * K * LDC + (m0 + g + 4 * r) * LDC + 8 * nt + 2 * t]) =
+              make_float2(acc[nt][r], acc[nt][r + 1]);
+    __syncthreads();  // the partial sums; every warp is done with S_in(i) and P_i
+    if (part == 0) {  // S_in(i + 1) = P_i S_in(i) + L_i
+      const float* l = lbuf + (i & 1) * kScanLBuf<K, kCols>;
 #pragma unroll
-        for (int q = 0; q < kScanSplit - 1; ++q) x += partial[q][c][k];
-        s[c] = x;
-        local[c] = next[c];
-      }
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          const int row = m0 + g + 4 * r, col = 8 * nt + 2 * t, at = row * LDC + col;
+          float2 x = make_float2(acc[nt][r] + l[l_at(row, col)], acc[nt][r + 1] + l[l_at(row, col + 1)]);
+#pragma unroll
+          for (int q = 0; q < kParts - 1; ++q) {
+            const float2 y = *reinterpret_cast<const float2*>(&partial[q * K * LDC + at]);
+            x.x += y.x, x.y += y.y;
+          }
+          *reinterpret_cast<float2*>(&cols[at]) = x;
+        }
     }
   }
-  if (part != 0) return;
+  __syncthreads();  // cols: the chain's end
   if constexpr (kRole == ScanRole::kSegments) {
-    record(steps, s);  // the last segment's
+    record(steps);  // the last segment's
     return;
   }
   if constexpr (kRole == ScanRole::kCompose) {
-    float* dst = plan.split_exchange + (int64_t(rank) * p.num_seqs + n) * summary + (p_cols ? per_segment : 0);
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) dst[state_offset(layout, h, k, v0 + c, K, V)] = s[c];  // K == V
+    store_cols(plan.split_exchange + (int64_t(rank) * p.num_seqs + n) * summary + (p_cols ? per_segment : 0));
     return;
   }
   if constexpr (kRole == ScanRole::kFold) {
     // Counted once per sequence: checkpoints of a piece that does not start on a chunk boundary of its sequence
     // (they cannot be stored), and a bad piece on a rank without tokens (no final pass runs there to count it).
-    if (blockIdx.y == 0 && blockIdx.z == 0 && k == 0 && p.error_flag != nullptr) {
+    if (blockIdx.y == 0 && blockIdx.z == 0 && tid == 0 && p.error_flag != nullptr) {
       const int64_t offset = plan.split_offsets ? plan.split_offsets[n] : 0;
       if (ok && cslot >= 0 &&
           !split_piece_checkpoints_ok(offset, load_cu(p, n + 1) - load_cu(p, n), p.checkpoint_interval,
@@ -336,25 +412,30 @@ __global__ void __launch_bounds__(K* kScanSplit) cp_scan_kernel(const PrefillPar
         atomicAdd(p.error_flag, 1);
       if (!ok && p.total_tokens == 0) atomicAdd(p.error_flag, 1);
     }
-    if (!ok || !plan.split_final) return;
-  }
-  if (fslot >= 0 && p.state.dtype == DType::kFloat8E4M3) {
-    // K-last: the 32 k of a warp are one block of each column, the warp's max its scale.
+    if (!ok || !plan.split_final || fslot < 0) return;
+    const int64_t base = int64_t(fslot) * p.state.slot_stride;
+    for (int q = tid; q < kQuads; q += kScanThreads) {  // (warp-uniform trip count: kQuads is a multiple of 32)
+      int k, c;
+      quad(q, k, c);
+      const int64_t off = offset(k, c);
+      if (p.state.dtype == DType::kFloat8E4M3) {
+        // K-last: the 8 lanes of quads k .. k + 31 of a column hold one 32-row block, their max its scale.
+        uint32_t m = 0;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      uint32_t m = abs_bits(s[c]);
+        for (int e = 0; e < 4; ++e) m = max(m, abs_bits(cols_at(k, c, e)));
 #pragma unroll
-      for (int x = 1; x < 32; x <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, x));
-      const Fp8Scale sc = e4m3_block_scale(m);
-      const int64_t off = state_offset(layout, h, k, v0 + c, K, V);
-      static_cast<uint8_t*>(p.state.data)[int64_t(fslot) * p.state.slot_stride + off] = uint8_t(e4m3x1(s[c], sc));
-      if (k % kFp8Block == 0) p.state.scales[(int64_t(fslot) * per_segment + off) / kFp8Block] = uint8_t(sc.byte);
+        for (int b = 1; b < 8; b <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, b));
+        const Fp8Scale sc = e4m3_block_scale(m);
+        uint8_t* const out = static_cast<uint8_t*>(p.state.data) + base + off;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[e] = uint8_t(e4m3x1(cols_at(k, c, e), sc));
+        if (k % kFp8Block == 0) p.state.scales[(int64_t(fslot) * per_segment + off) / kFp8Block] = uint8_t(sc.byte);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          store_state_elem(p.state.data, p.state.dtype, base + off + e, cols_at(k, c, e));
+      }
     }
-  } else if (fslot >= 0) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c)
-      store_state_elem(p.state.data, p.state.dtype,
-                       int64_t(fslot) * p.state.slot_stride + state_offset(layout, h, k, v0 + c, K, V), s[c]);
   }
 }
 
@@ -363,15 +444,19 @@ inline void launch_cp_segment_table(const PrefillParams& p, const Plan& plan, cu
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
+template <int K, int kCols, ScanRole kRole>
+void launch_cp_scan_cols(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
+  constexpr size_t smem = cp_scan_smem_bytes<K, kCols>();
+  allow_dynamic_smem<cp_scan_kernel<K, kCols, kRole>>(smem);
+  const int cols = p.heads.head_dim_v + (kRole == ScanRole::kCompose ? K : 0);  // a summary's: state and transition
+  const dim3 grid(unsigned(plan.cp_max_cuts), unsigned(p.heads.num_v_heads), unsigned(cols / kCols));
+  cp_scan_kernel<K, kCols, kRole><<<grid, kScanThreads, smem, stream>>>(p, plan);
+  GDNKIT_CUDA_CHECK_LAUNCH();
+}
 template <int K, ScanRole kRole = ScanRole::kSegments>
 void launch_cp_scan(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  constexpr size_t smem = cp_scan_smem_bytes<K>();
-  const auto kernel = cp_scan_kernel<K, kRole>;
-  allow_dynamic_smem<cp_scan_kernel<K, kRole>>(smem);
-  const int cols = p.heads.head_dim_v + (kRole == ScanRole::kCompose ? K : 0);  // a summary's: state and transition
-  const dim3 grid(unsigned(plan.cp_max_cuts), unsigned(p.heads.num_v_heads), unsigned(cols / kScanCols));
-  kernel<<<grid, K * kScanSplit, smem, stream>>>(p, plan);
-  GDNKIT_CUDA_CHECK_LAUNCH();
+  if (plan.cp_scan_cols == 32) return launch_cp_scan_cols<K, 32, kRole>(p, plan, stream);
+  launch_cp_scan_cols<K, 8, kRole>(p, plan, stream);
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

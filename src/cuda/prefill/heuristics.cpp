@@ -220,6 +220,17 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
   return len;
 }
 
+int cp_scan_cols(const PrefillParams& p, int num_sms, const Overrides& o) {
+  if (o.prefill_cp_scan_cols != 0) {
+    if (o.prefill_cp_scan_cols != 8 && o.prefill_cp_scan_cols != 32)
+      throw Error(ErrorCode::kInvalidArgument, "prefill: context-parallel scan of " +
+                                                   std::to_string(o.prefill_cp_scan_cols) +
+                                                   " columns per CTA (8 or 32)");
+    return o.prefill_cp_scan_cols;
+  }
+  return 2 * int64_t(p.heads.num_v_heads) * (p.heads.head_dim_v / 32) >= num_sms ? 32 : 8;
+}
+
 bool choose_cp_first_final(const PrefillParams& p, int num_sms, int64_t seg_len, const Overrides& o) {
   if (o.prefill_cp_first_final >= 0) return o.prefill_cp_first_final > 0;
   return cp_first_final_pays(p, num_sms, seg_len);
@@ -268,6 +279,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
     c.cp_segment_len = choose_cp_segment_len(p, num_sms, o);
   const bool cp = c.cp_segment_len > 0;
   c.cp_first_final = cp && choose_cp_first_final(p, num_sms, c.cp_segment_len, o);
+  if (cp) c.cp_scan_cols = cp_scan_cols(p, num_sms, o);
   c.vtile = o.prefill_vtile != 0 && !cp ? o.prefill_vtile : choose_vtile(p, num_sms);
   c.head_split = cp ? 1 : o.prefill_head_split != 0 ? o.prefill_head_split : choose_head_split(p, num_sms);
   if (is_head_tile(c.vtile) && !head_split_supported(V, c.head_split))
@@ -341,6 +353,7 @@ PrefillChoice choose_split(const PrefillParams& p, int num_sms, const Overrides&
   PrefillChoice c;
   c.stages = kStagesAll;
   c.cp_segment_len = split_segment_len(p, num_sms, o);
+  c.cp_scan_cols = cp_scan_cols(p, num_sms, o);
   c.vtile = kVTileHead;
   c.head_split = 1;
   c.wgmma_pass = true;

@@ -50,6 +50,7 @@ struct PrefillChoice {
   // ... where each cut sequence's first segment runs its final pass (o, checkpoints) in the local pass's grid, beside
   // the other segments' local states and transitions, instead of after the scan (choose_cp_first_final)
   bool cp_first_final = false;
+  int cp_scan_cols = 8;  // value columns per CTA of its scan (cp_scan_cols)
 };
 
 // One entry of the context-parallel path's segment table (built on the device from cu_seqlens): tokens
@@ -82,6 +83,9 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
 // Whether a cut sequence's first segment runs its final pass beside the local pass (seg_len > 0): where the local
 // pass would otherwise take more than one wave of CTAs, whose second wave that segment's final pass then fills.
 bool choose_cp_first_final(const PrefillParams& p, int num_sms, int64_t seg_len, const Overrides& o);
+// Value columns per CTA of the context-parallel scan: 32 where the value heads alone give about half the SMs CTAs of
+// 32 columns (fewer CTAs, each reading its P once for more columns), else 8.
+int cp_scan_cols(const PrefillParams& p, int num_sms, const Overrides& o);
 // The path's workspace for a table of `segments` entries and `states` states, each part 256-byte aligned: the table,
 // the entry of each state and of each cut sequence's first segment (int32; `cuts` of them, by default
 // cp_max_cuts(states)), then three regions of fp32 states (one per cut segment and value head). Byte offsets from

@@ -86,6 +86,7 @@ struct Plan {
   // Each cut sequence's first segment runs its final pass in the local pass's grid (PrefillChoice::cp_first_final);
   // without a split the last segment of a cut sequence has neither local state nor transition in any case.
   bool cp_first_final = false;
+  int32_t cp_scan_cols = 8;  // value columns per CTA of the scan: 8 or 32 (cp_scan_cols)
   int32_t cp_max_segments = 0;
   int32_t cp_max_states = 0;
   int32_t cp_max_cuts = 0;

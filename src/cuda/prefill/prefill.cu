@@ -185,6 +185,7 @@ Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   plan.short_len = choice.short_len;
   plan.cp_segment_len = choice.cp_segment_len;
   plan.cp_first_final = choice.cp_first_final;
+  plan.cp_scan_cols = choice.cp_scan_cols;
   plan.cp_max_segments = choice.cp_segment_len > 0 ? int32_t(cp_max_segments(p, choice.cp_segment_len)) : 0;
   plan.cp_max_states = choice.cp_segment_len > 0 ? int32_t(cp_max_states(p, choice.cp_segment_len)) : 0;
   plan.cp_max_cuts = int32_t(cp_max_cuts(plan.cp_max_states));
