@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 //     left to the final pass, which skips and counts it.
 //   kCompose: a split call's piece summary (Plan::cp_split): from [S_0 | I] (S_0 the initial state on rank 0, else
 //     zero) through every segment of the piece, into this rank's block of the exchange: the piece's state and its
-//     transition (blockIdx.z past V / kScanCols: the transition's columns). A bad piece sends the identity's
+//     transition (blockIdx.z past V / kCols: the transition's columns). A bad piece sends the identity's
 //     summary [0 | I], an empty one [S_0 | I].
 //   kFold: after the exchange, from S_0 through the lower ranks' summaries (the piece's true initial state), this
 //     piece's segments (writing each one's true initial state for the final pass) and, where this rank stores the
