@@ -198,7 +198,9 @@ template <int K, int kCols, ScanRole kRole>
 __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillParams p, const Plan plan) {
   constexpr int kMTiles = K / 16, kParts = kScanThreads / 32 / kMTiles, kKSteps = K / 8 / kParts;
   constexpr int kNTiles = kCols / 8, LDC = kScanColsLd<kCols>;
-  static_assert(K * kCols / 4 % 32 == 0 && kParts >= 1, "whole warps of quads");
+  static_assert(K % 16 == 0 && kMTiles * kParts == kScanThreads / 32 && K / 8 % kParts == 0,
+                "the warps split the rows in tiles of 16 and the sum over j evenly");
+  static_assert(K * kCols / 4 % 32 == 0, "whole warps of quads");
   const int entry = plan.cp_cut_first[blockIdx.x];
   if (entry < 0) return;
   const CpSegment first = plan.cp_segments[entry];
