@@ -26,7 +26,7 @@ struct Overrides {
   int prefill_head_split = 0;       // head pass CTAs per (sequence, value head): 1 or 2
   int prefill_stages = 3;           // kernels a call launches: 1 chunk prep, 2 state pass, 3 both (timing)
   int prefill_cp_segment_len = -1;  // context-parallel segments of this many tokens (a multiple of 64); 0: off
-  int prefill_cp_scan_cols = 0;    // context parallelism: value columns per CTA of the scan, 8 or 32
+  int prefill_cp_scan_cols = 0;     // context parallelism: value columns per CTA of the scan, 8 or 32
   int prefill_cp_first_final = -1;  // context parallelism: each cut sequence's first segment runs with o beside the
                                     // local pass (1) or after the scan (0)
   int prefill_chunk_flags = -1;     // the head pass waits for each chunk's flag instead of the chunk prep's grid: 0 off,

@@ -80,8 +80,8 @@ constexpr int64_t cp_max_cuts(int64_t states) { return states / 2 > 0 ? states /
 // The segment length (0: the path does not run). Auto: about one CTA per SM for the longest sequence's segments
 // and heads, and only where that sequence gets at least eight segments; an override forces it.
 int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
-// Whether a cut sequence's first segment runs its final pass beside the local pass (seg_len > 0): where the local
-// pass would otherwise take more than one wave of CTAs, whose second wave that segment's final pass then fills.
+// Whether a cut sequence's first segment runs its final pass beside the local pass (seg_len > 0): where 4 to 7
+// segments make a wave and the local pass would otherwise take a second wave, which that segment's final pass fills.
 bool choose_cp_first_final(const PrefillParams& p, int num_sms, int64_t seg_len, const Overrides& o);
 // Value columns per CTA of the context-parallel scan: 32 where the value heads alone give about half the SMs CTAs of
 // 32 columns (fewer CTAs, each reading its P once for more columns), else 8.
