@@ -70,6 +70,8 @@ bench options:
                              instead of the library's choice
   --chunk-flags N            A/B switch: prefill's head pass waits for the chunk prep's grid (0) or for each chunk's
                              flag wherever its producer can (1), instead of the library's choice
+  --prep-parts N             A/B switch: prefill's chunk prep in N CTAs per (chunk, q/k head), each a share of
+                             the GVA group's value heads (N divides HV / H), instead of the library's choice
   --prefill-stages N         timing: prefill's chunk prep alone (1) or state pass alone (2) instead of both (3);
                              the outputs of one alone are not the op's
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
@@ -200,6 +202,8 @@ Options parse_bench(int argc, char** argv, int first) {
       o.prep_warpgroup = int_list(a, value(i), 0, 2).front();
     } else if (a == "--chunk-flags") {
       o.chunk_flags = int_list(a, value(i), 0, 1).front();
+    } else if (a == "--prep-parts") {
+      o.prep_parts = int_list(a, value(i), 1, 64).front();
     } else if (a == "--prefill-stages") {
       o.prefill_stages = int_list(a, value(i), 1, 3).front();
     } else if (a == "--vlast-fp8-columns") {

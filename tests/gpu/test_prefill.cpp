@@ -92,8 +92,9 @@ constexpr int kShortOnly = -100;
 
 // The library's entry under the overrides a case asks for (0 / -1: the heuristics' choice).
 cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux, int cp = -1, int flags = -1,
-                               int first_final = -1) {
+                               int first_final = -1, int prep_parts = 0) {
   cuda::Overrides o;
+  o.prefill_prep_parts = prep_parts;
   o.prefill_cp_segment_len = cp;
   o.prefill_cp_first_final = first_final;
   o.prefill_cp_scan_cols = first_final == 1 ? 32 : first_final == 0 ? 8 : 0;  // both scans on every case
@@ -106,9 +107,13 @@ cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux
 }
 
 void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1,
-             int cp = -1, int flags = -1, int first_final = -1) {
+             int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp, flags, first_final);
+  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp, flags, first_final, prep_parts);
+  // A case that asks for the chunk prep in parts must get them.
+  if (prep_parts > 0) {
+    EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).prep_parts, prep_parts);
+  }
   // A case that asks for the pass to wait per chunk (or for the prep's grid) must get what it asks for.
   if (flags >= 0) {
     EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).chunk_flags, flags > 0);
@@ -142,12 +147,12 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
 void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1, int aux = -1,
-                   int cp = -1, int flags = -1, int first_final = -1) {
+                   int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0) {
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split, short_len, aux, cp, flags, first_final);
+    run_gpu(got, dev, vtile, head_split, short_len, aux, cp, flags, first_final, prep_parts);
   }
   check_prefill_results(before, got, ref);
 }
@@ -659,6 +664,54 @@ TEST(PrefillGpu, ChunkFlagsMatchTheGridWait) {
     }
     for (const Buffer& b : flags.buffers())
       if (b.is_output) EXPECT_TRUE(BitwiseEqual(b.name + " (chunk counts)", b, grid.buffer(b.name)));
+  }
+}
+
+// The chunk prep in parts (Plan::prep_parts: several CTAs per chunk and q/k head, each a share of the GVA group's value
+// heads) computes what one CTA per group does, bit for bit, and within the tolerances of the fp64 recurrence: with M
+// formed by the prep (the head split's one state warpgroup) and without (the prep warpgroup), waiting per chunk (whose
+// count then takes every part) and for the grid, fused and given gates, and under context parallelism.
+TEST(PrefillGpu, PrepPartsMatchOneCtaPerGroup) {
+  struct Set {
+    std::vector<int32_t> lens;
+    int H, HV, vtile, split, aux, flags, cp;
+    GateMode gate;
+  };
+  constexpr int kHead = cuda::chunked_prefill::kVTileHead;
+  const Set sets[] = {
+      {{700, 0, 1000, 333, 256}, 2, 8, kHead, 2, 0, 1, -1, GateMode::kFused},  // M in the prep, counts per chunk
+      {{700, 0, 1000, 333, 256}, 2, 8, kHead, 2, 0, 0, -1, GateMode::kGiven},  // ... the grid wait, given gates
+      {{300, 0, 129, 640}, 1, 4, kHead, 1, 1, 1, -1, GateMode::kFused},        // M in the prep warpgroup
+      {{1000, 65}, 2, 6, kHead, 2, 0, -1, -1, GateMode::kFused},               // groups of 3
+      {{4096, 100}, 2, 8, 0, 0, -1, -1, 1024, GateMode::kFused},               // context parallelism
+  };
+  int seed = 4800;
+  for (const Set& s : sets) {
+    const int group = s.HV / s.H;
+    SCOPED_TRACE("sequences " + std::to_string(s.lens.size()) + ", group " + std::to_string(group) + ", cp " +
+                 std::to_string(s.cp) + ", flags " + std::to_string(s.flags));
+    ProblemConfig c = base(s.lens, s.H, s.HV);
+    c.gate_mode = s.gate;
+    c.checkpoint_interval = 128;
+    c.seed = seed++;
+    const Problem before(c);
+    Problem one = before;
+    {
+      DeviceProblem dev(one);
+      run_gpu(one, dev, s.vtile, s.split, -1, s.aux, s.cp, s.flags, -1, 1);
+    }
+    for (int parts = 2; parts <= group; ++parts) {
+      if (group % parts != 0) continue;
+      SCOPED_TRACE("parts " + std::to_string(parts));
+      check_prefill(before, s.vtile, s.split, -1, s.aux, s.cp, s.flags, -1, parts);
+      Problem split = before;
+      {
+        DeviceProblem dev(split);
+        run_gpu(split, dev, s.vtile, s.split, -1, s.aux, s.cp, s.flags, -1, parts);
+      }
+      for (const Buffer& b : split.buffers())
+        if (b.is_output) EXPECT_TRUE(BitwiseEqual(b.name + " (prep in parts)", b, one.buffer(b.name)));
+    }
   }
 }
 

@@ -29,6 +29,7 @@ struct Overrides {
   int prefill_cp_scan_cols = 0;     // context parallelism: value columns per CTA of the scan, 8 or 32
   int prefill_cp_first_final = -1;  // context parallelism: each cut sequence's first segment runs with o beside the
                                     // local pass (1) or after the scan (0)
+  int prefill_prep_parts = 0;       // chunk prep CTAs per (chunk slot, q/k head), a divisor of HV / H
   int prefill_chunk_flags = -1;     // the head pass waits for each chunk's flag instead of the chunk prep's grid: 0 off,
                                     // 1 wherever its producer can
 };

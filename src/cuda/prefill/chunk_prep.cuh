@@ -1,5 +1,5 @@
-// Kernel 1, the chunk prep: per (chunk, q/k head) WY preparation of the HV/H value heads of its GVA group
-// (docs/design/prefill.md "Kernel 1: the chunk prep"). One CTA of 4 warps, warp w owning token rows
+// Kernel 1, the chunk prep: per (chunk, q/k head) WY preparation of the HV/H value heads of its GVA group, in one CTA or
+// in a few, each a share of the heads (docs/design/prefill.md "Kernel 1: the chunk prep"). One CTA of 4 warps, warp w owning token rows
 // 16w .. 16w + 15: the gram products k k^T (and q k^T) once, then per value head the gates, M and A in one pass,
 // the solve T = (I + A)^{-1} (solve.cuh), and T', M and the factor rows to the workspace.
 #pragma once
@@ -17,27 +17,9 @@
 namespace gdnkit::cuda::chunked_prefill {
 
 // The k k^T and q k^T accumulators a thread keeps for all value heads of the group: warp w holds
-// the 2(w+1) n8-tiles of its rows' lower blocks, 20 tiles of 32 float4 (one per lane) per product.
-constexpr int kPrepTiles = 20;
+// the 2(w+1) n8-tiles of its rows' lower blocks, kPrepTiles = 20 tiles of 32 float4 (one per lane) per product.
+static_assert(kPrepTiles == 2 + 4 + 6 + 8, "the four warps' lower-block tiles");
 __device__ __forceinline__ int prep_tile(int warp, int nt, int lane) { return (warp * (warp + 1) + nt) * 32 + lane; }
-
-// Dynamic shared memory of kernel 1: raw k and q rows; once they are consumed, their bytes hold the
-// fp32 solve (A, then T in place) and the accumulators of both products (of k k^T alone without kM).
-template <int K, class Op, bool kM>
-constexpr size_t prep_smem_bytes() {
-  constexpr size_t rows = size_t(kM ? 2 : 1) * kChunk * (K + 8) * sizeof(Op);           // k (and q) rows
-  constexpr size_t solve = size_t(kChunk) * kSolveLd * 4;                               // A / T
-  constexpr size_t stash = size_t(kM ? 2 : 1) * kPrepTiles * 32 * sizeof(float4);      // k k^T, q k^T
-  return rows > solve + stash ? rows : solve + stash;
-}
-
-// The CTAs per SM that this shared memory allows on sm_90 (228 KB per SM, 1 KB reserved per CTA, 2 KB for the static
-// arrays: 1.8 KB with M, 1.5 KB without), asked of ptxas as the register budget, so that it does not trade spills
-// for more registers than the occupancy needs.
-template <int K, class Op, bool kM>
-constexpr int prep_ctas_per_sm() {
-  return int(size_t(228) * 1024 / (prep_smem_bytes<K, Op, kM>() + 3 * 1024));
-}
 
 // Fused gating: A_log and dt_bias of the group's first kHeadParams value heads in shared memory (the rest read at
 // use; the models of docs/benchmarks.md have 2-4 value heads per q/k head).
@@ -211,17 +193,18 @@ __device__ __forceinline__ void masked_decay_pass(const float* gc, const float* 
   }
 }
 
-// One CTA per (chunk slot, q/k head hk), slot-major (CTA slot * H + hk: a slot's chunks are finished together, early
-// slots first): q and k rows, their norms, G = k k^T and q k^T (kM) are computed once; the gates, gcum, M, A, the
-// solve and the workspace writes then run per value head h = hk * HV/H + j of the GVA group (the same operations as one
-// CTA per value head would run). With Plan::chunk_ready the CTA then counts itself into its slot's count, on which the
-// head pass's producer waits.
+// One CTA per (chunk slot, q/k head hk) (or Plan::prep_parts of them, each a share of the group's value heads),
+// slot-major (CTA (slot H + hk) parts + part: a slot's chunks are finished together, early slots first): q and k rows,
+// their norms, G = k k^T and q k^T (kM) are computed once per CTA; the gates, gcum, M, A, the solve and the workspace
+// writes then run per value head of its share of the GVA group (the same operations as one CTA per value head would
+// run). With Plan::chunk_ready the CTA then counts itself into its slot's count, on which the head pass's producer
+// waits.
 // Without kM (the wgmma head pass forms M from the chunk's rows and takes the q norms there, in its state warpgroups
 // or in its prep warpgroup) q is not read, q k^T and M are skipped, kDecayRq is e^gcum alone, and M's per-token terms
 // (kLog2Gcum, kInvNormK) are written with the other factors, or alone beside a prep warpgroup (Plan::m_warpgroup),
 // which forms the others.
 template <int K, class Op, bool kM>
-__global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
+__global__ void __launch_bounds__(kThreads, prep_ctas_per_sm(K, kM))
     chunk_prep_kernel(const PrefillParams p, const Plan plan) {
   constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
   constexpr int LDA = kSolveLd;  // fp32 A rows (solve.cuh)
@@ -243,10 +226,11 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   // The head state pass may launch once every CTA of this grid has started (it waits for the grid's end
   // before reading the workspace): its first CTAs then take the SMs the last wave frees.
   asm volatile("griddepcontrol.launch_dependents;");
-  const int H = p.heads.num_qk_heads, slot = int(blockIdx.x) / H, hk = int(blockIdx.x) - slot * H;
+  const int H = p.heads.num_qk_heads, parts = plan.prep_parts;
+  const int slot = int(blockIdx.x) / (H * parts), hk = int(blockIdx.x) / parts % H, part = int(blockIdx.x) % parts;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int HV = p.heads.num_v_heads, group = HV / H;
-  const int h0 = hk * group, h1 = h0 + group;  // the value heads of the group
+  const int HV = p.heads.num_v_heads, share = HV / H / parts;
+  const int h0 = hk * (HV / H) + part * share, h1 = h0 + share;  // this CTA's value heads of the group
   // T' and M for the wgmma head pass as causal images (causal_image.cuh; always so without kM), else row-major
   const bool image = !kM || plan.wgmma_pass;
 
@@ -257,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm<K, Op, kM>())
   GateLoads gates;  // warp 0: the next value head's gate inputs
   if (warp == 0) gates = load_gates(p, h0, t0, L, lane);
   const bool fused = p.gating.mode == GateMode::kFused;  // A_log and dt_bias are then present (api/validate.cpp)
-  if (fused && tid < group && tid < kHeadParams) {
+  if (fused && tid < share && tid < kHeadParams) {
     s_head[0][tid] = p.gating.A_log[h0 + tid];
     s_head[1][tid] = p.gating.dt_bias[h0 + tid];
   }

@@ -21,7 +21,7 @@ namespace gdnkit::cuda::chunked_prefill {
 // it (both arrive on one mbarrier / in one cp.async group).
 constexpr int kInputs = 1, kWorkspace = 2, kBoth = 3;
 
-// Until `count` (a chunk slot's q/k heads the chunk prep finished: Plan::chunk_ready) reaches `target`; the acquire
+// Until `count` (a chunk slot's chunk prep CTAs that finished: Plan::chunk_ready) reaches `target`; the acquire
 // orders the prep's writes before this thread's bulk copies of them (after the proxy fence).
 __device__ __forceinline__ void wait_chunk_ready(const uint32_t* count, uint32_t target) {
   uint32_t n;
@@ -44,6 +44,7 @@ struct HeadLoader {
   static constexpr bool kChunkFlags = S::kProducer && S::kCpMode == 0;
 
   const PrefillParams& p;
+  const Plan& plan;
   const HeadTensorMaps& maps;
   uint64_t* bars;  // the wgmma build: the TMA completion of each stage
   int tid, hk, h, v0, HV;
@@ -58,13 +59,13 @@ struct HeadLoader {
   // The context-parallel transition CTA reads v as zero: its v tiles are not loaded.
   bool load_v;
   // Beside a producer, Plan::chunk_ready from the sequence's first chunk slot: chunk c's workspace part waits for its
-  // count to reach num_qk_heads (null: the pass waited for the prep's grid).
+  // count to reach the prep's CTAs per slot (null: the pass waited for the prep's grid).
   const uint32_t* ready;
 
-  __device__ __forceinline__ HeadLoader(const PrefillParams& p_, const Plan& plan, const HeadTensorMaps& maps_,
+  __device__ __forceinline__ HeadLoader(const PrefillParams& p_, const Plan& plan_, const HeadTensorMaps& maps_,
                                         const HeadCoords& at, int64_t start_, int64_t len_, int64_t slot0,
                                         uint64_t* bars_, bool load_v_ = true)
-      : p(p_), maps(maps_), bars(bars_), load_v(load_v_) {
+      : p(p_), plan(plan_), maps(maps_), bars(bars_), load_v(load_v_) {
     tid = at.tid, hk = at.hk, h = at.h, v0 = at.v0, HV = at.HV;
     start = start_, len = len_;
     rk0 = tid / KP, ck = tid % KP, rv0 = tid / VP, cvv = tid % VP;
@@ -122,7 +123,7 @@ struct HeadLoader {
     }
     if (parts & kWorkspace) {
       if constexpr (kChunkFlags)
-        if (ready != nullptr) wait_chunk_ready(ready + c, uint32_t(p.heads.num_qk_heads));
+        if (ready != nullptr) wait_chunk_ready(ready + c, uint32_t(p.heads.num_qk_heads * plan.prep_parts));
       const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's causal images: one bulk copy each
       if constexpr (!S::kFusedPrep) bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
       if constexpr (!S::kMInPass && !S::kMWarpgroup && S::kOutputs)

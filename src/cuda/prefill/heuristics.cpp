@@ -143,6 +143,25 @@ int choose_head_split(const PrefillParams& p, int num_sms) {
   return head_split_supported(p.heads.head_dim_v, 2) && heads * 2 <= num_sms ? 2 : 1;
 }
 
+int choose_prep_parts(const PrefillParams& p, int num_sms, bool with_m, const Overrides& o) {
+  const int H = p.heads.num_qk_heads, group = H > 0 ? p.heads.num_v_heads / H : 1;
+  if (o.prefill_prep_parts > 0) {
+    if (group % o.prefill_prep_parts != 0)
+      throw Error(ErrorCode::kInvalidArgument, "prefill: chunk prep in " + std::to_string(o.prefill_prep_parts) +
+                                                   " parts per q/k head: expected a divisor of HV / H = " +
+                                                   std::to_string(group));
+    return o.prefill_prep_parts;
+  }
+  // A prep CTA's time is a chain (the rows, the products, then each value head's solve in turn): where the grid is
+  // short of a wave, sharing the value heads out shortens the chain at the price of the products formed again.
+  const int64_t resident = int64_t(prep_ctas_per_sm(p.heads.head_dim_k, with_m)) * num_sms;
+  const int64_t ctas = num_chunk_slots(p) * H;
+  int parts = 1;
+  for (int d = 2; d <= group; ++d)
+    if (group % d == 0 && ctas * d <= resident) parts = d;
+  return parts;
+}
+
 bool cp_supported(const PrefillParams& p) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   return head_pass_ok(p) && K == V && (K == 64 || K == 128) && head_tensor_maps_ok(p) && p.heads.num_v_heads > 0;
@@ -306,6 +325,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   // The whole prep in the warpgroup: whole sequences only (the context-parallel passes take the chunk prep's T')
   c.fused_prep = c.m_warpgroup && !cp && o.prefill_m_warpgroup == 2;
   const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
+  if (prep && !c.fused_prep) c.prep_parts = choose_prep_parts(p, num_sms, !c.m_in_pass, o);
   // (under context parallelism the pass behind the prep is the local pass: two CTAs per state and value head)
   const int64_t rows = cp ? 2 * cp_max_states(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;
   c.early_state_pass = prep && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
@@ -360,6 +380,7 @@ PrefillChoice choose_split(const PrefillParams& p, int num_sms, const Overrides&
   const int V = p.heads.head_dim_v;
   c.m_warpgroup = V == 128 && m_warpgroup_wanted(p, o);
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(true, V);
+  if (p.total_tokens > 0) c.prep_parts = choose_prep_parts(p, num_sms, !c.m_in_pass, o);
   const int64_t rows = 2 * cp_max_segments(p, c.cp_segment_len);
   c.early_state_pass = p.total_tokens > 0 && rows * p.heads.num_v_heads <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
   return c;

@@ -26,6 +26,19 @@ inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens /
 constexpr int kVTileHead = -1, kVTileHeadWarp = -2;
 inline bool is_head_tile(int vtile) { return vtile == kVTileHead || vtile == kVTileHeadWarp; }
 
+// The chunk prep's dynamic shared memory (chunk_prep.cuh: the raw k (and q, with M) rows of 16-bit operands; once
+// consumed, the fp32 solve of kSolveLd-float rows and the parked accumulators of k k^T (and q k^T), kPrepTiles tiles of
+// 32 float4 each), and the CTAs per SM it allows on sm_90 (228 KB per SM, 1 KB reserved per CTA, up to 2 KB of static
+// arrays), which the kernel also asks of ptxas as its register budget.
+constexpr int kSolveLd = 68;  // fp32 A / T rows in shared memory, 16-byte aligned for vector loads
+constexpr int kPrepTiles = 20;
+constexpr int64_t prep_smem_bytes(int K, bool with_m) {
+  const int64_t rows = int64_t(with_m ? 2 : 1) * kChunk * (K + 8) * 2;
+  const int64_t solve = int64_t(kChunk) * kSolveLd * 4 + int64_t(with_m ? 2 : 1) * kPrepTiles * 32 * 16;
+  return rows > solve ? rows : solve;
+}
+constexpr int prep_ctas_per_sm(int K, bool with_m) { return int(228 * 1024 / (prep_smem_bytes(K, with_m) + 3 * 1024)); }
+
 // Kernels of one call: bit 0 the chunk prep, bit 1 the state pass (both: the op; one alone: timing).
 constexpr int kStagePrep = 1, kStageStatePass = 2, kStagesAll = 3;
 
@@ -51,6 +64,8 @@ struct PrefillChoice {
   // the other segments' local states and transitions, instead of after the scan (choose_cp_first_final)
   bool cp_first_final = false;
   int cp_scan_cols = 8;  // value columns per CTA of its scan (cp_scan_cols)
+  // chunk prep CTAs per (chunk slot, q/k head), each a share of the GVA group's value heads (choose_prep_parts)
+  int prep_parts = 1;
 };
 
 // One entry of the context-parallel path's segment table (built on the device from cu_seqlens): tokens
@@ -146,6 +161,10 @@ int32_t count_short(const PrefillParams& p, int len);
 int choose_short_len(const PrefillParams& p, const Overrides& o, int num_sms);
 int choose_vtile(const PrefillParams& p, int num_sms);
 int choose_head_split(const PrefillParams& p, int num_sms);
+// Chunk prep CTAs per (chunk slot, q/k head): 1, or where one CTA per q/k head leaves the GPU's CTA slots mostly empty
+// (few heads, short calls), the largest divisor of the GVA group HV / H that still fits the grid in one wave, each CTA
+// taking that share of the group's value heads (its k k^T and q k^T formed by every share). with_m: the prep forms M.
+int choose_prep_parts(const PrefillParams& p, int num_sms, bool with_m, const Overrides& o);
 
 // The whole choice for a call; throws gdnkit::Error (kInvalidArgument) when the overrides force a tile or
 // split the call cannot take.

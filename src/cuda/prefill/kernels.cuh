@@ -52,8 +52,10 @@ void launch_state_pass(const PrefillParams& p, const Plan& plan, cudaStream_t st
 // The chunk prep, with M (kM) or without (the head pass forms it: Plan::m_in_pass).
 template <int K, class Op, bool kM>
 void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  const unsigned grid = unsigned(plan.num_slots) * unsigned(p.heads.num_qk_heads);  // a CTA per GVA group, slot-major
-  constexpr size_t smem = prep_smem_bytes<K, Op, kM>();
+  // prep_parts CTAs per GVA group, slot-major
+  const unsigned grid = unsigned(plan.num_slots) * unsigned(p.heads.num_qk_heads) * unsigned(plan.prep_parts);
+  static_assert(sizeof(Op) == 2, "16-bit operands (prep_smem_bytes)");
+  constexpr size_t smem = size_t(prep_smem_bytes(K, kM));
   const auto kernel = chunk_prep_kernel<K, Op, kM>;
   allow_dynamic_smem<chunk_prep_kernel<K, Op, kM>>(smem);
   if (plan.chunk_ready != nullptr)

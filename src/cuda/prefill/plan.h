@@ -66,8 +66,11 @@ struct Plan {
   // T' or M in the workspace)
   bool fused_prep = false;
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep (or the gate kernel)
-  // PrefillChoice::chunk_flags: per chunk slot the q/k heads the chunk prep finished (zeroed before it), on which the
-  // pass's producer waits chunk by chunk instead of the prep's grid; else null
+  // Chunk prep CTAs per (chunk slot, q/k head) (PrefillChoice::prep_parts): CTA (slot H + hk) prep_parts + part takes
+  // the part-th share of the GVA group's value heads, HV / H / prep_parts of them
+  int32_t prep_parts = 1;
+  // PrefillChoice::chunk_flags: per chunk slot the chunk prep's CTAs that finished (H prep_parts of them; zeroed
+  // before it), on which the pass's producer waits chunk by chunk instead of the prep's grid; else null
   uint32_t* chunk_ready = nullptr;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   // K-last pool with 16-byte aligned slots (and block scales): the wgmma build's final states (beside a prep

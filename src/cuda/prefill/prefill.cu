@@ -182,6 +182,7 @@ Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   plan.m_warpgroup = choice.m_warpgroup;
   plan.fused_prep = choice.fused_prep;
   plan.early_state_pass = choice.early_state_pass;
+  plan.prep_parts = choice.prep_parts;
   plan.short_len = choice.short_len;
   plan.cp_segment_len = choice.cp_segment_len;
   plan.cp_first_final = choice.cp_first_final;

@@ -17,8 +17,6 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 
-constexpr int kSolveLd = 68;  // fp32 A / T rows in shared memory, 16-byte aligned for vector loads
-
 // Raw gate inputs of one value head for warp 0's two tokens (lane, lane + 32): fused a, b (x, y), or given g,
 // beta, held as loaded (bits of their dtypes) and converted in store_gates. Loads only, no math and no
 // conversion: the next head's are issued before this head's M, A and solve, so their latency hides behind them
