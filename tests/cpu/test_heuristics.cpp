@@ -395,6 +395,20 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(wide.p, kSms, {}).cp_segment_len, 0);
   PrefillCall shorter({4096}, 2, 8);  // segments no shorter than kCpMinSegment: 4 of them
   EXPECT_EQ(chunked_prefill::choose_prefill(shorter.p, kSms, {}).cp_segment_len, 0);
+  // Six or seven segments of 1024 tokens where both passes fit one wave: a prompt alone, or beside sequences of a
+  // segment each; not two such prompts (a local pass of 144 CTAs), nor a prompt of five segments.
+  for (const std::vector<int64_t>& lens : std::vector<std::vector<int64_t>>{
+           {5632}, {7168}, {1024, 7168}, {512, 7680}, {2048, 6144}, {1024, 1024, 6144}}) {
+    PrefillCall call(lens, 2, 8);
+    EXPECT_EQ(chunked_prefill::choose_prefill(call.p, kSms, {}).cp_segment_len, 1024) << lens.size() << " sequences";
+  }
+  for (const std::vector<int64_t>& lens :
+       std::vector<std::vector<int64_t>>{{5120}, {6144, 6144}, {3072, 5120}, {4096, 4096}}) {
+    PrefillCall call(lens, 2, 8);
+    EXPECT_EQ(chunked_prefill::choose_prefill(call.p, kSms, {}).cp_segment_len, 0) << lens.size() << " sequences";
+  }
+  PrefillCall next_mixed({1024, 7168});  // 32 heads: the few-segment rule alone
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_mixed.p, kSms, {}).cp_segment_len, 0);
   // A long sequence beside a short one; without the host copy of cu_seqlens the mean length stands for the longest.
   PrefillCall two({60000, 100}, 2, 8);
   EXPECT_EQ(chunked_prefill::choose_prefill(two.p, kSms, {}).cp_segment_len, 3776);

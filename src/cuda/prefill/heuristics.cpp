@@ -192,6 +192,26 @@ int64_t longest_sequence(const PrefillParams& p) {
   return longest;
 }
 
+// With 8 or more segments a wave (few value heads), a prompt of 6 or 7 segments pays too where the local and the final
+// pass both fit one wave (docs/design/prefill.md measures where).
+constexpr int64_t kCpOneWaveMinSegments = 6;
+
+// The local pass's CTAs (a cut sequence of s segments: its first from the initial state, L and P of the middle ones,
+// none for the last: 2 s - 3) and the final pass's (every segment) fit one wave; without the host copy of cu_seqlens
+// the batch counts as N sequences of the mean length.
+bool cp_passes_in_one_wave(const PrefillParams& p, int num_sms, int64_t seg_len) {
+  int64_t local = 0, final_pass = 0;
+  for (int32_t n = 0; n < p.num_seqs; ++n) {
+    const int64_t len = p.cu_seqlens_host != nullptr ? p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n]
+                                                     : p.total_tokens / p.num_seqs;
+    const int64_t s = std::max<int64_t>(1, (len + seg_len - 1) / seg_len);
+    final_pass += s;
+    if (s > 1) local += 2 * s - 3;
+  }
+  const int64_t HV = p.heads.num_v_heads;
+  return HV * local <= num_sms && HV * final_pass <= num_sms;
+}
+
 bool cp_fits(const PrefillParams& p, int64_t seg_len) {
   return int64_t(p.heads.num_v_heads) * cp_max_states(p, seg_len) <= kCpMaxSegmentHeads;
 }
@@ -229,7 +249,13 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
   const bool few = per_wave < kCpMinSegmentsPerSeq;  // then only a long prompt, in one wave of segments
   if (few && (per_wave < kCpFewSegmentsPerWave || longest < kCpFewSegmentsMinLen)) return 0;
   const int64_t len = cp_len_for(p, per_wave);
-  if (longest < (few ? per_wave : kCpMinSegmentsPerSeq) * len || !cp_fits(p, len)) return 0;
+  if (!cp_fits(p, len)) return 0;
+  if (longest < (few ? per_wave : kCpMinSegmentsPerSeq) * len) {
+    // fewer segments than the rule's: with many segments a wave, a prompt that still takes six and whose passes fit
+    // one wave beside the batch's other sequences
+    const bool one_wave = !few && longest > (kCpOneWaveMinSegments - 1) * len && cp_passes_in_one_wave(p, num_sms, len);
+    if (!one_wave) return 0;
+  }
   // With the first segment's final pass beside the local pass, the final pass runs one segment fewer per sequence:
   // one more segment keeps it at one wave.
   if (o.prefill_cp_first_final != 0 && cp_first_final_pays(p, num_sms, len)) {
