@@ -9,7 +9,7 @@
 //      segment, runs it on the identity with v = 0 and stores P; neither writes o. Where Plan::cp_first_final the first
 //      segment's CTA runs its final pass instead (o, checkpoints, and its end state as L);
 //   3. the scan (cp_scan_kernel): S_in of segment i + 1 = P_i S_in(i) + L_i in fp32, segment by segment; it stores
-//      every segment's true initial state;
+//      every segment's true initial state that a final pass reads;
 //   4. the final pass (state_pass_head_kernel, kCpMode = 2): every segment from its true initial state (but a first
 //      segment that ran in the local pass's grid), writing o and the checkpoints that fall inside it; a cut
 //      sequence's last segment stores the final state. A sequence of one segment runs here alone, as without
@@ -306,16 +306,20 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
     store_cols(plan.cp_initial + (int64_t(first.state) + i - before) * per_segment);
   };
 
-  // kSegments: the first segment ran from the initial state, so its local state is already S_in of the second.
+  // kSegments: the first segment ran from the initial state, so its local state is already S_in of the second; where
+  // its final pass ran beside the local pass (Plan::cp_first_final) nothing reads its S_in, which is then not stored.
   const int i0 = kRole == ScanRole::kSegments ? 1 : 0;
-  for (int q = tid; q < kQuads; q += kScanThreads) {
-    int k, c;
-    quad(q, k, c);
+  const bool first_in = kRole != ScanRole::kSegments || !plan.cp_first_final;
+  if (first_in) {
+    for (int q = tid; q < kQuads; q += kScanThreads) {
+      int k, c;
+      quad(q, k, c);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) cols_at(k, c, e) = klast ? initial(k + e, c) : initial(k, c + e);
+      for (int e = 0; e < 4; ++e) cols_at(k, c, e) = klast ? initial(k + e, c) : initial(k, c + e);
+    }
   }
   if constexpr (kRole == ScanRole::kSegments) {
-    record(0);  // (each thread's own elements)
+    if (first_in) record(0);  // (each thread's own elements)
     fetch_local(0);
     cp_async_commit();
     cp_async_wait_group<0>();
