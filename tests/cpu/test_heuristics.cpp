@@ -383,6 +383,20 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(next_131k.p, kSms, {}).cp_segment_len, 26240);
   PrefillCall next_two({32768, 32768});  // two such prompts: 2 segments each per wave, not cut
   EXPECT_EQ(chunked_prefill::choose_prefill(next_two.p, kSms, {}).cp_segment_len, 0);
+  // Segments from the longest prompt's own length: any length (not only multiples of 256 tokens), and beside shorter
+  // sequences that fit one segment each (they run whole in the final pass); not beside another that would be cut.
+  PrefillCall next_20k({20000});  // 5 segments of 4032
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_20k.p, kSms, {}).cp_segment_len, 4032);
+  PrefillCall next_40k({40000});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_40k.p, kSms, {}).cp_segment_len, 8000);
+  PrefillCall next_beside({512, 32768});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_beside.p, kSms, {}).cp_segment_len, 6592);
+  PrefillCall next_16k_beside({16384, 1024, 3000});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_16k_beside.p, kSms, {}).cp_segment_len, 3328);
+  PrefillCall next_second({32768, 16384});  // the second would take 3 segments of 6592
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_second.p, kSms, {}).cp_segment_len, 0);
+  next_beside.p.cu_seqlens_host = nullptr;  // two sequences of the mean length
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_beside.p, kSms, {}).cp_segment_len, 0);
   PrefillCall next_256k({262144});
   EXPECT_EQ(chunked_prefill::choose_prefill(next_256k.p, kSms, {}).cp_segment_len, 52480);
   PrefillCall next_1m({1048576});

@@ -185,10 +185,20 @@ constexpr int64_t kCpMinSegmentsPerSeq = 8;
 constexpr int64_t kCpFewSegmentsPerWave = 4;
 constexpr int64_t kCpFewSegmentsMinLen = 16384;
 
-int64_t longest_sequence(const PrefillParams& p) {
-  if (p.cu_seqlens_host == nullptr) return p.num_seqs == 1 ? p.total_tokens : p.total_tokens / p.num_seqs;
-  int64_t longest = 0;
-  for (int32_t n = 0; n < p.num_seqs; ++n) longest = std::max(longest, p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n]);
+// The longest sequence and the longest of the others (the host copy of cu_seqlens, else N sequences of the mean).
+int64_t longest_sequence(const PrefillParams& p, int64_t* second = nullptr) {
+  if (p.cu_seqlens_host == nullptr) {
+    const int64_t mean = p.num_seqs == 1 ? p.total_tokens : p.total_tokens / p.num_seqs;
+    if (second != nullptr) *second = p.num_seqs > 1 ? mean : 0;
+    return mean;
+  }
+  int64_t longest = 0, next = 0;
+  for (int32_t n = 0; n < p.num_seqs; ++n) {
+    const int64_t len = p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n];
+    next = std::max(next, std::min(len, longest));
+    longest = std::max(longest, len);
+  }
+  if (second != nullptr) *second = next;
   return longest;
 }
 
@@ -216,10 +226,10 @@ bool cp_fits(const PrefillParams& p, int64_t seg_len) {
   return int64_t(p.heads.num_v_heads) * cp_max_states(p, seg_len) <= kCpMaxSegmentHeads;
 }
 
-// Segments of about T / count tokens, whole chunks, at least kCpMinSegment.
-int64_t cp_len_for(const PrefillParams& p, int64_t count) {
-  const int64_t tokens = (p.total_tokens + count - 1) / count;
-  return std::max(kCpMinSegment, (tokens + kChunk - 1) / kChunk * kChunk);
+// Segments of about `tokens / count` tokens, whole chunks, at least kCpMinSegment.
+int64_t cp_len_for(int64_t tokens, int64_t count) {
+  const int64_t per = (tokens + count - 1) / count;
+  return std::max(kCpMinSegment, (per + kChunk - 1) / kChunk * kChunk);
 }
 
 // The first segment's final pass beside the local pass pays where that pass takes a second wave anyway (every segment
@@ -245,23 +255,27 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
   if (!cp_supported(p)) return 0;
   const int64_t HV = p.heads.num_v_heads;
   const int64_t per_wave = num_sms / HV;  // segments of one sequence that give every value head one SM each
-  const int64_t longest = longest_sequence(p);
-  const bool few = per_wave < kCpMinSegmentsPerSeq;  // then only a long prompt, in one wave of segments
-  if (few && (per_wave < kCpFewSegmentsPerWave || longest < kCpFewSegmentsMinLen)) return 0;
-  const int64_t len = cp_len_for(p, per_wave);
+  int64_t second = 0;
+  const int64_t longest = longest_sequence(p, &second);
+  if (per_wave < kCpMinSegmentsPerSeq) {
+    // Few segments a wave: only a long prompt, in one wave of segments of its own length (whatever the others'), the
+    // batch's other sequences within a segment each (whole, in the final pass).
+    if (per_wave < kCpFewSegmentsPerWave || longest < kCpFewSegmentsMinLen) return 0;
+    int64_t len = cp_len_for(longest, per_wave);
+    // With the first segment's final pass beside the local pass, the final pass runs one segment fewer per sequence:
+    // one more segment keeps it at one wave.
+    if (o.prefill_cp_first_final != 0 && cp_first_final_pays(p, num_sms, len) &&
+        cp_fits(p, cp_len_for(longest, per_wave + 1)))
+      len = cp_len_for(longest, per_wave + 1);
+    return second <= len && cp_fits(p, len) ? len : 0;
+  }
+  // Many segments a wave: segments of the batch's tokens over one wave, where the longest holds at least eight of them,
+  // or six where both passes then fit one wave beside the batch's other sequences.
+  const int64_t len = cp_len_for(p.total_tokens, per_wave);
   if (!cp_fits(p, len)) return 0;
-  if (longest < (few ? per_wave : kCpMinSegmentsPerSeq) * len) {
-    // fewer segments than the rule's: with many segments a wave, a prompt that still takes six and whose passes fit
-    // one wave beside the batch's other sequences
-    const bool one_wave = !few && longest > (kCpOneWaveMinSegments - 1) * len && cp_passes_in_one_wave(p, num_sms, len);
-    if (!one_wave) return 0;
-  }
-  // With the first segment's final pass beside the local pass, the final pass runs one segment fewer per sequence:
-  // one more segment keeps it at one wave.
-  if (o.prefill_cp_first_final != 0 && cp_first_final_pays(p, num_sms, len)) {
-    const int64_t shorter = cp_len_for(p, per_wave + 1);
-    if (cp_fits(p, shorter)) return shorter;
-  }
+  if (longest < kCpMinSegmentsPerSeq * len &&
+      !(longest > (kCpOneWaveMinSegments - 1) * len && cp_passes_in_one_wave(p, num_sms, len)))
+    return 0;
   return len;
 }
 
