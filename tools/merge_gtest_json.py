@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Merge the JSON reports of a GoogleTest binary run in shards (GTEST_TOTAL_SHARDS / GTEST_SHARD_INDEX) into one
-report of the same format: the test suites of every shard, the counts summed, the longest shard's time.
+report of the same format: the test suites of every shard, the counts summed, the longest shard's time, the source
+paths relative to the repository.
 
     python3 tools/merge_gtest_json.py shard0.json shard1.json ... > gpu_tests.json
 """
@@ -22,6 +23,10 @@ def main(paths):
             merged["testsuite"] += suite["testsuite"]
             for key in ("tests", "failures", "disabled", "errors"):
                 merged[key] += int(suite.get(key, 0))
+    for suite in suites.values():  # source paths relative to the repository, wherever it was built
+        for case in suite["testsuite"]:
+            if "file" in case and "/tests/" in case["file"]:
+                case["file"] = "tests/" + case["file"].rsplit("/tests/", 1)[1]
     out["testsuites"] = list(suites.values())
     json.dump(out, sys.stdout, indent=2)
     sys.stdout.write("\n")
