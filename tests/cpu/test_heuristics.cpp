@@ -395,6 +395,11 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(next_16k_beside.p, kSms, {}).cp_segment_len, 3328);
   PrefillCall next_second({32768, 16384});  // the second would take 3 segments of 6592
   EXPECT_EQ(chunked_prefill::choose_prefill(next_second.p, kSms, {}).cp_segment_len, 0);
+  // The workspace's bound counts the other sequences' tokens: 4 of 3000 beside 16384 fit it, 8 do not (21 states).
+  PrefillCall next_four({16384, 3000, 3000, 3000, 3000});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_four.p, kSms, {}).cp_segment_len, 3328);
+  PrefillCall next_eight({16384, 3000, 3000, 3000, 3000, 3000, 3000, 3000, 3000});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_eight.p, kSms, {}).cp_segment_len, 0);
   next_beside.p.cu_seqlens_host = nullptr;  // two sequences of the mean length
   EXPECT_EQ(chunked_prefill::choose_prefill(next_beside.p, kSms, {}).cp_segment_len, 0);
   PrefillCall next_256k({262144});

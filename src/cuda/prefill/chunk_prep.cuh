@@ -1,7 +1,7 @@
 // Kernel 1, the chunk prep: per (chunk, q/k head) WY preparation of the HV/H value heads of its GVA group, in one CTA or
-// in a few, each a share of the heads (docs/design/prefill.md "Kernel 1: the chunk prep"). One CTA of 4 warps, warp w owning token rows
-// 16w .. 16w + 15: the gram products k k^T (and q k^T) once, then per value head the gates, M and A in one pass,
-// the solve T = (I + A)^{-1} (solve.cuh), and T', M and the factor rows to the workspace.
+// in a few, each a share of the heads (docs/design/prefill.md "Kernel 1: the chunk prep"). One CTA of 4 warps, warp w
+// owning token rows 16w .. 16w + 15: the gram products k k^T (and q k^T) once, then per value head the gates, M and A
+// in one pass, the solve T = (I + A)^{-1} (solve.cuh), and T', M and the factor rows to the workspace.
 #pragma once
 
 #include <cstdint>
@@ -21,8 +21,8 @@ namespace gdnkit::cuda::chunked_prefill {
 static_assert(kPrepTiles == 2 + 4 + 6 + 8, "the four warps' lower-block tiles");
 __device__ __forceinline__ int prep_tile(int warp, int nt, int lane) { return (warp * (warp + 1) + nt) * 32 + lane; }
 
-// Fused gating: A_log and dt_bias of the group's first kHeadParams value heads in shared memory (the rest read at
-// use; the models of docs/benchmarks.md have 2-4 value heads per q/k head).
+// Fused gating: A_log and dt_bias of the first kHeadParams value heads of the CTA's share of the group in shared memory
+// (the rest read at use; the models of docs/benchmarks.md have 2-4 value heads per q/k head).
 constexpr int kHeadParams = 32;
 
 // slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot. False for a slot that

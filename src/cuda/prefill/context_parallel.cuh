@@ -132,8 +132,9 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 // and each step's P arrives by cp.async while the step before runs (kScanPLd: conflict-free A fragments in either
 // layout). Three roles:
 //   kSegments: the single-GPU path. Reads the sequence's initial state (the first segment's true initial state) and
-//     writes every segment's (the last segment's final pass stores the final state). A sequence with a bad slot is
-//     left to the final pass, which skips and counts it.
+//     writes every segment's that a final pass reads: not the first one's where its final pass ran beside the local
+//     pass (Plan::cp_first_final), which read the initial slot itself (the last segment's final pass stores the final
+//     state). A sequence with a bad slot is left to the final pass, which skips and counts it.
 //   kCompose: a split call's piece summary (Plan::cp_split): from [S_0 | I] (S_0 the initial state on rank 0, else
 //     zero) through every segment of the piece, into this rank's block of the exchange: the piece's state and its
 //     transition (blockIdx.z past V / kCols: the transition's columns). A bad piece sends the identity's
