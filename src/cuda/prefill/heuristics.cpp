@@ -185,16 +185,16 @@ constexpr int64_t kCpMinSegmentsPerSeq = 8;
 constexpr int64_t kCpFewSegmentsPerWave = 4;
 constexpr int64_t kCpFewSegmentsMinLen = 16384;
 
-// The longest sequence and the longest of the others (the host copy of cu_seqlens, else N sequences of the mean).
+// Sequence n's tokens by the host copy of cu_seqlens; without it the batch counts as N sequences of the mean length.
+int64_t sequence_len(const PrefillParams& p, int32_t n) {
+  return p.cu_seqlens_host != nullptr ? p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n] : p.total_tokens / p.num_seqs;
+}
+
+// The longest sequence and the longest of the others.
 int64_t longest_sequence(const PrefillParams& p, int64_t* second = nullptr) {
-  if (p.cu_seqlens_host == nullptr) {
-    const int64_t mean = p.num_seqs == 1 ? p.total_tokens : p.total_tokens / p.num_seqs;
-    if (second != nullptr) *second = p.num_seqs > 1 ? mean : 0;
-    return mean;
-  }
   int64_t longest = 0, next = 0;
   for (int32_t n = 0; n < p.num_seqs; ++n) {
-    const int64_t len = p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n];
+    const int64_t len = sequence_len(p, n);
     next = std::max(next, std::min(len, longest));
     longest = std::max(longest, len);
   }
@@ -207,14 +207,11 @@ int64_t longest_sequence(const PrefillParams& p, int64_t* second = nullptr) {
 constexpr int64_t kCpOneWaveMinSegments = 6;
 
 // The local pass's CTAs (a cut sequence of s segments: its first from the initial state, L and P of the middle ones,
-// none for the last: 2 s - 3) and the final pass's (every segment) fit one wave; without the host copy of cu_seqlens
-// the batch counts as N sequences of the mean length.
+// none for the last: 2 s - 3) and the final pass's (every segment) fit one wave.
 bool cp_passes_in_one_wave(const PrefillParams& p, int num_sms, int64_t seg_len) {
   int64_t local = 0, final_pass = 0;
   for (int32_t n = 0; n < p.num_seqs; ++n) {
-    const int64_t len = p.cu_seqlens_host != nullptr ? p.cu_seqlens_host[n + 1] - p.cu_seqlens_host[n]
-                                                     : p.total_tokens / p.num_seqs;
-    const int64_t s = std::max<int64_t>(1, (len + seg_len - 1) / seg_len);
+    const int64_t s = std::max<int64_t>(1, (sequence_len(p, n) + seg_len - 1) / seg_len);
     final_pass += s;
     if (s > 1) local += 2 * s - 3;
   }
