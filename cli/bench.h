@@ -59,6 +59,7 @@ struct Options {
   int prefill_iters = 12;        // prefill timed runs (>= 10)
   int64_t cp_segment = -1;       // A/B switch: prefill's context-parallel segments forced (0: off; -1: the heuristic)
   int cp_first_final = -1;       // A/B switch: a cut prompt's first segment with o beside the local pass (1) or not (0)
+  int cp_scan_cols = 0;          // A/B switch: value columns per CTA of the context-parallel scan (0: the heuristic)
   int64_t checkpoint = 0;        // prefill: a checkpoint of every sequence's state every C tokens (0: none)
   int fp8_columns = 0;           // A/B switch: the fp8 decode kernel's columns per warp (0: the heuristic)
   int vlast_fp8_columns = 0;     // A/B switch: V-last fp8 decode's columns per CTA (0: the heuristic)

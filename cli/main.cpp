@@ -55,6 +55,8 @@ bench options:
                              the library's choice (the mode column says what ran)
   --cp-first-final N         A/B switch: 1 runs each cut prompt's first segment with its outputs beside the
                              local pass, 0 after the scan, instead of the library's choice
+  --cp-scan-cols N           A/B switch: value columns per CTA of the context-parallel scan, 8 or 32, instead of
+                             the library's choice
   --fp8-columns N            A/B switch: columns per warp of the float8_e4m3 decode kernel, 8, 16 or 32 (32 at
                              K = 128 only), instead of the library's choice
   --vlast-fp8-columns N      A/B switch: columns per CTA of V-last float8_e4m3 decode, 64 or 128, instead of the
@@ -189,6 +191,9 @@ Options parse_bench(int argc, char** argv, int first) {
       if (o.checkpoint % 64 != 0) usage_error("--checkpoint: a multiple of 64 tokens");
     } else if (a == "--cp-first-final") {
       o.cp_first_final = int_list(a, value(i), 0, 1).front();
+    } else if (a == "--cp-scan-cols") {
+      o.cp_scan_cols = int_list(a, value(i), 8, 32).front();
+      if (o.cp_scan_cols != 8 && o.cp_scan_cols != 32) usage_error("--cp-scan-cols: 8 or 32");
     } else if (a == "--cp-segment") {
       o.cp_segment = int_list(a, value(i), 0, 1 << 30).front();
       if (o.cp_segment % 64 != 0) usage_error("--cp-segment: a multiple of 64 tokens (0: off)");
