@@ -395,6 +395,15 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(next_16k_beside.p, kSms, {}).cp_segment_len, 3328);
   PrefillCall next_second({32768, 16384});  // the second would take 3 segments of 6592
   EXPECT_EQ(chunked_prefill::choose_prefill(next_second.p, kSms, {}).cp_segment_len, 0);
+  // Where another sequence would not fit one of the five segments, four (the first one's final pass still beside).
+  PrefillCall next_16k_4k({16384, 4000});
+  const auto f = chunked_prefill::choose_prefill(next_16k_4k.p, kSms, {});
+  EXPECT_EQ(f.cp_segment_len, 4096);
+  EXPECT_TRUE(f.cp_first_final);
+  PrefillCall next_20k_5k({20000, 5000, 1000});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_20k_5k.p, kSms, {}).cp_segment_len, 5056);
+  PrefillCall next_32k_8k({32768, 8000});
+  EXPECT_EQ(chunked_prefill::choose_prefill(next_32k_8k.p, kSms, {}).cp_segment_len, 8192);
   // The workspace's bound counts the other sequences' tokens: 4 of 3000 beside 16384 fit it, 8 do not (21 states).
   PrefillCall next_four({16384, 3000, 3000, 3000, 3000});
   EXPECT_EQ(chunked_prefill::choose_prefill(next_four.p, kSms, {}).cp_segment_len, 3328);

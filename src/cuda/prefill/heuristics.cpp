@@ -260,10 +260,10 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
     if (per_wave < kCpFewSegmentsPerWave || longest < kCpFewSegmentsMinLen) return 0;
     int64_t len = cp_len_for(longest, per_wave);
     // With the first segment's final pass beside the local pass, the final pass runs one segment fewer per sequence:
-    // one more segment keeps it at one wave.
-    if (o.prefill_cp_first_final != 0 && cp_first_final_pays(p, num_sms, len) &&
-        cp_fits(p, cp_len_for(longest, per_wave + 1)))
-      len = cp_len_for(longest, per_wave + 1);
+    // one more segment keeps it at one wave, where the other sequences still fit one of them each.
+    const int64_t more = cp_len_for(longest, per_wave + 1);
+    if (o.prefill_cp_first_final != 0 && cp_first_final_pays(p, num_sms, len) && second <= more && cp_fits(p, more))
+      len = more;
     return second <= len && cp_fits(p, len) ? len : 0;
   }
   // Many segments a wave: segments of the batch's tokens over one wave, where the longest holds at least eight of them,
