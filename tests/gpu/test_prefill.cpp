@@ -676,6 +676,7 @@ TEST(PrefillGpu, PrepPartsMatchOneCtaPerGroup) {
     std::vector<int32_t> lens;
     int H, HV, vtile, split, aux, flags, cp;
     GateMode gate;
+    int dim = 128;  // K = V
   };
   constexpr int kHead = cuda::chunked_prefill::kVTileHead;
   const Set sets[] = {
@@ -684,13 +685,14 @@ TEST(PrefillGpu, PrepPartsMatchOneCtaPerGroup) {
       {{300, 0, 129, 640}, 1, 4, kHead, 1, 1, 1, -1, GateMode::kFused},        // M in the prep warpgroup
       {{1000, 65}, 2, 6, kHead, 2, 0, -1, -1, GateMode::kFused},               // groups of 3
       {{4096, 100}, 2, 8, 0, 0, -1, -1, 1024, GateMode::kFused},               // context parallelism
+      {{700, 0, 300, 64}, 2, 8, kHead, 2, 0, -1, -1, GateMode::kFused, 64},    // K = 64, T' and M row-major (mma.sync)
   };
   int seed = 4800;
   for (const Set& s : sets) {
     const int group = s.HV / s.H;
     SCOPED_TRACE("sequences " + std::to_string(s.lens.size()) + ", group " + std::to_string(group) + ", cp " +
-                 std::to_string(s.cp) + ", flags " + std::to_string(s.flags));
-    ProblemConfig c = base(s.lens, s.H, s.HV);
+                 std::to_string(s.cp) + ", flags " + std::to_string(s.flags) + ", K " + std::to_string(s.dim));
+    ProblemConfig c = base(s.lens, s.H, s.HV, s.dim, s.dim);
     c.gate_mode = s.gate;
     c.checkpoint_interval = 128;
     c.seed = seed++;
@@ -867,12 +869,16 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
   struct Plan {
     int aux;  // asked for
     bool few, m_in_pass;
-    int cp = -1;  // context-parallel segments asked for (-1: the heuristic's choice)
+    int cp = -1;           // context-parallel segments asked for (-1: the heuristic's choice)
+    int first_final = -1;  // the first segment's final pass beside the local pass (1) or after the scan (0)
+    int parts = 0;         // chunk prep CTAs per (chunk, q/k head) asked for (0: the heuristic's choice)
   };
-  for (const Plan want : {Plan{0, false, true}, Plan{0, true, false}, Plan{1, false, true}, Plan{1, false, true, 64}}) {
+  for (const Plan want : {Plan{0, false, true}, Plan{0, true, false}, Plan{0, true, false, -1, -1, 2},
+                          Plan{1, false, true}, Plan{1, false, true, 64}, Plan{1, false, true, 64, 1}}) {
     // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split: M formed in the pass, by the state
-    // warpgroups or the prep warpgroup), 1 x 32 two each (M from the workspace); last, context-parallel segments of
-    // 64 tokens (the workspace's per-segment states after the table).
+    // warpgroups or the prep warpgroup), 1 x 32 two each (M from the workspace; also with the prep in two parts); last,
+    // context-parallel segments of 64 tokens (the workspace's per-segment states after the table), the first segment's
+    // final pass after the scan and beside the local pass.
     const Problem before(want.few ? base({130}, 16, 32) : base({130, 64, 71}, 16, 32));
     Problem lib = before, own = before;
     DeviceProblem d_lib(lib), d_own(own);
@@ -880,7 +886,12 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     cuda::Overrides o;
     o.prefill_m_warpgroup = want.aux;
     o.prefill_cp_segment_len = want.cp;
+    o.prefill_cp_first_final = want.first_final;
+    o.prefill_prep_parts = want.parts;
     const cp::PrefillChoice choice = cp::choose_prefill(p, cuda::device_sms(), o);
+    if (want.parts > 0) ASSERT_EQ(choice.prep_parts, want.parts) << "the case no longer takes the plan it is written for";
+    if (want.first_final >= 0)
+      ASSERT_EQ(choice.cp_first_final, want.first_final > 0) << "the case no longer takes the plan it is written for";
     ASSERT_EQ(choice.m_in_pass, want.m_in_pass) << "the case no longer takes the plan it is written for";
     ASSERT_EQ(choice.cp_segment_len, std::max(want.cp, 0)) << "the case no longer takes the plan it is written for";
     ASSERT_EQ(choice.m_warpgroup, !want.few && want.aux == 1) << "the case no longer takes the plan it is written for";
