@@ -889,7 +889,8 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     o.prefill_cp_first_final = want.first_final;
     o.prefill_prep_parts = want.parts;
     const cp::PrefillChoice choice = cp::choose_prefill(p, cuda::device_sms(), o);
-    if (want.parts > 0) ASSERT_EQ(choice.prep_parts, want.parts) << "the case no longer takes the plan it is written for";
+    if (want.parts > 0)
+      ASSERT_EQ(choice.prep_parts, want.parts) << "the case no longer takes the plan it is written for";
     if (want.first_final >= 0)
       ASSERT_EQ(choice.cp_first_final, want.first_final > 0) << "the case no longer takes the plan it is written for";
     ASSERT_EQ(choice.m_in_pass, want.m_in_pass) << "the case no longer takes the plan it is written for";
