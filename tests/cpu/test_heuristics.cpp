@@ -421,17 +421,23 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(batch.p, kSms, {}).cp_segment_len, 0);
   PrefillCall wide({32768}, 16, 64);  // 64 heads: 2 segments per wave
   EXPECT_EQ(chunked_prefill::choose_prefill(wide.p, kSms, {}).cp_segment_len, 0);
-  PrefillCall shorter({4096}, 2, 8);  // segments no shorter than kCpMinSegment: 4 of them
+  PrefillCall shorter({3840}, 2, 8);  // 5 segments of kCpShortSegment, 4 of kCpMinSegment: whole
   EXPECT_EQ(chunked_prefill::choose_prefill(shorter.p, kSms, {}).cp_segment_len, 0);
+  // A prompt of 6 to 9 segments of 768 tokens, alone or beside sequences of one such segment, both passes in one wave.
+  for (const std::vector<int64_t>& lens : std::vector<std::vector<int64_t>>{
+           {4096}, {4608}, {5120}, {5632}, {6144}, {6656}, {6912}, {512, 4608}, {768, 100, 6144}}) {
+    PrefillCall call(lens, 2, 8);
+    EXPECT_EQ(chunked_prefill::choose_prefill(call.p, kSms, {}).cp_segment_len, 768) << lens.back() << " tokens";
+  }
   // Six or seven segments of 1024 tokens where both passes fit one wave: a prompt alone, or beside sequences of a
   // segment each; not two such prompts (a local pass of 144 CTAs), nor a prompt of five segments.
   for (const std::vector<int64_t>& lens : std::vector<std::vector<int64_t>>{
-           {5632}, {7168}, {1024, 7168}, {512, 7680}, {2048, 6144}, {1024, 1024, 6144}}) {
+           {6913}, {7168}, {1024, 7168}, {512, 7680}, {2048, 6144}, {1024, 1024, 6144}}) {
     PrefillCall call(lens, 2, 8);
     EXPECT_EQ(chunked_prefill::choose_prefill(call.p, kSms, {}).cp_segment_len, 1024) << lens.size() << " sequences";
   }
   for (const std::vector<int64_t>& lens :
-       std::vector<std::vector<int64_t>>{{5120}, {6144, 6144}, {3072, 5120}, {4096, 4096}}) {
+       std::vector<std::vector<int64_t>>{{6144, 6144}, {3072, 5120}, {4096, 4096}, {2048, 4608}, {1024, 5120}}) {
     PrefillCall call(lens, 2, 8);
     EXPECT_EQ(chunked_prefill::choose_prefill(call.p, kSms, {}).cp_segment_len, 0) << lens.size() << " sequences";
   }

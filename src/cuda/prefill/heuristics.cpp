@@ -205,6 +205,8 @@ int64_t longest_sequence(const PrefillParams& p, int64_t* second = nullptr) {
 // With 8 or more segments a wave (few value heads), a prompt of 6 or 7 segments pays too where the local and the final
 // pass both fit one wave (docs/design/prefill.md measures where).
 constexpr int64_t kCpOneWaveMinSegments = 6;
+// ... and in segments of kCpShortSegment tokens up to this many (10 were slower than 7 of kCpMinSegment).
+constexpr int64_t kCpShortSegmentsMax = 9;
 
 // The local pass's CTAs (a cut sequence of s segments: its first from the initial state, L and P of the middle ones,
 // none for the last: 2 s - 3) and the final pass's (every segment) fit one wave.
@@ -269,6 +271,12 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
   // Many segments a wave: segments of the batch's tokens over one wave, where the longest holds at least eight of them,
   // or six where both passes then fit one wave beside the batch's other sequences.
   const int64_t len = cp_len_for(p.total_tokens, per_wave);
+  // A prompt of 6 to 9 segments of kCpShortSegment tokens, alone or beside sequences of one such segment each, where
+  // both passes fit one wave: those shorter segments (fewer than 7 of kCpMinSegment, or none).
+  if (len == kCpMinSegment && longest > (kCpOneWaveMinSegments - 1) * kCpShortSegment &&
+      longest <= kCpShortSegmentsMax * kCpShortSegment && second <= kCpShortSegment && cp_fits(p, kCpShortSegment) &&
+      cp_passes_in_one_wave(p, num_sms, kCpShortSegment))
+    return kCpShortSegment;
   if (!cp_fits(p, len)) return 0;
   if (longest < kCpMinSegmentsPerSeq * len &&
       !(longest > (kCpOneWaveMinSegments - 1) * len && cp_passes_in_one_wave(p, num_sms, len)))
@@ -308,8 +316,8 @@ CpLayout cp_layout(const PrefillParams& p, int64_t segments, int64_t states, int
 
 size_t cp_workspace_bytes(const PrefillParams& p, const Overrides& o) {
   if (!cp_supported(p) || o.prefill_cp_segment_len == 0 || p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
-  const int64_t shortest = o.prefill_cp_segment_len > 0 ? std::min<int64_t>(o.prefill_cp_segment_len, kCpMinSegment)
-                                                         : kCpMinSegment;
+  const int64_t shortest = o.prefill_cp_segment_len > 0 ? std::min<int64_t>(o.prefill_cp_segment_len, kCpShortSegment)
+                                                         : kCpShortSegment;
   const int64_t states = std::min(cp_max_states(p, shortest), kCpMaxSegmentHeads / p.heads.num_v_heads);
   return cp_layout(p, cp_max_segments(p, shortest), states).total;
 }

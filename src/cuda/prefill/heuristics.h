@@ -77,9 +77,11 @@ struct CpSegment {
   int32_t seq, index, count, first_chunk, state;
 };
 
-// Context parallelism (docs/design/prefill.md "Context parallelism"): the shortest segment the heuristic picks,
-// and the most (segment, value head) pairs a call holds per-segment states for (the workspace's bound).
+// Context parallelism (docs/design/prefill.md "Context parallelism"): the shortest segment the heuristic picks for
+// prompts of many segments, the shorter one for a prompt of a few thousand tokens at few heads (the workspace reserves
+// states for those), and the most (segment, value head) pairs a call holds per-segment states for (the bound).
 constexpr int64_t kCpMinSegment = 1024;
+constexpr int64_t kCpShortSegment = 768;
 constexpr int64_t kCpMaxSegmentHeads = 512;
 // The path is built for this call: the head pass's wgmma build with K = V in {64, 128}.
 bool cp_supported(const PrefillParams& p);
