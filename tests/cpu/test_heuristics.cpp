@@ -393,7 +393,7 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(next_beside.p, kSms, {}).cp_segment_len, 6592);
   PrefillCall next_16k_beside({16384, 1024, 3000});
   EXPECT_EQ(chunked_prefill::choose_prefill(next_16k_beside.p, kSms, {}).cp_segment_len, 3328);
-  PrefillCall next_second({32768, 16384});  // the second would take 3 segments of 6592
+  PrefillCall next_second({32768, 16384});  // the second is longer than a segment of 6592 (or of 8192)
   EXPECT_EQ(chunked_prefill::choose_prefill(next_second.p, kSms, {}).cp_segment_len, 0);
   // Where another sequence would not fit one of the five segments, four (the first one's final pass still beside).
   PrefillCall next_16k_4k({16384, 4000});

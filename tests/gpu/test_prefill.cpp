@@ -929,6 +929,37 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
   }
 }
 
+// The library's own choice of 768-token segments (few value heads, a prompt of 6 to 9 of them beside sequences of at
+// most one) in a caller workspace of exactly prefill_workspace_bytes: against the CPU reference, nothing past it written.
+TEST(PrefillGpu, ShortSegmentsChosenInTheCallersWorkspace) {
+  namespace cp = cuda::chunked_prefill;
+  if (cuda::device_sms() != 132) GTEST_SKIP() << "the rule's choice is written for 132 SMs";
+  ProblemConfig c = base({768, 100, 6144}, 2, 8);
+  c.checkpoint_interval = 1024;
+  const Problem before(c);
+  Problem got = before;
+  DeviceProblem dev(got);
+  PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+  ASSERT_EQ(cp::choose_prefill(p, cuda::device_sms(), {}).cp_segment_len, cp::kCpShortSegment)
+      << "the case no longer takes the plan it is written for";
+  const size_t need = prefill_workspace_bytes(p), guard = 64 * 1024;
+  unsigned char* ws = nullptr;
+  GDNKIT_TEST_CUDA(cudaMalloc(&ws, need + guard));
+  GDNKIT_TEST_CUDA(cudaMemset(ws, 0xff, need + guard));
+  p.workspace = ws;
+  p.workspace_bytes = need;
+  prefill(p, {Backend::kCUDA, dev.stream()});
+  dev.download(got);
+  std::vector<unsigned char> tail(guard);
+  GDNKIT_TEST_CUDA(cudaMemcpy(tail.data(), ws + need, guard, cudaMemcpyDeviceToHost));
+  cudaFree(ws);
+  EXPECT_TRUE(std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xff; }))
+      << "bytes past prefill_workspace_bytes were written";
+  Problem ref = before;
+  prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+  EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kPrefill, c.in_dtype)));
+}
+
 // A caller workspace smaller than prefill_workspace_bytes is refused before anything is written.
 TEST(PrefillGpu, SmallCallerWorkspaceRefused) {
   const Problem before(base({100}, 1, 2));

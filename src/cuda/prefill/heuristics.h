@@ -96,9 +96,10 @@ int64_t cp_max_states(const PrefillParams& p, int64_t seg_len);
 constexpr int64_t cp_max_cuts(int64_t states) { return states / 2 > 0 ? states / 2 : 1; }
 // The segment length (0: the path does not run). Auto, with 8 or more segments a wave (few value heads): about one CTA
 // per SM for the batch's segments and heads, where the longest sequence gets at least eight segments, or six where both
-// passes then fit one wave; with 4 to 7 (from 16384 tokens): the longest prompt in one wave of segments (one more with
-// its first segment's final pass beside the local pass), where every other sequence fits one segment. An override
-// forces it.
+// passes then fit one wave, and kCpShortSegment for a prompt of 6 to 9 of those beside sequences of at most one, both
+// passes in one wave (measured at 8 value heads); with 4 to 7 (from 16384 tokens): the longest prompt in one wave of
+// segments (one more with its first segment's final pass beside the local pass, where every other sequence still fits
+// one of those), every other sequence within one segment. An override forces it.
 int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
 // Whether a cut sequence's first segment runs its final pass beside the local pass (seg_len > 0): where 4 to 7
 // segments make a wave and the local pass would otherwise take a second wave, which that segment's final pass fills.
