@@ -860,6 +860,24 @@ TEST(PrefillGpu, EverySequenceWithinTolerance) {
   EXPECT_LE(chunked, 2 * tol) << "the chunked kernels alone";
 }
 
+// Runs `call` with p's workspace a buffer of exactly `need` bytes of 0xff (NaN-ish garbage) followed by a 0xff guard,
+// and expects the guard untouched.
+template <class Call>
+void run_in_exact_workspace(PrefillParams& p, size_t need, Call&& call) {
+  constexpr size_t kGuard = 64 * 1024;
+  unsigned char* ws = nullptr;
+  GDNKIT_TEST_CUDA(cudaMalloc(&ws, need + kGuard));
+  GDNKIT_TEST_CUDA(cudaMemset(ws, 0xff, need + kGuard));
+  p.workspace = ws;
+  p.workspace_bytes = need;
+  call();
+  std::vector<unsigned char> tail(kGuard);
+  GDNKIT_TEST_CUDA(cudaMemcpy(tail.data(), ws + need, kGuard, cudaMemcpyDeviceToHost));
+  cudaFree(ws);
+  EXPECT_TRUE(std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xff; }))
+      << "bytes past prefill_workspace_bytes were written";
+}
+
 // A caller workspace of exactly prefill_workspace_bytes, for the plans of the head pass: M formed in the pass
 // (two-warpgroup CTAs after the chunk prep, M's region unused; by the prep warpgroup the same) and M from the
 // workspace (the column split). Bytes past it stay untouched, and the results equal the library-workspace run's
@@ -901,26 +919,17 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
       prefill(q, {Backend::kCUDA, stream});
     };
     size_t need = 0;
-    const size_t guard = 64 * 1024;
     {
       const cuda::ScopedOverrides scoped(o);
       need = prefill_workspace_bytes(p);
     }
     ASSERT_GT(need, 0u);
-    unsigned char* ws = nullptr;
-    GDNKIT_TEST_CUDA(cudaMalloc(&ws, need + guard));
-    GDNKIT_TEST_CUDA(cudaMemset(ws, 0xff, need + guard));  // NaN-ish garbage, and the guard's pattern
-    p.workspace = ws;
-    p.workspace_bytes = need;
-    run(p, d_own.stream());
-    run(lib.prefill_params(PrefillAlgorithm::kAuto, d_lib.resolver()), d_lib.stream());
-    d_own.download(own);
-    d_lib.download(lib);
-    std::vector<unsigned char> tail(guard);
-    GDNKIT_TEST_CUDA(cudaMemcpy(tail.data(), ws + need, guard, cudaMemcpyDeviceToHost));
-    cudaFree(ws);
-    EXPECT_TRUE(std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xff; }))
-        << "bytes past prefill_workspace_bytes were written";
+    run_in_exact_workspace(p, need, [&] {
+      run(p, d_own.stream());
+      run(lib.prefill_params(PrefillAlgorithm::kAuto, d_lib.resolver()), d_lib.stream());
+      d_own.download(own);
+      d_lib.download(lib);
+    });
     for (const char* name : {"o", "state", "error_flag"})
       EXPECT_TRUE(BitwiseEqual(std::string(name) + " (caller workspace)", own.buffer(name), lib.buffer(name)));
     Problem ref = before;
@@ -942,19 +951,10 @@ TEST(PrefillGpu, ShortSegmentsChosenInTheCallersWorkspace) {
   PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   ASSERT_EQ(cp::choose_prefill(p, cuda::device_sms(), {}).cp_segment_len, cp::kCpShortSegment)
       << "the case no longer takes the plan it is written for";
-  const size_t need = prefill_workspace_bytes(p), guard = 64 * 1024;
-  unsigned char* ws = nullptr;
-  GDNKIT_TEST_CUDA(cudaMalloc(&ws, need + guard));
-  GDNKIT_TEST_CUDA(cudaMemset(ws, 0xff, need + guard));
-  p.workspace = ws;
-  p.workspace_bytes = need;
-  prefill(p, {Backend::kCUDA, dev.stream()});
-  dev.download(got);
-  std::vector<unsigned char> tail(guard);
-  GDNKIT_TEST_CUDA(cudaMemcpy(tail.data(), ws + need, guard, cudaMemcpyDeviceToHost));
-  cudaFree(ws);
-  EXPECT_TRUE(std::all_of(tail.begin(), tail.end(), [](unsigned char b) { return b == 0xff; }))
-      << "bytes past prefill_workspace_bytes were written";
+  run_in_exact_workspace(p, prefill_workspace_bytes(p), [&] {
+    prefill(p, {Backend::kCUDA, dev.stream()});
+    dev.download(got);
+  });
   Problem ref = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kPrefill, c.in_dtype)));
