@@ -271,17 +271,17 @@ int64_t choose_cp_segment_len(const PrefillParams& p, int num_sms, const Overrid
   // Many segments a wave: segments of the batch's tokens over one wave, where the longest holds at least eight of them,
   // or six where both passes then fit one wave beside the batch's other sequences.
   const int64_t len = cp_len_for(p.total_tokens, per_wave);
+  // The longest sequence in kCpOneWaveMinSegments or more segments of seg_len, both passes in one wave.
+  const auto one_wave = [&](int64_t seg_len) {
+    return longest > (kCpOneWaveMinSegments - 1) * seg_len && cp_passes_in_one_wave(p, num_sms, seg_len);
+  };
   // A prompt of 6 to 9 segments of kCpShortSegment tokens, alone or beside sequences of one such segment each, where
   // both passes fit one wave: those shorter segments (fewer than 7 of kCpMinSegment, or none).
-  if (len == kCpMinSegment && longest > (kCpOneWaveMinSegments - 1) * kCpShortSegment &&
-      longest <= kCpShortSegmentsMax * kCpShortSegment && second <= kCpShortSegment && cp_fits(p, kCpShortSegment) &&
-      cp_passes_in_one_wave(p, num_sms, kCpShortSegment))
+  if (len == kCpMinSegment && longest <= kCpShortSegmentsMax * kCpShortSegment && second <= kCpShortSegment &&
+      cp_fits(p, kCpShortSegment) && one_wave(kCpShortSegment))
     return kCpShortSegment;
   if (!cp_fits(p, len)) return 0;
-  if (longest < kCpMinSegmentsPerSeq * len &&
-      !(longest > (kCpOneWaveMinSegments - 1) * len && cp_passes_in_one_wave(p, num_sms, len)))
-    return 0;
-  return len;
+  return longest >= kCpMinSegmentsPerSeq * len || one_wave(len) ? len : 0;
 }
 
 int cp_scan_cols(const PrefillParams& p, int num_sms, const Overrides& o) {
