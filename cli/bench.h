@@ -52,6 +52,7 @@ struct Options {
   std::vector<int32_t> gpus;     // prefill-split: GPU counts; empty: 1, 2, 4, ... up to the machine's
   std::string json_path, markdown_path;
   DType input = DType::kBFloat16;  // q, k, v, a, b (and o)
+  bool qk_l2norm = true;           // false: q and k taken as normalized (the ops' fused L2 norm off)
   int32_t dim = 0;               // > 0: K = V = dim in every shape (name gets "-d<dim>")
   bool quick = false;
   bool cpu = false;
@@ -182,6 +183,8 @@ struct TokenBuffers {
   float* dt_bias = nullptr;
 };
 // The token rows [first_token, ...) of `t` as op inputs, fused gating, q/k L2 norm on.
+// q and k L2-normalized inside the op (Options::qk_l2norm; set by the backend's run from the options)
+extern bool g_qk_l2norm;
 HeadConfig head_config(const Shape& s);
 void set_token_views(const Shape& s, DType in, const TokenBuffers& t, int64_t first_token, InView& q, InView& k,
                      InView& v, OutView& o, Gating& gating);

@@ -140,6 +140,8 @@ std::vector<VerifyMode> verify_modes() {
 
 // ---- problem views ---------------------------------------------------------------------------
 
+bool g_qk_l2norm = true;
+
 HeadConfig head_config(const Shape& s) {
   HeadConfig h;
   h.num_qk_heads = s.H;
@@ -147,7 +149,7 @@ HeadConfig head_config(const Shape& s) {
   h.head_dim_k = s.K;
   h.head_dim_v = s.V;
   h.scale = 0.0f;  // 1/sqrt(K)
-  h.use_qk_l2norm = true;
+  h.use_qk_l2norm = g_qk_l2norm;
   return h;
 }
 
@@ -519,7 +521,8 @@ std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
     s += "- decode/verify: µs per call, median of CUDA-graph replays, cold L2 (calls rotate through slot sets, "
          ">= 4x L2 of state per replay); bytes = state read + written (+ fp32 intermediates) + q, k, v, o, "
          "gates; inputs " + std::string(rows.empty() ? "bf16" : short_dtype(rows.front().input_dtype)) + "\n";
-    s += "- prefill: ms per op (events around it, median of runs after warm-up), fused gating + q/k L2 norm, "
+    s += "- prefill: ms per op (events around it, median of runs after warm-up), fused gating" +
+         std::string(g_qk_l2norm ? " + q/k L2 norm" : ", q/k taken as normalized (no L2 norm)") + ", "
          "initial state from the pool and final state written; TFLOP/s = 4 T HV K V / time; floor = "
          "(q, k, v, o, gates, states) / copy ceiling\n";
   }

@@ -208,6 +208,7 @@ Row cpu_prefill(const Shape& s, DType state, StateLayout layout, const SeqSet& s
     p.checkpoint_indices = ckpt_idx.data();
     r.mode += " ckpt" + std::to_string(C);
   }
+  if (!g_qk_l2norm) r.mode += " no-l2n";
   time_calls(r, 1, [&] { prefill(p, {Backend::kCPU, nullptr}); });
   r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, T * s.HV * s.V);
   r.error_flag = flag;
@@ -249,6 +250,7 @@ void guarded(Row fallback, const RowSink& sink, double ceiling, Fn&& fn) {
 
 void run_cpu(const Options& o, RunInfo& info, const RowSink& sink) {
   g_input = o.input;
+  g_qk_l2norm = o.qk_l2norm;
   info.backend = "cpu";
   info.device = "host CPU";
   info.copy_ceiling_tbps = host_copy_ceiling_tbps();

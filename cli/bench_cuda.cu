@@ -606,6 +606,7 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
   if (path.context_parallel_segment > 0 && n_short < N)
     r.mode += " cp" + std::to_string(path.context_parallel_segment);
   if (steps > 0) r.mode += " ckpt" + std::to_string(o.checkpoint);
+  if (!o.qk_l2norm) r.mode += " no-l2n";
   std::unique_ptr<DevBuf> workspace;
   const Context ctx = d.ctx();
   try {
@@ -893,6 +894,7 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
     for (int g = 1; g <= devices; g *= 2) o.gpus.push_back(g);
   }
   g_input = o.input;
+  g_qk_l2norm = o.qk_l2norm;
   cuda::Overrides overrides = cuda::overrides();
   if (o.cp_segment >= 0) overrides.prefill_cp_segment_len = int(o.cp_segment);
   if (o.cp_first_final >= 0) overrides.prefill_cp_first_final = o.cp_first_final;

@@ -42,6 +42,8 @@ bench options:
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
   --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
   --dim 64|128|256           K = V for every shape (default 128)
+  --no-qk-l2norm             q and k taken as normalized: every op's fused L2 norm off (prefill rows' mode
+                             says no-l2n), as peers' kernels timed without their separate norm kernel
   --batches 1,2,...          decode/verify batch sizes
                              (default: decode 1,2,4,...,512; verify 1,8,32,64,128,256)
   --draft 2,3,...            verify draft tokens T (default: 2,3,4,8)
@@ -160,6 +162,8 @@ Options parse_bench(int argc, char** argv, int first) {
       else if (v == "vlast") o.layouts = {StateLayout::kVLast};
       else if (v == "both") o.layouts = {StateLayout::kKLast, StateLayout::kVLast};
       else usage_error("--layout: expected klast, vlast or both, got '" + v + "'");
+    } else if (a == "--no-qk-l2norm") {
+      o.qk_l2norm = false;
     } else if (a == "--input") {
       const std::string v = value(i);
       if (v == "bf16") o.input = DType::kBFloat16;

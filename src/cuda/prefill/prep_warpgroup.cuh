@@ -93,17 +93,22 @@ __device__ __forceinline__ void issue_qk_product(float (&acc)[8][4], uint64_t dq
 }
 
 // rq of the chunk's tokens to rq[], on the FMA pipe while q k^T runs (on mma.sync these products would queue behind
-// the state warpgroups' wgmma): half a q row per thread, rows 16 w .. 16 w + 15 in warp w.
-template <int K, class Op, class Stage>
-__device__ __forceinline__ void prep_q_norms(const Plan& plan, const Stage& b, bool norm, int at, float* rq) {
+// the state warpgroups' wgmma): half a q row per thread, rows 16 w .. 16 w + 15 in warp w. Without the L2 norm
+// (kNorm false) the scale alone, the rows not read.
+template <int K, class Op, bool kNorm, class Stage>
+__device__ __forceinline__ void prep_q_norms(const Plan& plan, const Stage& b, int at, float* rq) {
   const int row = at >> 1, c0 = (at & 1) * (K / 2);
+  if constexpr (!kNorm) {
+    if (!(at & 1)) rq[row] = plan.scale;
+    return;
+  }
   float ss[2] = {0.0f, 0.0f};  // two chains
 #pragma unroll
   for (int u = 0; u < K / 16; ++u)
     ss[u & 1] += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(row, c0 + 8 * u)])));
   float x = ss[0] + ss[1];
   x += __shfl_xor_sync(0xffffffffu, x, 1);
-  if (!(at & 1)) rq[row] = (norm ? rsqrtf(x + 1e-6f) : 1.0f) * plan.scale;
+  if (!(at & 1)) rq[row] = rsqrtf(x + 1e-6f) * plan.scale;
 }
 
 // The state warpgroups' factor rows of this warp's 16 tokens, from kLog2Gcum (gcum log2 e) and rk (the chunk prep's
@@ -159,14 +164,14 @@ __device__ __forceinline__ void prep_store_m(Stage& b, float (&acc)[8][4], const
 // (HeadStageWg: ks, qs, vs as the TMA tiles land), its TMA completes on full[c % kStages] and this warpgroup's 128
 // threads arrive on done[c % kStages] (phase parity c / kStages). From chunk kStages on it also waits on
 // done[kStages + c % kStages] (parity c / kStages - 1): every state thread is done with the stage's previous chunk.
-// Without o (kOutputs false: the context-parallel local pass) only the factor rows the state update reads.
-template <int K, class Op, int kStages, bool kOutputs, class Stage>
-__device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Plan& plan, PrepSmem& ps, Stage* stage,
-                                               uint64_t* full, uint64_t* done, int64_t len) {
+// Without o (kOutputs false: the context-parallel local pass) only the factor rows the state update reads; kNorm:
+// q's L2 norm in rq (the call's use_qk_l2norm).
+template <int K, class Op, int kStages, bool kOutputs, bool kNorm, class Stage>
+__device__ __forceinline__ void prep_warpgroup(const Plan& plan, PrepSmem& ps, Stage* stage, uint64_t* full,
+                                               uint64_t* done, int64_t len) {
   static_assert(K % 64 == 0, "the k, q rows in 64-column blocks");
   int at = prep_thread_index(), warp = at >> 5, lane = at & 31;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
-  [[maybe_unused]] const bool norm = p.heads.use_qk_l2norm;
 
   for (int64_t c = 0; c < nchunks; ++c) {
     Stage& b = stage[c % kStages];
@@ -185,7 +190,7 @@ __device__ __forceinline__ void prep_warpgroup(const PrefillParams& p, const Pla
       const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024), dq = sw128_desc(smem_addr(b.qs), 16, 1024);
       float acc[8][4];
       issue_qk_product<K, Op>(acc, dq, dk);
-      prep_q_norms<K, Op>(plan, b, norm, at, ps.rq);
+      prep_q_norms<K, Op, kNorm>(plan, b, at, ps.rq);
       __syncwarp();  // the warp's rq (its own rows are all that M's pass reads)
       prep_factor_rows<true>(b, ps.rq, &b.sc[kInvNormK * kChunk], L, warp, lane);
       float gi[2], fq[2];
@@ -285,7 +290,10 @@ __device__ __forceinline__ void producer_norms(const PrefillParams& p, const Pla
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
     mbarrier_wait(&full[s], uint32_t(c / kStages) & 1);
     float rk = 0.0f, rq = 0.0f;
-    if (j < L) {
+    if (j < L && !p.heads.use_qk_l2norm) {
+      rk = 1.0f;
+      rq = plan.scale;
+    } else if (j < L) {
       const Stage& b = stage[s];
       float sk = 0.0f, sq = 0.0f;
 #pragma unroll 4
@@ -293,9 +301,8 @@ __device__ __forceinline__ void producer_norms(const PrefillParams& p, const Pla
         sk += sumsq8<Op>(lds128(smem_addr(&b.ks[sw128_offset<kChunk>(j, 8 * u)])));
         sq += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(j, 8 * u)])));
       }
-      const bool norm = p.heads.use_qk_l2norm;
-      rk = norm ? rsqrtf(sk + 1e-6f) : 1.0f;
-      rq = (norm ? rsqrtf(sq + 1e-6f) : 1.0f) * plan.scale;
+      rk = rsqrtf(sk + 1e-6f);
+      rq = rsqrtf(sq + 1e-6f) * plan.scale;
     }
     ps.rk[s][j] = rk;
     ps.rq[s][j] = rq;
