@@ -36,6 +36,17 @@ void fill_normal(void* p, DType dtype, int64_t n, std::mt19937_64& rng, double m
   for (int64_t i = 0; i < n; ++i) host::store(p, dtype, i, dist(rng));
 }
 
+// Each row of `dim` elements divided by its L2 norm (the op's: sqrt(sum x^2 + 1e-6)): the q and k a caller passes with
+// the op's L2 norm off (--no-qk-l2norm).
+void l2_normalize_rows(void* p, DType dtype, int64_t rows, int dim) {
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0.0;
+    for (int i = 0; i < dim; ++i) ss += double(host::load(p, dtype, r * dim + i)) * host::load(p, dtype, r * dim + i);
+    const double inv = 1.0 / std::sqrt(ss + 1e-6);
+    for (int i = 0; i < dim; ++i) host::store(p, dtype, r * dim + i, host::load(p, dtype, r * dim + i) * inv);
+  }
+}
+
 int64_t count_nonfinite(const void* p, DType dtype, int64_t n) {
   int64_t c = 0;
   for (int64_t i = 0; i < n; ++i) c += !std::isfinite(host::load(p, dtype, i));
@@ -64,6 +75,10 @@ struct HostTokens {
         dt_bias(size_t(s.HV) * 4) {
     fill_normal(q.get(), g_input, tokens * s.H * s.K, rng, 0, 1);
     fill_normal(k.get(), g_input, tokens * s.H * s.K, rng, 0, 1);
+    if (!g_qk_l2norm) {  // the op's norm off: q and k arrive normalized, as a caller would pass them
+      l2_normalize_rows(q.get(), g_input, tokens * s.H, s.K);
+      l2_normalize_rows(k.get(), g_input, tokens * s.H, s.K);
+    }
     fill_normal(v.get(), g_input, tokens * s.HV * s.V, rng, 0, 1);
     fill_normal(a.get(), g_input, tokens * s.HV, rng, 0, 1);
     fill_normal(b.get(), g_input, tokens * s.HV, rng, 0, 1);

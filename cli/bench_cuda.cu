@@ -77,6 +77,22 @@ __global__ void fill_e4m3_kernel(uint8_t* __restrict__ p, int64_t n, uint64_t se
   }
 }
 
+// Each row of `dim` elements divided by its L2 norm (the op's: sqrt(sum x^2 + 1e-6)), a warp per row: the q and k a
+// caller passes with the op's L2 norm off (--no-qk-l2norm).
+template <class T>
+__global__ void l2_normalize_rows_kernel(T* __restrict__ p, int64_t rows, int dim) {
+  const int lane = int(threadIdx.x % 32);
+  for (int64_t row = (blockIdx.x * int64_t(blockDim.x) + threadIdx.x) / 32; row < rows;
+       row += int64_t(gridDim.x) * blockDim.x / 32) {
+    T* x = p + row * dim;
+    float ss = 0.0f;
+    for (int i = lane; i < dim; i += 32) ss += to_float(x[i]) * to_float(x[i]);
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float r = rsqrtf(ss + 1e-6f);
+    for (int i = lane; i < dim; i += 32) x[i] = from_float<T>(to_float(x[i]) * r);
+  }
+}
+
 template <class T>
 __global__ void count_nonfinite_kernel(const T* __restrict__ p, int64_t n, unsigned long long* count) {
   unsigned long long c = 0;
@@ -105,6 +121,24 @@ void fill(void* p, DType dtype, int64_t n, uint64_t seed, Fill kind, float x0, f
       fill_e4m3_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<uint8_t*>(p), n, seed, x1);
       break;
     default: throw Error(ErrorCode::kInvalidArgument, std::string("fill: not a float dtype: ") + dtype_name(dtype));
+  }
+  BENCH_CUDA_CHECK_LAUNCH();
+}
+
+void l2_normalize_rows(void* p, DType dtype, int64_t rows, int dim, cudaStream_t st) {
+  if (rows <= 0) return;
+  const int blocks = fill_blocks(rows * 32);
+  switch (dtype) {
+    case DType::kFloat32:
+      l2_normalize_rows_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<float*>(p), rows, dim);
+      break;
+    case DType::kBFloat16:
+      l2_normalize_rows_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<__nv_bfloat16*>(p), rows, dim);
+      break;
+    case DType::kFloat16:
+      l2_normalize_rows_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<__half*>(p), rows, dim);
+      break;
+    default: throw Error(ErrorCode::kInvalidArgument, std::string("normalize: not an input dtype: ") + dtype_name(dtype));
   }
   BENCH_CUDA_CHECK_LAUNCH();
 }
@@ -353,6 +387,10 @@ struct DeviceTokens {
     const int64_t nqk = tokens * s.H * s.K, nv = tokens * s.HV * s.V, ng = tokens * s.HV;
     fill(q.get(), in, nqk, seed + 1, Fill::kNormal, 0.f, 1.f, st);
     fill(k.get(), in, nqk, seed + 2, Fill::kNormal, 0.f, 1.f, st);
+    if (!g_qk_l2norm) {  // the op's norm off: q and k arrive normalized, as a caller would pass them
+      l2_normalize_rows(q.get(), in, tokens * s.H, s.K, st);
+      l2_normalize_rows(k.get(), in, tokens * s.H, s.K, st);
+    }
     fill(v.get(), in, nv, seed + 3, Fill::kNormal, 0.f, 1.f, st);
     fill(a.get(), in, ng, seed + 4, Fill::kNormal, 0.f, 1.f, st);
     fill(b.get(), in, ng, seed + 5, Fill::kNormal, 0.f, 1.f, st);

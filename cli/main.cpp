@@ -42,8 +42,8 @@ bench options:
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
   --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
   --dim 64|128|256           K = V for every shape (default 128)
-  --no-qk-l2norm             q and k taken as normalized: every op's fused L2 norm off (prefill rows' mode
-                             says no-l2n), as peers' kernels timed without their separate norm kernel
+  --no-qk-l2norm             every op's fused q/k L2 norm off, q and k normalized before the timed runs (as
+                             peers' kernels are timed without their norm kernel); prefill rows' mode says no-l2n
   --batches 1,2,...          decode/verify batch sizes
                              (default: decode 1,2,4,...,512; verify 1,8,32,64,128,256)
   --draft 2,3,...            verify draft tokens T (default: 2,3,4,8)
