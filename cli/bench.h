@@ -182,10 +182,11 @@ struct TokenBuffers {
   float* A_log = nullptr;
   float* dt_bias = nullptr;
 };
-// The token rows [first_token, ...) of `t` as op inputs, fused gating, q/k L2 norm on.
 // q and k L2-normalized inside the op (Options::qk_l2norm; set by the backend's run from the options)
 extern bool g_qk_l2norm;
+// The op's heads: the shape's, the default scale, the q/k L2 norm as g_qk_l2norm says.
 HeadConfig head_config(const Shape& s);
+// The token rows [first_token, ...) of `t` as op inputs, fused gating.
 void set_token_views(const Shape& s, DType in, const TokenBuffers& t, int64_t first_token, InView& q, InView& k,
                      InView& v, OutView& o, Gating& gating);
 StatePool make_pool(const Shape& s, void* data, DType dtype, StateLayout layout, int64_t slots,

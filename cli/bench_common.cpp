@@ -520,12 +520,14 @@ std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
     s += "\n";
     s += "- decode/verify: µs per call, median of CUDA-graph replays, cold L2 (calls rotate through slot sets, "
          ">= 4x L2 of state per replay); bytes = state read + written (+ fp32 intermediates) + q, k, v, o, "
-         "gates; inputs " + std::string(rows.empty() ? "bf16" : short_dtype(rows.front().input_dtype)) + "\n";
+         "gates; inputs " + std::string(rows.empty() ? "bf16" : short_dtype(rows.front().input_dtype)) +
+         (g_qk_l2norm ? "" : ", q and k normalized before the runs (the ops' L2 norm off)") + "\n";
     s += "- prefill: ms per op (events around it, median of runs after warm-up), fused gating" +
          std::string(g_qk_l2norm ? " + q/k L2 norm" : ", q/k taken as normalized (no L2 norm)") + ", "
          "initial state from the pool and final state written; TFLOP/s = 4 T HV K V / time; floor = "
          "(q, k, v, o, gates, states) / copy ceiling\n";
   }
+  if (!g_qk_l2norm && info.backend != "cuda") s += "- q and k normalized before the runs (the ops' L2 norm off)\n";
   s += "\n";
   if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.op == "prefill-split"; }))
     s += "- prefill-split: one sequence set over G GPUs of the machine (split_prefill_nccl, a thread and an NCCL rank "

@@ -138,7 +138,8 @@ void l2_normalize_rows(void* p, DType dtype, int64_t rows, int dim, cudaStream_t
     case DType::kFloat16:
       l2_normalize_rows_kernel<<<blocks, kFillThreads, 0, st>>>(static_cast<__half*>(p), rows, dim);
       break;
-    default: throw Error(ErrorCode::kInvalidArgument, std::string("normalize: not an input dtype: ") + dtype_name(dtype));
+    default:
+      throw Error(ErrorCode::kInvalidArgument, std::string("normalize: not an input dtype: ") + dtype_name(dtype));
   }
   BENCH_CUDA_CHECK_LAUNCH();
 }
@@ -690,6 +691,7 @@ Row bench_prefill_split(const Options& o, const Shape& s, DType state, StateLayo
   Row r = make_prefill_row("cuda", s, g_input, state, layout, set);
   r.op = "prefill-split";
   r.mode = std::to_string(G) + " GPUs";
+  if (!o.qk_l2norm) r.mode += " no-l2n";
   r.ranks = G;
   int devices = 0;
   BENCH_CUDA_CHECK(cudaGetDeviceCount(&devices));

@@ -195,7 +195,7 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
         fused_prep_warpgroup<K, Op, kStages>(ps, stage, bars, prep_bars, &prep_bars[4 * kStages], len);
       } else {
         PrepSmem& ps = *reinterpret_cast<PrepSmem*>(stage + kStages);
-        // one instance each way: a test inside the chunk loop slowed the normalized one
+        // one instance each way, so that no test of the norm sits in the chunk loop
         if (!S::kOutputs || p.heads.use_qk_l2norm)
           prep_warpgroup<K, Op, kStages, S::kOutputs, true>(plan, ps, stage, bars, prep_bars, len);
         else
