@@ -63,6 +63,7 @@ struct Options {
   int cp_scan_cols = 0;          // A/B switch: value columns per CTA of the context-parallel scan (0: the heuristic)
   int64_t checkpoint = 0;        // prefill: a checkpoint of every sequence's state every C tokens (0: none)
   int fp8_columns = 0;           // A/B switch: the fp8 decode kernel's columns per warp (0: the heuristic)
+  bool prefetch = true;          // A/B switch: false keeps the recurrent kernels out of prefetch mode
   int vlast_fp8_columns = 0;     // A/B switch: V-last fp8 decode's columns per CTA (0: the heuristic)
   int chain_min_tokens = -1;     // A/B switch: fewest tokens on the tensor-core chain kernel (0: never; -1: the heuristic)
   int fp8_chain = -1;            // A/B switch: fp8 chain verify on the fp8 chain kernel from this batch (0: never)

@@ -940,6 +940,7 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
   if (o.cp_first_final >= 0) overrides.prefill_cp_first_final = o.cp_first_final;
   if (o.cp_scan_cols > 0) overrides.prefill_cp_scan_cols = o.cp_scan_cols;
   if (o.fp8_columns > 0) overrides.decode_fp8_columns = o.fp8_columns;
+  overrides.state_prefetch = o.prefetch;
   if (o.vlast_fp8_columns > 0) overrides.decode_vlast_fp8_columns = o.vlast_fp8_columns;
   if (o.chain_min_tokens >= 0) overrides.chain_mma_min_tokens = o.chain_min_tokens;
   if (o.prep_warpgroup >= 0) overrides.prefill_m_warpgroup = o.prep_warpgroup;

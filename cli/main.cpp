@@ -61,6 +61,8 @@ bench options:
                              the library's choice
   --fp8-columns N            A/B switch: columns per warp of the float8_e4m3 decode kernel, 8, 16 or 32 (32 at
                              K = 128 only), instead of the library's choice
+  --no-prefetch              A/B switch: decode, verify and commit without prefetch mode (their CTAs asking L2
+                             for their state before the previous call ends) where the library would take it
   --vlast-fp8-columns N      A/B switch: columns per CTA of V-last float8_e4m3 decode, 64 or 128, instead of the
                              library's choice
   --chain-min-tokens N       A/B switch: verify and commit of chains of at least N tokens on the tensor-core chain
@@ -221,6 +223,8 @@ Options parse_bench(int argc, char** argv, int first) {
     } else if (a == "--fp8-columns") {
       o.fp8_columns = int_list(a, value(i), 8, 32).front();
       if (o.fp8_columns != 8 && o.fp8_columns != 16 && o.fp8_columns != 32) usage_error("--fp8-columns: 8, 16 or 32");
+    } else if (a == "--no-prefetch") {
+      o.prefetch = false;
     } else if (a == "--json") {
       o.json_path = value(i);
     } else if (a == "--markdown") {

@@ -243,6 +243,19 @@ TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {
   EXPECT_EQ(recurrent::fp8_decode_columns(512, 128, forced), 32);
 }
 
+// K-last fp8 decode in prefetch mode for grids of at most an eighth of the resident CTAs: qwen3-next (HV = 32) at 16
+// columns a warp is 64 B CTAs of 4 warps, 4 of them per SM on 132 SMs.
+TEST(RecurrentHeuristics, Fp8DecodePrefetchSmallGridsOnly) {
+  Overrides o;
+  const int64_t resident = 4 * 132;
+  EXPECT_TRUE(recurrent::fp8_decode_prefetch(64, resident, o));    // B = 1
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(128, resident, o));  // B = 2
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(512, resident, o));  // B = 8, 16: the grid fits once
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(0, resident, o));
+  o.state_prefetch = false;
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(64, resident, o));
+}
+
 TEST(RecurrentHeuristics, VLastFp8DecodeColumnsBySize) {
   const Overrides o;
   // qwen3-next (HV = 32, V = 128) on 132 SMs: half-line CTAs up to 4 line CTAs per SM (B = 16)

@@ -36,7 +36,7 @@ __global__ void rewrite_indices_kernel(int32_t* indices, const int32_t* next, in
 
 TEST(DecodeGpu, IndicesRewrittenByThePreviousKernelUnderPdl) {
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+    for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat8E4M3}) {
       ProblemConfig c;
       c.op = OpKind::kDecode;
       c.batch = 4, c.padding_rows = 1;  // small: decode runs in prefetch mode

@@ -88,13 +88,25 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
   static_assert(V % Tile::kCtaCols == 0, "fp8 decode: V a multiple of the CTA's columns");
   // The factored update and quantization in the wide warps (large grids, bound by the schedulers' issue).
   constexpr bool kFactored = kColsPerWarp == 32;
-  (void)prefetch;  // every grid runs the same way
 
   const int lane = int(threadIdx.x) % 32, c = lane % kLPC, g = lane / kLPC;
   const int b = int(blockIdx.y), hv = int(blockIdx.x / unsigned(kColCtas));
   const int v0 = int(blockIdx.x % unsigned(kColCtas)) * Tile::kCtaCols + int(threadIdx.x) / 32 * Tile::kCols;
   const int hq = qk_head(p, hv);  // GVA
   const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
+  // Before the wait, prefetch mode (decode.md "Launch"): the warp's columns and their scales in the slot the index
+  // names now, and the token's inputs, asked of L2; only a hint, the loads below come after the wait.
+  if (prefetch) {
+    const int spec = __ldcg(p.state_indices + b);
+    if (spec >= 0 && spec < p.state.num_slots && lane == 0) {
+      prefetch_l2(static_cast<const uint8_t*>(p.state.data) + int64_t(spec) * p.state.slot_stride + hv * kHeadElems +
+                      int64_t(v0) * K,
+                  unsigned(Tile::kCols * K));
+      prefetch_l2_line(p.state.scales + (int64_t(spec) * p.heads.num_v_heads + hv) * kHeadBlocks +
+                       v0 * (K / kFp8Block));  // at most 128 bytes
+    }
+    prefetch_token_inputs<TInput>(p, b, hq, hv, v0, K, Tile::kCols, lane);
+  }
   pdl_wait_and_launch_dependents();
 
   const int slot = p.state_indices[b];

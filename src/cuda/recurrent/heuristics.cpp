@@ -47,6 +47,12 @@ int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o) {
   return batch <= (head_dim_k == 64 ? kFp8NarrowMaxBatchK64 : kFp8NarrowMaxBatchK256) ? 8 : 16;
 }
 
+constexpr int kFp8DecodePrefetchShare = 8;
+
+bool fp8_decode_prefetch(int64_t grid_ctas, int64_t resident_ctas, const Overrides& o) {
+  return prefetch_mode(KernelFit{grid_ctas, resident_ctas}, kFp8DecodePrefetchShare, o);
+}
+
 // V-last fp8 decode in half-line CTAs up to this many line CTAs per SM (docs/design/decode.md "V-last decode").
 constexpr int64_t kVLastFp8HalfMaxCtasPerSm = 4;
 

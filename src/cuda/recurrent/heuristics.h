@@ -37,6 +37,11 @@ const char* kernel_name(RecurrentKernel k);
 // fixed work, k and q and the gates, is shared by more columns, and more bytes are in flight per SM).
 int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o);
 
+// Prefetch mode of K-last fp8 decode (fp8_decode.cuh) for a grid of `grid_ctas` CTAs where the GPU holds
+// `resident_ctas`: grids of at most an eighth of them (qwen3-next: B = 1), where the state's latency is the call;
+// larger grids that fit measured faster at some batches and slower at others (docs/design/decode.md "fp8 pools").
+bool fp8_decode_prefetch(int64_t grid_ctas, int64_t resident_ctas, const Overrides& o);
+
 // Columns per CTA of V-last fp8 decode (vlast_decode.cuh: 128, a line of each row, or 64, half of one) for a call
 // of `batch` sequences: 64 where the 128-column grid is at most 4 CTAs per SM (each CTA's walk over its rows is the
 // time there), else 128 (more bytes in flight per SM).
