@@ -62,7 +62,8 @@ bench options:
   --fp8-columns N            A/B switch: columns per warp of the float8_e4m3 decode kernel, 8, 16 or 32 (32 at
                              K = 128 only), instead of the library's choice
   --no-prefetch              A/B switch: decode, verify and commit without prefetch mode (their CTAs asking L2
-                             for their state before the previous call ends) where the library would take it
+                             for their state before the previous call ends), which also changes the recurrent
+                             kernel choices that depend on it (docs/design/decode.md "How the kernel is chosen")
   --vlast-fp8-columns N      A/B switch: columns per CTA of V-last float8_e4m3 decode, 64 or 128, instead of the
                              library's choice
   --chain-min-tokens N       A/B switch: verify and commit of chains of at least N tokens on the tensor-core chain

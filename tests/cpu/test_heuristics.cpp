@@ -251,7 +251,10 @@ TEST(RecurrentHeuristics, Fp8DecodePrefetchSmallGridsOnly) {
   EXPECT_TRUE(recurrent::fp8_decode_prefetch(64, resident, o));    // B = 1
   EXPECT_FALSE(recurrent::fp8_decode_prefetch(128, resident, o));  // B = 2
   EXPECT_FALSE(recurrent::fp8_decode_prefetch(512, resident, o));  // B = 8, 16: the grid fits once
+  EXPECT_TRUE(recurrent::fp8_decode_prefetch(66, resident, o));   // an eighth of 528
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(67, resident, o));
   EXPECT_FALSE(recurrent::fp8_decode_prefetch(0, resident, o));
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(64, 0, o));  // residency unknown
   o.state_prefetch = false;
   EXPECT_FALSE(recurrent::fp8_decode_prefetch(64, resident, o));
 }

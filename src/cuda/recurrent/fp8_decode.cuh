@@ -94,8 +94,7 @@ __global__ void __launch_bounds__(Fp8DecodeTile<K, kColsPerWarp>::kWarps * 32)
   const int v0 = int(blockIdx.x % unsigned(kColCtas)) * Tile::kCtaCols + int(threadIdx.x) / 32 * Tile::kCols;
   const int hq = qk_head(p, hv);  // GVA
   const bool counter = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
-  // Before the wait, prefetch mode (decode.md "Launch"): the warp's columns and their scales in the slot the index
-  // names now, and the token's inputs, asked of L2; only a hint, the loads below come after the wait.
+  // Prefetch mode: the next call's state reaches L2 while the previous call runs (a hint; the loads follow the wait).
   if (prefetch) {
     const int spec = __ldcg(p.state_indices + b);
     if (spec >= 0 && spec < p.state.num_slots && lane == 0) {
