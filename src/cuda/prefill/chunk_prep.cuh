@@ -105,11 +105,9 @@ __device__ __forceinline__ void gram_products(const PrefillParams& p, const Op* 
 
 // Each thread parks its own accumulators in shared memory (no barrier needed to read them back), with rk_j already
 // applied (column j's factor, the same for every value head), so that they hold no registers through the solves.
-// Then T's blocks above the diagonal are zeroed once: nothing below writes them, so T' is stored without a column
-// mask.
 template <bool kM>
 __device__ __forceinline__ void park_gram(const float (&acc)[8][4], const float (&accm)[8][4], const float* s_rk,
-                                          float4* Gacc, float4* Macc, float* Af, int warp, int lane) {
+                                          float4* Gacc, float4* Macc, int warp, int lane) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
     if (nt < 2 * (warp + 1)) {
@@ -121,7 +119,6 @@ __device__ __forceinline__ void park_gram(const float (&acc)[8][4], const float 
             make_float4(accm[nt][0] * kj.x, accm[nt][1] * kj.y, accm[nt][2] * kj.x, accm[nt][3] * kj.y);
     }
   }
-  zero_upper_blocks(Af, warp, lane);
 }
 
 // One value head's M and A from the parked accumulators (rk_j in them), in one pass:
@@ -267,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm(K, kM))
     // before the M / A pass).
     if (warp == 0) store_gates(p, gates, head_params(h0), L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
     __syncthreads();  // Ks (and Qs) are dead from here on: the accumulators, A and T reuse their bytes
-    park_gram<kM>(acc, accm, s_rk, Gacc, Macc, Af, warp, lane);
+    park_gram<kM>(acc, accm, s_rk, Gacc, Macc, warp, lane);
   }
 
   for (int h = h0; h < h1; ++h) {

@@ -18,6 +18,15 @@ __device__ __forceinline__ void load_a_half(const float* p, int ld, int lane, ui
     a[i] = pack2<__half>(v.x, v.y);
   }
 }
+// A fragment of X^T for the 16x16 fp32 block X at p (row-major, ld floats per row).
+__device__ __forceinline__ void load_a_half_trans(const float* p, int ld, int lane, uint32_t (&a)[4]) {
+  const int r = lane >> 2, c = (lane & 3) * 2;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = r + (i & 1) * 8, col = c + (i >> 1) * 8;  // of X^T
+    a[i] = pack2<__half>(p[col * ld + row], p[(col + 1) * ld + row]);
+  }
+}
 // C fragments of a 16x16 block (two n8 tiles) as the A fragment of the same block.
 __device__ __forceinline__ void c_to_a_half(const float (&c)[2][4], uint32_t (&a)[4]) {
 #pragma unroll
@@ -37,16 +46,6 @@ __device__ __forceinline__ void block_mma_half(float (&acc)[2][4], const uint32_
     mma<__half>(acc[t], a, b[0], b[1]);
   }
 }
-// The 16x16 block at p (row-major fp32, ld floats per row) = acc.
-__device__ __forceinline__ void store_c(const float (&acc)[2][4], float* p, int ld, int lane) {
-  const int r = lane >> 2, c = (lane & 3) * 2;
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<float2*>(p + (r + h * 8) * ld + t * 8 + c) = make_float2(acc[t][2 * h], acc[t][2 * h + 1]);
-}
-
 // Address of lane's row for an A fragment (16x16 at (row0, col0)) of a row-major bf16 tile
 // with `ld` elements per row: matrices (rows 0-7, 8-15) x (cols 0-7, 8-15).
 template <int LD, class T>

@@ -223,7 +223,6 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
   static_assert(kStages == kHeadStages<true>, "FusedPrepSmem holds the norms of every stage");
   int at = prep_thread_index(), warp = at >> 5, lane = at & 31;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
-  zero_upper_blocks(ps.a, warp, lane);  // A's writes and the solve's stay below them
 
   for (int64_t c = 0; c < nchunks; ++c) {
     const int s = int(c % kStages);

@@ -97,25 +97,24 @@ __device__ __forceinline__ void store_token_factors(float* f, const float* gc, c
   }
 }
 
-// T's blocks above the diagonal, which invert_and_store_t needs zero and never writes: warp w zeroes the 3 - w blocks
-// right of its diagonal block of Af ([64][kSolveLd] fp32), once per CTA or warpgroup.
-__device__ __forceinline__ void zero_upper_blocks(float* Af, int warp, int lane) {
-#pragma unroll
-  for (int jb = 1; jb < 4; ++jb) {
-    if (jb > warp) {
-      float* blk = Af + warp * 16 * kSolveLd + jb * 16;
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int e = lane + 32 * x;  // 64 float4 per 16 x 16 block
-        *reinterpret_cast<float4*>(blk + (e >> 2) * kSolveLd + (e & 3) * 4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-    }
-  }
+// Where lane keeps a 16x16 block's B fragments (solve_b_words) in the block (kb, ib) above A's diagonal of Af
+// ([64][kSolveLd] fp32), which the solve does not read otherwise: 16 bytes a lane in the block's first 8 rows, lanes 4 apart
+// in rows 4 apart, so that each quarter-warp of a 128-bit access hits distinct banks (rows are 68 floats apart).
+__device__ __forceinline__ float* solve_b_slot(float* Af, int kb, int ib, int lane) {
+  const int row = ((lane >> 2) & 1) * 4 + (lane >> 3);
+  return Af + (kb * 16 + row) * kSolveLd + ib * 16 + (lane & 3) * 4;
 }
 
-// T = (I + A)^{-1} over Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them,
-// strictly lower; the blocks above the diagonal zero), then T' = T diag(beta) to `out` in the operand dtype: the
-// wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or past L are written as zero.
+// The B fragments of W^T for the 16x16 block W given as C fragments (two n8 tiles), as fp16: words 0, 1 for the
+// n8 tile of W's rows 0..7, words 2, 3 for rows 8..15 (the C layout of W holds W^T's B layout, lane for lane).
+__device__ __forceinline__ uint4 solve_b_words(const float (&w)[2][4]) {
+  return make_uint4(pack2<__half>(w[0][0], w[0][1]), pack2<__half>(w[1][0], w[1][1]), pack2<__half>(w[0][2], w[0][3]),
+                    pack2<__half>(w[1][2], w[1][3]));
+}
+
+// T = (I + A)^{-1} of Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them,
+// strictly lower; the blocks above the diagonal are free space), then T' = T diag(beta) to `out` in the operand
+// dtype: the wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or past L are written as zero.
 // Called by 4 warps (kThreads threads): the chunk prep's CTA, meeting on __syncthreads (kBarrier 0), or the head pass's
 // prep warpgroup, threads kTid0 .. kTid0 + 127 meeting on named barrier kBarrier. On return this thread's part of T'
 // is stored; Af may be overwritten after the next barrier of the 4 warps.
@@ -130,54 +129,54 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     else
       asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
   };
-  // T = (I + A)^{-1}, blocked by 16 (fp32 in shared memory), written over A:
-  //   diagonal blocks  T_ii = (I + A_ii)^{-1} in warp i, by its 8 x 8 halves: [[X1, 0], [Y, X2]] with
-  //   X1 = (I + A11)^{-1}, X2 = (I + A22)^{-1} by forward substitution (one column per lane) and
-  //   Y = -X2 A21 X1 by two mma (the A fragment of a 16 x 16 block holds its quarters apart);
-  //   then warp i forms W'_ik = -T_ii A_ik (k < i) in registers, and at level i (block rows < i final)
-  //   T_ij = sum_{k=j}^{i-1} W'_ik T_kj for j < i.
-  // The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh).
-  // Each block of A is read for the last time before T's block replaces it, by its own warp: A_ii in
-  // the substitution and Y's products (then __syncwarp), A_ik (k < i) when W'_ik is formed, before level i
-  // writes T_ik. The caller's A is zero on and above the diagonal, so T_ii's upper-right quarter is too.
-  // Rows past the chunk's tokens are skipped: A's row is 0 and beta_i = 0 there, so T' row i is 0
-  // (and the blocks skipped keep stale values, which nothing reads).
-  uint32_t w_a[3][4];  // W'_ik, k < warp, as A operands
-  if (warp * 16 < L) {
-    const int b0 = warp * 16;
-    {
-      // X1 (lanes 0..7) and X2 (lanes 8..15) column by column; lanes 16..31 repeat lanes 0..15
-      const int col = lane & 7, d0 = b0 + (lane & 8);
-      float x[8];
+  // T = (I + A)^{-1}, blocked by 16, in three phases with a barrier between each two:
+  //   1. warp i: its diagonal block T_ii = (I + A_ii)^{-1} (fp32, over A_ii) by its 8 x 8 halves, [[X1, 0], [Y, X2]]
+  //      with X1 = (I + A11)^{-1}, X2 = (I + A22)^{-1} by forward substitution (one column per lane) and
+  //      Y = -X2 A21 X1 by two mma (the A fragment of a 16 x 16 block holds its quarters apart); then
+  //      W'_ik = -T_ii A_ik for k < i, kept as the B fragments of W'_ik^T in the free block (k, i).
+  //   2. warp j walks down block column j of T as block row j of T^T:
+  //      T_ij^T = sum_{k=j}^{i-1} T_kj^T W'_ik^T for i > j, each T_kj^T the A operand from the warp's own
+  //      accumulators (T_jj^T from shared memory), every W'_ik^T a 16-byte load; T_ij over A_ij.
+  //   3. T (fp32 over A) to T' = T diag(beta) in the output's layout.
+  // So the warps meet twice, against block rows solved one level at a time (one warp working, a barrier a level),
+  // and no product reads fp32 operands from shared memory but A's. The block products run on tensor cores with
+  // fp16 operands and fp32 accumulation (mma.cuh). A's rows at or past L are zero (beta_i = 0 there), so T's are
+  // e_i^T, and T' rows there are 0 whatever is selected; they are selected away all the same.
+  const int b0 = warp * 16;
+  {
+    // X1 (lanes 0..7) and X2 (lanes 8..15) column by column; lanes 16..31 repeat lanes 0..15
+    const int col = lane & 7, d0 = b0 + (lane & 8);
+    float x[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float* Ai = Af + (d0 + i) * LDA + d0;
-        float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
+    for (int i = 0; i < 8; ++i) {
+      const float* Ai = Af + (d0 + i) * LDA + d0;
+      float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
 #pragma unroll
-        for (int j = 0; j < i; ++j) {
-          if (j & 1)
-            acc1 = fmaf(-Ai[j], x[j], acc1);
-          else
-            acc0 = fmaf(-Ai[j], x[j], acc0);
-        }
-        x[i] = acc0 + acc1;
+      for (int j = 0; j < i; ++j) {
+        if (j & 1)
+          acc1 = fmaf(-Ai[j], x[j], acc1);
+        else
+          acc0 = fmaf(-Ai[j], x[j], acc0);
       }
-      __syncwarp();  // every lane has read A11 and A22
-      if (lane < 16) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) Tf[(d0 + i) * LDA + d0 + col] = x[i];
-      }
-      __syncwarp();  // X1 and X2 are in shared memory
+      x[i] = acc0 + acc1;
     }
+    __syncwarp();  // every lane has read A11 and A22
+    if (lane < 16) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) Tf[(d0 + i) * LDA + d0 + col] = x[i];
+    }
+    __syncwarp();  // X1 and X2 are in shared memory
+  }
+  {
     // The block [[X1, 0], [A21, X2]] as an A fragment (quarters X1, A21, 0, X2) and its first 8 columns as a B
     // fragment (rows 0..7: X1, rows 8..15: A21).
     uint32_t t_a[4], bx[2];
     load_a_half(Af + b0 * LDA + b0, LDA, lane, t_a);
+    const int r = lane >> 2, q2 = (lane & 3) * 2;
     {
-      const float* pb = Af + b0 * LDA + b0 + (lane >> 2);
-      const int c = (lane & 3) * 2;
-      bx[0] = pack2<__half>(pb[c * LDA], pb[(c + 1) * LDA]);
-      bx[1] = pack2<__half>(pb[(c + 8) * LDA], pb[(c + 9) * LDA]);
+      const float* pb = Af + b0 * LDA + b0 + r;
+      bx[0] = pack2<__half>(pb[q2 * LDA], pb[(q2 + 1) * LDA]);
+      bx[1] = pack2<__half>(pb[(q2 + 8) * LDA], pb[(q2 + 9) * LDA]);
     }
     // rows 8..15 of [[0, 0], [0, -X2]] [[X1], [A21]] = -X2 A21, then of [[0, 0], [-X2 A21, 0]] [[X1], [A21]] = Y
     float w[4] = {}, y[4] = {};
@@ -186,9 +185,9 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     const uint32_t w_lower_left[4] = {0u, pack2<__half>(w[2], w[3]), 0u, 0u};
     mma<__half>(y, w_lower_left, bx[0], bx[1]);
     __syncwarp();  // every lane has read A21
-    *reinterpret_cast<float2*>(Tf + (b0 + 8 + (lane >> 2)) * LDA + b0 + (lane & 3) * 2) = make_float2(y[2], y[3]);
+    *reinterpret_cast<float2*>(Tf + (b0 + 8 + r) * LDA + b0 + q2) = make_float2(y[2], y[3]);
     t_a[1] = pack2<__half>(y[2], y[3]);  // T_ii's lower-left quarter
-    // -T_ii as the A operand: W_ik comes out negated, so that each level's products sum to T_ij itself.
+    // -T_ii as the A operand: W'_ik = -T_ii A_ik.
 #pragma unroll
     for (int i = 0; i < 4; ++i) t_a[i] ^= 0x80008000u;
 #pragma unroll
@@ -196,32 +195,51 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       if (k >= warp) continue;
       float wk[2][4] = {};
       block_mma_half(wk, t_a, Af + b0 * LDA + k * 16, LDA, lane);
-      c_to_a_half(wk, w_a[k]);
+      *reinterpret_cast<uint4*>(solve_b_slot(Af, k, warp, lane)) = solve_b_words(wk);
     }
   }
+  sync();  // every W' is in shared memory, every A_ik read
+  {
+    // Block row `warp` of T^T, block by block: T_ij^T = sum_k T_kj^T W'_ik^T, the T_kj^T as A fragments (af[k]),
+    // each block stored transposed over A_ij once complete. One accumulator at a time: the fused prep's warpgroup
+    // holds q k^T's meanwhile.
+    int t;  // the lane read again (volatile), so that the offsets are not hoisted out of the caller's loops
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    const int ln = t & 31, r = ln >> 2, q2 = (ln & 3) * 2;
+    uint32_t af[3][4];
 #pragma unroll
-  for (int lvl = 1; lvl < 4; ++lvl) {
-    if (lvl * 16 >= L) break;
-    sync();  // block rows < lvl of T are final
-    if (warp == lvl) {
+    for (int i = 1; i < 4; ++i) {
+      if (i - 1 == warp) load_a_half_trans(Tf + b0 * LDA + b0, LDA, ln, af[i - 1]);  // T_jj^T
+      if (i <= warp) continue;
+      float c[2][4] = {};
 #pragma unroll
-      for (int j = 0; j < lvl; ++j) {
-        float t[2][4] = {};
+      for (int k = 0; k < i; ++k) {
+        if (k < warp) continue;
+        const uint2* const wb = reinterpret_cast<const uint2*>(solve_b_slot(Af, k, i, ln));
 #pragma unroll
-        for (int k = j; k < lvl; ++k) block_mma_half(t, w_a[k], Tf + k * 16 * LDA + j * 16, LDA, lane);
-        store_c(t, Tf + lvl * 16 * LDA + j * 16, LDA, lane);
+        for (int nh = 0; nh < 2; ++nh) {
+          const uint2 b = wb[nh];
+          mma<__half>(c[nh], af[k], b.x, b.y);
+        }
       }
+      if (i < 3) c_to_a_half(c, af[i]);
+      // c[nh][e] is T^T's (b0 + r + 8 (e / 2), 16 i + 8 nh + q2 + e % 2), stored as T's: 32 distinct banks a store
+#pragma unroll
+      for (int nh = 0; nh < 2; ++nh)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          Tf[(i * 16 + 8 * nh + q2 + (e & 1)) * LDA + b0 + r + 8 * (e >> 1)] = c[nh][e];
     }
   }
-  sync();
+  sync();  // T is in shared memory
   // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
   {
-    // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero
-    // (the blocks above the diagonal since the stash, T_ii's by the substitution); rows past L may hold stale
-    // values (blocks the solve skipped): selected away.
+    // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero in
+    // T_ii (by the substitution) and selected away in the blocks above the diagonal (i / 16 < c / 16: the solve's
+    // B fragments); rows past L are selected away too.
     auto put = [&](int i, int c, float2 bv, Op* to) {
       const float2 tv = *reinterpret_cast<const float2*>(&Tf[i * LDA + c]);
-      const bool live = i < L;
+      const bool live = i < L && (c >> 4) <= (i >> 4);
       *reinterpret_cast<uint32_t*>(to) = pack2<Op>(live ? tv.x * bv.x : 0.0f, live ? tv.y * bv.y : 0.0f);
     };
     if (image) {
