@@ -78,6 +78,13 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
                "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                           \
                : GDNKIT_D4(0), GDNKIT_D4(1), GDNKIT_D4(2), GDNKIT_D4(3)                                  \
                : "l"(desc_a), "l"(desc_b))
+#define GDNKIT_WGMMA_SS_N64(TYPE)                                                                    \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                              \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                            \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+               "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                           \
+               : GDNKIT_D4(0), GDNKIT_D4(1), GDNKIT_D4(2), GDNKIT_D4(3), GDNKIT_D4(4), GDNKIT_D4(5), GDNKIT_D4(6), GDNKIT_D4(7) \
+               : "l"(desc_a), "l"(desc_b))
 #define GDNKIT_WGMMA_N64(TYPE)                                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                 \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                               \
@@ -114,12 +121,18 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const uint32_t (&a)[
 template <class Op, int N, int J0, int NT>
 __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], uint64_t desc_a, uint64_t desc_b) {
   static_assert(J0 + N / 8 <= NT, "accumulator tiles out of range");
-  static_assert(N == 32, "wgmma_ss: built for N = 32");
-  if constexpr (std::is_same_v<Op, __half>) GDNKIT_WGMMA_SS_N32("f16"); else GDNKIT_WGMMA_SS_N32("bf16");
+  constexpr bool kHalf = std::is_same_v<Op, __half>;
+  if constexpr (N == 32) {
+    if constexpr (kHalf) GDNKIT_WGMMA_SS_N32("f16"); else GDNKIT_WGMMA_SS_N32("bf16");
+  } else {
+    static_assert(N == 64, "wgmma_ss: N in {32, 64}");
+    if constexpr (kHalf) GDNKIT_WGMMA_SS_N64("f16"); else GDNKIT_WGMMA_SS_N64("bf16");
+  }
 }
 
 #undef GDNKIT_D4
 #undef GDNKIT_WGMMA_SS_N32
+#undef GDNKIT_WGMMA_SS_N64
 #undef GDNKIT_WGMMA_N32
 #undef GDNKIT_WGMMA_N64
 #undef GDNKIT_WGMMA_N128

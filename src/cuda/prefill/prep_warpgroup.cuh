@@ -86,18 +86,19 @@ __device__ __forceinline__ void issue_qk_product(float (&acc)[8][4], uint64_t dq
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
     const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
-    wgmma_ss<Op, 32, 0>(acc, desc_add(dq, koff), desc_add(dk, koff));
-    wgmma_ss<Op, 32, 4>(acc, desc_add(dq, koff), desc_add(dk, koff + 32 * 128));
+    wgmma_ss<Op, 64, 0>(acc, desc_add(dq, koff), desc_add(dk, koff));
   }
   wgmma_commit();
 }
 
 // rq of the chunk's tokens to rq[], on the FMA pipe while q k^T runs (on mma.sync these products would queue behind
-// the state warpgroups' wgmma): half a q row per thread, rows 16 w .. 16 w + 15 in warp w. Without the L2 norm
-// (kNorm false) the scale alone, the rows not read.
+// the state warpgroups' wgmma): half a q row per thread, rows 16 w .. 16 w + 15 in warp w, the thread pair of a row
+// taking the two 32-column halves of each 64-column block (so that a quarter warp's 16-byte loads, 4 rows of the
+// 128-byte swizzle, hit 8 distinct pieces of the banks). Without the L2 norm (kNorm false) the scale alone, the rows
+// not read.
 template <int K, class Op, bool kNorm, class Stage>
 __device__ __forceinline__ void prep_q_norms(const Plan& plan, const Stage& b, int at, float* rq) {
-  const int row = at >> 1, c0 = (at & 1) * (K / 2);
+  const int row = at >> 1, c0 = (at & 1) * 32;
   if constexpr (!kNorm) {
     if (!(at & 1)) rq[row] = plan.scale;
     return;
@@ -105,7 +106,7 @@ __device__ __forceinline__ void prep_q_norms(const Plan& plan, const Stage& b, i
   float ss[2] = {0.0f, 0.0f};  // two chains
 #pragma unroll
   for (int u = 0; u < K / 16; ++u)
-    ss[u & 1] += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(row, c0 + 8 * u)])));
+    ss[u & 1] += sumsq8<Op>(lds128(smem_addr(&b.qs[sw128_offset<kChunk>(row, (u / 4) * 64 + c0 + 8 * (u % 4))])));
   float x = ss[0] + ss[1];
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   if (!(at & 1)) rq[row] = rsqrtf(x + 1e-6f) * plan.scale;
