@@ -124,7 +124,8 @@ __device__ __forceinline__ void park_gram(const float (&acc)[8][4], const float 
 // One value head's M and A from the parked accumulators (rk_j in them), in one pass:
 // M[i][j] = mask_{j<=i} exp(gcum_i - gcum_j) rq_i rk_j (q_i . k_j), the intra-chunk attention of the output (rq
 // includes the scale), to the workspace at mout (kM; upper blocks written as 0; the causal image where `image`);
-// A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0, to Af.
+// A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) G[i][j] for j < i (strictly lower), else 0, to Af's blocks on and
+// below the diagonal (those above it are the solve's scratch).
 // Without M, A's row factor beta_i rk_i rides in the exponent (log2, -inf for beta_i = 0): one ex2 and one multiply
 // per element; with M, both share exp(gcum_i - gcum_j) (its argument is <= 0 wherever it is used).
 template <bool kM, class Op>

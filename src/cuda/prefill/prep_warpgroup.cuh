@@ -257,7 +257,7 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
     named_barrier_sync(kPrepBarrier, kThreads);  // every warp stored the previous chunk's T' (A replaces T)
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      if (nt >= 2 * (warp + 1)) continue;  // A's blocks above the diagonal stay zero
+      if (nt >= 2 * (warp + 1)) continue;  // A's blocks above the diagonal are the solve's scratch
       const int j = nt * 8 + q2, i0 = warp * 16 + r;
       float a[4];
       masked_decayed_tile<true>(acc[nt], gi, {1.0f, 1.0f}, *reinterpret_cast<const float2*>(&gcs[j]),

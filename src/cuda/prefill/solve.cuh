@@ -98,8 +98,8 @@ __device__ __forceinline__ void store_token_factors(float* f, const float* gc, c
 }
 
 // Where lane keeps a 16x16 block's B fragments (solve_b_words) in the block (kb, ib) above A's diagonal of Af
-// ([64][kSolveLd] fp32), which the solve does not read otherwise: 16 bytes a lane in the block's first 8 rows, lanes 4 apart
-// in rows 4 apart, so that each quarter-warp of a 128-bit access hits distinct banks (rows are 68 floats apart).
+// ([64][kSolveLd] fp32), the solve's scratch: 16 bytes a lane in the block's first 8 rows, lanes 4 apart in rows 4
+// apart, so that each quarter-warp of a 128-bit access hits distinct banks (rows are 68 floats apart).
 __device__ __forceinline__ float* solve_b_slot(float* Af, int kb, int ib, int lane) {
   const int row = ((lane >> 2) & 1) * 4 + (lane >> 3);
   return Af + (kb * 16 + row) * kSolveLd + ib * 16 + (lane & 3) * 4;
@@ -136,12 +136,12 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
   //      W'_ik = -T_ii A_ik for k < i, kept as the B fragments of W'_ik^T in the free block (k, i).
   //   2. warp j walks down block column j of T as block row j of T^T:
   //      T_ij^T = sum_{k=j}^{i-1} T_kj^T W'_ik^T for i > j, each T_kj^T the A operand from the warp's own
-  //      accumulators (T_jj^T from shared memory), every W'_ik^T a 16-byte load; T_ij over A_ij.
+  //      accumulators (T_jj^T from shared memory), every W'_ik^T 16 bytes a lane; T_ij over A_ij.
   //   3. T (fp32 over A) to T' = T diag(beta) in the output's layout.
-  // So the warps meet twice, against block rows solved one level at a time (one warp working, a barrier a level),
-  // and no product reads fp32 operands from shared memory but A's. The block products run on tensor cores with
-  // fp16 operands and fp32 accumulation (mma.cuh). A's rows at or past L are zero (beta_i = 0 there), so T's are
-  // e_i^T, and T' rows there are 0 whatever is selected; they are selected away all the same.
+  // So the warps meet twice, and phase 2's B operands are fp16 fragments formed once, not fp32 blocks converted for
+  // each product. The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh). A's
+  // rows at or past L are zero (beta_i = 0 there), so T's are e_i^T, and T' rows there are 0 whatever is selected;
+  // they are selected away all the same.
   const int b0 = warp * 16;
   {
     // X1 (lanes 0..7) and X2 (lanes 8..15) column by column; lanes 16..31 repeat lanes 0..15
@@ -217,7 +217,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
         if (k < warp) continue;
         const uint2* const wb = reinterpret_cast<const uint2*>(solve_b_slot(Af, k, i, ln));
 #pragma unroll
-        for (int nh = 0; nh < 2; ++nh) {
+        for (int nh = 0; nh < 2; ++nh) {  // as two 8-byte halves (prefill.md, "Kernel 1" step 3)
           const uint2 b = wb[nh];
           mma<__half>(c[nh], af[k], b.x, b.y);
         }
@@ -235,8 +235,8 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
   // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
   {
     // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero in
-    // T_ii (by the substitution) and selected away in the blocks above the diagonal (i / 16 < c / 16: the solve's
-    // B fragments); rows past L are selected away too.
+    // T_ii (the substitution's zeros, and A_ii's upper-right quarter as the caller wrote it) and selected away in the
+    // blocks above the diagonal (i / 16 < c / 16: the solve's scratch); rows past L are selected away too.
     auto put = [&](int i, int c, float2 bv, Op* to) {
       const float2 tv = *reinterpret_cast<const float2*>(&Tf[i * LDA + c]);
       const bool live = i < L && (c >> 4) <= (i >> 4);
