@@ -502,6 +502,7 @@ std::string table(const std::vector<Row>& rows, const std::string& op) {
 }  // namespace
 
 std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
+  const std::string normalized = "q and k normalized before the runs (the ops' L2 norm off)";
   std::string s = "## gdnkit bench: " + info.device + " (" + info.backend + " backend)\n\n";
   if (!info.note.empty()) s += info.note + "\n\n";
   s += "- copy ceiling: " + fmt(info.backend == "cpu" ? info.copy_ceiling_tbps * 1e3 : info.copy_ceiling_tbps, "%.3f") +
@@ -521,13 +522,13 @@ std::string to_markdown(const RunInfo& info, const std::vector<Row>& rows) {
     s += "- decode/verify: µs per call, median of CUDA-graph replays, cold L2 (calls rotate through slot sets, "
          ">= 4x L2 of state per replay); bytes = state read + written (+ fp32 intermediates) + q, k, v, o, "
          "gates; inputs " + std::string(rows.empty() ? "bf16" : short_dtype(rows.front().input_dtype)) +
-         (g_qk_l2norm ? "" : ", q and k normalized before the runs (the ops' L2 norm off)") + "\n";
+         (g_qk_l2norm ? "" : ", " + normalized) + "\n";
     s += "- prefill: ms per op (events around it, median of runs after warm-up), fused gating" +
          std::string(g_qk_l2norm ? " + q/k L2 norm" : ", q/k taken as normalized (no L2 norm)") + ", "
          "initial state from the pool and final state written; TFLOP/s = 4 T HV K V / time; floor = "
          "(q, k, v, o, gates, states) / copy ceiling\n";
   }
-  if (!g_qk_l2norm && info.backend != "cuda") s += "- q and k normalized before the runs (the ops' L2 norm off)\n";
+  if (!g_qk_l2norm && info.backend != "cuda") s += "- " + normalized + "\n";
   s += "\n";
   if (std::any_of(rows.begin(), rows.end(), [](const Row& r) { return r.op == "prefill-split"; }))
     s += "- prefill-split: one sequence set over G GPUs of the machine (split_prefill_nccl, a thread and an NCCL rank "
