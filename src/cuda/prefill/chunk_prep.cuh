@@ -27,19 +27,26 @@ constexpr int kHeadParams = 32;
 
 // slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot. False for a slot that
 // the kernel leaves alone: a bad sequence (kernel 2 counts it), a short one (the short path's), or no chunk.
-// Else chunk c's first token t0 and its length L.
+// Else chunk c's first token t0 and its length L. Warp-collective: a bisection over the heads of 32-sequence blocks
+// (none up to 32 sequences), then one load of the block's cu_seqlens a lane and a ballot, so that a CTA waits for one
+// or two dependent loads instead of a bisection's log2(N) + 1.
 __device__ __forceinline__ bool chunk_of_slot(const PrefillParams& p, const Plan& plan, int slot, int64_t& t0,
                                               int& L) {
-  int lo = 0, hi = p.num_seqs - 1;
+  const int N = p.num_seqs, lane = int(threadIdx.x) & 31;
+  int lo = 0, hi = (N - 1) >> 5;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (load_cu(p, mid) / kChunk + mid <= slot)
+    if (load_cu(p, int64_t(mid) << 5) / kChunk + (mid << 5) <= slot)
       lo = mid;
     else
       hi = mid - 1;
   }
-  const int n = lo;
-  const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
+  const int base = lo << 5, i = base + lane;
+  const int64_t cu = i <= N ? load_cu(p, i) : 0;
+  const unsigned le = __ballot_sync(0xffffffffu, i < N && cu / kChunk + i <= slot);
+  const int n = le ? base + 31 - __clz(int(le)) : base;
+  const int64_t start = __shfl_sync(0xffffffffu, cu, n - base);
+  const int64_t end = n - base < 31 ? __shfl_sync(0xffffffffu, cu, n - base + 1) : load_cu(p, n + 1);
   if (start < 0 || end < start || end > p.total_tokens) return false;
   if (short_prefill_sequence(start, end, p.total_tokens, plan.short_len)) return false;
   const int64_t c = slot - (start / kChunk + n);
