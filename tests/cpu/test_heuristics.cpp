@@ -711,15 +711,18 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
 }
 
 // The chunk prep takes several CTAs per (chunk, q/k head), each a share of the GVA group, where the grid then still
-// fits in one wave: tp8's four value heads per q/k head in two parts up to about 8192 tokens, four parts for short
-// calls; qwen3-next's groups of two from 16 q/k heads only for calls of about 1024 tokens; never past one wave.
+// fits in about one wave (up to an eighth more): tp8's four value heads per q/k head in two parts up to about 8192
+// tokens, four parts for short calls; qwen3-next's groups of two from 16 q/k heads only for calls of about 1024
+// tokens; never past that.
 TEST(PrefillHeuristics, ChunkPrepInPartsWhereTheGridIsShort) {
-  EXPECT_EQ(chunked_prefill::prep_ctas_per_sm(128, true), 5);  // 37 KB of shared memory with M, 27 KB without
+  // 37 KB of shared memory with M, 27 KB without; with M at K = 128 the register budget of four CTAs
+  EXPECT_EQ(chunked_prefill::prep_ctas_per_sm(128, true), 4);
   EXPECT_EQ(chunked_prefill::prep_ctas_per_sm(128, false), 7);
-  PrefillCall tp8({8192}, 2, 8);  // 130 slots x 2 q/k heads: 520 CTAs in two parts
+  EXPECT_EQ(chunked_prefill::prep_ctas_per_sm(64, true), 5);
+  PrefillCall tp8({8192}, 2, 8);  // 130 slots x 2 q/k heads: 520 CTAs in two parts (528 resident)
   auto c = chunked_prefill::choose_prefill(tp8.p, kSms, {});
   EXPECT_EQ(c.prep_parts, 2);
-  PrefillCall tp8_batch({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}, 2, 8);
+  PrefillCall tp8_batch({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}, 2, 8);  // 548 CTAs in two parts
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_batch.p, kSms, {}).prep_parts, 2);
   PrefillCall tp8_short({2048}, 2, 8);  // 34 slots: 272 CTAs in four parts
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_short.p, kSms, {}).prep_parts, 4);
@@ -727,7 +730,7 @@ TEST(PrefillHeuristics, ChunkPrepInPartsWhereTheGridIsShort) {
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_long.p, kSms, {}).prep_parts, 1);
   PrefillCall next({8192});  // 2080 CTAs already
   EXPECT_EQ(chunked_prefill::choose_prefill(next.p, kSms, {}).prep_parts, 1);
-  PrefillCall next_short({1024});  // 18 slots x 16: 576 CTAs in two parts
+  PrefillCall next_short({1024});  // 18 slots x 16: 576 CTAs in two parts (528 resident: within an eighth more)
   EXPECT_EQ(chunked_prefill::choose_prefill(next_short.p, kSms, {}).prep_parts, 2);
   PrefillCall cp({65536}, 2, 8);  // the context-parallel path's prep too: 1026 slots
   c = chunked_prefill::choose_prefill(cp.p, kSms, {});

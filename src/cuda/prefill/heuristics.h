@@ -28,8 +28,9 @@ inline bool is_head_tile(int vtile) { return vtile == kVTileHead || vtile == kVT
 
 // The chunk prep's dynamic shared memory (chunk_prep.cuh: the raw k (and q, with M) rows of 16-bit operands; once
 // consumed, the fp32 solve of kSolveLd-float rows and the parked accumulators of k k^T (and q k^T), kPrepTiles tiles of
-// 32 float4 each), and the CTAs per SM it allows on sm_90 (228 KB per SM, 1 KB reserved per CTA, up to 2 KB of static
-// arrays), which the kernel also asks of ptxas as its register budget.
+// 32 float4 each), and the CTAs per SM it runs on sm_90, which the kernel also asks of ptxas as its register budget: as
+// many as the shared memory allows (228 KB per SM, 1 KB reserved per CTA, up to 2 KB of static arrays), but with M at
+// K = 128 four, at 128 registers (five, at 96, spilled the solve and took 13-16% longer: prefill.md "Kernel 1").
 constexpr int kSolveLd = 68;  // fp32 A / T rows in shared memory, 16-byte aligned for vector loads
 constexpr int kPrepTiles = 20;
 constexpr int64_t prep_smem_bytes(int K, bool with_m) {
@@ -37,7 +38,11 @@ constexpr int64_t prep_smem_bytes(int K, bool with_m) {
   const int64_t solve = int64_t(kChunk) * kSolveLd * 4 + int64_t(with_m ? 2 : 1) * kPrepTiles * 32 * 16;
   return rows > solve ? rows : solve;
 }
-constexpr int prep_ctas_per_sm(int K, bool with_m) { return int(228 * 1024 / (prep_smem_bytes(K, with_m) + 3 * 1024)); }
+constexpr int kPrepCtasWithM = 4;
+constexpr int prep_ctas_per_sm(int K, bool with_m) {
+  const int by_smem = int(228 * 1024 / (prep_smem_bytes(K, with_m) + 3 * 1024));
+  return with_m && K == 128 && by_smem > kPrepCtasWithM ? kPrepCtasWithM : by_smem;
+}
 
 // Kernels of one call: bit 0 the chunk prep, bit 1 the state pass (both: the op; one alone: timing).
 constexpr int kStagePrep = 1, kStageStatePass = 2, kStagesAll = 3;
