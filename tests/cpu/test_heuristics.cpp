@@ -711,7 +711,7 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
 }
 
 // The chunk prep takes several CTAs per (chunk, q/k head), each a share of the GVA group, where the grid then still
-// fits in about one wave (up to an eighth more): tp8's four value heads per q/k head in two parts up to about 8192
+// fits in one wave (with M up to an eighth more): tp8's four value heads per q/k head in two parts up to about 8192
 // tokens, four parts for short calls; qwen3-next's groups of two from 16 q/k heads only for calls of about 1024
 // tokens; never past that.
 TEST(PrefillHeuristics, ChunkPrepInPartsWhereTheGridIsShort) {
@@ -719,10 +719,10 @@ TEST(PrefillHeuristics, ChunkPrepInPartsWhereTheGridIsShort) {
   EXPECT_EQ(chunked_prefill::prep_ctas_per_sm(128, true), 4);
   EXPECT_EQ(chunked_prefill::prep_ctas_per_sm(128, false), 7);
   EXPECT_EQ(chunked_prefill::prep_ctas_per_sm(64, true), 5);
-  PrefillCall tp8({8192}, 2, 8);  // 130 slots x 2 q/k heads: 520 CTAs in two parts (528 resident)
+  PrefillCall tp8({8192}, 2, 8);  // context-parallel (no M): 130 slots x 2 q/k heads, 520 CTAs in two parts (924)
   auto c = chunked_prefill::choose_prefill(tp8.p, kSms, {});
   EXPECT_EQ(c.prep_parts, 2);
-  PrefillCall tp8_batch({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}, 2, 8);  // 548 CTAs in two parts
+  PrefillCall tp8_batch({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024}, 2, 8);  // M: 548 CTAs in two parts (594)
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_batch.p, kSms, {}).prep_parts, 2);
   PrefillCall tp8_short({2048}, 2, 8);  // 34 slots: 272 CTAs in four parts
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_short.p, kSms, {}).prep_parts, 4);
@@ -730,8 +730,14 @@ TEST(PrefillHeuristics, ChunkPrepInPartsWhereTheGridIsShort) {
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_long.p, kSms, {}).prep_parts, 1);
   PrefillCall next({8192});  // 2080 CTAs already
   EXPECT_EQ(chunked_prefill::choose_prefill(next.p, kSms, {}).prep_parts, 1);
-  PrefillCall next_short({1024});  // 18 slots x 16: 576 CTAs in two parts (528 resident: within an eighth more)
+  PrefillCall next_short({1024});  // M: 18 slots x 16, 576 CTAs in two parts (528 resident, 594 with an eighth)
   EXPECT_EQ(chunked_prefill::choose_prefill(next_short.p, kSms, {}).prep_parts, 2);
+  PrefillCall tp8_pair({2304, 2304}, 2, 8);  // M: 75 slots x 2, 600 CTAs in four parts would be past 594
+  EXPECT_EQ(chunked_prefill::choose_prefill(tp8_pair.p, kSms, {}).prep_parts, 2);
+  PrefillCall tp8_near({8064}, 2, 8);  // context-parallel (no M): 127 slots x 2, 1016 CTAs in four parts past 924
+  c = chunked_prefill::choose_prefill(tp8_near.p, kSms, {});
+  EXPECT_GT(c.cp_segment_len, 0);
+  EXPECT_EQ(c.prep_parts, 2);
   PrefillCall cp({65536}, 2, 8);  // the context-parallel path's prep too: 1026 slots
   c = chunked_prefill::choose_prefill(cp.p, kSms, {});
   EXPECT_GT(c.cp_segment_len, 0);

@@ -200,8 +200,8 @@ std::vector<Case> shape_cases() {
   for (int len : {0, 1, 63, 64, 65, 1000}) add(base({len}), "len" + std::to_string(len));
   // Mixed varlen batch: short and long sequences, an empty one, few heads so the reference stays fast.
   add(base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2), "mixed");
-  // More sequences than the chunk prep's 128 threads sample per round of its slot -> sequence search
-  // (300: two rounds, strides 3 and 1), lengths 0..90 around the chunk.
+  // More sequences than one block of the chunk prep's slot -> sequence lookup (300: a bisection over ten blocks of
+  // 32, then a ballot over one), lengths 0..90 around the chunk.
   {
     std::mt19937 gen(5);
     std::vector<int32_t> lens(300);

@@ -28,8 +28,8 @@ constexpr int kHeadParams = 32;
 // slot -> (sequence n, chunk c): n = the last sequence with floor(cu[n]/64) + n <= slot. False for a slot that
 // the kernel leaves alone: a bad sequence (kernel 2 counts it), a short one (the short path's), or no chunk.
 // Else chunk c's first token t0 and its length L. Warp-collective: a bisection over the heads of 32-sequence blocks
-// (none up to 32 sequences), then one load of the block's cu_seqlens a lane and a ballot, so that a CTA waits for one
-// or two dependent loads instead of a bisection's log2(N) + 1.
+// (none up to 32 sequences), then one load of the block's cu_seqlens a lane and a ballot: one dependent load up to 32
+// sequences (a bisection: log2(N) + 1), ceil(log2(N / 32)) + 1 past that.
 __device__ __forceinline__ bool chunk_of_slot(const PrefillParams& p, const Plan& plan, int slot, int64_t& t0,
                                               int& L) {
   const int N = p.num_seqs, lane = int(threadIdx.x) & 31;

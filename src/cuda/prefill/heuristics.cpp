@@ -153,13 +153,14 @@ int choose_prep_parts(const PrefillParams& p, int num_sms, bool with_m, const Ov
     return o.prefill_prep_parts;
   }
   // A prep CTA's time is a chain (the rows, the products, then each value head's solve in turn): where the grid is
-  // short of a wave, sharing the value heads out shortens the chain at the price of the products formed again. A grid
-  // up to an eighth past one wave still gains (its last CTAs start while the first ones' chains end).
+  // short of a wave, sharing the value heads out shortens the chain at the price of the products formed again. With M
+  // (four CTAs an SM by their registers, five by shared memory) a grid up to an eighth past one wave still gains.
   const int64_t resident = int64_t(prep_ctas_per_sm(p.heads.head_dim_k, with_m)) * num_sms;
+  const int64_t capacity = with_m ? resident * 9 / 8 : resident;
   const int64_t ctas = num_chunk_slots(p) * H;
   int parts = 1;
   for (int d = 2; d <= group; ++d)
-    if (group % d == 0 && ctas * d * 8 <= resident * 9) parts = d;
+    if (group % d == 0 && ctas * d <= capacity) parts = d;
   return parts;
 }
 

@@ -16,7 +16,7 @@ constexpr int kChunk = 64;  // tokens per chunk (the WY block)
 // Workspace chunk slots. Chunk c of sequence n lives in slot floor(cu[n]/64) + n + c: unique for
 // non-decreasing cu_seqlens (floor(cu[n]/64) + n is strictly increasing and a sequence with
 // ceil(len/64) chunks never reaches the next sequence's first slot), and < T_total/64 + N + 1, so the
-// host sizes it without reading cu_seqlens, and the chunk prep maps slot -> (n, c) by a binary search.
+// host sizes it without reading cu_seqlens, and the chunk prep maps slot -> (n, c) from cu_seqlens (chunk_of_slot).
 inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens / kChunk + p.num_seqs + 1; }
 
 // The value "tiles" of the state pass. The head pass (state_pass_head_kernel) has one CTA per (sequence,
@@ -30,7 +30,7 @@ inline bool is_head_tile(int vtile) { return vtile == kVTileHead || vtile == kVT
 // consumed, the fp32 solve of kSolveLd-float rows and the parked accumulators of k k^T (and q k^T), kPrepTiles tiles of
 // 32 float4 each), and the CTAs per SM it runs on sm_90, which the kernel also asks of ptxas as its register budget: as
 // many as the shared memory allows (228 KB per SM, 1 KB reserved per CTA, up to 2 KB of static arrays), but with M at
-// K = 128 four, at 128 registers (five, at 96, spilled the solve and took 13-16% longer: prefill.md "Kernel 1").
+// K = 128 four, at 128 registers (five, at 96, spilled the solve and took 7-18% longer: prefill.md "Kernel 1").
 constexpr int kSolveLd = 68;  // fp32 A / T rows in shared memory, 16-byte aligned for vector loads
 constexpr int kPrepTiles = 20;
 constexpr int64_t prep_smem_bytes(int K, bool with_m) {
