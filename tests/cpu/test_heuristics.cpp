@@ -734,7 +734,7 @@ TEST(PrefillHeuristics, ChunkPrepInPartsWhereTheGridIsShort) {
   EXPECT_EQ(chunked_prefill::choose_prefill(next_short.p, kSms, {}).prep_parts, 2);
   PrefillCall tp8_pair({2304, 2304}, 2, 8);  // M: 75 slots x 2, 600 CTAs in four parts would be past 594
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8_pair.p, kSms, {}).prep_parts, 2);
-  PrefillCall tp8_near({8064}, 2, 8);  // context-parallel (no M): 127 slots x 2, 1016 CTAs in four parts past 924
+  PrefillCall tp8_near({8064}, 2, 8);  // context-parallel (no M): 128 slots x 2, 1024 CTAs in four parts past 924
   c = chunked_prefill::choose_prefill(tp8_near.p, kSms, {});
   EXPECT_GT(c.cp_segment_len, 0);
   EXPECT_EQ(c.prep_parts, 2);
