@@ -286,7 +286,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm(K, kM))
       if constexpr (kM) mout = static_cast<Op*>(plan.ws_masked_qk) + ws * (kChunk * kChunk);
       masked_decay_pass<kM, Op>(gc, beta, s_rk, s_rq, Gacc, Macc, Af, mout, image, warp, lane);
     }
-    __syncthreads();
+    // The solve's first phase reads this warp's rows of A alone (and writes W' where no warp's A goes); it meets the
+    // other warps before its second.
+    __syncwarp();
 
     // T = (I + A)^{-1} and T' = T diag(beta) to the workspace (solve.cuh)
     invert_and_store_t<Op>(Af, beta, L, static_cast<Op*>(plan.ws_tprime) + ws * (kChunk * kChunk), image, warp, lane);
