@@ -124,8 +124,8 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
   }
 }
 
-// The scan over the segments of one cut sequence (Plan::cp_cut_first[blockIdx.x] its first entry), value head
-// blockIdx.y, value columns kCols blockIdx.z .. + kCols - 1: S_in of segment i + 1 = P_i S_in(i) + L_i. The chain of
+// The scan over the segments of one cut sequence (Plan::cp_cut_first[cut] its first entry), value head h, value
+// columns kCols zb .. + kCols - 1 (cp_scan_block): S_in of segment i + 1 = P_i S_in(i) + L_i. The chain of
 // steps is the kernel's time, so a step is short: P_i S_in(i) runs on the tensor cores as three TF32 products per
 // operand pair (hi hi + hi lo + lo hi: about fp32's precision), warp w forming rows 16 (w % (K / 16)) .. + 15 over its
 // part of the sum over j, the parts meeting in shared memory; S_in and L wait there as the B operand and the addend,
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
 //     state). A sequence with a bad slot is left to the final pass, which skips and counts it.
 //   kCompose: a split call's piece summary (Plan::cp_split): from [S_0 | I] (S_0 the initial state on rank 0, else
 //     zero) through every segment of the piece, into this rank's block of the exchange: the piece's state and its
-//     transition (blockIdx.z past V / kCols: the transition's columns). A bad piece sends the identity's
+//     transition (zb past V / kCols: the transition's columns). A bad piece sends the identity's
 //     summary [0 | I], an empty one [S_0 | I].
 //   kFold: after the exchange, from S_0 through the lower ranks' summaries (the piece's true initial state), this
 //     piece's segments (writing each one's true initial state for the final pass) and, where this rank stores the
@@ -170,9 +170,10 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // x as a TF32 value and the rest (x = hi + lo up to 2^-22 |x|; the tensor cores read lo's top bits): the products
-// hi hi + hi lo + lo hi carry about fp32's precision.
+// hi hi + hi lo + lo hi carry about fp32's precision. hi rounds to nearest, ties away, as cvt.rna.tf32.f32 does for
+// finite x, by two integer operations (that cvt is emulated with a test for infinity and a select).
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
@@ -202,15 +203,19 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
   static_assert(K % 16 == 0 && kMTiles * kParts == kScanThreads / 32 && K / 8 % kParts == 0,
                 "the warps split the rows in tiles of 16 and the sum over j evenly");
   static_assert(K * kCols / 4 % 32 == 0, "whole warps of quads");
-  const int entry = plan.cp_cut_first[blockIdx.x];
+  const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v;
+  // One flat grid, the cut slowest: the CTAs of the cut sequences launch first and the unused bound's trail after.
+  const int blocks = (V + (kRole == ScanRole::kCompose ? K : 0)) / kCols;
+  const int zb = int(blockIdx.x % unsigned(blocks)), h = int(blockIdx.x / unsigned(blocks) % unsigned(HV));
+  const int cut = int(blockIdx.x / unsigned(blocks * HV));
+  const int entry = plan.cp_cut_first[cut];
   if (entry < 0) return;
   const CpSegment first = plan.cp_segments[entry];
-  const int n = first.seq, h = blockIdx.y, tid = threadIdx.x;
+  const int n = first.seq, tid = threadIdx.x;
   // warp: rows 16 mt .. 16 mt + 15 of the product, its part of the sum over j; lane: (g, t) of the mma fragments
   const int warp = tid / 32, mt = warp % kMTiles, part = warp / kMTiles, g = (tid % 32) / 4, t = tid % 4;
-  const int HV = p.heads.num_v_heads, V = p.heads.head_dim_v;
-  const bool p_cols = kRole == ScanRole::kCompose && int(blockIdx.z) * kCols >= V;  // the transition's columns
-  const int v0 = p_cols ? int(blockIdx.z) * kCols - V : int(blockIdx.z) * kCols;
+  const bool p_cols = kRole == ScanRole::kCompose && zb * kCols >= V;  // the transition's columns
+  const int v0 = p_cols ? zb * kCols - V : zb * kCols;
   const int islot = p.initial_indices ? p.initial_indices[n] : -1;
   const int fslot = p.final_indices ? p.final_indices[n] : -1;
   const int cslot = (p.checkpoint_interval > 0 && p.checkpoint_indices) ? p.checkpoint_indices[n] : -1;
@@ -257,8 +262,13 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
   const auto fetch_p = [&](int i) {  // into buffer i & 1
     const float *src, *unused;
     source(i, src, unused);
-    float* dst = p_buf + (i & 1) * K * kScanPLd<K>;
-    for (int u = tid; u < K * K / 4; u += kScanThreads) cp_async16(dst + (4 * u / K) * ldp + 4 * u % K, src + 4 * u, true);
+    // thread tid copies 16 bytes of rows tid / (K / 4) + r kScanThreads / (K / 4): one row step a copy, no division
+    constexpr int kRowsPerPass = kScanThreads / (K / 4);
+    static_assert(kScanThreads % (K / 4) == 0 && K % kRowsPerPass == 0, "whole rows a pass");
+    float* dst = p_buf + (i & 1) * K * kScanPLd<K> + (tid / (K / 4)) * ldp + tid % (K / 4) * 4;
+    src += 4 * tid;
+#pragma unroll
+    for (int r = 0; r < K / kRowsPerPass; ++r) cp_async16(dst + r * kRowsPerPass * ldp, src + r * kRowsPerPass * K, true);
   };
   // Quad q of the K x kCols block: four elements adjacent in the pool's layout, rows k .. k + 3 of column c (K-last)
   // or columns c .. c + 3 of row k (V-last).
@@ -349,7 +359,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
     const float* P = p_buf + (i & 1) * K * kScanPLd<K>;
     float acc[kNTiles][4] = {};
     const int m0 = 16 * mt;
-#pragma unroll 2
+#pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
       const int j0 = 8 * (part * kKSteps + ks);
       float a[4];
@@ -411,7 +421,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
   if constexpr (kRole == ScanRole::kFold) {
     // Counted once per sequence: checkpoints of a piece that does not start on a chunk boundary of its sequence
     // (they cannot be stored), and a bad piece on a rank without tokens (no final pass runs there to count it).
-    if (blockIdx.y == 0 && blockIdx.z == 0 && tid == 0 && p.error_flag != nullptr) {
+    if (h == 0 && zb == 0 && tid == 0 && p.error_flag != nullptr) {
       const int64_t offset = plan.split_offsets ? plan.split_offsets[n] : 0;
       if (ok && cslot >= 0 &&
           !split_piece_checkpoints_ok(offset, load_cu(p, n + 1) - load_cu(p, n), p.checkpoint_interval,
@@ -456,7 +466,7 @@ void launch_cp_scan_cols(const PrefillParams& p, const Plan& plan, cudaStream_t 
   constexpr size_t smem = cp_scan_smem_bytes<K, kCols>();
   allow_dynamic_smem<cp_scan_kernel<K, kCols, kRole>>(smem);
   const int cols = p.heads.head_dim_v + (kRole == ScanRole::kCompose ? K : 0);  // a summary's: state and transition
-  const dim3 grid(unsigned(plan.cp_max_cuts), unsigned(p.heads.num_v_heads), unsigned(cols / kCols));
+  const unsigned grid = unsigned(plan.cp_max_cuts) * unsigned(p.heads.num_v_heads) * unsigned(cols / kCols);
   cp_scan_kernel<K, kCols, kRole><<<grid, kScanThreads, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
