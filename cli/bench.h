@@ -58,6 +58,7 @@ struct Options {
   bool cpu = false;
   int replays = 20;              // decode/verify graph replays (>= 15)
   int prefill_iters = 12;        // prefill timed runs (>= 10)
+  int64_t device_memory_gib = 0; // device memory the CUDA rows take (0: the free memory less 2 GiB)
   int64_t cp_segment = -1;       // A/B switch: prefill's context-parallel segments forced (0: off; -1: the heuristic)
   int cp_first_final = -1;       // A/B switch: a cut prompt's first segment with o beside the local pass (1) or not (0)
   int cp_scan_cols = 0;          // A/B switch: value columns per CTA of the context-parallel scan (0: the heuristic)

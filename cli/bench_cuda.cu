@@ -182,6 +182,11 @@ class Arena {
     static Arena a;
     return a;
   }
+  // Bytes the arena takes at its first use (0: the free memory less 2 GiB); set before any row runs.
+  static size_t& limit() {
+    static size_t bytes = 0;
+    return bytes;
+  }
   void* alloc(size_t bytes) {
     const size_t align = bytes >= (size_t(1) << 20) ? size_t(2) << 20 : 256;
     const size_t at = (top_ + align - 1) / align * align;
@@ -214,6 +219,12 @@ class Arena {
     BENCH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     const size_t reserve = size_t(2) << 30;
     cap_ = free_b > 2 * reserve ? free_b - reserve : free_b / 2;
+    if (limit() > 0) {
+      if (limit() > cap_)
+        throw Error(ErrorCode::kInvalidArgument, "bench: --device-memory " + std::to_string(limit() >> 30) +
+                                                     " GiB asked, " + std::to_string(cap_ >> 30) + " GiB free");
+      cap_ = limit();
+    }
     BENCH_CUDA_CHECK(cudaMalloc(&base_, cap_));
   }
   char* base_ = nullptr;
@@ -585,6 +596,8 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
 
 // ---- prefill -----------------------------------------------------------------------------------
 
+constexpr int kPrefillRowPauseMs = 300;
+
 Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state, StateLayout layout,
                   const SeqSet& set) {
   Row r = make_prefill_row("cuda", s, g_input, state, layout, set, o.checkpoint);
@@ -655,6 +668,9 @@ Row bench_prefill(const Device& d, const Options& o, const Shape& s, DType state
       p.workspace = workspace->get();
       p.workspace_bytes = ws;
     }
+    // Each row from an idle GPU (after a heavy row the power limit holds the clock down for a while), then warm.
+    BENCH_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+    std::this_thread::sleep_for(std::chrono::milliseconds(kPrefillRowPauseMs));
     for (int i = 0; i < 2; ++i) prefill(p, ctx);  // warm-up
   } catch (const Error& e) {
     not_ok(r, e);
@@ -935,6 +951,7 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
   }
   g_input = o.input;
   g_qk_l2norm = o.qk_l2norm;
+  Arena::limit() = size_t(o.device_memory_gib) << 30;
   cuda::Overrides overrides = cuda::overrides();
   if (o.cp_segment >= 0) overrides.prefill_cp_segment_len = int(o.cp_segment);
   if (o.cp_first_final >= 0) overrides.prefill_cp_first_final = o.cp_first_final;
