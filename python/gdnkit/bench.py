@@ -168,10 +168,10 @@ def load_flashinfer(bundle: Optional[str] = None, site: Optional[str] = None) ->
                             decode_heads=(fi_aot.DECODE_H, fi_aot.DECODE_HV), decode_B=set(fi_aot.DECODE_BS),
                             mtp_B=set(fi_aot.MTP_BS), mtp_T=set(fi_aot.MTP_TS),
                             states={"fp32" if s == "float32" else "bf16" for s in fi_aot.STATE_DTYPES})
-            info = dict(bundle=bundle, arch=man.get("arch"), prebuilt_for_sms=man.get("num_sms"),
+            info = dict(arch=man.get("arch"), prebuilt_for_sms=man.get("num_sms"),
                         prebuilt_on=man.get("device_name"), cute_dsl=man.get("cute_dsl"),
                         prebuilt_kernels=len(man.get("kernels", {})))
-            source = f"prebuilt {man.get('arch')} bundle {bundle} ({len(man.get('kernels', {}))} kernels)"
+            source = f"prebuilt {man.get('arch')} bundle ({len(man.get('kernels', {}))} kernels)"
         else:
             source = "installed package"
         from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose
