@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -22,7 +23,6 @@
 #include "gdnkit/gdnkit.h"
 #ifdef GDNKIT_WITH_NCCL
 #include <barrier>
-#include <thread>
 
 #include "gdnkit/nccl.h"
 #endif
@@ -222,7 +222,8 @@ class Arena {
     if (limit() > 0) {
       if (limit() > cap_)
         throw Error(ErrorCode::kInvalidArgument, "bench: --device-memory " + std::to_string(limit() >> 30) +
-                                                     " GiB asked, " + std::to_string(cap_ >> 30) + " GiB free");
+                                                     " GiB asked, at most " + std::to_string(cap_ >> 30) +
+                                                     " GiB (the free memory less 2 GiB)");
       cap_ = limit();
     }
     BENCH_CUDA_CHECK(cudaMalloc(&base_, cap_));

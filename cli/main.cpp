@@ -85,9 +85,9 @@ bench options:
                              prefill 1x8192, 4096+4096, 8192x8 on qwen3-next)
   --replays N                decode/verify graph replays, median taken (default 20, >= 15)
   --prefill-iters N          prefill timed runs, median taken (default 12, >= 10)
-  --device-memory GIB        device memory the CUDA bench takes for its rows (default: the free memory less
-                             2 GiB); less leaves room for a profiler's kernel replay (ncu saves what a kernel
-                             may write)
+  --device-memory GIB        device memory the CUDA bench takes for its rows, at least 3 (default: the free
+                             memory less 2 GiB); less leaves room for a profiler's kernel replay (ncu saves what
+                             a kernel may write)
   --json FILE                write every row and the device/ceiling info as JSON
   --markdown FILE            write the Markdown table (also printed to stdout)
                              (both are checked for writing before the run, and rewritten after every row)
@@ -197,7 +197,7 @@ Options parse_bench(int argc, char** argv, int first) {
     } else if (a == "--prefill-iters") {
       o.prefill_iters = int_list(a, value(i), 10, 10000).front();
     } else if (a == "--device-memory") {
-      o.device_memory_gib = int_list(a, value(i), 1, 1 << 20).front();
+      o.device_memory_gib = int_list(a, value(i), 3, 1 << 20).front();  // the copy ceiling's run takes 2 GiB
     } else if (a == "--checkpoint") {
       o.checkpoint = int_list(a, value(i), 64, 1 << 30).front();
       if (o.checkpoint % 64 != 0) usage_error("--checkpoint: a multiple of 64 tokens");

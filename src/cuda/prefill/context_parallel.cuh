@@ -124,8 +124,8 @@ __global__ void __launch_bounds__(kThreadsPerCta) cp_segment_table_kernel(const 
   }
 }
 
-// The scan over the segments of one cut sequence (Plan::cp_cut_first[cut] its first entry), value head h, value
-// columns kCols zb .. + kCols - 1 (cp_scan_block): S_in of segment i + 1 = P_i S_in(i) + L_i. The chain of
+// The scan over the segments of one cut sequence (Plan::cp_cut_first[cut] its first entry), value head h, value columns
+// kCols zb .. + kCols - 1 (all three from the flat blockIdx.x): S_in of segment i + 1 = P_i S_in(i) + L_i. The chain of
 // steps is the kernel's time, so a step is short: P_i S_in(i) runs on the tensor cores as three TF32 products per
 // operand pair (hi hi + hi lo + lo hi: about fp32's precision), warp w forming rows 16 (w % (K / 16)) .. + 15 over its
 // part of the sum over j, the parts meeting in shared memory; S_in and L wait there as the B operand and the addend,
@@ -170,8 +170,7 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // x as a TF32 value and the rest (x = hi + lo up to 2^-22 |x|; the tensor cores read lo's top bits): the products
-// hi hi + hi lo + lo hi carry about fp32's precision. hi rounds to nearest, ties away, as cvt.rna.tf32.f32 does for
-// finite x, by two integer operations (that cvt is emulated with a test for infinity and a select).
+// hi hi + hi lo + lo hi carry about fp32's precision. hi is cvt.rna.tf32.f32's for finite x, in two integer operations.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
   lo = __float_as_uint(x - __uint_as_float(hi));
@@ -262,13 +261,14 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
   const auto fetch_p = [&](int i) {  // into buffer i & 1
     const float *src, *unused;
     source(i, src, unused);
-    // thread tid copies 16 bytes of rows tid / (K / 4) + r kScanThreads / (K / 4): one row step a copy, no division
+    // 16 bytes of rows tid / (K / 4) + r kRowsPerPass: a fixed row step a copy, no division
     constexpr int kRowsPerPass = kScanThreads / (K / 4);
     static_assert(kScanThreads % (K / 4) == 0 && K % kRowsPerPass == 0, "whole rows a pass");
     float* dst = p_buf + (i & 1) * K * kScanPLd<K> + (tid / (K / 4)) * ldp + tid % (K / 4) * 4;
     src += 4 * tid;
 #pragma unroll
-    for (int r = 0; r < K / kRowsPerPass; ++r) cp_async16(dst + r * kRowsPerPass * ldp, src + r * kRowsPerPass * K, true);
+    for (int r = 0; r < K / kRowsPerPass; ++r)
+      cp_async16(dst + r * kRowsPerPass * ldp, src + r * kRowsPerPass * K, true);
   };
   // Quad q of the K x kCols block: four elements adjacent in the pool's layout, rows k .. k + 3 of column c (K-last)
   // or columns c .. c + 3 of row k (V-last).
@@ -466,8 +466,10 @@ void launch_cp_scan_cols(const PrefillParams& p, const Plan& plan, cudaStream_t 
   constexpr size_t smem = cp_scan_smem_bytes<K, kCols>();
   allow_dynamic_smem<cp_scan_kernel<K, kCols, kRole>>(smem);
   const int cols = p.heads.head_dim_v + (kRole == ScanRole::kCompose ? K : 0);  // a summary's: state and transition
-  const unsigned grid = unsigned(plan.cp_max_cuts) * unsigned(p.heads.num_v_heads) * unsigned(cols / kCols);
-  cp_scan_kernel<K, kCols, kRole><<<grid, kScanThreads, smem, stream>>>(p, plan);
+  const int64_t grid = int64_t(plan.cp_max_cuts) * p.heads.num_v_heads * (cols / kCols);
+  if (grid > INT32_MAX)  // (terabytes of workspace before this)
+    throw Error(ErrorCode::kNotImplemented, "prefill: " + std::to_string(grid) + " context-parallel scan CTAs");
+  cp_scan_kernel<K, kCols, kRole><<<unsigned(grid), kScanThreads, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 template <int K, ScanRole kRole = ScanRole::kSegments>
