@@ -44,7 +44,10 @@ void require_cuda_states(const VerifyParams&) {}  // and CommitParams: every dty
 void require_cuda_states(const PrefillParams& p) {
   // the head state pass (16-bit inputs, K <= 128, V in {64, 128}) or the tiled pass at K >= 128 (whole 32-row blocks
   // a warp: state_pass_tiled.cuh)
-  constexpr const char* kHeadPass = ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}";
+  const std::string head_pass_only = ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}, got " +
+                                     std::string(dtype_name(p.q.dtype)) + " inputs, V = " +
+                                     std::to_string(p.heads.head_dim_v);
+  const char* const kHeadPass = head_pass_only.c_str();
   const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) &&
                          p.heads.head_dim_k <= 128 && (p.heads.head_dim_v == 64 || p.heads.head_dim_v == 128);
   const bool takes = head_pass || p.heads.head_dim_k >= 128;

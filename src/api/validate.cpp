@@ -304,6 +304,7 @@ void validate(const CommitParams& p, Backend backend) {
   validate_index_pointer("accepted_path", p.accepted_path, B * T, p.parent != nullptr);
   if (backend != Backend::kCPU) return;
   for (int64_t b = 0; b < B; ++b) {
+    if (p.state_indices[b] < 0) continue;  // padding row: commit leaves it alone and reads nothing of it
     const int64_t len = seq_len(p, b), n = p.accepted[b];
     if (n < 0 || n > len)
       fail("accepted: expected 0 <= accepted[b] <= ", len, " (the draft length of sequence b=", b, "), got ", n);
@@ -312,14 +313,12 @@ void validate(const CommitParams& p, Backend backend) {
       const int32_t tok = p.accepted_path[b * T + i];
       if (tok < 0 || tok >= len)
         fail("accepted_path: expected a token index in [0, ", len, ") (b=", b, ", i=", i, "), got ", tok);
-      if (p.parent != nullptr) {
-        // The kept tokens form a path from the pool state: each continues from the previous one.
-        const int32_t par = p.parent[b * T + tok];
-        const int32_t want = i == 0 ? -1 : p.accepted_path[b * T + i - 1];
-        if (par != want)
-          fail("accepted_path: token ", tok, " (b=", b, ", i=", i, ") has parent ", par, ", expected ", want,
-               " (not a path of the draft tree)");
-      }
+      // The kept tokens form a path from the pool state: each continues from the previous one (a chain's t from t-1).
+      const int32_t par = p.parent != nullptr ? p.parent[b * T + tok] : tok - 1;
+      const int32_t want = i == 0 ? -1 : p.accepted_path[b * T + i - 1];
+      if (par != want)
+        fail("accepted_path: token ", tok, " (b=", b, ", i=", i, ") has parent ", par, ", expected ", want,
+             " (not a path of the draft ", p.parent != nullptr ? "tree)" : "chain)");
     }
   }
 }
@@ -491,6 +490,8 @@ void validate(const LayoutParams& p, Backend backend) {
     if (!apart(ss, ss + scale_bytes, ds, ds + scale_bytes))
       fail("dst: scales overlap those of src (", pointer_str(p.dst.scales), " vs ", pointer_str(p.src.scales),
            "); out of place, dst needs scales of its own");
+    if (!apart(ss, ss + scale_bytes, d0, d1))
+      fail("dst: overlaps the scales of src (", pointer_str(p.dst.data), " vs ", pointer_str(p.src.scales), ")");
     if (!apart(ds, ds + scale_bytes, s0, s1) || !apart(ds, ds + scale_bytes, d0, d1))
       fail("dst: scales overlap a pool's data (", pointer_str(p.dst.scales), ")");
   }

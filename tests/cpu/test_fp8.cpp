@@ -472,7 +472,8 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
   pf.state = pool.pool(StateLayout::kKLast);  // fp32 inputs at K = 64: neither the head pass nor the tiled pass's fp8
   pf.final_indices = fin.data();
   const std::string head_pass =
-      ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128} (the CPU backend runs every op)";
+      ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}, got float32 inputs, V = 64 (the CPU "
+      "backend runs every op)";
   EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented), "state" + tail + head_pass);
   EXPECT_EQ(error_of([&] { (void)prefill_path(pf); }, ErrorCode::kNotImplemented), "state" + tail + head_pass);
   pf.state = pool.pool(StateLayout::kVLast);

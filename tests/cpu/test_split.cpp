@@ -221,5 +221,33 @@ TEST(SplitPrefill, Validation) {
   EXPECT_EQ(split_prefill_exchange_elems(fp), int64_t(1) * 2 * 64 * (64 + 64));
 }
 
+// With checkpoints, a rank past the first needs its pieces' offsets in its sequences, 8-byte aligned; nothing written.
+TEST(SplitPrefill, PieceOffsetsRequiredAndAligned) {
+  ProblemConfig c = split_config({300}, 71);
+  c.checkpoint_interval = 64;
+  Problem p(c);
+  SplitRanks ranks(p, {0, 128, 300});
+  const PrefillParams fp = p.prefill_params();
+  std::vector<float> exchange(size_t(ranks.exchange_elems(fp)));
+  const auto expect_error = [&](const SplitPrefillParams& sp, const std::string& what) {
+    const Problem snapshot = p;
+    try {
+      split_prefill_begin(sp, {Backend::kCPU, nullptr});
+      ADD_FAILURE() << "expected an error naming " << what;
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(what, 0), 0u) << e.what();
+    }
+    EXPECT_EQ(p.buffer("o").bytes, snapshot.buffer("o").bytes);
+  };
+  const SplitPrefillParams sp = ranks.params(fp, 1, ranks.host_pointers(1), exchange.data(), false);
+  ASSERT_NE(sp.piece_offsets, nullptr);
+  SplitPrefillParams bad = sp;
+  bad.piece_offsets = nullptr;
+  expect_error(bad, "piece_offsets: required pointer is null with checkpoints on rank 1 (1 elements expected)");
+  bad = sp;
+  bad.piece_offsets = reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(sp.piece_offsets) + 4);
+  expect_error(bad, "piece_offsets: data pointer ");
+}
+
 }  // namespace
 }  // namespace gdnkit::test

@@ -4,6 +4,7 @@
 // validate(p, Backend::kCUDA), which needs no GPU.
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -722,6 +723,76 @@ TEST(Validation, NothingWrittenWhenValidationFails) {
   l.dst.data = h.state.data() + 5;
   expect_nothing_written(
       h, l, [](const auto& q, const Context& ctx) { convert_layout(q, ctx); }, "dst: overlaps src");
+}
+
+// A chain's accepted_path must be its prefix 0..accepted-1 (a chain's parent is t-1).
+TEST(Validation, ChainAcceptedPathMustBeThePrefix) {
+  Host h;
+  auto c = h.commit();              // chain (no parent), from the cache; accepted = {2, 0}
+  c.accepted_path = h.path.data();  // sequence 0 keeps tokens 0, 2: not a path of the chain
+  EXPECT_INVALID(c, Backend::kCPU, "accepted_path: token 2 (b=0, i=1) has parent 1, expected 0");
+  h.path[1] = 1;  // 0, 1: the prefix
+  EXPECT_NO_THROW(validate(c, Backend::kCPU));
+}
+// Out of place, src's fp8 scales must not lie in dst's data.
+TEST(Validation, LayoutSrcScalesInsideDstDataRefused) {
+  Host h;
+  auto l = h.layout();
+  std::vector<uint8_t> dst_scales(size_t(Host::P) * Host::kState / kFp8Block);
+  l.src.dtype = l.dst.dtype = DType::kFloat8E4M3;
+  l.src.scales = reinterpret_cast<uint8_t*>(h.state_t.data());  // the first bytes of dst's slot 0
+  l.dst.scales = dst_scales.data();
+  EXPECT_INVALID_BOTH(l, "dst: overlaps the scales of src");
+}
+// Commit leaves padding rows alone: their accepted / accepted_path are not read.
+TEST(Validation, CommitPaddingRowIsNotChecked) {
+  Host h;
+  h.state_indices = {-1, 1};
+  h.accepted = {9, 0};
+  EXPECT_NO_THROW(validate(h.commit(), Backend::kCPU));
+}
+// Range, overflow and CUDA alignment rules, each with its message.
+TEST(Validation, RangeOverflowAndAlignmentRules) {
+  Host h;
+  auto c = h.commit();
+  c.accepted_path = h.path.data();
+  h.path[1] = Host::T;  // past sequence 0's 3 tokens
+  EXPECT_INVALID(c, Backend::kCPU, "accepted_path: expected a token index in [0, 3) (b=0, i=1), got 3");
+  h.path[1] = 2;
+
+  auto p = h.prefill();
+  p.num_seqs = 0;
+  p.cu_seqlens = nullptr;
+  p.cu_seqlens_host = nullptr;
+  EXPECT_INVALID_BOTH(p, "total_tokens: expected 0 when cu_seqlens is null, got 6");
+
+  auto l = h.layout();
+  l.src.num_slots = l.dst.num_slots = -1;
+  EXPECT_INVALID_BOTH(l, "src: num_slots must be >= 0, got -1");
+  l = h.layout();
+  l.src.slot_stride = l.dst.slot_stride = INT64_MAX / 2;
+  EXPECT_INVALID_BOTH(l, "src: num_slots=5 x slot_stride=4611686018427387903 overflows int64");
+
+  auto v = h.verify();
+  v.intermediate.num_steps = INT64_MAX / 2;
+  EXPECT_INVALID_BOTH(v, "intermediate: num_steps=4611686018427387903 is too large (offsets overflow int64)");
+
+  auto d = h.decode();
+  d.v.head_stride = INT64_MAX / 2;  // (HV-1)*head_stride + V overflows
+  EXPECT_INVALID_BOTH(d, "v: head_stride=4611686018427387903 is too large (offsets overflow int64)");
+
+  d = h.decode();
+  d.v.head_stride = Host::V + 4;  // 136 bytes: not a multiple of 16
+  d.v.token_stride = Host::HV * (Host::V + 8);
+  EXPECT_NO_THROW(validate(d, Backend::kCPU));
+  EXPECT_INVALID(d, Backend::kCUDA,
+                 "v: head_stride=68 is not a multiple of 8 elements (16 bytes of bfloat16, CUDA backend vector loads)");
+
+  p = h.prefill();
+  std::vector<float> ws(prefill_workspace_bytes(p) / sizeof(float) + 8);
+  p.workspace = ws.data() + 1;
+  p.workspace_bytes = (ws.size() - 1) * sizeof(float);
+  EXPECT_INVALID(p, Backend::kCUDA, "workspace: data pointer ");
 }
 
 }  // namespace
