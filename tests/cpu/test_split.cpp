@@ -105,6 +105,18 @@ TEST(SplitPrefill, CheckpointsOnEveryRank) {
   run_split_case(c, {0, 128, 256, 550}, false);
 }
 
+// split_prefill_begin refuses sp with a message that starts with `what`, and writes nothing.
+void expect_split_error(const Problem& p, const SplitPrefillParams& sp, const std::string& what) {
+  const Problem snapshot = p;
+  try {
+    split_prefill_begin(sp, {Backend::kCPU, nullptr});
+    ADD_FAILURE() << "expected an error naming " << what;
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(what, 0), 0u) << e.what();
+  }
+  EXPECT_EQ(p.buffer("o").bytes, snapshot.buffer("o").bytes);
+}
+
 TEST(SplitPrefill, MisalignedPieceWithCheckpointsIsCounted) {
   // A piece that starts 100 tokens into its sequence cannot store its checkpoints: the device counts it, the host
   // copy of the offsets refuses it before anything runs.
@@ -123,6 +135,14 @@ TEST(SplitPrefill, MisalignedPieceWithCheckpointsIsCounted) {
               std::string::npos)
         << e.what();
   }
+  // With checkpoints a rank past the first needs the offsets on the device too, 8-byte aligned.
+  ASSERT_NE(sp.piece_offsets, nullptr);
+  SplitPrefillParams bad = sp;
+  bad.piece_offsets = nullptr;
+  expect_split_error(p, bad,
+                     "piece_offsets: required pointer is null with checkpoints on rank 1 (1 elements expected)");
+  bad.piece_offsets = reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(sp.piece_offsets) + 4);
+  expect_split_error(p, bad, "piece_offsets: data pointer ");
   // Without the host copy the call runs and counts the piece on the device side.
   const Problem before = p;
   for (int r = 0; r < 2; ++r) {
@@ -184,15 +204,8 @@ TEST(SplitPrefill, Validation) {
   SplitRanks ranks(p, {0, 50, 100});
   const PrefillParams fp = p.prefill_params();
   std::vector<float> exchange(size_t(ranks.exchange_elems(fp)));
-  const auto expect_error = [&](SplitPrefillParams sp, const std::string& what) {
-    const Problem snapshot = p;
-    try {
-      split_prefill_begin(sp, {Backend::kCPU, nullptr});
-      ADD_FAILURE() << "expected an error naming " << what;
-    } catch (const Error& e) {
-      EXPECT_EQ(std::string(e.what()).rfind(what, 0), 0u) << e.what();
-    }
-    EXPECT_EQ(p.buffer("o").bytes, snapshot.buffer("o").bytes);  // nothing written
+  const auto expect_error = [&](const SplitPrefillParams& sp, const std::string& what) {
+    expect_split_error(p, sp, what);
   };
   SplitPrefillParams sp = ranks.params(fp, 0, ranks.host_pointers(0), exchange.data(), false);
   SplitPrefillParams bad = sp;
@@ -219,34 +232,6 @@ TEST(SplitPrefill, Validation) {
   bad.piece_offsets = negative.data();
   expect_error(bad, "piece_offsets: entry 0 is -64 (expected >= 0)");
   EXPECT_EQ(split_prefill_exchange_elems(fp), int64_t(1) * 2 * 64 * (64 + 64));
-}
-
-// With checkpoints, a rank past the first needs its pieces' offsets in its sequences, 8-byte aligned; nothing written.
-TEST(SplitPrefill, PieceOffsetsRequiredAndAligned) {
-  ProblemConfig c = split_config({300}, 71);
-  c.checkpoint_interval = 64;
-  Problem p(c);
-  SplitRanks ranks(p, {0, 128, 300});
-  const PrefillParams fp = p.prefill_params();
-  std::vector<float> exchange(size_t(ranks.exchange_elems(fp)));
-  const auto expect_error = [&](const SplitPrefillParams& sp, const std::string& what) {
-    const Problem snapshot = p;
-    try {
-      split_prefill_begin(sp, {Backend::kCPU, nullptr});
-      ADD_FAILURE() << "expected an error naming " << what;
-    } catch (const Error& e) {
-      EXPECT_EQ(std::string(e.what()).rfind(what, 0), 0u) << e.what();
-    }
-    EXPECT_EQ(p.buffer("o").bytes, snapshot.buffer("o").bytes);
-  };
-  const SplitPrefillParams sp = ranks.params(fp, 1, ranks.host_pointers(1), exchange.data(), false);
-  ASSERT_NE(sp.piece_offsets, nullptr);
-  SplitPrefillParams bad = sp;
-  bad.piece_offsets = nullptr;
-  expect_error(bad, "piece_offsets: required pointer is null with checkpoints on rank 1 (1 elements expected)");
-  bad = sp;
-  bad.piece_offsets = reinterpret_cast<const int64_t*>(reinterpret_cast<const char*>(sp.piece_offsets) + 4);
-  expect_error(bad, "piece_offsets: data pointer ");
 }
 
 }  // namespace
