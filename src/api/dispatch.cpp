@@ -44,19 +44,20 @@ void require_cuda_states(const VerifyParams&) {}  // and CommitParams: every dty
 void require_cuda_states(const PrefillParams& p) {
   // the head state pass (16-bit inputs, K <= 128, V in {64, 128}) or the tiled pass at K >= 128 (whole 32-row blocks
   // a warp: state_pass_tiled.cuh)
-  const std::string head_pass_only = ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}, got " +
-                                     std::string(dtype_name(p.q.dtype)) + " inputs, V = " +
-                                     std::to_string(p.heads.head_dim_v);
-  const char* const kHeadPass = head_pass_only.c_str();
   const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) &&
                          p.heads.head_dim_k <= 128 && (p.heads.head_dim_v == 64 || p.heads.head_dim_v == 128);
   const bool takes = head_pass || p.heads.head_dim_k >= 128;
+  // the message only where a call is refused: nothing built on the calls that pass
+  const auto head_pass_only = [&] {
+    return ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}, got " +
+           std::string(dtype_name(p.q.dtype)) + " inputs, V = " + std::to_string(p.heads.head_dim_v);
+  };
   if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
-  if (!takes) refuse_cuda_fp8("state", p.state.data, p.state.dtype, kHeadPass);
+  if (!takes) refuse_cuda_fp8("state", p.state.data, p.state.dtype, head_pass_only().c_str());
   if (p.checkpoint_interval <= 0) return;
   if (p.checkpoints.layout != StateLayout::kKLast)
     refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, ", got V-last");
-  if (!takes) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, kHeadPass);
+  if (!takes) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, head_pass_only().c_str());
 }
 void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
 void require_cuda_states(const SplitPrefillParams& p) { require_cuda_states(p.local); }
