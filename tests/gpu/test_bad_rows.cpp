@@ -1,5 +1,6 @@
 // Index values only the device sees, out of the spec's range: a varlen verify span before token 0 or past the
-// B*T token rows, a tree commit whose accepted path does not follow the draft tree. The CPU backend rejects
+// B*T token rows, a tree commit whose accepted path does not follow the draft tree, a chain commit whose accepted path
+// is not the chain's prefix. The CPU backend rejects
 // them on the host; on CUDA the row is skipped and counted in error_flag and the other rows are computed as
 // usual (docs/semantics.md "Padding, out-of-range slots and the error flag").
 #include <cuda_runtime.h>
@@ -98,6 +99,48 @@ TEST(CommitGpu, TreePathThatIsNotAPathSkippedAndCountedSanitize) {
                              dtype_name(state);
     EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 1) << name;
     const int64_t slot0 = p.as<int32_t>("state_indices")[0];
+    EXPECT_TRUE(Identical("row 0's slot (skipped)", got.read_state("state", slot0), p.read_state("state", slot0)))
+        << name;
+    std::vector<int64_t> others;
+    for (int64_t s : p.written_pool_slots_commit())
+      if (s != slot0) others.push_back(s);
+    EXPECT_TRUE(SlotsClose(got, ref, others, state_tolerance(OpFamily::kStep, p.config().state_dtype))) << name;
+  }
+}
+
+// A chain commit given an accepted_path for row 0 that is not the chain's prefix (token 1 alone, every index in range):
+// on the device, the row is skipped and counted, from the cache and by recompute; the other rows keep their prefixes.
+TEST(CommitGpu, ChainPathThatIsNotItsPrefixSkippedAndCountedSanitize) {
+  for (DType state : {DType::kFloat32, DType::kFloat8E4M3})
+  for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute}) {
+    ProblemConfig c = verify_config(false, 7300, state);
+    c.update_state = false;  // the pool keeps its states until the commit
+    Problem p(c);
+    const int B = c.batch, T = c.draft_tokens;
+    int32_t* accepted = p.as<int32_t>("accepted");
+    accepted[0] = 1, accepted[1] = 2, accepted[2] = 3;  // row lengths 2, 3, 3
+    std::vector<int32_t> path(size_t(B) * T, -1);
+    for (int b = 1; b < B; ++b)
+      for (int i = 0; i < accepted[b]; ++i) path[size_t(b) * T + i] = i;
+    path[0] = 1;
+    Problem ref = p, got = p;
+    DeviceProblem dev(got);
+    verify(ref.verify_params(), {Backend::kCPU, nullptr});
+    commit(ref.commit_params(src), {Backend::kCPU, nullptr});  // row 0 without a path: its slot is not compared
+    verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+    int32_t* d_path = nullptr;
+    GDNKIT_TEST_CUDA(cudaMalloc(&d_path, path.size() * 4));
+    GDNKIT_TEST_CUDA(cudaMemcpy(d_path, path.data(), path.size() * 4, cudaMemcpyHostToDevice));
+    CommitParams cp = got.commit_params(src, dev.resolver());
+    cp.accepted_path = d_path;
+    commit(cp, {Backend::kCUDA, dev.stream()});
+    dev.download(got);
+    GDNKIT_TEST_CUDA(cudaFree(d_path));
+    const std::string name = std::string(src == CommitSource::kCache ? "from the cache" : "by recompute") + ", state " +
+                             dtype_name(state);
+    EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 1) << name;
+    const int64_t slot0 = p.as<int32_t>("state_indices")[0];
+    ASSERT_GE(slot0, 0) << name;
     EXPECT_TRUE(Identical("row 0's slot (skipped)", got.read_state("state", slot0), p.read_state("state", slot0)))
         << name;
     std::vector<int64_t> others;

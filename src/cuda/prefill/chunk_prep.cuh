@@ -139,7 +139,6 @@ template <bool kM, class Op>
 __device__ __forceinline__ void masked_decay_pass(const float* gc, const float* beta, const float* s_rk,
                                                   const float* s_rq, const float4* Gacc, const float4* Macc, float* Af,
                                                   [[maybe_unused]] Op* mout, bool image, int warp, int lane) {
-  constexpr int LDA = kSolveLd;
   constexpr float kLog2e = 1.4426950408889634f;
   const int r = lane >> 2, q2 = (lane & 3) * 2;
   float gi[2], fq[2], fa[2];  // per row i = 16 warp + r + 8 half
@@ -181,9 +180,8 @@ __device__ __forceinline__ void masked_decay_pass(const float* gc, const float* 
           a[e] = diag && jj >= i ? 0.0f : gacc[e] * d;
         }
       }
-      const int i0 = warp * 16 + r;
-      *reinterpret_cast<float2*>(&Af[i0 * LDA + j]) = make_float2(a[0], a[1]);
-      *reinterpret_cast<float2*>(&Af[(i0 + 8) * LDA + j]) = make_float2(a[2], a[3]);
+      *reinterpret_cast<float2*>(&Af[solve_at(warp * 16, r, j)]) = make_float2(a[0], a[1]);
+      *reinterpret_cast<float2*>(&Af[solve_at(warp * 16, r + 8, j)]) = make_float2(a[2], a[3]);
     }
     if constexpr (kM) {
 #pragma unroll

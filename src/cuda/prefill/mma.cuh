@@ -6,45 +6,10 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 
-// ---- fp32 blocks multiplied on tensor cores as fp16 operands, fp32 accumulation (the triangular solve's block
-// products; 11 significant bits per operand, |x| < 65504). T' leaves the prep rounded to the 16-bit operand dtype
-// (8 or 11 bits), so these roundings are of the order of that last one (docs/design/prefill.md "Precision").
-// A fragment of the 16x16 fp32 block at p (row-major, ld floats per row).
-__device__ __forceinline__ void load_a_half(const float* p, int ld, int lane, uint32_t (&a)[4]) {
-  const int r = lane >> 2, c = (lane & 3) * 2;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 v = *reinterpret_cast<const float2*>(p + (r + (i & 1) * 8) * ld + c + (i >> 1) * 8);
-    a[i] = pack2<__half>(v.x, v.y);
-  }
-}
-// A fragment of X^T for the 16x16 fp32 block X at p (row-major, ld floats per row).
-__device__ __forceinline__ void load_a_half_trans(const float* p, int ld, int lane, uint32_t (&a)[4]) {
-  const int r = lane >> 2, c = (lane & 3) * 2;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = r + (i & 1) * 8, col = c + (i >> 1) * 8;  // of X^T
-    a[i] = pack2<__half>(p[col * ld + row], p[(col + 1) * ld + row]);
-  }
-}
 // C fragments of a 16x16 block (two n8 tiles) as the A fragment of the same block.
 __device__ __forceinline__ void c_to_a_half(const float (&c)[2][4], uint32_t (&a)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) a[i] = pack2<__half>(c[i >> 1][(i & 1) * 2], c[i >> 1][(i & 1) * 2 + 1]);
-}
-// acc (16x16, two n8 tiles) += A B for A given as fragments and B the 16x16 fp32 block at p
-// (row-major [k][n], ld floats per row).
-__device__ __forceinline__ void block_mma_half(float (&acc)[2][4], const uint32_t (&a)[4], const float* p, int ld,
-                                               int lane) {
-  const int n = lane >> 2, c = (lane & 3) * 2;
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    uint32_t b[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-      b[h] = pack2<__half>(p[(c + h * 8) * ld + t * 8 + n], p[(c + h * 8 + 1) * ld + t * 8 + n]);
-    mma<__half>(acc[t], a, b[0], b[1]);
-  }
 }
 // Address of lane's row for an A fragment (16x16 at (row0, col0)) of a row-major bf16 tile
 // with `ld` elements per row: matrices (rows 0-7, 8-15) x (cols 0-7, 8-15).

@@ -47,7 +47,7 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // The prep warpgroup's own shared memory (after the stages): the chunk's rq. `reserved` is unused; it keeps rq's
 // offset and the CTA's shared memory (head_smem_bytes) as they are.
 struct PrepSmem {
-  float reserved[kChunk * kSolveLd + 3 * kChunk];
+  float reserved[71 * kChunk];
   float rq[kChunk];
 };
 
@@ -262,8 +262,8 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
       float a[4];
       masked_decayed_tile<true>(acc[nt], gi, {1.0f, 1.0f}, *reinterpret_cast<const float2*>(&gcs[j]),
                                 *reinterpret_cast<const float2*>(&rks[j]), nt >= 2 * warp, i0, j, a);
-      *reinterpret_cast<float2*>(&ps.a[i0 * kSolveLd + j]) = make_float2(a[0], a[1]);
-      *reinterpret_cast<float2*>(&ps.a[(i0 + 8) * kSolveLd + j]) = make_float2(a[2], a[3]);
+      *reinterpret_cast<float2*>(&ps.a[solve_at(warp * 16, r, j)]) = make_float2(a[0], a[1]);
+      *reinterpret_cast<float2*>(&ps.a[solve_at(warp * 16, r + 8, j)]) = make_float2(a[2], a[3]);
     }
     issue_qk_product<K, Op>(acc, dq, dk);  // q k^T for M, while the solve runs
     __syncwarp();  // this warp's rows of A (the solve's first steps read the warp's own blocks)

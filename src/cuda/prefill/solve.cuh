@@ -97,12 +97,55 @@ __device__ __forceinline__ void store_token_factors(float* f, const float* gc, c
   }
 }
 
-// Where lane keeps a 16x16 block's B fragments (solve_b_words) in the block (kb, ib) above A's diagonal of Af
-// ([64][kSolveLd] fp32), the solve's scratch: 16 bytes a lane in the block's first 8 rows, lanes 4 apart in rows 4
-// apart, so that each quarter-warp of a 128-bit access hits distinct banks (rows are 68 floats apart).
-__device__ __forceinline__ float* solve_b_slot(float* Af, int kb, int ib, int lane) {
-  const int row = ((lane >> 2) & 1) * 4 + (lane >> 3);
-  return Af + (kb * 16 + row) * kSolveLd + ib * 16 + (lane & 3) * 4;
+// Element (i0 + di, j) of the solve's fp32 A / T ([64][kSolveLd], Af below), for i0 a multiple of 8: rows 72 floats
+// (8 banks) apart, those with bit 2 set starting 8 floats further on (in the 8 spare floats of the row before), so
+// that a warp's row-fragment pairs (rows r, columns 2q) and its column reads (rows 2q, column r) both hit 32 distinct
+// banks. The skew comes from di alone and the column adds to it: a lane's offsets are one base plus constants.
+__device__ __forceinline__ int solve_at(int i0, int di, int j) {
+  return (i0 + di) * kSolveLd + ((di & 4) << 1) + j;
+}
+
+// The solve's 16x16 fp32 blocks as fp16 mma operands (11 significant bits per operand, |x| < 65504; T' leaves the prep
+// rounded to the 16-bit operand dtype, so these roundings are of the order of that last one: prefill.md "Precision").
+// The block at (i0, j0) of Af, both multiples of 16, as an A fragment.
+__device__ __forceinline__ void load_a_half(const float* Af, int i0, int j0, int lane, uint32_t (&a)[4]) {
+  const int r = lane >> 2, c = (lane & 3) * 2;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = *reinterpret_cast<const float2*>(Af + solve_at(i0, r + (i & 1) * 8, j0 + (i >> 1) * 8 + c));
+    a[i] = pack2<__half>(v.x, v.y);
+  }
+}
+// The A fragment of X^T for the block X at (i0, j0) of Af.
+__device__ __forceinline__ void load_a_half_trans(const float* Af, int i0, int j0, int lane, uint32_t (&a)[4]) {
+  const int r = lane >> 2, c = (lane & 3) * 2;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int i1 = i0 + (i >> 1) * 8, j = j0 + (i & 1) * 8 + r;  // X^T's (r, c) of this register is X's (c, r)
+    a[i] = pack2<__half>(Af[solve_at(i1, c, j)], Af[solve_at(i1, c + 1, j)]);
+  }
+}
+// acc (16x16, two n8 tiles) += A B for A given as fragments and B the block at (i0, j0) of Af ([k][n]).
+__device__ __forceinline__ void block_mma_half(float (&acc)[2][4], const uint32_t (&a)[4], const float* Af, int i0,
+                                               int j0, int lane) {
+  const int n = lane >> 2, c = (lane & 3) * 2;
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    uint32_t b[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      b[h] = pack2<__half>(Af[solve_at(i0 + h * 8, c, j0 + t * 8 + n)],
+                           Af[solve_at(i0 + h * 8, c + 1, j0 + t * 8 + n)]);
+    mma<__half>(acc[t], a, b[0], b[1]);
+  }
+}
+
+// Where lane keeps half `nh` (8 bytes: words 2 nh, 2 nh + 1 of solve_b_words) of a 16x16 block's B fragments in the
+// block (kb, ib) above A's diagonal of Af, the solve's scratch: half nh in rows 4 nh .. 4 nh + 3, lanes 0-7, 8-15,
+// 16-23, 24-31 in rows 0, 2, 1, 3 of those, 8 bytes apart, so that each half-warp's 8-byte access covers 32 banks.
+__device__ __forceinline__ uint2* solve_b_slot(float* Af, int kb, int ib, int nh, int lane) {
+  return reinterpret_cast<uint2*>(Af + solve_at(kb * 16, 4 * nh + ((lane >> 3) & 1) * 2 + (lane >> 4),
+                                                ib * 16 + (lane & 7) * 2));
 }
 
 // The B fragments of W^T for the 16x16 block W given as C fragments (two n8 tiles), as fp16: words 0, 1 for the
@@ -121,7 +164,6 @@ __device__ __forceinline__ uint4 solve_b_words(const float (&w)[2][4]) {
 template <class Op, int kBarrier = 0, int kTid0 = 0>
 __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta, int L, Op* out, bool image, int warp,
                                                    int lane) {
-  constexpr int LDA = kSolveLd;
   float* const Tf = Af;
   const auto sync = [] {
     if constexpr (kBarrier == 0)
@@ -145,25 +187,25 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
   const int b0 = warp * 16;
   {
     // X1 (lanes 0..7) and X2 (lanes 8..15) column by column; lanes 16..31 repeat lanes 0..15
-    const int col = lane & 7, d0 = b0 + (lane & 8);
+    const int col = lane & 7, d = lane & 8;
     float x[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float* Ai = Af + (d0 + i) * LDA + d0;
       float acc0 = i == col ? 1.0f : 0.0f, acc1 = 0.0f;  // two chains: the sum is latency-bound
 #pragma unroll
       for (int j = 0; j < i; ++j) {
+        const float aij = Af[solve_at(b0, d + i, b0 + d + j)];
         if (j & 1)
-          acc1 = fmaf(-Ai[j], x[j], acc1);
+          acc1 = fmaf(-aij, x[j], acc1);
         else
-          acc0 = fmaf(-Ai[j], x[j], acc0);
+          acc0 = fmaf(-aij, x[j], acc0);
       }
       x[i] = acc0 + acc1;
     }
     __syncwarp();  // every lane has read A11 and A22
     if (lane < 16) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) Tf[(d0 + i) * LDA + d0 + col] = x[i];
+      for (int i = 0; i < 8; ++i) Tf[solve_at(b0, d + i, b0 + d + col)] = x[i];
     }
     __syncwarp();  // X1 and X2 are in shared memory
   }
@@ -171,13 +213,10 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     // The block [[X1, 0], [A21, X2]] as an A fragment (quarters X1, A21, 0, X2) and its first 8 columns as a B
     // fragment (rows 0..7: X1, rows 8..15: A21).
     uint32_t t_a[4], bx[2];
-    load_a_half(Af + b0 * LDA + b0, LDA, lane, t_a);
+    load_a_half(Af, b0, b0, lane, t_a);
     const int r = lane >> 2, q2 = (lane & 3) * 2;
-    {
-      const float* pb = Af + b0 * LDA + b0 + r;
-      bx[0] = pack2<__half>(pb[q2 * LDA], pb[(q2 + 1) * LDA]);
-      bx[1] = pack2<__half>(pb[(q2 + 8) * LDA], pb[(q2 + 9) * LDA]);
-    }
+    bx[0] = pack2<__half>(Af[solve_at(b0, q2, b0 + r)], Af[solve_at(b0, q2 + 1, b0 + r)]);
+    bx[1] = pack2<__half>(Af[solve_at(b0 + 8, q2, b0 + r)], Af[solve_at(b0 + 8, q2 + 1, b0 + r)]);
     // rows 8..15 of [[0, 0], [0, -X2]] [[X1], [A21]] = -X2 A21, then of [[0, 0], [-X2 A21, 0]] [[X1], [A21]] = Y
     float w[4] = {}, y[4] = {};
     const uint32_t neg_x2[4] = {0u, 0u, 0u, t_a[3] ^ 0x80008000u};  // the sign bits of both fp16 halves
@@ -185,7 +224,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     const uint32_t w_lower_left[4] = {0u, pack2<__half>(w[2], w[3]), 0u, 0u};
     mma<__half>(y, w_lower_left, bx[0], bx[1]);
     __syncwarp();  // every lane has read A21
-    *reinterpret_cast<float2*>(Tf + (b0 + 8 + r) * LDA + b0 + q2) = make_float2(y[2], y[3]);
+    *reinterpret_cast<float2*>(Tf + solve_at(b0 + 8, r, b0 + q2)) = make_float2(y[2], y[3]);
     t_a[1] = pack2<__half>(y[2], y[3]);  // T_ii's lower-left quarter
     // -T_ii as the A operand: W'_ik = -T_ii A_ik.
 #pragma unroll
@@ -194,8 +233,10 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     for (int k = 0; k < 3; ++k) {
       if (k >= warp) continue;
       float wk[2][4] = {};
-      block_mma_half(wk, t_a, Af + b0 * LDA + k * 16, LDA, lane);
-      *reinterpret_cast<uint4*>(solve_b_slot(Af, k, warp, lane)) = solve_b_words(wk);
+      block_mma_half(wk, t_a, Af, b0, k * 16, lane);
+      const uint4 words = solve_b_words(wk);
+      *solve_b_slot(Af, k, warp, 0, lane) = make_uint2(words.x, words.y);
+      *solve_b_slot(Af, k, warp, 1, lane) = make_uint2(words.z, words.w);
     }
   }
   sync();  // every W' is in shared memory, every A_ik read
@@ -209,16 +250,15 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     uint32_t af[3][4];
 #pragma unroll
     for (int i = 1; i < 4; ++i) {
-      if (i - 1 == warp) load_a_half_trans(Tf + b0 * LDA + b0, LDA, ln, af[i - 1]);  // T_jj^T
+      if (i - 1 == warp) load_a_half_trans(Tf, b0, b0, ln, af[i - 1]);  // T_jj^T
       if (i <= warp) continue;
       float c[2][4] = {};
 #pragma unroll
       for (int k = 0; k < i; ++k) {
         if (k < warp) continue;
-        const uint2* const wb = reinterpret_cast<const uint2*>(solve_b_slot(Af, k, i, ln));
 #pragma unroll
         for (int nh = 0; nh < 2; ++nh) {  // as two 8-byte halves (prefill.md, "Kernel 1" step 3)
-          const uint2 b = wb[nh];
+          const uint2 b = *solve_b_slot(Af, k, i, nh, ln);
           mma<__half>(c[nh], af[k], b.x, b.y);
         }
       }
@@ -228,17 +268,17 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       for (int nh = 0; nh < 2; ++nh)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          Tf[(i * 16 + 8 * nh + q2 + (e & 1)) * LDA + b0 + r + 8 * (e >> 1)] = c[nh][e];
+          Tf[solve_at(i * 16 + 8 * nh, q2 + (e & 1), b0 + 8 * (e >> 1) + r)] = c[nh][e];
     }
   }
   sync();  // T is in shared memory
   // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
   {
-    // Element pair (i, c), c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is zero in
-    // T_ii (the substitution's zeros, and A_ii's upper-right quarter as the caller wrote it) and selected away in the
-    // blocks above the diagonal (i / 16 < c / 16: the solve's scratch); rows past L are selected away too.
-    auto put = [&](int i, int c, float2 bv, Op* to) {
-      const float2 tv = *reinterpret_cast<const float2*>(&Tf[i * LDA + c]);
+    // Element pair (i, c) at `from`, c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is
+    // zero in T_ii (the substitution's zeros, and A_ii's upper-right quarter as the caller wrote it) and selected away
+    // in the blocks above the diagonal (i / 16 < c / 16: the solve's scratch); rows past L are selected away too.
+    auto put = [&](int from, int i, int c, float2 bv, Op* to) {
+      const float2 tv = *reinterpret_cast<const float2*>(&Tf[from]);
       const bool live = i < L && (c >> 4) <= (i >> 4);
       *reinterpret_cast<uint32_t*>(to) = pack2<Op>(live ? tv.x * bv.x : 0.0f, live ? tv.y * bv.y : 0.0f);
     };
@@ -246,8 +286,9 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       // Rows 0..31 (16 pairs each): a thread's rows il + 8u, its column fixed, so its image offset steps by
       // 256 (the 64B swizzle of row i is (i / 2) % 4). Rows 32..63 (32 pairs each): rows ih + 4u, the 128B
       // swizzle i % 8 = (ih % 8) ^ 4 (u % 2) (ih % 8 < 4 with 128 threads): the offset of an odd u flips
-      // the piece's bit 2 (element offset bit 5) of the even u's, and steps by 256. Unrolled from two base
-      // pointers, every store and shared load takes a constant offset (no address arithmetic per pair).
+      // the piece's bit 2 (element offset bit 5) of the even u's, and steps by 256. Unrolled from base pointers
+      // (T's rows il + 8u share il's swizzle, rows ih + 4u with u even ih's, with u odd the other), every store and
+      // shared load takes a constant offset (no address arithmetic per pair).
       static_assert(kThreads == 128, "the image's per-thread rows");
       // The thread index read again here (volatile), so that these offsets are not hoisted out of the head loop
       // to hold registers across the solve.
@@ -261,17 +302,18 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       Op* const outh_odd = out + (offh ^ 32) + 256;
       const float2 bl = *reinterpret_cast<const float2*>(&beta[cl]);
       const float2 bh = *reinterpret_cast<const float2*>(&beta[ch]);
+      const int tl = solve_at(0, il, cl), th = solve_at(32, t >> 5, ch), th_odd = solve_at(32, (t >> 5) + 4, ch);
 #pragma unroll
-      for (int u = 0; u < 4; ++u) put(il + 8 * u, cl, bl, outl + 256 * u);
+      for (int u = 0; u < 4; ++u) put(tl + 8 * u * kSolveLd, il + 8 * u, cl, bl, outl + 256 * u);
 #pragma unroll
       for (int u = 0; u < 8; u += 2) {
-        put(ih + 4 * u, ch, bh, outh + 256 * u);
-        put(ih + 4 * u + 4, ch, bh, outh_odd + 256 * u);
+        put(th + 4 * u * kSolveLd, ih + 4 * u, ch, bh, outh + 256 * u);
+        put(th_odd + 4 * u * kSolveLd, ih + 4 * u + 4, ch, bh, outh_odd + 256 * u);
       }
     } else {
       for (int e = int(threadIdx.x) - kTid0; e < kChunk * kChunk / 2; e += kThreads) {
         const int c = (e & 31) * 2;
-        put(e >> 5, c, *reinterpret_cast<const float2*>(&beta[c]), out + 2 * e);
+        put(solve_at(0, e >> 5, c), e >> 5, c, *reinterpret_cast<const float2*>(&beta[c]), out + 2 * e);
       }
     }
   }

@@ -110,8 +110,8 @@ __device__ __forceinline__ bool row_tokens(const RecurrentParams& p, const RowLo
   return len >= 0 && len <= T;
 }
 
-// Whether row b's first n kept tokens (accepted_path, or 0..n-1 without it) lie in its len tokens and, on a
-// tree, each continues from the one before (its parent; the first from the pool state, -1).
+// Whether row b's first n kept tokens (accepted_path, or 0..n-1 without it) lie in its len tokens and each continues
+// from the one before (on a tree its parent, on a chain token x from x - 1; the first from the pool state, -1).
 __device__ __forceinline__ bool path_is_valid(const CommitParams& p, int b, int T, int len, int n) {
   if (p.accepted_path == nullptr) return true;
   const int32_t* path = p.accepted_path + int64_t(b) * T;
@@ -119,7 +119,7 @@ __device__ __forceinline__ bool path_is_valid(const CommitParams& p, int b, int 
   for (int j = 0; j < n; ++j) {
     const int x = path[j];
     if (x < 0 || x >= len) return false;
-    if (p.parent != nullptr && p.parent[int64_t(b) * T + x] != prev) return false;
+    if ((p.parent != nullptr ? p.parent[int64_t(b) * T + x] : x - 1) != prev) return false;
     prev = x;
   }
   return true;
