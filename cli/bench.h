@@ -72,6 +72,8 @@ struct Options {
   int prep_warpgroup = -1;       // A/B switch: prefill's prep warpgroup (0 off, 1 M, 2 the whole prep)
   int chunk_flags = -1;          // A/B switch: prefill's pass waiting per chunk (0: for the chunk prep's grid)
   int prep_parts = 0;            // A/B switch: chunk prep CTAs per (chunk slot, q/k head) (0: the heuristic)
+  int short_max_len = -1;        // A/B switch: prefill's longest sequence on the recurrent kernels (0: none)
+  int prefill_vtile = 0;         // A/B switch: prefill's tiled state pass with this value tile (0: the heuristic)
   int prefill_stages = 3;        // timing: prefill's kernels, 1 the prep alone, 2 the state pass alone, 3 both
   std::string command_line;
 };

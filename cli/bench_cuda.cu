@@ -964,6 +964,8 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
   if (o.prep_warpgroup >= 0) overrides.prefill_m_warpgroup = o.prep_warpgroup;
   if (o.chunk_flags >= 0) overrides.prefill_chunk_flags = o.chunk_flags;
   if (o.prep_parts > 0) overrides.prefill_prep_parts = o.prep_parts;
+  if (o.short_max_len >= 0) overrides.prefill_short_max_len = o.short_max_len;
+  if (o.prefill_vtile > 0) overrides.prefill_vtile = o.prefill_vtile;
   if (o.solo_min_batch >= 0) overrides.decode_solo_min_batch = o.solo_min_batch;
   if (o.fp8_chain >= 0) overrides.verify_fp8_chain_min_batch = o.fp8_chain;
   overrides.prefill_stages = o.prefill_stages;

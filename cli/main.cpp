@@ -79,6 +79,10 @@ bench options:
                              flag wherever its producer can (1), instead of the library's choice
   --prep-parts N             A/B switch: prefill's chunk prep in N CTAs per (chunk, q/k head), each a share of
                              the GVA group's value heads (N divides HV / H), instead of the library's choice
+  --short-max-len N          A/B switch: prefill's sequences of at most N tokens on the recurrent kernels (0: none),
+                             where the call allows it, instead of the library's choice
+  --prefill-vtile N          A/B switch: prefill's state pass on the tiled kernel with value tiles of N columns (16,
+                             32 or 64) where it is built, instead of the library's choice
   --prefill-stages N         timing: prefill's chunk prep alone (1) or state pass alone (2) instead of both (3);
                              the outputs of one alone are not the op's
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;
@@ -221,6 +225,12 @@ Options parse_bench(int argc, char** argv, int first) {
       o.chunk_flags = int_list(a, value(i), 0, 1).front();
     } else if (a == "--prep-parts") {
       o.prep_parts = int_list(a, value(i), 1, 64).front();
+    } else if (a == "--short-max-len") {
+      o.short_max_len = int_list(a, value(i), 0, 1 << 20).front();
+    } else if (a == "--prefill-vtile") {
+      o.prefill_vtile = int_list(a, value(i), 16, 64).front();
+      if (o.prefill_vtile != 16 && o.prefill_vtile != 32 && o.prefill_vtile != 64)
+        usage_error("--prefill-vtile: 16, 32 or 64");
     } else if (a == "--prefill-stages") {
       o.prefill_stages = int_list(a, value(i), 1, 3).front();
     } else if (a == "--vlast-fp8-columns") {

@@ -525,16 +525,20 @@ TEST(PrefillHeuristics, ContextParallelOverridesAndWorkspace) {
   EXPECT_THROW(chunked_prefill::choose_prefill(big.p, kSms, tiny), Error);
 }
 
-TEST(PrefillHeuristics, PrepWarpgroupFromFourChunksPerSequence) {
+TEST(PrefillHeuristics, PrepWarpgroupWhereverItCanRun) {
   PrefillCall short_chunks(std::vector<int64_t>(64, 192));  // 3 chunks per sequence
   const auto a = chunked_prefill::choose_prefill(short_chunks.p, kSms, {});
-  EXPECT_FALSE(a.m_warpgroup);
-  EXPECT_TRUE(a.m_in_pass);  // two state warpgroups form M themselves
+  EXPECT_TRUE(a.m_warpgroup);
+  EXPECT_TRUE(a.m_in_pass);
+  PrefillCall one_chunk(std::vector<int64_t>(1024, 64));  // one chunk per sequence: its state by bulk copies
+  EXPECT_TRUE(chunked_prefill::choose_prefill(one_chunk.p, kSms, {}).m_warpgroup);
   PrefillCall four(std::vector<int64_t>(64, 256));
   EXPECT_TRUE(chunked_prefill::choose_prefill(four.p, kSms, {}).m_warpgroup);
   Overrides off;
   off.prefill_m_warpgroup = 0;
-  EXPECT_FALSE(chunked_prefill::choose_prefill(four.p, kSms, off).m_warpgroup);
+  const auto b = chunked_prefill::choose_prefill(four.p, kSms, off);
+  EXPECT_FALSE(b.m_warpgroup);
+  EXPECT_TRUE(b.m_in_pass);  // two state warpgroups form M themselves
   Overrides on;
   on.prefill_m_warpgroup = 1;
   EXPECT_TRUE(chunked_prefill::choose_prefill(short_chunks.p, kSms, on).m_warpgroup);
@@ -675,8 +679,8 @@ TEST(PrefillHeuristics, CheckpointClockMatchesTheRule) {
 
 // The head pass's producer waits for each chunk's flag instead of the chunk prep's grid beside the prep warpgroup for
 // sequences of a mean of at most 2048 tokens (8x1024, 4x2048; not 8x8192, nor the head split's 1x8192), wherever a
-// producer can with the override (the head split too), never under context parallelism, without PDL, or in the
-// two-warpgroup build of sequences of few chunks; off by the override.
+// producer can with the override (the head split too), never under context parallelism or without PDL; off by the
+// override.
 TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
   PrefillCall eight({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024});
   auto c = chunked_prefill::choose_prefill(eight.p, kSms, {});
@@ -698,9 +702,10 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
   Overrides on;
   on.prefill_chunk_flags = 1;
   EXPECT_TRUE(chunked_prefill::choose_prefill(one.p, kSms, on).chunk_flags);
-  PrefillCall short_seqs(std::vector<int64_t>(64, 128));  // two chunks each: no prep warpgroup
+  PrefillCall short_seqs(std::vector<int64_t>(64, 128));  // 2048 CTAs: the pass launches after the prep
   c = chunked_prefill::choose_prefill(short_seqs.p, kSms, {});
-  EXPECT_FALSE(c.m_warpgroup);
+  EXPECT_TRUE(c.m_warpgroup);
+  EXPECT_FALSE(c.early_state_pass);
   EXPECT_FALSE(c.chunk_flags);
   PrefillCall cp({65536}, 2, 8);
   c = chunked_prefill::choose_prefill(cp.p, kSms, {});
@@ -756,21 +761,24 @@ TEST(PrefillHeuristics, ManyCtasLaunchAfterThePrep) {
   PrefillCall call(std::vector<int64_t>(8192, 32));  // 262144 (sequence, head) CTAs
   const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});
   EXPECT_FALSE(c.early_state_pass);
-  EXPECT_EQ(c.short_len, 0);  // 32 tokens is past the fp32 pool's reach (24)
+  EXPECT_EQ(c.short_len, 0);  // 32 tokens is past the reach (16)
 }
 
 TEST(PrefillHeuristics, ShortSequencesOnTheRecurrentKernels) {
   PrefillCall all_short(std::vector<int64_t>(1024, 8));
   auto c = chunked_prefill::choose_prefill(all_short.p, kSms, {});
-  EXPECT_EQ(c.short_len, 24);  // K-last, bf16 inputs, fp32 pool
+  EXPECT_EQ(c.short_len, 16);  // K-last, bf16 inputs, fp32 pool
   EXPECT_TRUE(c.only_short);
   PrefillCall mixed({8, 4096, 20});
   c = chunked_prefill::choose_prefill(mixed.p, kSms, {});
-  EXPECT_EQ(c.short_len, 24);
+  EXPECT_EQ(c.short_len, 16);
   EXPECT_FALSE(c.only_short);
   // The reach per layout and pool dtype.
   all_short.p.state.dtype = DType::kBFloat16;
-  EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 32);
+  EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 16);
+  all_short.p.state.dtype = DType::kFloat8E4M3;
+  EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 8);
+  all_short.p.state.dtype = DType::kBFloat16;
   all_short.p.state.layout = StateLayout::kVLast;
   EXPECT_EQ(chunked_prefill::short_len_default(all_short.p), 16);
   all_short.p.state.dtype = DType::kFloat32;
@@ -779,7 +787,7 @@ TEST(PrefillHeuristics, ShortSequencesOnTheRecurrentKernels) {
   PrefillCall no_host(std::vector<int64_t>(16, 10));
   no_host.p.cu_seqlens_host = nullptr;
   c = chunked_prefill::choose_prefill(no_host.p, kSms, {});
-  EXPECT_EQ(c.short_len, 24);
+  EXPECT_EQ(c.short_len, 16);
   EXPECT_FALSE(c.only_short);  // the kernels skip per sequence on the device
   // The short path stores no checkpoints: only sequences shorter than the interval take it.
   PrefillCall ckpt(std::vector<int64_t>(8, 8));
@@ -787,7 +795,7 @@ TEST(PrefillHeuristics, ShortSequencesOnTheRecurrentKernels) {
   ckpt.p.checkpoint_interval = 64;
   ckpt.p.checkpoints.data = &dummy;
   ckpt.p.checkpoint_indices = &dummy;
-  EXPECT_EQ(chunked_prefill::choose_prefill(ckpt.p, kSms, {}).short_len, 24);
+  EXPECT_EQ(chunked_prefill::choose_prefill(ckpt.p, kSms, {}).short_len, 16);
   Overrides reach;
   reach.prefill_short_max_len = 100;
   EXPECT_EQ(chunked_prefill::choose_prefill(ckpt.p, kSms, reach).short_len, 63);
@@ -886,19 +894,19 @@ TEST(PrefillPlan, ShortPathChoice) {
   const auto kl = StateLayout::kKLast, vl = StateLayout::kVLast;
   const auto f32 = DType::kFloat32, bf16 = DType::kBFloat16, f16 = DType::kFloat16;
   const std::vector<int32_t> mixed = {3, 200, 17, 64}, all_short = {3, 8, 0, 20}, all_long = {100, 64};
-  EXPECT_EQ(choose(mixed, kl, f32, bf16, true), 24);  // chain kernel, fp32 pool
-  EXPECT_EQ(choose(mixed, kl, bf16, bf16, true), 32);
+  EXPECT_EQ(choose(mixed, kl, f32, bf16, true), 16);  // chain kernel
+  EXPECT_EQ(choose(mixed, kl, bf16, bf16, true), 16);
   EXPECT_EQ(choose(mixed, vl, f32, bf16, true), 8);  // warp kernel
   EXPECT_EQ(choose(mixed, vl, bf16, bf16, true), 16);
   EXPECT_EQ(choose(mixed, kl, f32, f16, true), 8);
   EXPECT_EQ(choose(all_long, kl, f32, bf16, true), 0);
-  EXPECT_EQ(choose(mixed, kl, f32, bf16, false), 24);  // mean 71 > 24, but 16 rows
-  EXPECT_EQ(choose(all_short, kl, f32, bf16, false), 24);
+  EXPECT_EQ(choose(mixed, kl, f32, bf16, false), 16);  // mean 71 > 16, but 16 rows
+  EXPECT_EQ(choose(all_short, kl, f32, bf16, false), 16);
   const std::vector<int32_t> many_long(80, 100);  // 80 x 32 = 2560 rows, mean 100
   EXPECT_EQ(choose(many_long, kl, f32, bf16, false, 32), 0);
   EXPECT_EQ(choose(many_long, kl, f32, bf16, true, 32), 0);
   const std::vector<int32_t> many_short(80, 10);
-  EXPECT_EQ(choose(many_short, kl, f32, bf16, false, 32), 24);
+  EXPECT_EQ(choose(many_short, kl, f32, bf16, false, 32), 16);
 }
 
 TEST(PrefillPlan, ValueTileHeuristic) {
@@ -946,7 +954,7 @@ TEST(PrefillPlan, PublicPrefillPathReportsTheShortReach) {
   ProblemConfig c = base({8, 8, 300, 0}, 16, 32);
   c.in_dtype = DType::kBFloat16;
   Problem p(c);
-  EXPECT_EQ(prefill_path(p.prefill_params(PrefillAlgorithm::kAuto)).short_max_len, 24);
+  EXPECT_EQ(prefill_path(p.prefill_params(PrefillAlgorithm::kAuto)).short_max_len, 16);
   ProblemConfig l = base({300, 500}, 16, 32);
   Problem q(l);
   EXPECT_EQ(prefill_path(q.prefill_params(PrefillAlgorithm::kAuto)).short_max_len, 0);

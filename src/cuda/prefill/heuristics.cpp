@@ -19,14 +19,10 @@ bool vec_ok(const View& v) {
   return aligned(v.data, 16) && v.token_stride % per == 0 && v.head_stride % per == 0;
 }
 
-// The prep warpgroup that forms M pays from a mean of 4 chunks per sequence (one chunk each: nothing to
-// overlap its work with).
-constexpr int kMWarpgroupMinChunks = 4;
-// Where the warpgroup can run: the override, else that mean.
-bool m_warpgroup_wanted(const PrefillParams& p, const Overrides& o) {
-  if (o.prefill_m_warpgroup >= 0) return o.prefill_m_warpgroup > 0;
-  return p.total_tokens >= int64_t(kMWarpgroupMinChunks) * kChunk * p.num_seqs;
-}
+// The prep warpgroup that forms M, wherever it can run (unless overridden): on long sequences its work overlaps the
+// chain, and on short ones its build brings the pool's states by bulk copies (a producer warpgroup issues them), which
+// the per-thread loads of the build without it wait behind (prefill.md "Short sequences on the chunked kernels").
+bool m_warpgroup_wanted(const Overrides& o) { return o.prefill_m_warpgroup != 0; }
 // The head pass waits for each chunk's flag beside the prep warpgroup up to this mean sequence length: a memset
 // before the prep and the producer's polling cost more than the overlap gains on long sequences (8x8192 1% slower),
 // and the head split's one-wave grids gain nothing (their other sequences' first chunks come late in the prep's
@@ -95,13 +91,13 @@ bool head_tensor_maps_ok(const PrefillParams& p) {
 }
 
 // The longest sequence on which the recurrent kernels beat the chunked ones (1024 sequences of L tokens): their
-// math grows with the tokens, the chunked kernels' state I/O does not. The chain kernel on tensor cores (K-last,
-// bf16 inputs) reaches further than the warp kernel, and a 16-bit pool (half the state bytes) further than fp32.
+// math grows with the tokens (the chain kernel by steps of 8), the chunked kernels' time per sequence does not. The
+// chain kernel on tensor cores (K-last, bf16 inputs) reaches further than the warp kernel, and on the warp kernel a
+// 16-bit pool (half the state bytes) further than fp32; float8_e4m3 pools run the warp kernel's block scales.
 int short_len_default(const PrefillParams& p) {
-  const bool half_pool = dtype_size(p.state.dtype) == 2;
-  if (p.state.dtype == DType::kFloat8E4M3) return 16;  // the warp kernel (no chain kernel), a quarter of fp32's bytes
-  if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return half_pool ? 32 : 24;
-  return half_pool ? 16 : 8;
+  if (p.state.dtype == DType::kFloat8E4M3) return 8;
+  if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return 16;
+  return dtype_size(p.state.dtype) == 2 ? 16 : 8;
 }
 
 int32_t count_short(const PrefillParams& p, int len) {
@@ -367,7 +363,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
                                             "or at K >= 128 only, not by value tile " + std::to_string(c.vtile));
   c.wgmma_pass = c.vtile == kVTileHead && K <= 128 && (V / c.head_split) % 64 == 0 && head_tensor_maps_ok(p);
   const bool m_warpgroup_possible = c.wgmma_pass && c.head_split == 1 && V == 128 && K % 64 == 0;
-  if (m_warpgroup_possible) c.m_warpgroup = m_warpgroup_wanted(p, o);
+  if (m_warpgroup_possible) c.m_warpgroup = m_warpgroup_wanted(o);
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(c.wgmma_pass, V / c.head_split);
   // The whole prep in the warpgroup: whole sequences only (the context-parallel passes take the chunk prep's T')
   c.fused_prep = c.m_warpgroup && !cp && o.prefill_m_warpgroup == 2;
@@ -425,7 +421,7 @@ PrefillChoice choose_split(const PrefillParams& p, int num_sms, const Overrides&
   c.head_split = 1;
   c.wgmma_pass = true;
   const int V = p.heads.head_dim_v;
-  c.m_warpgroup = V == 128 && m_warpgroup_wanted(p, o);
+  c.m_warpgroup = V == 128 && m_warpgroup_wanted(o);
   c.m_in_pass = c.m_warpgroup || head_pass_forms_m(true, V);
   if (p.total_tokens > 0) c.prep_parts = choose_prep_parts(p, num_sms, !c.m_in_pass, o);
   const int64_t rows = 2 * cp_max_segments(p, c.cp_segment_len);
