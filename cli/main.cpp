@@ -82,7 +82,7 @@ bench options:
   --short-max-len N          A/B switch: prefill's sequences of at most N tokens on the recurrent kernels (0: none),
                              where the call allows it, instead of the library's choice
   --prefill-vtile N          A/B switch: prefill's state pass on the tiled kernel with value tiles of N columns (16,
-                             32 or 64) where it is built, instead of the library's choice
+                             32 or 64; 64 needs K <= 128), no context parallelism, instead of the library's choice
   --prefill-stages N         timing: prefill's chunk prep alone (1) or state pass alone (2) instead of both (3);
                              the outputs of one alone are not the op's
   --quick                    smaller sweep (decode B 1,8,64,256; verify T 2,4 x B 1,32,256;

@@ -72,6 +72,23 @@ TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
   }
 }
 
+// After a commit whose row 0 the device skips (got) and the CPU reference without that row's fault (ref), from the
+// pool `before`: one more error counted, row 0's slot untouched, the other written slots as the reference's.
+void expect_row0_skipped(const Problem& before, const Problem& got, const Problem& ref, CommitSource src,
+                         DType state) {
+  const std::string name = std::string(src == CommitSource::kCache ? "from the cache" : "by recompute") + ", state " +
+                           dtype_name(state);
+  EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 1) << name;
+  const int64_t slot0 = before.as<int32_t>("state_indices")[0];
+  ASSERT_GE(slot0, 0) << name;
+  EXPECT_TRUE(Identical("row 0's slot (skipped)", got.read_state("state", slot0), before.read_state("state", slot0)))
+      << name;
+  std::vector<int64_t> others;
+  for (int64_t s : before.written_pool_slots_commit())
+    if (s != slot0) others.push_back(s);
+  EXPECT_TRUE(SlotsClose(got, ref, others, state_tolerance(OpFamily::kStep, before.config().state_dtype))) << name;
+}
+
 // A tree commit whose path for row 0 is made of valid token indices that do not follow parent[]: on the
 // device, the row is skipped and counted, from the cache and by recompute.
 TEST(CommitGpu, TreePathThatIsNotAPathSkippedAndCountedSanitize) {
@@ -95,16 +112,7 @@ TEST(CommitGpu, TreePathThatIsNotAPathSkippedAndCountedSanitize) {
     GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("accepted_path"), bad_path, sizeof(bad_path), cudaMemcpyHostToDevice));
     commit(got.commit_params(src, dev.resolver()), {Backend::kCUDA, dev.stream()});
     dev.download(got);
-    const std::string name = std::string(src == CommitSource::kCache ? "from the cache" : "by recompute") + ", state " +
-                             dtype_name(state);
-    EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 1) << name;
-    const int64_t slot0 = p.as<int32_t>("state_indices")[0];
-    EXPECT_TRUE(Identical("row 0's slot (skipped)", got.read_state("state", slot0), p.read_state("state", slot0)))
-        << name;
-    std::vector<int64_t> others;
-    for (int64_t s : p.written_pool_slots_commit())
-      if (s != slot0) others.push_back(s);
-    EXPECT_TRUE(SlotsClose(got, ref, others, state_tolerance(OpFamily::kStep, p.config().state_dtype))) << name;
+    expect_row0_skipped(p, got, ref, src, state);
   }
 }
 
@@ -136,17 +144,7 @@ TEST(CommitGpu, ChainPathThatIsNotItsPrefixSkippedAndCountedSanitize) {
     commit(cp, {Backend::kCUDA, dev.stream()});
     dev.download(got);
     GDNKIT_TEST_CUDA(cudaFree(d_path));
-    const std::string name = std::string(src == CommitSource::kCache ? "from the cache" : "by recompute") + ", state " +
-                             dtype_name(state);
-    EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 1) << name;
-    const int64_t slot0 = p.as<int32_t>("state_indices")[0];
-    ASSERT_GE(slot0, 0) << name;
-    EXPECT_TRUE(Identical("row 0's slot (skipped)", got.read_state("state", slot0), p.read_state("state", slot0)))
-        << name;
-    std::vector<int64_t> others;
-    for (int64_t s : p.written_pool_slots_commit())
-      if (s != slot0) others.push_back(s);
-    EXPECT_TRUE(SlotsClose(got, ref, others, state_tolerance(OpFamily::kStep, p.config().state_dtype))) << name;
+    expect_row0_skipped(p, got, ref, src, state);
   }
 }
 

@@ -1,4 +1,4 @@
-// The CUDA prefill's choices (heuristics.h). The thresholds are H100 measurements on the qwen3-next heads;
+// The CUDA prefill's choices (heuristics.h). The thresholds are H100 and H200 measurements on the qwen3-next heads;
 // docs/design/prefill.md gives them.
 #include "cuda/prefill/heuristics.h"
 
@@ -92,8 +92,8 @@ bool head_tensor_maps_ok(const PrefillParams& p) {
 
 // The longest sequence on which the recurrent kernels beat the chunked ones (1024 sequences of L tokens): their
 // math grows with the tokens (the chain kernel by steps of 8), the chunked kernels' time per sequence does not. The
-// chain kernel on tensor cores (K-last, bf16 inputs) reaches further than the warp kernel, and on the warp kernel a
-// 16-bit pool (half the state bytes) further than fp32; float8_e4m3 pools run the warp kernel's block scales.
+// chain kernel on tensor cores (K-last, bf16 inputs) reaches 16 tokens on every pool it takes; the warp kernel 16 on a
+// 16-bit pool (half the state bytes), 8 on fp32 and on float8_e4m3 (its block scales).
 int short_len_default(const PrefillParams& p) {
   if (p.state.dtype == DType::kFloat8E4M3) return 8;
   if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return 16;

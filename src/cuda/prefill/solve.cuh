@@ -98,7 +98,7 @@ __device__ __forceinline__ void store_token_factors(float* f, const float* gc, c
 }
 
 // Element (i0 + di, j) of the solve's fp32 A / T ([64][kSolveLd], Af below), for i0 a multiple of 8: rows 72 floats
-// (8 banks) apart, those with bit 2 set starting 8 floats further on (in the 8 spare floats of the row before), so
+// (8 banks) apart, those with bit 2 set starting 8 floats into theirs (their 64 floats end at the row's end), so
 // that a warp's row-fragment pairs (rows r, columns 2q) and its column reads (rows 2q, column r) both hit 32 distinct
 // banks. The skew comes from di alone and the column adds to it: a lane's offsets are one base plus constants.
 __device__ __forceinline__ int solve_at(int i0, int di, int j) {

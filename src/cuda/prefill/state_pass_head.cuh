@@ -292,7 +292,8 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
   if constexpr (kCpMode != 1)
     clock = head_checkpoint_clock(p, plan, sq, kCpMode == 2 ? seg.first_chunk : 0, kCpMode == 2 ? seg.seq : -1);
   // Checkpoints by bulk copies (Plan::checkpoint_bulk) in the wgmma builds of one state warpgroup or beside a prep
-  // warpgroup; the other two-warpgroup build runs sequences of a few chunks, and ptxas spills its loop with them.
+  // warpgroup; the other two-warpgroup build (only by the override) keeps per-thread stores: ptxas spills its loop
+  // with the bulk path.
   constexpr bool kCheckpointBulk = kWgmma && (kMWarpgroup || S::kWarps == 4);
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
   const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition,
