@@ -214,14 +214,15 @@ INSTANTIATE_TEST_SUITE_P(Batches, DecodeTest, ::testing::ValuesIn(batch_cases())
 INSTANTIATE_TEST_SUITE_P(Sanitize, DecodeTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// fp16 pools with bf16 q and k far past fp16's range (x 2^20): the tensor-core kernel scales them by a power of two
-// of their norm before rounding them to fp16; without it they would round to infinity. The L2 norm makes the
-// outputs those of unscaled inputs.
+// fp16 pools with bf16 q and k far past fp16's range (x 2^20) or far below its normal range (x 2^-20): the
+// tensor-core kernel scales them by a power of two of their norm before rounding them to fp16; without it they would
+// round to infinity, or to fp16's subnormals (few bits) and zero.
 TEST(DecodeGpu, Fp16PoolBf16InputsPastFp16Range) {
   int seed = 450;
+  for (int scale : {20, -20})
   for (int K : {64, 128})
     for (int batch : {1, 4}) {
-      SCOPED_TRACE("K=" + std::to_string(K) + " B=" + std::to_string(batch));
+      SCOPED_TRACE("K=" + std::to_string(K) + " B=" + std::to_string(batch) + " x 2^" + std::to_string(scale));
       ProblemConfig c;
       c.op = OpKind::kDecode;
       c.batch = batch, c.padding_rows = batch >= 2 ? 1 : 0;
@@ -233,7 +234,7 @@ TEST(DecodeGpu, Fp16PoolBf16InputsPastFp16Range) {
         Buffer& b = p.buffer(name);
         const int64_t n = int64_t(b.bytes.size()) / dtype_size(c.in_dtype);
         for (int64_t i = 0; i < n; ++i)
-          host::store(b.bytes.data(), c.in_dtype, i, std::ldexp(host::load(b.bytes.data(), c.in_dtype, i), 20));
+          host::store(b.bytes.data(), c.in_dtype, i, std::ldexp(host::load(b.bytes.data(), c.in_dtype, i), scale));
       }
       check_decode(p);
     }
