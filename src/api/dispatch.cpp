@@ -29,16 +29,20 @@ constexpr const char* kFp8Cuda =
     ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, verify, commit and "
     "prefill, all K-last, V-last pools and caches in verify and commit, and V-last pools in decode with K in {64, 128} "
     "and V in {128, 256}";
-void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const char* got = "") {
+// Refuses a float8_e4m3 buffer where no CUDA kernel takes it; got() (what the call has) is formed only then, so that
+// the calls that pass build no message.
+template <class Got>
+void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const Got& got) {
   if (data != nullptr && dtype == DType::kFloat8E4M3)
     throw Error(ErrorCode::kNotImplemented,
-                std::string(name) + kFp8Cuda + got + " (the CPU backend runs every op)");
+                std::string(name) + kFp8Cuda + got() + " (the CPU backend runs every op)");
 }
+const auto kGotVLast = [] { return std::string(", got V-last"); };
 void require_cuda_states(const DecodeParams& p) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   if (p.state.layout != StateLayout::kKLast && !((K == 64 || K == 128) && (V == 128 || V == 256)))
     refuse_cuda_fp8("state", p.state.data, p.state.dtype,
-                    (", got V-last with K = " + std::to_string(K) + ", V = " + std::to_string(V)).c_str());
+                    [&] { return ", got V-last with K = " + std::to_string(K) + ", V = " + std::to_string(V); });
 }
 void require_cuda_states(const VerifyParams&) {}  // and CommitParams: every dtype, both layouts
 void require_cuda_states(const PrefillParams& p) {
@@ -47,17 +51,16 @@ void require_cuda_states(const PrefillParams& p) {
   const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) &&
                          p.heads.head_dim_k <= 128 && (p.heads.head_dim_v == 64 || p.heads.head_dim_v == 128);
   const bool takes = head_pass || p.heads.head_dim_k >= 128;
-  // the message only where a call is refused: nothing built on the calls that pass
   const auto head_pass_only = [&] {
     return ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}, got " +
            std::string(dtype_name(p.q.dtype)) + " inputs, V = " + std::to_string(p.heads.head_dim_v);
   };
-  if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, ", got V-last");
-  if (!takes) refuse_cuda_fp8("state", p.state.data, p.state.dtype, head_pass_only().c_str());
+  if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, kGotVLast);
+  if (!takes) refuse_cuda_fp8("state", p.state.data, p.state.dtype, head_pass_only);
   if (p.checkpoint_interval <= 0) return;
   if (p.checkpoints.layout != StateLayout::kKLast)
-    refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, ", got V-last");
-  if (!takes) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, head_pass_only().c_str());
+    refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, kGotVLast);
+  if (!takes) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, head_pass_only);
 }
 void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
 void require_cuda_states(const SplitPrefillParams& p) { require_cuda_states(p.local); }
