@@ -71,6 +71,7 @@ struct Options {
   int solo_min_batch = -1;       // A/B switch: fp32 K-last decode in one-warp CTAs from this batch (0: never)
   int prep_warpgroup = -1;       // A/B switch: prefill's prep warpgroup (0 off, 1 M, 2 the whole prep)
   int chunk_flags = -1;          // A/B switch: prefill's pass waiting per chunk (0: for the chunk prep's grid)
+  int persistent_pass = -1;      // A/B switch: prefill's prep-warpgroup pass persistent (1) or a CTA per item (0)
   int prep_parts = 0;            // A/B switch: chunk prep CTAs per (chunk slot, q/k head) (0: the heuristic)
   int short_max_len = -1;        // A/B switch: prefill's longest sequence on the recurrent kernels (0: none)
   int prefill_vtile = 0;         // A/B switch: prefill's tiled state pass with this value tile (0: the heuristic)

@@ -77,6 +77,8 @@ bench options:
                              instead of the library's choice
   --chunk-flags N            A/B switch: prefill's head pass waits for the chunk prep's grid (0) or for each chunk's
                              flag wherever its producer can (1), instead of the library's choice
+  --persistent-pass N        A/B switch: prefill's head pass with the prep warpgroup as one CTA per (sequence, value
+                             head) (0) or as one CTA per SM taking them in turn (1), instead of the library's choice
   --prep-parts N             A/B switch: prefill's chunk prep in N CTAs per (chunk, q/k head), each a share of
                              the GVA group's value heads (N divides HV / H), instead of the library's choice
   --short-max-len N          A/B switch: prefill's sequences of at most N tokens on the recurrent kernels (0: none),
@@ -223,6 +225,8 @@ Options parse_bench(int argc, char** argv, int first) {
       o.prep_warpgroup = int_list(a, value(i), 0, 2).front();
     } else if (a == "--chunk-flags") {
       o.chunk_flags = int_list(a, value(i), 0, 1).front();
+    } else if (a == "--persistent-pass") {
+      o.persistent_pass = int_list(a, value(i), 0, 1).front();
     } else if (a == "--prep-parts") {
       o.prep_parts = int_list(a, value(i), 1, 64).front();
     } else if (a == "--short-max-len") {

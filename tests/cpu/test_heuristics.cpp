@@ -678,15 +678,20 @@ TEST(PrefillHeuristics, CheckpointClockMatchesTheRule) {
 }
 
 // The head pass's producer waits for each chunk's flag instead of the chunk prep's grid beside the prep warpgroup for
-// sequences of a mean of at most 2048 tokens (8x1024, 4x2048; not 8x8192, nor the head split's 1x8192), wherever a
-// producer can with the override (the head split too), never under context parallelism or without PDL; off by the
-// override.
+// sequences of a mean of at most 2048 tokens (8x1024 with one CTA per item, 4x2048; not 8x8192, nor the head split's
+// 1x8192, nor the persistent pass), wherever a producer can with the override (the head split too), never under
+// context parallelism or without PDL; off by the override.
 TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
   PrefillCall eight({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024});
-  auto c = chunked_prefill::choose_prefill(eight.p, kSms, {});
+  Overrides per_item;  // one CTA per (sequence, value head)
+  per_item.prefill_persistent = 0;
+  auto c = chunked_prefill::choose_prefill(eight.p, kSms, per_item);
   EXPECT_TRUE(c.m_warpgroup);
   EXPECT_TRUE(c.chunk_flags);
-  Overrides off;
+  c = chunked_prefill::choose_prefill(eight.p, kSms, {});  // the persistent pass waits for the prep's grid
+  EXPECT_TRUE(c.persistent_pass);
+  EXPECT_FALSE(c.chunk_flags);
+  Overrides off = per_item;
   off.prefill_chunk_flags = 0;
   EXPECT_FALSE(chunked_prefill::choose_prefill(eight.p, kSms, off).chunk_flags);
   PrefillCall four({2048, 2048, 2048, 2048});
@@ -703,7 +708,7 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
   on.prefill_chunk_flags = 1;
   EXPECT_TRUE(chunked_prefill::choose_prefill(one.p, kSms, on).chunk_flags);
   PrefillCall short_seqs(std::vector<int64_t>(64, 128));  // 2048 CTAs: the pass launches after the prep
-  c = chunked_prefill::choose_prefill(short_seqs.p, kSms, {});
+  c = chunked_prefill::choose_prefill(short_seqs.p, kSms, per_item);
   EXPECT_TRUE(c.m_warpgroup);
   EXPECT_FALSE(c.early_state_pass);
   EXPECT_FALSE(c.chunk_flags);
@@ -711,8 +716,46 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
   c = chunked_prefill::choose_prefill(cp.p, kSms, {});
   EXPECT_GT(c.cp_segment_len, 0);
   EXPECT_FALSE(c.chunk_flags);
-  PrefillCall many(std::vector<int64_t>(8192, 32));  // no PDL
+  PrefillCall many(std::vector<int64_t>(8192, 32));  // no PDL; persistent: PDL, the prep's grid
+  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, per_item).chunk_flags);
   EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, {}).chunk_flags);
+}
+
+// The prep warpgroup's pass runs persistent (one CTA per SM taking the items in turn) where its (sequence, value head)
+// items outnumber the SMs and the sequences are a mean of at most 1024 tokens (8192x32, 1024x64, 8x1024; not 8x8192
+// nor 4x2048's one wave), launched early behind the prep (its grid is one CTA per SM); by the override wherever that
+// build runs on whole sequences: not beside the fused prep, under context parallelism, without the prep warpgroup,
+// or where only the chunk prep runs.
+TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
+  PrefillCall many(std::vector<int64_t>(8192, 32));
+  auto c = chunked_prefill::choose_prefill(many.p, kSms, {});
+  EXPECT_TRUE(c.m_warpgroup);
+  EXPECT_TRUE(c.persistent_pass);
+  EXPECT_TRUE(c.early_state_pass);
+  EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(1024, 64)).p, kSms, {}).persistent_pass);
+  EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 1024)).p, kSms, {}).persistent_pass);
+  PrefillCall batch(std::vector<int64_t>(8, 8192));
+  EXPECT_FALSE(chunked_prefill::choose_prefill(batch.p, kSms, {}).persistent_pass);
+  EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(4, 2048)).p, kSms, {}).persistent_pass);
+  Overrides on;
+  on.prefill_persistent = 1;
+  EXPECT_TRUE(chunked_prefill::choose_prefill(batch.p, kSms, on).persistent_pass);
+  Overrides off;
+  off.prefill_persistent = 0;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, off).persistent_pass);
+  Overrides fused;
+  fused.prefill_m_warpgroup = 2;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, fused).persistent_pass);
+  Overrides none;
+  none.prefill_m_warpgroup = 0;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, none).persistent_pass);
+  Overrides prep_alone;
+  prep_alone.prefill_stages = chunked_prefill::kStagePrep;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, prep_alone).persistent_pass);
+  PrefillCall cp({65536}, 2, 8);
+  c = chunked_prefill::choose_prefill(cp.p, kSms, {});
+  EXPECT_GT(c.cp_segment_len, 0);
+  EXPECT_FALSE(c.persistent_pass);
 }
 
 // The chunk prep takes several CTAs per (chunk, q/k head), each a share of the GVA group, where the grid then still
@@ -757,11 +800,18 @@ TEST(PrefillHeuristics, ChunkPrepInPartsWhereTheGridIsShort) {
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8.p, kSms, pass_only).prep_parts, 1);
 }
 
+// A pass of one CTA per (sequence, value head) launches after the prep where its CTAs are many; the persistent pass
+// (one CTA per SM) launches early behind it.
 TEST(PrefillHeuristics, ManyCtasLaunchAfterThePrep) {
   PrefillCall call(std::vector<int64_t>(8192, 32));  // 262144 (sequence, head) CTAs
-  const auto c = chunked_prefill::choose_prefill(call.p, kSms, {});
+  Overrides per_item;
+  per_item.prefill_persistent = 0;
+  auto c = chunked_prefill::choose_prefill(call.p, kSms, per_item);
   EXPECT_FALSE(c.early_state_pass);
   EXPECT_EQ(c.short_len, 0);  // 32 tokens is past the reach (16)
+  c = chunked_prefill::choose_prefill(call.p, kSms, {});
+  EXPECT_TRUE(c.persistent_pass);
+  EXPECT_TRUE(c.early_state_pass);
 }
 
 TEST(PrefillHeuristics, ShortSequencesOnTheRecurrentKernels) {

@@ -76,6 +76,8 @@ struct Case {
   int cp = -1;
   // ... each cut sequence's first segment's final pass beside the local pass (1) or after the scan (0); -1 the choice's
   int first_final = -1;
+  // > 0: the persistent pass on this many CTAs (each then runs many items through its stages); 0 the library's grid
+  int pass_ctas = 0;
 };
 
 ProblemConfig base(std::vector<int32_t> lens, int H = 2, int HV = 4, int K = 128, int V = 128) {
@@ -92,8 +94,9 @@ constexpr int kShortOnly = -100;
 
 // The library's entry under the overrides a case asks for (0 / -1: the heuristics' choice).
 cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux, int cp = -1, int flags = -1,
-                               int first_final = -1, int prep_parts = 0) {
+                               int first_final = -1, int prep_parts = 0, int pass_ctas = 0) {
   cuda::Overrides o;
+  if (pass_ctas > 0) o.prefill_persistent = 1, o.prefill_persistent_ctas = pass_ctas;
   o.prefill_prep_parts = prep_parts;
   o.prefill_cp_segment_len = cp;
   o.prefill_cp_first_final = first_final;
@@ -107,9 +110,15 @@ cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux
 }
 
 void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1,
-             int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0) {
+             int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0, int pass_ctas = 0) {
   const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-  const cuda::Overrides o = case_overrides(vtile, head_split, short_len, aux, cp, flags, first_final, prep_parts);
+  const cuda::Overrides o =
+      case_overrides(vtile, head_split, short_len, aux, cp, flags, first_final, prep_parts, pass_ctas);
+  // A case that asks for the persistent pass on few CTAs must get it.
+  if (pass_ctas > 0) {
+    EXPECT_TRUE(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).persistent_pass)
+        << "the persistent pass would not run";
+  }
   // A case that asks for the chunk prep in parts must get them.
   if (prep_parts > 0) {
     EXPECT_EQ(cuda::chunked_prefill::choose_prefill(p, cuda::device_sms(), o).prep_parts, prep_parts);
@@ -147,12 +156,12 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
 
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
 void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1, int aux = -1,
-                   int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0) {
+                   int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0, int pass_ctas = 0) {
   Problem ref = before, got = before;
   prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
   {
     DeviceProblem dev(got);
-    run_gpu(got, dev, vtile, head_split, short_len, aux, cp, flags, first_final, prep_parts);
+    run_gpu(got, dev, vtile, head_split, short_len, aux, cp, flags, first_final, prep_parts, pass_ctas);
   }
   check_prefill_results(before, got, ref);
 }
@@ -350,6 +359,41 @@ std::vector<Case> shape_cases() {
     c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
     c.same_slot = true;
     add(c, "f8tiled");
+  }
+  // The persistent pass on one to three CTAs, so that each runs many items through its stages' ring: varlen batches
+  // with empty sequences (items of no chunk), sequences from zero beside pool states (items with and without the
+  // initial state's ring position), without a final slot, checkpoints at a last chunk beside the final state, fp32,
+  // bf16, float8_e4m3 and V-last pools, short-path sequences skipped, no L2 norm.
+  {
+    const int head = cuda::chunked_prefill::kVTileHead;
+    auto persistent = [&](ProblemConfig c, const std::string& tag, int ctas, int short_len = 0) {
+      c.seed = 2000 + i++;
+      Case x{case_name(c, tag + "_pers" + std::to_string(ctas)), c, head, 1, short_len, 1};
+      x.pass_ctas = ctas;
+      out.push_back(x);
+    };
+    std::mt19937 gen(7);
+    std::vector<int32_t> lens(300);
+    for (int32_t& x : lens) x = int32_t(gen() % 91);
+    ProblemConfig c = base(lens, 1, 2);
+    c.zero_initial_rows = 40, c.no_final_rows = 20;
+    persistent(c, "many", 1);
+    persistent(c, "many_short", 3, -1);
+    c = base({5, 0, 1000, 64, 129, 1, 300, 0, 17}, 1, 2);
+    c.checkpoint_interval = 64, c.slot_pad = 16;
+    persistent(c, "mixed_ckpt", 3);
+    c.cache_dtype = DType::kBFloat16, c.state_dtype = DType::kBFloat16, c.same_slot = true;
+    persistent(c, "mixed_ckpt", 1);
+    c = base({700, 64, 333, 0, 65}, 2, 4);
+    c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
+    c.slot_pad = 32;
+    persistent(c, "f8", 2);
+    c = base({130, 64, 1, 0, 257, 40}, 1, 4);
+    c.layout = StateLayout::kVLast, c.zero_initial_rows = 2;
+    persistent(c, "vlast", 2);
+    c = base({130, 64, 1, 0, 257, 40}, 2, 4);
+    c.use_qk_l2norm = false, c.gate_mode = GateMode::kGiven, c.in_dtype = DType::kFloat16;
+    persistent(c, "nol2", 1);
   }
   // Checkpoints by bulk copies through a stage (head_state_io.cuh store_head_checkpoint_bulk) beside the prep
   // warpgroup, fp32 (two rounds a warpgroup) and bf16, one at a sequence's last chunk beside its final state; the
@@ -593,7 +637,8 @@ class PrefillTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(PrefillTest, MatchesCpuReference) {
   const Case& c = GetParam();
-  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len, c.aux, c.cp, -1, c.first_final);
+  check_prefill(make_problem(c.cfg), c.vtile, c.head_split, c.short_len, c.aux, c.cp, -1, c.first_final, 0,
+                c.pass_ctas);
 }
 
 INSTANTIATE_TEST_SUITE_P(Axes, PrefillTest, ::testing::ValuesIn(axes_cases()),

@@ -32,6 +32,9 @@ struct Overrides {
   int prefill_prep_parts = 0;       // chunk prep CTAs per (chunk slot, q/k head), a divisor of HV / H
   int prefill_chunk_flags = -1;     // the head pass waits for each chunk's flag instead of the chunk prep's grid: 0 off,
                                     // 1 wherever its producer can
+  int prefill_persistent = -1;      // the prep warpgroup's head pass as one CTA per SM taking (sequence, value head)
+                                    // items in turn: 0 off (a CTA per item), 1 wherever that build runs
+  int prefill_persistent_ctas = 0;  // ... its CTAs (0: one per SM)
 };
 
 // The process-wide overrides the backend reads on every call (host/device.cpp). Tests and the bench set them

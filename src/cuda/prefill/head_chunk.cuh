@@ -89,6 +89,11 @@ struct HeadStateWarps {
   // kProducer: per warpgroup and stage, the mbarrier on which its 128 threads hand a full chunk's staged o to the
   // producer, which stores it
   uint64_t* o_bars;
+  // The persistent pass: the ring position of chunk 0 (chunk c's stage is (ring0 + c) % kStages), and whether the CTA
+  // ran chunks before this item (the warpgroups' P/Q turns run on across items: warpgroup 1 hands every chunk's turn
+  // on, and warpgroup 0 takes the last one when the CTA ends)
+  uint32_t ring0 = 0;
+  bool ran_before = false;
 
   __device__ __forceinline__ HeadStateWarps(const PrefillParams& p_, const Plan& plan_, const HeadCoords& at_,
                                             int64_t start_, float* s_rq_, const CUtensorMap* o_map_,
@@ -128,7 +133,7 @@ struct HeadStateWarps {
     [[maybe_unused]] const int wg = at.warp / 4;
     if constexpr (S::kMWarpgroup) {
       if (wg == 1) named_barrier_sync(kPqTurnBarrier + 1, 2 * kThreads);
-      else if (c > 0) named_barrier_sync(kPqTurnBarrier, 2 * kThreads);
+      else if (ran_before || c > 0) named_barrier_sync(kPqTurnBarrier, 2 * kThreads);
     }
     pq_products<kFull>(b, s, pk, qo, mk, ks_b, qs_b, dk, dq, L);
 
@@ -143,7 +148,7 @@ struct HeadStateWarps {
     }
     if constexpr (S::kMWarpgroup) {
       if (wg == 0) named_barrier_arrive(kPqTurnBarrier + 1, 2 * kThreads);
-      else if (c + 1 < nchunks) named_barrier_arrive(kPqTurnBarrier, 2 * kThreads);
+      else if (S::kPersistent || c + 1 < nchunks) named_barrier_arrive(kPqTurnBarrier, 2 * kThreads);
     }
 
     // ---- X^T = v^T - P^T diag(ek), packed as the A operand of the next product (k-step = 16 tokens)
@@ -398,7 +403,7 @@ struct HeadStateWarps {
       const int wg = at.warp / 4;
       fence_proxy_async();  // the staged rows are read by the TMA unit
       if constexpr (S::kProducer) {
-        mbarrier_arrive(&o_bars[wg * kStages + c % kStages]);
+        mbarrier_arrive(&o_bars[wg * kStages + (ring0 + uint32_t(c)) % kStages]);
         return;
       }
       named_barrier_sync(kOStoreBarrier + wg, 128);
@@ -416,6 +421,8 @@ struct HeadStateWarps {
         *reinterpret_cast<uint4*>(oc + 16 * u * p.o.token_stride) =
             *reinterpret_cast<const uint4*>(&b.vs[o_staged + u * int(kVRow16 / 2)]);
     }
+    // the persistent pass's producer waits on every ring position's o hand-over, storing the full chunks'
+    if constexpr (S::kPersistent) mbarrier_arrive(&o_bars[at.warp / 4 * kStages + (ring0 + uint32_t(c)) % kStages]);
   }
 
   // ---- the mma.sync build: S^T = e^{g_last} S^T + vd^T k   (B = k rows [token][k]: .trans)

@@ -64,14 +64,18 @@ constexpr int kPrepBarrier = 2, kOStoreBarrier = 3, kCheckpointBarrier = 7, kZer
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
 // wgmma build; kMWarpgroup a prep and a producer warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode
 // 0 whole sequences, 1 the context-parallel local pass, 2 its final pass (context_parallel.cuh); kFusedPrep the prep
-// warpgroup forms the whole chunk prep (Plan::fused_prep).
+// warpgroup forms the whole chunk prep (Plan::fused_prep); kPersistent one CTA per SM taking (sequence, value head)
+// items in turn (Plan::pass_ticket; state_pass_head.cuh head_pass_persistent_cta).
 template <int K_, int V_, int kSplit_, class Op_, bool kWgmma_, bool kMWarpgroup_, int kCpMode_ = 0,
-          bool kFusedPrep_ = false>
+          bool kFusedPrep_ = false, bool kPersistent_ = false>
 struct HeadPass {
   static constexpr int K = K_, V = V_, kSplit = kSplit_, kCpMode = kCpMode_;
   using Op = Op_;
   static constexpr bool kWgmma = kWgmma_, kMWarpgroup = kMWarpgroup_, kFusedPrep = kFusedPrep_;
+  static constexpr bool kPersistent = kPersistent_;
   static_assert(!kFusedPrep || (kMWarpgroup && kCpMode == 0), "the fused prep: the prep warpgroup, whole sequences");
+  static_assert(!kPersistent || (kMWarpgroup && kCpMode == 0 && !kFusedPrep),
+                "the persistent pass: the prep warpgroup forming M, whole sequences");
   static constexpr int kCols = V / kSplit, kWarps = kCols / 16, kThr = kWarps * 32;  // the state warps
   static constexpr int KT = K / 8;  // n8 tiles of S^T (the K dimension)
   // A producer warp beside the one state warpgroup of the wgmma build (head_pass_load_warp) issues its loads and o

@@ -199,25 +199,75 @@ __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4]
   }
 }
 
-// The wgmma build, K-last (Plan::checkpoint_bulk): S to checkpoint entry j by bulk copies through the k and q rows of
-// stage b, the chunk's that every state thread has just finished (the builds issue its next loads only after the
-// copies read it: beside a producer the caller releases the stage after this). Two state warpgroups meet first and
-// take the k rows (warpgroup 0) and the q rows (1), in rounds; one takes both.
+// The wgmma build, K-last: S of head at.h to the state at element offset `offset` of `base` (dtype dt; float8_e4m3:
+// the slot's block scales at `scales`) by bulk copies through the k and q rows of stage b, the chunk's that every state
+// thread has just finished (the builds issue its next loads only after the copies read it: beside a producer the
+// caller releases the stage after this). Two state warpgroups meet first and take the k rows (warpgroup 0) and the q
+// rows (1), in rounds; one takes both.
 template <class S>
-__device__ __forceinline__ void store_head_checkpoint_bulk(const float (&s)[S::KT][4], const PrefillParams& p,
-                                                           const HeadCoords& at, const SeqSlots& sq, int64_t j,
-                                                           typename S::Stage& b) {
+__device__ __forceinline__ void store_head_state_through(const float (&s)[S::KT][4], const HeadCoords& at,
+                                                         typename S::Stage& b, void* base, uint8_t* scales, DType dt,
+                                                         int64_t offset) {
   constexpr bool kTwo = S::kWarps == 8;
   constexpr uint32_t kBufBytes = kTwo ? sizeof(b.ks) : sizeof(b.ks) + sizeof(b.qs);
   const int wg = at.tid / kThreads;
   named_barrier_sync(kTwo ? kCheckpointBarrier : kOStoreBarrier, S::kThr);
-  const DType dt = p.checkpoints.dtype;
   const int64_t first = int64_t(at.h) * S::K * S::V + int64_t(at.v0 + 64 * wg) * S::K;  // the warpgroup's rows
-  char* const rows = static_cast<char*>(p.checkpoints.data) +
-                     (head_checkpoint_entry<S>(p, sq, at.HV, j) + first) * dtype_bytes(dt);
-  uint8_t* const scales =
-      dt == DType::kFloat8E4M3 ? head_checkpoint_scales<S>(p, sq, at.HV, j) + first / kFp8Block : nullptr;
-  store_head_rows_bulk<S, kBufBytes>(s, at, kTwo && wg == 1 ? b.qs : b.ks, rows, scales, dt, kOStoreBarrier + wg);
+  store_head_rows_bulk<S, kBufBytes>(s, at, kTwo && wg == 1 ? b.qs : b.ks,
+                                     static_cast<char*>(base) + (offset + first) * dtype_bytes(dt),
+                                     scales != nullptr ? scales + first / kFp8Block : nullptr, dt, kOStoreBarrier + wg);
+}
+
+// ... to checkpoint entry j (Plan::checkpoint_bulk).
+template <class S>
+__device__ __forceinline__ void store_head_checkpoint_bulk(const float (&s)[S::KT][4], const PrefillParams& p,
+                                                           const HeadCoords& at, const SeqSlots& sq, int64_t j,
+                                                           typename S::Stage& b) {
+  const DType dt = p.checkpoints.dtype;
+  store_head_state_through<S>(s, at, b, p.checkpoints.data,
+                              dt == DType::kFloat8E4M3 ? head_checkpoint_scales<S>(p, sq, at.HV, j) : nullptr, dt,
+                              head_checkpoint_entry<S>(p, sq, at.HV, j));
+}
+
+// S from the initial slot sq.islot by this thread's own loads (paired where Plan::state_pairs; zero without a slot).
+template <class S>
+__device__ __forceinline__ void load_head_state_regs(float (&s)[S::KT][4], const PrefillParams& p, const Plan& plan,
+                                                     const HeadCoords& at, const SeqSlots& sq) {
+  constexpr int K = S::K, V = S::V;
+  if (sq.islot >= 0 && p.state.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
+    load_head_state_e4m3<S>(
+        s, at, static_cast<const uint8_t*>(p.state.data) + int64_t(sq.islot) * p.state.slot_stride + int64_t(at.h) * K * V,
+        p.state.scales + (int64_t(sq.islot) * at.HV + at.h) * (K * V / kFp8Block));
+    return;
+  }
+  const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
+#pragma unroll
+  for (int j = 0; j < S::KT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      float2 x = make_float2(0.0f, 0.0f);
+      if (sq.islot >= 0 && plan.state_pairs) {
+        x = load_state_pair(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e));
+      } else if (sq.islot >= 0) {
+        x.x = load_state_elem(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e));
+        x.y = load_state_elem(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e + 1));
+      }
+      s[j][e] = x.x;
+      s[j][e + 1] = x.y;
+    }
+}
+
+// S to the final slot `fslot` by this thread's own stores.
+template <class S>
+__device__ __forceinline__ void store_head_state_regs(const float (&s)[S::KT][4], const PrefillParams& p,
+                                                      const Plan& plan, const HeadCoords& at, int fslot) {
+  constexpr int K = S::K, V = S::V;
+  const int64_t offset = int64_t(fslot) * p.state.slot_stride, head = int64_t(at.h) * K * V;
+  if (p.state.dtype == DType::kFloat8E4M3)
+    store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(p.state.data) + offset + head,
+                             p.state.scales + int64_t(fslot) * at.HV * (K * V / kFp8Block) + head / kFp8Block);
+  else
+    store_head_state<S>(s, p, at, p.state.data, p.state.dtype, offset, plan.state_pairs);
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -62,6 +62,9 @@ struct PrefillChoice {
   // ... and waits for each chunk's flag (the chunk prep counts its q/k heads) instead of the prep's grid: the head
   // pass's builds with a producer (the prep warpgroup's, or the producer warp's), whole sequences
   bool chunk_flags = false;
+  // The prep warpgroup's build as persistent CTAs, one per SM, each taking (sequence, value head) items from a counter
+  // in turn, the producer loading the next item's state and chunks while the current one runs (whole sequences)
+  bool persistent_pass = false;
   int stages = kStagesAll;
   // > 0: the context-parallel path (context_parallel.cuh) with sequences cut into segments of this many tokens
   int64_t cp_segment_len = 0;

@@ -179,11 +179,9 @@ struct SeqSlots {
 // alone. A bad sequence (cu_seqlens out of order or past total_tokens),
 // or one with an initial, final or checkpoint slot past its buffer, is skipped as the CPU reference
 // does: counted once in error_flag (by the CTA with `counter`), and for a bad slot its o columns
-// [v0, v0 + vt) of head h are zeroed by this CTA's kThreadsPerCta threads. Returns false when skipped.
-template <int kThreadsPerCta>
-__device__ __forceinline__ bool begin_sequence(const PrefillParams& p, const Plan& plan, int n, int h, int v0, int vt,
-                                               bool counter, SeqSlots& s) {
-  const int tid = threadIdx.x;
+// [v0, v0 + vt) of head h are zeroed by threads tid, tid + threads, ... Returns false when skipped.
+__device__ __forceinline__ bool begin_sequence_by(const PrefillParams& p, const Plan& plan, int n, int h, int v0,
+                                                  int vt, bool counter, SeqSlots& s, int tid, int threads) {
   counter = counter && tid == 0 && p.error_flag != nullptr;
   const int64_t start = load_cu(p, n), end = load_cu(p, n + 1);
   if (start < 0 || end < start || end > p.total_tokens) {
@@ -199,7 +197,7 @@ __device__ __forceinline__ bool begin_sequence(const PrefillParams& p, const Pla
   const int64_t P = p.state.num_slots;
   if (s.islot >= P || s.fslot >= P || s.cslot >= p.checkpoints.num_slots) {
     if (counter) atomicAdd(p.error_flag, 1);
-    for (int64_t it = tid; it < s.len * (vt / 2); it += kThreadsPerCta) {
+    for (int64_t it = tid; it < s.len * (vt / 2); it += threads) {
       const int64_t t = start + it / (vt / 2);
       const int col = v0 + int(it % (vt / 2)) * 2;
       store_pair(p.o.data, p.o.dtype, t * p.o.token_stride + h * p.o.head_stride + col, 0.0f, 0.0f, plan.o_pair);
@@ -207,6 +205,12 @@ __device__ __forceinline__ bool begin_sequence(const PrefillParams& p, const Pla
     return false;
   }
   return true;
+}
+// ... by the CTA's kThreadsPerCta threads
+template <int kThreadsPerCta>
+__device__ __forceinline__ bool begin_sequence(const PrefillParams& p, const Plan& plan, int n, int h, int v0, int vt,
+                                               bool counter, SeqSlots& s) {
+  return begin_sequence_by(p, plan, n, h, v0, vt, counter, s, int(threadIdx.x), kThreadsPerCta);
 }
 
 // Element offset of S[k][v] of head h inside a state slot (pool or checkpoint entry).

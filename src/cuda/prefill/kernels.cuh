@@ -58,8 +58,6 @@ void launch_chunk_prep(const PrefillParams& p, const Plan& plan, cudaStream_t st
   constexpr size_t smem = size_t(prep_smem_bytes(K, kM));
   const auto kernel = chunk_prep_kernel<K, Op, kM>;
   allow_dynamic_smem<chunk_prep_kernel<K, Op, kM>>(smem);
-  if (plan.chunk_ready != nullptr)
-    GDNKIT_CUDA_CHECK(cudaMemsetAsync(plan.chunk_ready, 0, size_t(plan.num_slots) * sizeof(uint32_t), stream));
   kernel<<<grid, kThreads, smem, stream>>>(p, plan);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
@@ -76,6 +74,13 @@ template <int K, class Op>
 void launch_op(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages) {
   const bool prep = (stages & kStagePrep) && plan.num_slots > 0 && p.total_tokens > 0;
   if (plan.cp_segment_len > 0) launch_cp_segment_table(p, plan, stream);
+  // the chunk counts and the persistent pass's item counter (contiguous: prefill.cu carve_workspace), zeroed before
+  // both kernels, so that the pass still launches right behind the prep
+  if (plan.chunk_ready != nullptr || plan.pass_ticket != nullptr) {
+    uint32_t* const first = plan.chunk_ready != nullptr ? plan.chunk_ready : plan.pass_ticket;
+    const size_t words = plan.chunk_ready != nullptr ? size_t(plan.num_slots) + (plan.pass_ticket != nullptr) : 1;
+    GDNKIT_CUDA_CHECK(cudaMemsetAsync(first, 0, words * sizeof(uint32_t), stream));
+  }
   if (prep) {
     if (plan.fused_prep)
       launch_gate_prep(p, plan, stream);

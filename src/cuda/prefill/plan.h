@@ -72,6 +72,9 @@ struct Plan {
   // PrefillChoice::chunk_flags: per chunk slot the chunk prep's CTAs that finished (H prep_parts of them; zeroed
   // before it), on which the pass's producer waits chunk by chunk instead of the prep's grid; else null
   uint32_t* chunk_ready = nullptr;
+  // PrefillChoice::persistent_pass: the items the head pass's CTAs took so far (zeroed before the prep), and its grid
+  uint32_t* pass_ticket = nullptr;
+  int32_t pass_ctas = 0;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   // K-last pool with 16-byte aligned slots (and block scales): the wgmma build's final states (beside a prep
   // warpgroup the initial ones too) move by bulk copies through shared memory (state_pass_head.cuh)
@@ -122,9 +125,9 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 // prefill_workspace_bytes): M's region also where the pass forms M, so that the size grows with total_tokens and
 // num_seqs alone.
 size_t workspace_bytes(const PrefillParams& p);
-// The plan's workspace pointers (ws_tprime, ws_masked_qk: null where the pass forms M, ws_factors, and chunk_ready
-// where chunk_flags) in `base`.
-void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags);
+// The plan's workspace pointers (ws_tprime, ws_masked_qk: null where the pass forms M, ws_factors, chunk_ready where
+// chunk_flags, pass_ticket where ticket) in `base`.
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags, bool ticket);
 
 // Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
 template <int K>

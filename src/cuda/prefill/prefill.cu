@@ -29,8 +29,9 @@ size_t t_bytes(const PrefillParams& p) {
 size_t f_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRowsMax * kChunk * 4);
 }
-// A count per chunk slot: the chunk prep's CTAs that finished (H prep_parts of them; Plan::chunk_ready).
-size_t ready_bytes(const PrefillParams& p) { return round_up(size_t(num_chunk_slots(p)) * 4); }
+// A count per chunk slot: the chunk prep's CTAs that finished (H prep_parts of them; Plan::chunk_ready), then the
+// persistent pass's item counter (Plan::pass_ticket).
+size_t ready_bytes(const PrefillParams& p) { return round_up(size_t(num_chunk_slots(p) + 1) * 4); }
 // The regions in order: T', M, the factors, the context-parallel part (cp_workspace_bytes), the counts.
 size_t cp_offset(const PrefillParams& p) { return 2 * t_bytes(p) + f_bytes(p); }
 size_t ready_offset(const PrefillParams& p) { return cp_offset(p) + cp_workspace_bytes(p, overrides()); }
@@ -83,7 +84,7 @@ size_t workspace_bytes(const PrefillParams& p) {
   return ready_offset(p) + ready_bytes(p);
 }
 
-void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags) {
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags, bool ticket) {
   if (base == nullptr) {  // no workspace: no tokens
     plan.ws_tprime = plan.ws_masked_qk = nullptr;
     plan.ws_factors = nullptr;
@@ -94,6 +95,7 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_
   plan.ws_masked_qk = plan.m_in_pass ? nullptr : at + t_bytes(p);
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
   if (chunk_flags) plan.chunk_ready = reinterpret_cast<uint32_t*>(at + ready_offset(p));
+  if (ticket) plan.pass_ticket = reinterpret_cast<uint32_t*>(at + ready_offset(p)) + num_chunk_slots(p);
   if (plan.cp_segment_len > 0) {  // the segment table and its indices, then the three per-segment states
     char* cp = at + cp_offset(p);
     const CpLayout l = cp_layout(p, plan.cp_max_segments, plan.cp_max_states, plan.cp_max_cuts);
@@ -216,7 +218,9 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
                 "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
   Plan plan = make_plan(p, choice);
   void* ws = call_workspace(p, workspace_bytes(p), "prefill_workspace_bytes", stream);
-  carve_workspace(p, ws, plan, choice.chunk_flags);
+  carve_workspace(p, ws, plan, choice.chunk_flags, choice.persistent_pass);
+  if (choice.persistent_pass)
+    plan.pass_ctas = overrides().prefill_persistent_ctas > 0 ? overrides().prefill_persistent_ctas : device_sms();
   if (choice.short_len > 0) prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
   if (K == 64) launch<64>(p, plan, choice.vtile, stream, choice.stages);
   if (K == 128) launch<128>(p, plan, choice.vtile, stream, choice.stages);
@@ -242,7 +246,8 @@ void run_split(const SplitPrefillParams& sp, bool begin, cudaStream_t stream) {
   plan.split_final = p.final_indices != nullptr;
   plan.split_offsets = sp.piece_offsets;
   plan.split_exchange = sp.exchange;
-  carve_workspace(p, call_workspace(p, split_workspace_bytes(sp), "split_prefill_workspace_bytes", stream), plan, false);
+  carve_workspace(p, call_workspace(p, split_workspace_bytes(sp), "split_prefill_workspace_bytes", stream), plan, false,
+                  false);
   if (p.heads.head_dim_k == 64) launch_split<64>(p, plan, begin, stream);
   if (p.heads.head_dim_k == 128) launch_split<128>(p, plan, begin, stream);
 }

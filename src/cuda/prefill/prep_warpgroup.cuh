@@ -166,21 +166,23 @@ __device__ __forceinline__ void prep_store_m(Stage& b, float (&acc)[8][4], const
 // threads arrive on done[c % kStages] (phase parity c / kStages). From chunk kStages on it also waits on
 // done[kStages + c % kStages] (parity c / kStages - 1): every state thread is done with the stage's previous chunk.
 // Without o (kOutputs false: the context-parallel local pass) only the factor rows the state update reads; kNorm:
-// q's L2 norm in rq (the call's use_qk_l2norm).
+// q's L2 norm in rq (the call's use_qk_l2norm). The persistent pass: chunk c at ring position r0 + c (its stage, its
+// parities).
 template <int K, class Op, int kStages, bool kOutputs, bool kNorm, class Stage>
 __device__ __forceinline__ void prep_warpgroup(const Plan& plan, PrepSmem& ps, Stage* stage, uint64_t* full,
-                                               uint64_t* done, int64_t len) {
+                                               uint64_t* done, int64_t len, uint32_t r0 = 0) {
   static_assert(K % 64 == 0, "the k, q rows in 64-column blocks");
   int at = prep_thread_index(), warp = at >> 5, lane = at & 31;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
 
   for (int64_t c = 0; c < nchunks; ++c) {
-    Stage& b = stage[c % kStages];
+    const uint32_t rc = r0 + uint32_t(c);
+    Stage& b = stage[rc % kStages];
     at = prep_thread_index(), warp = at >> 5, lane = at & 31;
     [[maybe_unused]] const int r = lane >> 2, q2 = (lane & 3) * 2;
     const int L = int(min(int64_t(kChunk), len - c * kChunk));
-    if (c >= kStages) mbarrier_wait(&done[kStages + c % kStages], uint32_t(c / kStages - 1) & 1);
-    mbarrier_wait(&full[c % kStages], uint32_t(c / kStages) & 1);
+    if (rc >= kStages) mbarrier_wait(&done[kStages + rc % kStages], (rc / kStages - 1) & 1);
+    mbarrier_wait(&full[rc % kStages], (rc / kStages) & 1);
     __syncwarp();  // every lane's reads of the previous chunk's rq before this chunk's writes
     if (L < kChunk) {
       zero_rows_past<K, Op>(b, L, at, kThreads);
@@ -200,7 +202,7 @@ __device__ __forceinline__ void prep_warpgroup(const Plan& plan, PrepSmem& ps, S
     } else {
       prep_factor_rows<false>(b, ps.rq, &b.sc[kInvNormK * kChunk], L, warp, lane);
     }
-    mbarrier_arrive(&done[c % kStages]);
+    mbarrier_arrive(&done[rc % kStages]);
   }
 }
 
@@ -368,6 +370,167 @@ __device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* 
     }
   }
   if constexpr (kOutputs) bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
+}
+
+// The persistent pass's work items (Plan::pass_ticket): value head h of sequence n with its bounds and slots (n < 0:
+// the CTA's run ends). The producer's first thread takes each from the counter and hands it to the prep and state
+// warps through kItemSlots entries: it writes entry k % kItemSlots and arrives on full[...]; each of the kItemReaders
+// warps arrives on free[...] once its lanes read it (an item may take no ring position: an empty sequence without an
+// initial state moved by a bulk copy).
+struct HeadItem {
+  int n, h;
+  SeqSlots sq;
+};
+constexpr int kItemSlots = 4, kItemReaders = 12;  // the prep warpgroup's 4 warps and the state warpgroups' 8
+struct ItemRing {
+  HeadItem item[kItemSlots];
+  uint64_t full[kItemSlots], free[kItemSlots];
+};
+
+__device__ __forceinline__ HeadItem take_item(ItemRing& ring, int64_t k, int lane) {
+  const int e = int(k % kItemSlots);
+  mbarrier_wait(&ring.full[e], uint32_t(k / kItemSlots) & 1);
+  const HeadItem it = ring.item[e];
+  __syncwarp();
+  if (lane == 0) mbarrier_arrive(&ring.free[e]);
+  return it;
+}
+
+// An item's initial state moves by a bulk copy into a ring position of its own, before its chunks' (Plan::state_bulk).
+__device__ __forceinline__ bool item_state_bulk(const Plan& plan, const HeadItem& it) {
+  return plan.state_bulk && it.sq.islot >= 0;
+}
+
+// Chunk c of an item into stage b, its bytes counted on `bar` (the persistent producer; HeadLoader::issue_tma's loads
+// of the prep warpgroup's build from as few live values as the producer's 24 registers hold): the k, q, v rows of
+// tokens tk .. tk + 63 (q/k head hk, value head h), then, once the chunk's count says the prep wrote it (ready, where
+// Plan::chunk_ready) or after griddepcontrol.wait (first), T' and the factor rows kLog2Gcum, kInvNormK of workspace
+// entry `entry` (its slot times HV plus h).
+template <class S, class Stage>
+__device__ __forceinline__ void issue_item_chunk(const PrefillParams& p, const Plan& plan, const HeadTensorMaps& maps,
+                                                 Stage& b, uint64_t* bar, int tk, int hk, int h, int64_t slot,
+                                                 bool first) {
+  using Op = typename S::Op;
+  constexpr int K = S::K;
+  constexpr uint32_t kBytes = uint32_t((2 * K + S::kCols) * kChunk * 2) + uint32_t(kCausalImageElems * 2) +
+                              uint32_t(2 * kChunk * 4);
+  fence_proxy_async();  // this stage's generic reads (its previous position) before the async writes
+  mbarrier_arrive_expect_tx(bar, kBytes);
+#pragma unroll
+  for (int i = 0; i < K / 64; ++i) {
+    tma_load_3d(&b.ks[i * 64 * kChunk], &maps.k, 64 * i, hk, tk, bar);
+    tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
+  }
+#pragma unroll
+  for (int i = 0; i < S::kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, 64 * i, h, tk, bar);
+  if (plan.chunk_ready != nullptr)
+    wait_chunk_ready(plan.chunk_ready + slot, uint32_t(p.heads.num_qk_heads * plan.prep_parts));
+  else if (first)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int64_t entry = slot * p.heads.num_v_heads + h;
+  bulk_load(b.ts, static_cast<const Op*>(plan.ws_tprime) + entry * (kChunk * kChunk), kCausalImageElems * 2, bar);
+  bulk_load(b.sc + kLog2Gcum * kChunk, plan.ws_factors + entry * (S::kFRows * kChunk) + kLog2Gcum * kChunk,
+            2 * kChunk * 4, bar);
+}
+
+// The persistent pass's producer (its first thread): items from the counter, and for each its ring positions, the
+// initial state's (item_state_bulk) and then one per chunk, position r into stage r % kStages (full[...], phase parity
+// r / kStages) once every state thread released position r - kStages (done[kStages + ...]) and the o stores read it.
+// Every position's o is handed over (done[2 kStages + g kStages + ...], 128 arrivals of state warpgroup g), a full
+// chunk's stored from the stage by TMA, two positions after its loads were issued. The next item's ticket is taken
+// while the current item's last kStages chunks are issued, so that a CTA holds at most one item it has not started.
+template <class S, class Stage>
+__device__ __forceinline__ void producer_persistent(const PrefillParams& p, const Plan& plan,
+                                                    const HeadTensorMaps& maps, Stage* stage, uint64_t* full,
+                                                    uint64_t* done, ItemRing& ring) {
+  constexpr int kStages = S::kStages, K = S::K, V = S::V;
+  static_assert(kStages == 3, "a position's o is stored two positions after its loads (older, newer below)");
+  const int HV = p.heads.num_v_heads;
+  const uint32_t items = uint32_t(p.num_seqs) * uint32_t(HV);
+  // a position's o: token rows from `token` of value head h, stored from its stage where h >= 0 (a full chunk)
+  struct PendingO {
+    int h, token;
+  } older{-1, 0}, newer{-1, 0};  // positions r - 2 and r - 1 (registers: an indexed array would live in local memory)
+  uint32_t r = 0;  // the ring positions issued
+  bool first = true;
+  const auto store_o = [&](uint32_t q, const PendingO& o) {  // position q's o, once both warpgroups handed it over
+    const uint32_t st = q % kStages;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) mbarrier_wait(&done[(2 + g) * kStages + st], (q / kStages) & 1);
+    if (o.h >= 0) {
+#pragma unroll
+      for (int g = 0; g < 2; ++g) tma_store_3d(&maps.o, 64 * g, o.h, o.token, &stage[st].vs[g * 64 * kChunk]);
+      bulk_commit_group();
+    }
+  };
+  const auto claim = [&](uint32_t q) {  // position q's stage is free
+    if (q < kStages) return;
+    mbarrier_wait(&done[kStages + q % kStages], (q / kStages - 1) & 1);
+    bulk_wait_group_read<0>();
+  };
+  const auto issued = [&](uint32_t q, PendingO o) {
+    if (q >= 2) store_o(q - 2, older);
+    older = newer;
+    newer = o;
+  };
+
+  uint32_t next = 0;
+  bool have_next = false;
+  for (uint32_t k = 0;; ++k) {
+    HeadItem it;
+    it.n = -1;
+    while (true) {
+      if (!have_next) next = atomicAdd(plan.pass_ticket, 1u);
+      have_next = false;
+      if (next >= items) break;
+      HeadItem c;
+      c.n = int(next / uint32_t(HV));
+      c.h = int(next % uint32_t(HV));
+      if (begin_sequence_by(p, plan, c.n, c.h, 0, V, c.h == 0, c.sq, 0, 1)) {
+        it = c;
+        break;
+      }
+    }
+    const uint32_t e = k % kItemSlots;
+    if (k >= kItemSlots) mbarrier_wait(&ring.free[e], (k / kItemSlots - 1) & 1);
+    ring.item[e] = it;
+    mbarrier_arrive(&ring.full[e]);
+    if (it.n < 0) break;
+
+    if (item_state_bulk(plan, it)) {
+      claim(r);
+      const uint32_t st = r % kStages;
+      const int64_t es = dtype_bytes(p.state.dtype);
+      const uint32_t bytes = uint32_t(K * V * es);
+      const bool e4m3 = p.state.dtype == DType::kFloat8E4M3;
+      const uint32_t scale_bytes = e4m3 ? uint32_t(K * V / kFp8Block) : 0u;
+      mbarrier_arrive_expect_tx(&full[st], bytes + scale_bytes);
+      bulk_load(&stage[st], static_cast<const char*>(p.state.data) +
+                                (int64_t(it.sq.islot) * p.state.slot_stride + int64_t(it.h) * K * V) * es,
+                bytes, &full[st]);
+      if (e4m3)
+        bulk_load(reinterpret_cast<char*>(&stage[st]) + bytes,
+                  p.state.scales + (int64_t(it.sq.islot) * HV + it.h) * (K * V / kFp8Block), scale_bytes, &full[st]);
+      issued(r++, {-1, 0});
+    }
+    const int hk = it.h / (HV / p.heads.num_qk_heads), len = int(it.sq.len), tk0 = int(it.sq.start);
+    const int64_t slot0 = it.sq.start / kChunk + it.n;
+    const int nchunks = (len + kChunk - 1) / kChunk;
+    for (int c = 0; c < nchunks; ++c) {
+      claim(r);
+      const uint32_t st = r % kStages;
+      issue_item_chunk<S>(p, plan, maps, stage[st], &full[st], tk0 + c * kChunk, hk, it.h, slot0 + c, first);
+      first = false;
+      if (!have_next && c + kStages >= nchunks) {
+        next = atomicAdd(plan.pass_ticket, 1u);
+        have_next = true;
+      }
+      issued(r++, {(c + 1) * kChunk <= len ? it.h : -1, tk0 + c * kChunk});
+    }
+  }
+  if (r >= 2) store_o(r - 2, older);
+  if (r >= 1) store_o(r - 1, newer);
+  bulk_wait_group<0>();  // the o stores complete before the CTA's shared memory goes
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -48,6 +48,7 @@
 // head_state_io.cuh (the epilogue: checkpoints and the final state) and prep_warpgroup.cuh (the prep warpgroup).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/arch/tma.cuh"
@@ -264,26 +265,8 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
     mbarrier_wait(&prep_bars[S::kStateIn], 0);
     load_head_state_slice<S>(s, at, &stage[kStages - 1], p.state.dtype);
     mbarrier_arrive(&prep_bars[S::kStateIn + 1]);  // the producer may load the stage's chunk
-  } else if (sq.islot >= 0 && p.state.dtype == DType::kFloat8E4M3) {  // K-last (api/dispatch.cpp refuses the rest)
-    load_head_state_e4m3<S>(
-        s, at, static_cast<const uint8_t*>(p.state.data) + int64_t(sq.islot) * p.state.slot_stride + int64_t(at.h) * K * V,
-        p.state.scales + (int64_t(sq.islot) * at.HV + at.h) * (K * V / kFp8Block));
   } else {
-    const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
-#pragma unroll
-    for (int j = 0; j < S::KT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        float2 x = make_float2(0.0f, 0.0f);
-        if (sq.islot >= 0 && plan.state_pairs) {
-          x = load_state_pair(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e));
-        } else if (sq.islot >= 0) {
-          x.x = load_state_elem(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e));
-          x.y = load_state_elem(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e + 1));
-        }
-        s[j][e] = x.x;
-        s[j][e + 1] = x.y;
-      }
+    load_head_state_regs<S>(s, p, plan, at, sq);
   }
 
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
@@ -384,6 +367,120 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
   }
 }
 
+// One CTA of the persistent head pass (S::kPersistent, Plan::pass_ticket): the prep warpgroup's build over the items
+// the producer takes in turn (prep_warpgroup.cuh producer_persistent), the stages' ring positions running on across
+// items, so that the next item's initial state and first chunks load while the current one runs. Each item's final
+// state leaves through its last chunk's stage before the stage is released (Plan::state_bulk), else by the state
+// threads' own stores after it.
+template <class S>
+__device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p, const Plan& plan,
+                                                         const HeadTensorMaps& maps) {
+  static_assert(S::kPersistent, "the persistent build");
+  using Op = typename S::Op;
+  using Stage = typename S::Stage;
+  constexpr int kStages = S::kStages;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Stage* stage = reinterpret_cast<Stage*>(smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023));
+  __shared__ uint64_t bars[kStages];
+  __shared__ uint64_t prep_bars[S::kStateIn + 2];  // [0, kStages) the prep's, [kStages, 2 kStages) the release, then o
+  __shared__ ItemRing ring;
+  HeadCoords at = head_coords<1, S::kCols>(p);
+  if (at.tid == 0) {
+#pragma unroll
+    for (int i = 0; i < kItemSlots; ++i) {
+      mbarrier_init(&ring.full[i], 1);
+      mbarrier_init(&ring.free[i], kItemReaders);
+    }
+  }
+  init_stage_barriers<S>(at.tid, bars, prep_bars);
+  const int wg = __shfl_sync(0xffffffffu, at.tid / kThreads, 0);
+  if (wg == S::kWarps / 4) {  // the prep warpgroup
+    setmaxnreg_dec<kPrepRegs>();
+    PrepSmem& ps = *reinterpret_cast<PrepSmem*>(stage + kStages);
+    uint32_t r = 0;
+    for (uint32_t k = 0;; ++k) {
+      const HeadItem it = take_item(ring, k, at.lane);
+      if (it.n < 0) break;
+      if (item_state_bulk(plan, it)) {  // the initial state's position: nothing to form
+        if (r >= kStages) mbarrier_wait(&prep_bars[kStages + r % kStages], (r / kStages - 1) & 1);
+        mbarrier_arrive(&prep_bars[r % kStages]);
+        ++r;
+      }
+      if (p.heads.use_qk_l2norm)
+        prep_warpgroup<S::K, Op, kStages, true, true>(plan, ps, stage, bars, prep_bars, it.sq.len, r);
+      else
+        prep_warpgroup<S::K, Op, kStages, true, false>(plan, ps, stage, bars, prep_bars, it.sq.len, r);
+      r += uint32_t((it.sq.len + kChunk - 1) / kChunk);
+    }
+    return;
+  }
+  if (wg == S::kWarps / 4 + 1) {  // the producer warpgroup: its first thread
+    setmaxnreg_dec<kProducerRegs>();
+    if (at.tid != S::kThr + kThreads) return;
+    producer_persistent<S>(p, plan, maps, stage, bars, prep_bars, ring);
+    return;
+  }
+  setmaxnreg_inc<kStateRegs>();
+
+  uint32_t r = 0;
+  bool ran = false;  // chunks before this item
+  for (uint32_t k = 0;; ++k) {
+    const HeadItem it = take_item(ring, k, at.lane);
+    if (it.n < 0) break;
+    HeadCoords a = at;
+    a.n = it.n;
+    a.h = it.h;
+    a.hk = it.h / (a.HV / p.heads.num_qk_heads);
+    float s[S::KT][4];
+    if (item_state_bulk(plan, it)) {
+      const uint32_t st = r % kStages;
+      mbarrier_wait(&bars[st], (r / kStages) & 1);
+      load_head_state_slice<S>(s, a, &stage[st], p.state.dtype);
+      mbarrier_arrive(&prep_bars[kStages + st]);                   // released
+      mbarrier_arrive(&prep_bars[(2 + wg) * kStages + st]);  // no o
+      ++r;
+    } else {
+      load_head_state_regs<S>(s, p, plan, a, it.sq);
+    }
+    const int64_t len = it.sq.len, nchunks = (len + kChunk - 1) / kChunk;
+    CheckpointClock clock = head_checkpoint_clock(p, plan, it.sq, 0, -1);
+    const HeadLoader<S> loader(p, plan, maps, a, it.sq.start, len, it.sq.start / kChunk + it.n, bars);
+    HeadStateWarps<S> warps(p, plan, a, it.sq.start, nullptr, &maps.o, false, &prep_bars[2 * kStages]);
+    warps.ring0 = r;
+    warps.ran_before = ran;
+    const bool final_through = plan.state_bulk && it.sq.fslot >= 0;
+    for (int64_t c = 0; c < nchunks; ++c) {
+      const uint32_t rc = r + uint32_t(c);
+      Stage& b = stage[rc % kStages];
+      const int L = int(min(int64_t(kChunk), len - c * kChunk));
+      mbarrier_wait(&prep_bars[rc % kStages], (rc / kStages) & 1);
+      if (L == kChunk)
+        warps.template chunk<true>(b, s, c, L, nchunks, loader, stage);
+      else
+        warps.template chunk<false>(b, s, c, L, nchunks, loader, stage);
+      const int64_t ck = clock.tick(c);
+      const bool ck_bulk = ck >= 0 && plan.checkpoint_bulk;
+      if (ck_bulk) store_head_checkpoint_bulk<S>(s, p, a, it.sq, ck, b);
+      if (final_through && c == nchunks - 1) {
+        const int64_t slot = it.sq.fslot;
+        store_head_state_through<S>(
+            s, a, b, p.state.data,
+            p.state.dtype == DType::kFloat8E4M3 ? p.state.scales + slot * a.HV * (S::K * S::V / kFp8Block) : nullptr,
+            p.state.dtype, slot * p.state.slot_stride);
+      }
+      mbarrier_arrive(&prep_bars[kStages + rc % kStages]);  // this thread is done with b
+      if (ck >= 0 && !ck_bulk) store_head_checkpoint<S>(s, p, plan, a, it.sq, ck);
+    }
+    r += uint32_t(nchunks);
+    ran = ran || nchunks > 0;
+    if (it.sq.fslot >= 0 && !(final_through && nchunks > 0)) store_head_state_regs<S>(s, p, plan, a, it.sq.fslot);
+  }
+  // warpgroup 1's turn after the CTA's last chunk (head_chunk.cuh)
+  if (wg == 0 && ran) named_barrier_sync(kPqTurnBarrier, 2 * kThreads);
+  // this grid never completes before the prep's (whatever the stream's next launch assumes about PDL)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // kSplit CTAs share one (sequence, value head), V / kSplit columns each (more SMs for few heads).
 // kMWarpgroup (the wgmma build with two state warpgroups): a third warpgroup forms M in each chunk's stage
 // (prep_warpgroup.cuh), after the chunk prep kernel without M; a fourth issues the loads and stores o.
@@ -392,11 +489,16 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
 // 1 its transition; the first segment's y = 0 CTA runs its final pass there where Plan::cp_first_final).
 // kFusedPrep (with kMWarpgroup, whole sequences): the prep warpgroup forms the whole chunk prep (fused_prep_warpgroup)
 // after the gate kernel, with the norms from the producer's last two warps.
-template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0, bool kFusedPrep = false>
-__global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>::kCtaThreads, 1)
+// kPersistent: one CTA per SM over the items (head_pass_persistent_cta).
+template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0, bool kFusedPrep = false,
+          bool kPersistent = false>
+__global__ void __launch_bounds__(
+    HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>::kCtaThreads, 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
-  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>;
-  if constexpr (kCpMode == 1) {
+  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>;
+  if constexpr (kPersistent) {
+    return head_pass_persistent_cta<S>(p, plan, maps);
+  } else if constexpr (kCpMode == 1) {
     using Final = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, 2, kFusedPrep>;
     static_assert(Final::kCtaThreads == S::kCtaThreads && sizeof(typename Final::Stage) == sizeof(typename S::Stage),
                   "the local pass's grid runs the final pass's build in the same CTA shape");
@@ -411,18 +513,20 @@ __global__ void __launch_bounds__(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup
 // after_prep: the chunk prep (or the fused prep's gate kernel) is the previous kernel of the stream (launch_op), so
 // the pass may launch early, with programmatic dependent launch, and wait for the prep inside.
 template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = false, int kCpMode = 0,
-          bool kFusedPrep = false>
+          bool kFusedPrep = false, bool kPersistent = false>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWgmma, kMWarpgroup, kFusedPrep>();
-  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>;
-  allow_dynamic_smem<state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>>(smem);
+  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>;
+  allow_dynamic_smem<state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>>(
+      smem);
   const HeadTensorMaps maps = kWgmma ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
   cudaLaunchConfig_t cfg = {};
   const unsigned rows = kCpMode == 1   ? unsigned(plan.cp_max_states)
                         : kCpMode == 2 ? unsigned(plan.cp_max_segments)
                                        : unsigned(p.num_seqs);
-  cfg.gridDim = dim3(rows * unsigned(p.heads.num_v_heads) * kSplit, kCpMode == 1 ? 2 : 1);
-  cfg.blockDim = dim3(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep>::kCtaThreads);
+  const unsigned items = rows * unsigned(p.heads.num_v_heads) * kSplit;
+  cfg.gridDim = dim3(kPersistent ? std::min(items, unsigned(plan.pass_ctas)) : items, kCpMode == 1 ? 2 : 1);
+  cfg.blockDim = dim3(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>::kCtaThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute pdl;
@@ -475,6 +579,8 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
   } else {
     if constexpr (V == 128 && K % 64 == 0) {
       if (plan.fused_prep) return launch_state_pass_head<K, V, 1, Op, true, true, 0, true>(p, plan, after_prep, stream);
+      if (plan.m_warpgroup && plan.pass_ticket != nullptr)
+        return launch_state_pass_head<K, V, 1, Op, true, true, 0, false, true>(p, plan, after_prep, stream);
       if (plan.m_warpgroup) return launch_state_pass_head<K, V, 1, Op, true, true>(p, plan, after_prep, stream);
     }
     if (plan.wgmma_pass) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, after_prep, stream);
