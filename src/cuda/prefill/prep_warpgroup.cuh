@@ -375,24 +375,23 @@ __device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* 
 // The persistent pass's work items (Plan::pass_ticket): value head h of sequence n with its bounds and slots (n < 0:
 // the CTA's run ends). The producer's first thread takes each from the counter and hands it to the prep and state
 // warps through kItemSlots entries: it writes entry k % kItemSlots and arrives on full[...]; each of the kItemReaders
-// warps arrives on free[...] once its lanes read it (an item may take no ring position: an empty sequence without an
+// threads arrives on free[...] once it read it (an item may take no ring position: an empty sequence without an
 // initial state moved by a bulk copy).
 struct HeadItem {
   int n, h;
   SeqSlots sq;
 };
-constexpr int kItemSlots = 4, kItemReaders = 12;  // the prep warpgroup's 4 warps and the state warpgroups' 8
+constexpr int kItemSlots = 4, kItemReaders = 3 * kThreads;  // the prep warpgroup's threads and the state warpgroups'
 struct ItemRing {
   HeadItem item[kItemSlots];
   uint64_t full[kItemSlots], free[kItemSlots];
 };
 
-__device__ __forceinline__ HeadItem take_item(ItemRing& ring, int64_t k, int lane) {
-  const int e = int(k % kItemSlots);
-  mbarrier_wait(&ring.full[e], uint32_t(k / kItemSlots) & 1);
+__device__ __forceinline__ HeadItem take_item(ItemRing& ring, uint32_t k) {
+  const uint32_t e = k % kItemSlots;
+  mbarrier_wait(&ring.full[e], (k / kItemSlots) & 1);
   const HeadItem it = ring.item[e];
-  __syncwarp();
-  if (lane == 0) mbarrier_arrive(&ring.free[e]);
+  mbarrier_arrive(&ring.free[e]);
   return it;
 }
 

@@ -399,7 +399,7 @@ __device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p,
     PrepSmem& ps = *reinterpret_cast<PrepSmem*>(stage + kStages);
     uint32_t r = 0;
     for (uint32_t k = 0;; ++k) {
-      const HeadItem it = take_item(ring, k, at.lane);
+      const HeadItem it = take_item(ring, k);
       if (it.n < 0) break;
       if (item_state_bulk(plan, it)) {  // the initial state's position: nothing to form
         if (r >= kStages) mbarrier_wait(&prep_bars[kStages + r % kStages], (r / kStages - 1) & 1);
@@ -425,7 +425,7 @@ __device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p,
   uint32_t r = 0;
   bool ran = false;  // chunks before this item
   for (uint32_t k = 0;; ++k) {
-    const HeadItem it = take_item(ring, k, at.lane);
+    const HeadItem it = take_item(ring, k);
     if (it.n < 0) break;
     HeadCoords a = at;
     a.n = it.n;
