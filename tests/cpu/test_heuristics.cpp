@@ -741,21 +741,17 @@ TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
   PrefillCall batch(std::vector<int64_t>(8, 8192));
   EXPECT_FALSE(chunked_prefill::choose_prefill(batch.p, kSms, {}).persistent_pass);
   EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(4, 2048)).p, kSms, {}).persistent_pass);
-  Overrides on;
-  on.prefill_persistent = 1;
-  EXPECT_TRUE(chunked_prefill::choose_prefill(batch.p, kSms, on).persistent_pass);
-  Overrides off;
-  off.prefill_persistent = 0;
-  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, off).persistent_pass);
-  Overrides fused;
-  fused.prefill_m_warpgroup = 2;
-  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, fused).persistent_pass);
-  Overrides none;
-  none.prefill_m_warpgroup = 0;
-  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, none).persistent_pass);
-  Overrides prep_alone;
-  prep_alone.prefill_stages = chunked_prefill::kStagePrep;
-  EXPECT_FALSE(chunked_prefill::choose_prefill(many.p, kSms, prep_alone).persistent_pass);
+  // the choice for `call` under one override
+  const auto persistent_with = [](const PrefillCall& call, int Overrides::*field, int value) {
+    Overrides o;
+    o.*field = value;
+    return chunked_prefill::choose_prefill(call.p, kSms, o).persistent_pass;
+  };
+  EXPECT_TRUE(persistent_with(batch, &Overrides::prefill_persistent, 1));
+  EXPECT_FALSE(persistent_with(many, &Overrides::prefill_persistent, 0));
+  EXPECT_FALSE(persistent_with(many, &Overrides::prefill_m_warpgroup, 2));  // the fused prep
+  EXPECT_FALSE(persistent_with(many, &Overrides::prefill_m_warpgroup, 0));  // no prep warpgroup
+  EXPECT_FALSE(persistent_with(many, &Overrides::prefill_stages, chunked_prefill::kStagePrep));
   PrefillCall cp({65536}, 2, 8);
   c = chunked_prefill::choose_prefill(cp.p, kSms, {});
   EXPECT_GT(c.cp_segment_len, 0);
