@@ -800,14 +800,16 @@ TEST(PrefillGpu, BadSpanWithShortPathSanitize) {
 // Same inputs twice, a graph capture (library workspace, sized by an eager call first) and a run
 // with a caller workspace: all bit-identical to one eager run, which matches the reference.
 // The chunked kernels as the heuristic picks them, then with context-parallel segments of 128 tokens.
+// (cp -2: the persistent pass on two CTAs, whose item counter the graph zeroes on every replay)
 TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
-  for (int cp : {-1, 128, -128})  // -128: segments of 128 with the first one's final pass beside the local pass
+  for (int cp : {-1, 128, -128, -2})  // -128: segments of 128 with the first one's final pass beside the local pass
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
     SCOPED_TRACE("context-parallel segment " + std::to_string(cp));
     cuda::Overrides o;
-    o.prefill_cp_segment_len = cp == -128 ? 128 : cp;
+    o.prefill_cp_segment_len = cp == -128 ? 128 : cp == -2 ? 0 : cp;
     o.prefill_cp_first_final = cp == -128 ? 1 : cp > 0 ? 0 : -1;
     o.prefill_cp_scan_cols = cp == -128 ? 32 : 0;
+    if (cp == -2) o.prefill_head_split = 1, o.prefill_persistent = 1, o.prefill_persistent_ctas = 2;
     const cuda::ScopedOverrides scoped(o);
     ProblemConfig c = base({300, 1, 64, 129}, 2, 4);
     c.layout = layout;
@@ -815,6 +817,10 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     const Problem before(c);
     Problem eager = before, again = before, graphed = before, own_ws = before;
     DeviceProblem d_eager(eager), d_again(again), d_graph(graphed), d_ws(own_ws);
+    if (cp == -2) {
+      const PrefillParams probe = eager.prefill_params(PrefillAlgorithm::kAuto, d_eager.resolver());
+      EXPECT_TRUE(cuda::chunked_prefill::choose_prefill(probe, cuda::device_sms(), o).persistent_pass);
+    }
     // The library's workspace is shared by the calls on every stream: each call completes before the next.
     prefill(eager.prefill_params(PrefillAlgorithm::kAuto, d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});
     GDNKIT_TEST_CUDA(cudaStreamSynchronize(d_eager.stream()));
@@ -827,7 +833,8 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     prefill(graphed.prefill_params(PrefillAlgorithm::kAuto, d_graph.resolver()), {Backend::kCUDA, d_graph.stream()});
     GDNKIT_TEST_CUDA(cudaStreamEndCapture(d_graph.stream(), &graph));
     GDNKIT_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    GDNKIT_TEST_CUDA(cudaGraphLaunch(exec, d_graph.stream()));
+    for (int replay = 0; replay < 2; ++replay)  // initial and final slots differ: a replay writes the same again
+      GDNKIT_TEST_CUDA(cudaGraphLaunch(exec, d_graph.stream()));
     GDNKIT_TEST_CUDA(cudaStreamSynchronize(d_graph.stream()));
 
     PrefillParams pw = own_ws.prefill_params(PrefillAlgorithm::kAuto, d_ws.resolver());

@@ -87,7 +87,7 @@ struct HeadStateWarps {
   const CUtensorMap* o_map;
   int64_t start;
   // kProducer: per warpgroup and stage, the mbarrier on which its 128 threads hand a full chunk's staged o to the
-  // producer, which stores it
+  // producer, which stores it (the persistent build hands over every chunk, a partial one's empty)
   uint64_t* o_bars;
   // The persistent pass: the ring position of chunk 0 (chunk c's stage is (ring0 + c) % kStages), and whether the CTA
   // ran chunks before this item (the warpgroups' P/Q turns run on across items: warpgroup 1 hands every chunk's turn

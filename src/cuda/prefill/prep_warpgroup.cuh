@@ -11,6 +11,10 @@
 // The fused prep (Plan::fused_prep, opt-in): fused_prep_warpgroup forms the whole chunk prep in the stage instead
 // (k k^T, A, the solve and T', M, the factor rows) after the gate kernel, with rk and rq from the producer's last
 // two warps (producer_norms).
+// The persistent pass (HeadPass::kPersistent): the producer takes (sequence, value head) items from a counter and hands
+// them to the other warpgroups (ItemRing), loading each item's initial state and chunks into ring positions that run
+// on across items (producer_persistent); this warpgroup passes an initial state's position through and prepares the
+// chunks' as above.
 #pragma once
 
 #include <cstdint>
@@ -401,7 +405,8 @@ __device__ __forceinline__ bool item_state_bulk(const Plan& plan, const HeadItem
 }
 
 // Chunk c of an item into stage b, its bytes counted on `bar` (the persistent producer; HeadLoader::issue_tma's loads
-// of the prep warpgroup's build from as few live values as the producer's 24 registers hold): the k, q, v rows of
+// of the prep warpgroup's build from the item's token, heads and slot alone, so that its 24 registers hold most of the
+// loop: it spills the item's fields, 112 bytes, which its wait-dominated loop does not feel): the k, q, v rows of
 // tokens tk .. tk + 63 (q/k head hk, value head h), then, once the chunk's count says the prep wrote it (ready, where
 // Plan::chunk_ready) or after griddepcontrol.wait (first), T' and the factor rows kLog2Gcum, kInvNormK of workspace
 // entry `entry` (its slot times HV plus h).
@@ -503,6 +508,7 @@ __device__ __forceinline__ void producer_persistent(const PrefillParams& p, cons
       const uint32_t bytes = uint32_t(K * V * es);
       const bool e4m3 = p.state.dtype == DType::kFloat8E4M3;
       const uint32_t scale_bytes = e4m3 ? uint32_t(K * V / kFp8Block) : 0u;
+      fence_proxy_async();  // the stage's generic accesses (its previous position) before the async writes
       mbarrier_arrive_expect_tx(&full[st], bytes + scale_bytes);
       bulk_load(&stage[st], static_cast<const char*>(p.state.data) +
                                 (int64_t(it.sq.islot) * p.state.slot_stride + int64_t(it.h) * K * V) * es,

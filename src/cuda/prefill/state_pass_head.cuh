@@ -1,5 +1,6 @@
-// Kernel 2, head variant: the state pass of one (sequence, value head) per CTA, V/16 warps, each warp
-// owning 16 value columns of S for the whole K dimension (docs/design/prefill.md "Kernel 2: the head state pass").
+// Kernel 2, head variant: the state pass of one (sequence, value head) per CTA (or, the persistent build, per item
+// of a CTA that takes them in turn: head_pass_persistent_cta), V/16 warps, each warp owning 16 value columns of S for
+// the whole K dimension (docs/design/prefill.md "Kernel 2: the head state pass").
 // Same math as state_pass_kernel (state_pass_tiled.cuh), laid out so that every per-chunk product stays in the
 // warp's registers:
 //
@@ -76,8 +77,9 @@ constexpr size_t head_smem_bytes() {
 // completion of each stage (kMWarpgroup); [kStages, 2 kStages) the state warps' release of a stage (each state thread
 // arrives after its last access to a chunk's stage), on which the producer waits before it loads the stage again and
 // the prep warpgroup before it writes there; [2 kStages, 4 kStages) state warpgroup g's o of a full chunk staged in
-// the stage's v rows (2 kStages + g kStages + stage), which the producer stores. The producer loads a stage again
-// only after its o stores have read it. kFusedPrep: [4 kStages, 5 kStages) the producer's norms of the stage's chunk
+// the stage's v rows (2 kStages + g kStages + stage), which the producer stores (the persistent build: every ring
+// position hands over, only a full chunk's o is stored). The producer loads a stage again only after its o stores
+// have read it. kFusedPrep: [4 kStages, 5 kStages) the producer's norms of the stage's chunk
 // (producer_norms, 64 arrivals). Then (kStateIn) the initial state's bulk copy into the last stage, and every state
 // thread's read of it (Plan::state_bulk; kMWarpgroup).
 template <class S>
@@ -435,6 +437,9 @@ __device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p,
     if (item_state_bulk(plan, it)) {
       const uint32_t st = r % kStages;
       mbarrier_wait(&bars[st], (r / kStages) & 1);
+      // the prep warpgroup's pass over this position too: it waited for position r - kStages's release, so this
+      // position's release cannot complete first (and alias that phase's parity)
+      mbarrier_wait(&prep_bars[st], (r / kStages) & 1);
       load_head_state_slice<S>(s, a, &stage[st], p.state.dtype);
       mbarrier_arrive(&prep_bars[kStages + st]);                   // released
       mbarrier_arrive(&prep_bars[(2 + wg) * kStages + st]);  // no o
