@@ -712,6 +712,52 @@ TEST(PrefillGpu, ChunkFlagsMatchTheGridWait) {
   }
 }
 
+// The persistent pass (one CTA per SM, or one to three, taking the (sequence, value head) items in turn) computes what
+// one CTA per item does, bit for bit: outputs, final states, checkpoints and the error flag, with the initial, final
+// and checkpoint slot of three sequences past their buffers (skipped, counted once, their o zeroed by the producer),
+// waiting for each chunk's count or for the prep's grid, at K = 128 and 64; and within the fp64 recurrence's tolerances.
+TEST(PrefillGpu, PersistentPassMatchesOneCtaPerItem) {
+  constexpr int kHead = cuda::chunked_prefill::kVTileHead;
+  for (int K : {128, 64})
+    for (int flags : {0, 1}) {
+      SCOPED_TRACE("K " + std::to_string(K) + ", chunk counts " + std::to_string(flags));
+      ProblemConfig c = base({70, 10, 65, 5, 200, 0, 129, 64}, 1, 4, K, 128);
+      c.checkpoint_interval = 64;
+      c.seed = 4800 + K + flags;
+      Problem before(c);
+      before.as<int32_t>("initial_indices")[1] = int32_t(before.num_slots());
+      before.as<int32_t>("final_indices")[2] = int32_t(before.num_slots()) + 7;
+      before.as<int32_t>("checkpoint_indices")[3] = 1000;
+      check_prefill(before, kHead, 1, 0, 1, 0, flags, -1, 0, 3);
+      // this build on one CTA per item (persistent 0) or persistent on `ctas` CTAs (0: one per SM)
+      const auto run = [&](Problem& got, int persistent, int ctas) {
+        DeviceProblem dev(got);
+        const PrefillParams pp = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+        cuda::Overrides o = case_overrides(kHead, 1, 0, 1, 0, flags);
+        o.prefill_persistent = persistent, o.prefill_persistent_ctas = ctas;
+        const cuda::chunked_prefill::PrefillChoice choice =
+            cuda::chunked_prefill::choose_prefill(pp, cuda::device_sms(), o);
+        EXPECT_EQ(choice.persistent_pass, persistent > 0);
+        EXPECT_EQ(choice.chunk_flags, flags > 0);
+        {
+          const cuda::ScopedOverrides scoped(o);
+          prefill(pp, {Backend::kCUDA, dev.stream()});
+        }
+        dev.download(got);
+      };
+      Problem per_item = before;
+      run(per_item, 0, 0);
+      EXPECT_EQ(per_item.as<int32_t>("error_flag")[0], 3);
+      for (int ctas : {1, 3, 0}) {
+        SCOPED_TRACE("persistent CTAs " + std::to_string(ctas));
+        Problem persistent = before;
+        run(persistent, 1, ctas);
+        for (const Buffer& b : persistent.buffers())
+          if (b.is_output) EXPECT_TRUE(BitwiseEqual(b.name + " (persistent)", b, per_item.buffer(b.name)));
+      }
+    }
+}
+
 // The chunk prep in parts (Plan::prep_parts: several CTAs per chunk and q/k head, each a share of the GVA group's value
 // heads) computes what one CTA per group does, bit for bit, and within the tolerances of the fp64 recurrence: with M
 // formed by the prep (the head split's one state warpgroup) and without (the prep warpgroup), waiting per chunk (whose
