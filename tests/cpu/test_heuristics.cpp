@@ -735,6 +735,7 @@ TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
   auto c = chunked_prefill::choose_prefill(many.p, kSms, {});
   EXPECT_TRUE(c.m_warpgroup);
   EXPECT_TRUE(c.persistent_pass);
+  EXPECT_EQ(c.pass_ctas, kSms);  // one CTA per SM
   EXPECT_TRUE(c.early_state_pass);
   EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(1024, 64)).p, kSms, {}).persistent_pass);
   EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 1024)).p, kSms, {}).persistent_pass);
@@ -748,6 +749,11 @@ TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
     return chunked_prefill::choose_prefill(call.p, kSms, o).persistent_pass;
   };
   EXPECT_TRUE(persistent_with(batch, &Overrides::prefill_persistent, 1));
+  Overrides few;  // the override's grid, never more CTAs than items
+  few.prefill_persistent_ctas = 3;
+  EXPECT_EQ(chunked_prefill::choose_prefill(many.p, kSms, few).pass_ctas, 3);
+  few.prefill_persistent = 1, few.prefill_persistent_ctas = 1000;
+  EXPECT_EQ(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 64)).p, kSms, few).pass_ctas, 256);
   EXPECT_FALSE(persistent_with(many, &Overrides::prefill_persistent, 0));
   EXPECT_FALSE(persistent_with(many, &Overrides::prefill_m_warpgroup, 2));  // the fused prep
   EXPECT_FALSE(persistent_with(many, &Overrides::prefill_m_warpgroup, 0));  // no prep warpgroup

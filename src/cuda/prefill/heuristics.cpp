@@ -382,8 +382,9 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   // (under context parallelism the pass behind the prep is the local pass: two CTAs per state and value head; the
   // persistent pass is one CTA per SM at most)
   const int64_t rows = cp ? 2 * cp_max_states(p, c.cp_segment_len) : int64_t(p.num_seqs) * c.head_split;
-  const int64_t most = o.prefill_persistent_ctas > 0 ? o.prefill_persistent_ctas : num_sms;  // prefill.cu
-  const int64_t pass_ctas = c.persistent_pass ? std::min<int64_t>(items, most) : rows * p.heads.num_v_heads;
+  if (c.persistent_pass)
+    c.pass_ctas = int(std::min<int64_t>(items, o.prefill_persistent_ctas > 0 ? o.prefill_persistent_ctas : num_sms));
+  const int64_t pass_ctas = c.persistent_pass ? c.pass_ctas : rows * p.heads.num_v_heads;
   c.early_state_pass = prep && pass_ctas <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
   // The pass's producer waits for each chunk's flag, so that the chunks the prep finished early run while its last
   // wave does: beside the prep warpgroup (HeadPass::kProducer), for sequences of a mean of at most

@@ -65,6 +65,7 @@ struct PrefillChoice {
   // The prep warpgroup's build as persistent CTAs, one per SM, each taking (sequence, value head) items from a counter
   // in turn, the producer loading the next item's state and chunks while the current one runs (whole sequences)
   bool persistent_pass = false;
+  int pass_ctas = 0;  // ... its grid: one CTA per SM (the override: fewer), at most one per item
   int stages = kStagesAll;
   // > 0: the context-parallel path (context_parallel.cuh) with sequences cut into segments of this many tokens
   int64_t cp_segment_len = 0;

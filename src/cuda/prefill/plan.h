@@ -73,6 +73,7 @@ struct Plan {
   // before it), on which the pass's producer waits chunk by chunk instead of the prep's grid; else null
   uint32_t* chunk_ready = nullptr;
   // PrefillChoice::persistent_pass: the items the head pass's CTAs took so far (zeroed before the prep), and its grid
+  // (PrefillChoice::pass_ctas)
   uint32_t* pass_ticket = nullptr;
   int32_t pass_ctas = 0;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O

@@ -219,8 +219,7 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
   Plan plan = make_plan(p, choice);
   void* ws = call_workspace(p, workspace_bytes(p), "prefill_workspace_bytes", stream);
   carve_workspace(p, ws, plan, choice.chunk_flags, choice.persistent_pass);
-  if (choice.persistent_pass)
-    plan.pass_ctas = overrides().prefill_persistent_ctas > 0 ? overrides().prefill_persistent_ctas : device_sms();
+  plan.pass_ctas = choice.pass_ctas;
   if (choice.short_len > 0) prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
   if (K == 64) launch<64>(p, plan, choice.vtile, stream, choice.stages);
   if (K == 128) launch<128>(p, plan, choice.vtile, stream, choice.stages);

@@ -49,7 +49,6 @@
 // head_state_io.cuh (the epilogue: checkpoints and the final state) and prep_warpgroup.cuh (the prep warpgroup).
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "cuda/arch/tma.cuh"
@@ -527,7 +526,7 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
                         : kCpMode == 2 ? unsigned(plan.cp_max_segments)
                                        : unsigned(p.num_seqs);
   const unsigned items = rows * unsigned(p.heads.num_v_heads) * kSplit;
-  cfg.gridDim = dim3(kPersistent ? std::min(items, unsigned(plan.pass_ctas)) : items, kCpMode == 1 ? 2 : 1);
+  cfg.gridDim = dim3(kPersistent ? unsigned(plan.pass_ctas) : items, kCpMode == 1 ? 2 : 1);
   cfg.blockDim = dim3(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>::kCtaThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
