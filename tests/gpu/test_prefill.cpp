@@ -888,6 +888,7 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     ASSERT_GT(pw.workspace_bytes, 0u);
     GDNKIT_TEST_CUDA(cudaMalloc(&pw.workspace, pw.workspace_bytes));
     GDNKIT_TEST_CUDA(cudaMemset(pw.workspace, 0xff, pw.workspace_bytes));  // NaN-ish garbage
+    GDNKIT_TEST_CUDA(cudaDeviceSynchronize());  // (the legacy stream's fill, before the call's non-blocking stream)
     prefill(pw, {Backend::kCUDA, d_ws.stream()});
 
     d_eager.download(eager);
@@ -966,6 +967,8 @@ void run_in_exact_workspace(PrefillParams& p, size_t need, Call&& call) {
   unsigned char* ws = nullptr;
   GDNKIT_TEST_CUDA(cudaMalloc(&ws, need + kGuard));
   GDNKIT_TEST_CUDA(cudaMemset(ws, 0xff, need + kGuard));
+  // the fill is on the legacy stream, which the harness's non-blocking streams do not wait for: done before the call
+  GDNKIT_TEST_CUDA(cudaDeviceSynchronize());
   p.workspace = ws;
   p.workspace_bytes = need;
   call();

@@ -508,6 +508,7 @@ __device__ __forceinline__ void producer_persistent(const PrefillParams& p, cons
       const uint32_t bytes = uint32_t(K * V * es);
       const bool e4m3 = p.state.dtype == DType::kFloat8E4M3;
       const uint32_t scale_bytes = e4m3 ? uint32_t(K * V / kFp8Block) : 0u;
+      fence_proxy_async();  // the stage's generic accesses (its previous position) before the async writes
       mbarrier_arrive_expect_tx(&full[st], bytes + scale_bytes);
       bulk_load(&stage[st], static_cast<const char*>(p.state.data) +
                                 (int64_t(it.sq.islot) * p.state.slot_stride + int64_t(it.h) * K * V) * es,

@@ -436,8 +436,11 @@ __device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p,
     if (item_state_bulk(plan, it)) {
       const uint32_t st = r % kStages;
       mbarrier_wait(&bars[st], (r / kStages) & 1);
+      // the prep warpgroup's pass over this position too: it waited for position r - kStages's release, so this
+      // position's release cannot complete first (and alias that phase's parity)
+      mbarrier_wait(&prep_bars[st], (r / kStages) & 1);
       load_head_state_slice<S>(s, a, &stage[st], p.state.dtype);
-      mbarrier_arrive(&prep_bars[kStages + st]);             // released
+      mbarrier_arrive(&prep_bars[kStages + st]);                   // released
       mbarrier_arrive(&prep_bars[(2 + wg) * kStages + st]);  // no o
       ++r;
     } else {
