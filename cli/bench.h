@@ -26,7 +26,8 @@ struct Shape {
 const std::vector<Shape>& known_shapes();
 const Shape* find_shape(const std::string& name);  // nullptr if unknown
 
-// A prefill sequence set: "1x2048" (N sequences of L tokens) or "1024+7168" (explicit lengths).
+// A prefill sequence set: "1x2048" (N sequences of L tokens), "1024+7168" (explicit lengths), or terms of both joined
+// by '+' in order ("64x100+6144": 64 sequences of 100 tokens, then one of 6144).
 struct SeqSet {
   std::string name;
   std::vector<int64_t> lengths;
@@ -72,6 +73,7 @@ struct Options {
   int prep_warpgroup = -1;       // A/B switch: prefill's prep warpgroup (0 off, 1 M, 2 the whole prep)
   int chunk_flags = -1;          // A/B switch: prefill's pass waiting per chunk (0: for the chunk prep's grid)
   int persistent_pass = -1;      // A/B switch: prefill's prep-warpgroup pass persistent (1) or a CTA per item (0)
+  int longest_first = -1;        // A/B switch: ... its sequences longest first (1) or in their order (0)
   int prep_parts = 0;            // A/B switch: chunk prep CTAs per (chunk slot, q/k head) (0: the heuristic)
   int short_max_len = -1;        // A/B switch: prefill's longest sequence on the recurrent kernels (0: none)
   int prefill_vtile = 0;         // A/B switch: prefill's tiled state pass with this value tile (0: the heuristic)

@@ -33,23 +33,27 @@ int64_t SeqSet::total() const {
 SeqSet parse_seqset(const std::string& text) {
   auto bad = [&](const std::string& why) {
     return Error(ErrorCode::kInvalidArgument,
-                 "--seqs: '" + text + "': " + why + " (expected NxL such as 8192x4, or A+B such as 1024+7168)");
+                 "--seqs: '" + text + "': " + why +
+                     " (expected NxL such as 8192x4, A+B such as 1024+7168, or both such as 64x100+6144)");
   };
   auto number = [&](const std::string& s) -> int64_t {
     if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos) throw bad("'" + s + "' is not a count");
     return std::stoll(s);
   };
   SeqSet set{text, {}};
-  const size_t x = text.find('x');
-  if (x != std::string::npos) {
-    const int64_t n = number(text.substr(0, x)), len = number(text.substr(x + 1));
+  std::stringstream ss(text);
+  std::string part;
+  while (std::getline(ss, part, '+')) {  // terms L or NxL, in order
+    const size_t x = part.find('x');
+    if (x == std::string::npos) {
+      set.lengths.push_back(number(part));
+      continue;
+    }
+    const int64_t n = number(part.substr(0, x)), len = number(part.substr(x + 1));
     if (n <= 0 || n > (1 << 20)) throw bad("N must be in 1..1048576");
-    set.lengths.assign(size_t(n), len);
-  } else {
-    std::stringstream ss(text);
-    std::string part;
-    while (std::getline(ss, part, '+')) set.lengths.push_back(number(part));
+    set.lengths.insert(set.lengths.end(), size_t(n), len);
   }
+  if (set.lengths.size() > size_t(1) << 20) throw bad("more than 1048576 sequences");
   if (set.lengths.empty() || set.total() <= 0) throw bad("no tokens");
   return set;
 }

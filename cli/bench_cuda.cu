@@ -964,6 +964,7 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
   if (o.prep_warpgroup >= 0) overrides.prefill_m_warpgroup = o.prep_warpgroup;
   if (o.chunk_flags >= 0) overrides.prefill_chunk_flags = o.chunk_flags;
   if (o.persistent_pass >= 0) overrides.prefill_persistent = o.persistent_pass;
+  if (o.longest_first >= 0) overrides.prefill_longest_first = o.longest_first;
   if (o.prep_parts > 0) overrides.prefill_prep_parts = o.prep_parts;
   if (o.short_max_len >= 0) overrides.prefill_short_max_len = o.short_max_len;
   if (o.prefill_vtile > 0) overrides.prefill_vtile = o.prefill_vtile;

@@ -47,7 +47,8 @@ bench options:
   --batches 1,2,...          decode/verify batch sizes
                              (default: decode 1,2,4,...,512; verify 1,8,32,64,128,256)
   --draft 2,3,...            verify draft tokens T (default: 2,3,4,8)
-  --seqs SET[,SET]           prefill sequence sets: NxL = N sequences of L tokens, A+B = lengths A and B
+  --seqs SET[,SET]           prefill sequence sets: NxL = N sequences of L tokens, A+B = lengths A and B, and
+                             terms of both in order: 64x100+6144 = 64 sequences of 100 tokens, then one of 6144
                              (default: the 10 standard sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
   --gpus 1,2,4               prefill-split GPU counts (default: 1, 2, 4, ... up to the machine's; sets
                              1x262144, 1x1048576 on qwen3-next and qwen3.5-397b-tp8)
@@ -79,6 +80,8 @@ bench options:
                              flag wherever its producer can (1), instead of the library's choice
   --persistent-pass N        A/B switch: prefill's head pass with the prep warpgroup as one CTA per (sequence, value
                              head) (0) or as one CTA per SM taking them in turn (1), instead of the library's choice
+  --longest-first N          A/B switch: that persistent pass taking the sequences longest first (1) or in their order
+                             (0), instead of the library's choice
   --prep-parts N             A/B switch: prefill's chunk prep in N CTAs per (chunk, q/k head), each a share of
                              the GVA group's value heads (N divides HV / H), instead of the library's choice
   --short-max-len N          A/B switch: prefill's sequences of at most N tokens on the recurrent kernels (0: none),
@@ -227,6 +230,8 @@ Options parse_bench(int argc, char** argv, int first) {
       o.chunk_flags = int_list(a, value(i), 0, 1).front();
     } else if (a == "--persistent-pass") {
       o.persistent_pass = int_list(a, value(i), 0, 1).front();
+    } else if (a == "--longest-first") {
+      o.longest_first = int_list(a, value(i), 0, 1).front();
     } else if (a == "--prep-parts") {
       o.prep_parts = int_list(a, value(i), 1, 64).front();
     } else if (a == "--short-max-len") {

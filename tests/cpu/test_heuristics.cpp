@@ -9,6 +9,7 @@
 #include "cuda/host/overrides.h"
 #include "cuda/prefill/checkpoint_clock.h"
 #include "cuda/prefill/heuristics.h"
+#include "cuda/prefill/item_order.h"
 #include "cuda/recurrent/heuristics.h"
 #include "gdnkit/gdnkit.h"
 #include "support/problem.h"
@@ -762,6 +763,45 @@ TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
   c = chunked_prefill::choose_prefill(cp.p, kSms, {});
   EXPECT_GT(c.cp_segment_len, 0);
   EXPECT_FALSE(c.persistent_pass);
+}
+
+// The length classes (0 for no chunk, then one per power of two of 64-token chunks), and the persistent pass taking the
+// sequences longest first unless the host's cu_seqlens puts them all in one class; without that copy it orders them;
+// the override either way; never where the pass is not persistent.
+TEST(PrefillHeuristics, PersistentPassLongestFirstWhereLengthsDiffer) {
+  using chunked_prefill::length_class;
+  EXPECT_EQ(length_class(0, 0), 0);
+  EXPECT_EQ(length_class(5, 3), 0);  // a bad span
+  EXPECT_EQ(length_class(-1, 3), 0);
+  EXPECT_EQ(length_class(0, 1), 1);
+  EXPECT_EQ(length_class(0, 64), 1);
+  EXPECT_EQ(length_class(0, 65), 2);
+  EXPECT_EQ(length_class(0, 129), 2);  // 3 chunks
+  EXPECT_EQ(length_class(0, 257), 3);  // 5 chunks
+  EXPECT_EQ(length_class(100, 100 + 6144), 7);  // 96 chunks
+  EXPECT_EQ(length_class(0, int64_t(1) << 40), chunked_prefill::kLengthClasses - 1);
+  std::vector<int64_t> lens(64, 100);
+  lens.push_back(6144);  // a long prompt after many short ones
+  PrefillCall mixed(lens);
+  auto c = chunked_prefill::choose_prefill(mixed.p, kSms, {});
+  EXPECT_TRUE(c.persistent_pass);
+  EXPECT_TRUE(c.longest_first);
+  PrefillCall same(std::vector<int64_t>(8192, 32));
+  c = chunked_prefill::choose_prefill(same.p, kSms, {});
+  EXPECT_TRUE(c.persistent_pass);
+  EXPECT_FALSE(c.longest_first);
+  std::vector<int64_t> close;  // 100 and 120 tokens: two chunks each
+  for (int i = 0; i < 1000; ++i) close.push_back(i % 2 ? 100 : 120);
+  EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(close).p, kSms, {}).longest_first);
+  same.p.cu_seqlens_host = nullptr;
+  EXPECT_TRUE(chunked_prefill::choose_prefill(same.p, kSms, {}).longest_first);
+  Overrides o;
+  o.prefill_longest_first = 0;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(mixed.p, kSms, o).longest_first);
+  o.prefill_longest_first = 1;
+  EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(close).p, kSms, o).longest_first);
+  o.prefill_persistent = 0;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(mixed.p, kSms, o).longest_first);
 }
 
 // The chunk prep takes several CTAs per (chunk, q/k head), each a share of the GVA group, where the grid then still

@@ -715,7 +715,8 @@ TEST(PrefillGpu, ChunkFlagsMatchTheGridWait) {
 // The persistent pass (one CTA per SM, or one to three, taking the (sequence, value head) items in turn) computes what
 // one CTA per item does, bit for bit: outputs, final states, checkpoints and the error flag, with the initial, final
 // and checkpoint slot of three sequences past their buffers (skipped, counted once, their o zeroed by the producer),
-// waiting for each chunk's count or for the prep's grid, at K = 128 and 64; and within the fp64 recurrence's tolerances.
+// waiting for each chunk's count or for the prep's grid, at K = 128 and 64, taking the sequences longest first (with and
+// without the host's cu_seqlens) or in their order; and within the fp64 recurrence's tolerances.
 TEST(PrefillGpu, PersistentPassMatchesOneCtaPerItem) {
   constexpr int kHead = cuda::chunked_prefill::kVTileHead;
   for (int K : {128, 64})
@@ -729,16 +730,20 @@ TEST(PrefillGpu, PersistentPassMatchesOneCtaPerItem) {
       before.as<int32_t>("final_indices")[2] = int32_t(before.num_slots()) + 7;
       before.as<int32_t>("checkpoint_indices")[3] = 1000;
       check_prefill(before, kHead, 1, 0, 1, 0, flags, -1, 0, 3);
-      // this build on one CTA per item (persistent 0) or persistent on `ctas` CTAs (0: one per SM)
-      const auto run = [&](Problem& got, int persistent, int ctas) {
+      // this build on one CTA per item (persistent 0) or persistent on `ctas` CTAs (0: one per SM), taking the
+      // sequences longest first (the library's choice for these lengths; also without the host's cu_seqlens) or not
+      const auto run = [&](Problem& got, int persistent, int ctas, int longest_first = -1, bool host = true) {
         DeviceProblem dev(got);
-        const PrefillParams pp = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+        PrefillParams pp = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+        if (!host) pp.cu_seqlens_host = nullptr;
         cuda::Overrides o = case_overrides(kHead, 1, 0, 1, 0, flags);
         o.prefill_persistent = persistent, o.prefill_persistent_ctas = ctas;
+        o.prefill_longest_first = longest_first;
         const cuda::chunked_prefill::PrefillChoice choice =
             cuda::chunked_prefill::choose_prefill(pp, cuda::device_sms(), o);
         EXPECT_EQ(choice.persistent_pass, persistent > 0);
         EXPECT_EQ(choice.chunk_flags, flags > 0);
+        EXPECT_EQ(choice.longest_first, persistent > 0 && longest_first != 0);
         {
           const cuda::ScopedOverrides scoped(o);
           prefill(pp, {Backend::kCUDA, dev.stream()});
@@ -748,10 +753,15 @@ TEST(PrefillGpu, PersistentPassMatchesOneCtaPerItem) {
       Problem per_item = before;
       run(per_item, 0, 0);
       EXPECT_EQ(per_item.as<int32_t>("error_flag")[0], 3);
-      for (int ctas : {1, 3, 0}) {
-        SCOPED_TRACE("persistent CTAs " + std::to_string(ctas));
+      struct Run {
+        int ctas, longest_first;
+        bool host;
+      };
+      for (const Run r : {Run{1, -1, true}, Run{3, -1, true}, Run{0, -1, true}, Run{0, 0, true}, Run{3, -1, false}}) {
+        SCOPED_TRACE("persistent CTAs " + std::to_string(r.ctas) + ", longest first " +
+                     std::to_string(r.longest_first) + (r.host ? "" : ", no host cu_seqlens"));
         Problem persistent = before;
-        run(persistent, 1, ctas);
+        run(persistent, 1, r.ctas, r.longest_first, r.host);
         for (const Buffer& b : persistent.buffers())
           if (b.is_output) EXPECT_TRUE(BitwiseEqual(b.name + " (persistent)", b, per_item.buffer(b.name)));
       }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "cuda/prefill/item_order.h"
 #include "cuda/prefill/short_sequence.h"
 
 namespace gdnkit::cuda::chunked_prefill {
@@ -104,6 +105,14 @@ int short_len_default(const PrefillParams& p) {
   if (p.state.dtype == DType::kFloat8E4M3) return 8;
   if (p.state.layout == StateLayout::kKLast && p.q.dtype == DType::kBFloat16) return 16;
   return dtype_size(p.state.dtype) == 2 ? 16 : 8;
+}
+
+bool one_length_class(const PrefillParams& p) {
+  if (p.cu_seqlens_host == nullptr || p.num_seqs <= 0) return false;
+  const int first = length_class(p.cu_seqlens_host[0], p.cu_seqlens_host[1]);
+  for (int32_t n = 1; n < p.num_seqs; ++n)
+    if (length_class(p.cu_seqlens_host[n], p.cu_seqlens_host[n + 1]) != first) return false;
+  return true;
 }
 
 int32_t count_short(const PrefillParams& p, int len) {
@@ -385,6 +394,10 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   if (c.persistent_pass)
     c.pass_ctas = int(std::min<int64_t>(items, o.prefill_persistent_ctas > 0 ? o.prefill_persistent_ctas : num_sms));
   const int64_t pass_ctas = c.persistent_pass ? c.pass_ctas : rows * p.heads.num_v_heads;
+  // Its CTAs take the items longest first, so that a long prompt does not start last and run alone at the end, unless
+  // the host's copy of cu_seqlens shows every sequence in one length class (the order kernel would change nothing).
+  if (c.persistent_pass)
+    c.longest_first = o.prefill_longest_first >= 0 ? o.prefill_longest_first > 0 : !one_length_class(p);
   c.early_state_pass = prep && pass_ctas <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
   // The pass's producer waits for each chunk's flag, so that the chunks the prep finished early run while its last
   // wave does: beside the prep warpgroup (HeadPass::kProducer), for sequences of a mean of at most

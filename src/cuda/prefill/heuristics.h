@@ -66,6 +66,8 @@ struct PrefillChoice {
   // in turn, the producer loading the next item's state and chunks while the current one runs (whole sequences)
   bool persistent_pass = false;
   int pass_ctas = 0;  // ... its grid: one CTA per SM (the override: fewer), at most one per item
+  // ... taking the sequences longest first (by length class, item_order.h) where their lengths may differ in class
+  bool longest_first = false;
   int stages = kStagesAll;
   // > 0: the context-parallel path (context_parallel.cuh) with sequences cut into segments of this many tokens
   int64_t cp_segment_len = 0;
@@ -171,6 +173,8 @@ constexpr bool head_pass_load_warp(bool wgmma, bool m_warpgroup, int K, int cols
 
 // The longest sequence the short-sequence path takes by default, per layout, input and pool dtype.
 int short_len_default(const PrefillParams& p);
+// Whether the host's copy of cu_seqlens puts every sequence in one length class (item_order.h); false without it.
+bool one_length_class(const PrefillParams& p);
 // Sequences of at most len tokens, by the host copy of cu_seqlens (which must be given).
 int32_t count_short(const PrefillParams& p, int len);
 int choose_short_len(const PrefillParams& p, const Overrides& o, int num_sms);

@@ -76,6 +76,9 @@ struct Plan {
   // (PrefillChoice::pass_ctas)
   uint32_t* pass_ticket = nullptr;
   int32_t pass_ctas = 0;
+  // PrefillChoice::longest_first: the sequence indices in the order its items are taken (item_order.cuh), after the
+  // item counter; else null (the sequences' order)
+  int32_t* pass_order = nullptr;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   // K-last pool with 16-byte aligned slots (and block scales): the wgmma build's final states (beside a prep
   // warpgroup the initial ones too) move by bulk copies through shared memory (state_pass_head.cuh)

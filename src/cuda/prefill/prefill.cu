@@ -14,6 +14,7 @@
 #include "common/split.h"
 #include "cuda/backend.h"
 #include "cuda/host/check.h"
+#include "cuda/prefill/item_order.cuh"
 #include "cuda/prefill/plan.h"
 
 namespace gdnkit::cuda {
@@ -30,8 +31,8 @@ size_t f_bytes(const PrefillParams& p) {
   return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRowsMax * kChunk * 4);
 }
 // A count per chunk slot: the chunk prep's CTAs that finished (H prep_parts of them; Plan::chunk_ready), then the
-// persistent pass's item counter (Plan::pass_ticket).
-size_t ready_bytes(const PrefillParams& p) { return round_up(size_t(num_chunk_slots(p) + 1) * 4); }
+// persistent pass's item counter (Plan::pass_ticket) and its order of the sequences (Plan::pass_order).
+size_t ready_bytes(const PrefillParams& p) { return round_up(size_t(num_chunk_slots(p) + 1 + p.num_seqs) * 4); }
 // The regions in order: T', M, the factors, the context-parallel part (cp_workspace_bytes), the counts.
 size_t cp_offset(const PrefillParams& p) { return 2 * t_bytes(p) + f_bytes(p); }
 size_t ready_offset(const PrefillParams& p) { return cp_offset(p) + cp_workspace_bytes(p, overrides()); }
@@ -220,6 +221,10 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
   void* ws = call_workspace(p, workspace_bytes(p), "prefill_workspace_bytes", stream);
   carve_workspace(p, ws, plan, choice.chunk_flags, choice.persistent_pass);
   plan.pass_ctas = choice.pass_ctas;
+  if (choice.longest_first && plan.pass_ticket != nullptr) {
+    plan.pass_order = reinterpret_cast<int32_t*>(plan.pass_ticket + 1);
+    launch_pass_order(p, plan, stream);  // before the chunk prep, behind which the pass launches early
+  }
   if (choice.short_len > 0) prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
   if (K == 64) launch<64>(p, plan, choice.vtile, stream, choice.stages);
   if (K == 128) launch<128>(p, plan, choice.vtile, stream, choice.stages);

@@ -437,7 +437,8 @@ __device__ __forceinline__ void issue_item_chunk(const PrefillParams& p, const P
             2 * kChunk * 4, bar);
 }
 
-// The persistent pass's producer (its first thread): items from the counter, and for each its ring positions, the
+// The persistent pass's producer (its first thread): items from the counter (ticket t: value head t % HV of sequence
+// t / HV, or of that entry of Plan::pass_order: longest first), and for each its ring positions, the
 // initial state's (item_state_bulk) and then one per chunk, position r into stage r % kStages (full[...], phase parity
 // r / kStages) once every state thread released position r - kStages (done[kStages + ...]) and the o stores read it.
 // Every position's o is handed over (done[2 kStages + g kStages + ...], 128 arrivals of state warpgroup g), a full
@@ -488,7 +489,7 @@ __device__ __forceinline__ void producer_persistent(const PrefillParams& p, cons
       have_next = false;
       if (next >= items) break;
       HeadItem c;
-      c.n = int(next / uint32_t(HV));
+      c.n = plan.pass_order != nullptr ? plan.pass_order[next / uint32_t(HV)] : int(next / uint32_t(HV));
       c.h = int(next % uint32_t(HV));
       if (begin_sequence_by(p, plan, c.n, c.h, 0, V, c.h == 0, c.sq, 0, 1)) {
         it = c;
