@@ -37,23 +37,26 @@ SeqSet parse_seqset(const std::string& text) {
                      " (expected NxL such as 8192x4, A+B such as 1024+7168, or both such as 64x100+6144)");
   };
   auto number = [&](const std::string& s) -> int64_t {
-    if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos) throw bad("'" + s + "' is not a count");
+    if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos || s.size() > 12)
+      throw bad("'" + s + "' is not a count");
     return std::stoll(s);
   };
   SeqSet set{text, {}};
+  if (!text.empty() && text.back() == '+') throw bad("a '+' ends it");
   std::stringstream ss(text);
   std::string part;
   while (std::getline(ss, part, '+')) {  // terms L or NxL, in order
     const size_t x = part.find('x');
+    if (set.lengths.size() >= size_t(1) << 20) throw bad("more than 1048576 sequences");
     if (x == std::string::npos) {
       set.lengths.push_back(number(part));
       continue;
     }
     const int64_t n = number(part.substr(0, x)), len = number(part.substr(x + 1));
     if (n <= 0 || n > (1 << 20)) throw bad("N must be in 1..1048576");
+    if (set.lengths.size() + size_t(n) > size_t(1) << 20) throw bad("more than 1048576 sequences");
     set.lengths.insert(set.lengths.end(), size_t(n), len);
   }
-  if (set.lengths.size() > size_t(1) << 20) throw bad("more than 1048576 sequences");
   if (set.lengths.empty() || set.total() <= 0) throw bad("no tokens");
   return set;
 }

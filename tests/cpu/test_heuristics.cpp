@@ -766,8 +766,8 @@ TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
 }
 
 // The length classes (0 for no chunk, then one per power of two of 64-token chunks), and the persistent pass taking the
-// sequences longest first unless the host's cu_seqlens puts them all in one class; without that copy it orders them;
-// the override either way; never where the pass is not persistent.
+// sequences longest first unless the host's cu_seqlens has them in that order already (all in one class included);
+// without that copy it orders them; the override either way; never where the pass is not persistent.
 TEST(PrefillHeuristics, PersistentPassLongestFirstWhereLengthsDiffer) {
   using chunked_prefill::length_class;
   EXPECT_EQ(length_class(0, 0), 0);
@@ -793,6 +793,18 @@ TEST(PrefillHeuristics, PersistentPassLongestFirstWhereLengthsDiffer) {
   std::vector<int64_t> close;  // 100 and 120 tokens: two chunks each
   for (int i = 0; i < 1000; ++i) close.push_back(i % 2 ? 100 : 120);
   EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(close).p, kSms, {}).longest_first);
+  std::vector<int64_t> sorted = {6144, 3000, 4000};  // classes 7, 6, 6 (96, 47 and 63 chunks)
+  sorted.insert(sorted.end(), 64, 100);
+  sorted.push_back(0);
+  EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(sorted).p, kSms, {}).longest_first);
+  sorted.push_back(300);  // a class-3 sequence after those of class 2
+  EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(sorted).p, kSms, {}).longest_first);
+  std::vector<int64_t> beside_short;  // sequences of 8 tokens, the short path's, between sorted ones: not the pass's
+  for (int i = 0; i < 200; ++i) beside_short.insert(beside_short.end(), {i < 100 ? 300 : 100, 8});
+  c = chunked_prefill::choose_prefill(PrefillCall(beside_short).p, kSms, {});
+  EXPECT_EQ(c.short_len, 16);
+  EXPECT_TRUE(c.persistent_pass);
+  EXPECT_FALSE(c.longest_first);
   same.p.cu_seqlens_host = nullptr;
   EXPECT_TRUE(chunked_prefill::choose_prefill(same.p, kSms, {}).longest_first);
   Overrides o;

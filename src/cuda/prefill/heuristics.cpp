@@ -107,11 +107,16 @@ int short_len_default(const PrefillParams& p) {
   return dtype_size(p.state.dtype) == 2 ? 16 : 8;
 }
 
-bool one_length_class(const PrefillParams& p) {
-  if (p.cu_seqlens_host == nullptr || p.num_seqs <= 0) return false;
-  const int first = length_class(p.cu_seqlens_host[0], p.cu_seqlens_host[1]);
-  for (int32_t n = 1; n < p.num_seqs; ++n)
-    if (length_class(p.cu_seqlens_host[n], p.cu_seqlens_host[n + 1]) != first) return false;
+bool longest_first_already(const PrefillParams& p, int short_len) {
+  if (p.cu_seqlens_host == nullptr) return false;
+  int last = kLengthClasses;
+  for (int32_t n = 0; n < p.num_seqs; ++n) {
+    const int64_t start = p.cu_seqlens_host[n], end = p.cu_seqlens_host[n + 1];
+    if (short_prefill_sequence(start, end, p.total_tokens, short_len)) continue;  // not the pass's
+    const int c = length_class(start, end);
+    if (c > last) return false;
+    last = c;
+  }
   return true;
 }
 
@@ -395,9 +400,11 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
     c.pass_ctas = int(std::min<int64_t>(items, o.prefill_persistent_ctas > 0 ? o.prefill_persistent_ctas : num_sms));
   const int64_t pass_ctas = c.persistent_pass ? c.pass_ctas : rows * p.heads.num_v_heads;
   // Its CTAs take the items longest first, so that a long prompt does not start last and run alone at the end, unless
-  // the host's copy of cu_seqlens shows every sequence in one length class (the order kernel would change nothing).
+  // the host's copy of cu_seqlens shows the pass's sequences in that order already (one length class included: the
+  // order kernel would change nothing).
   if (c.persistent_pass)
-    c.longest_first = o.prefill_longest_first >= 0 ? o.prefill_longest_first > 0 : !one_length_class(p);
+    c.longest_first =
+        o.prefill_longest_first >= 0 ? o.prefill_longest_first > 0 : !longest_first_already(p, c.short_len);
   c.early_state_pass = prep && pass_ctas <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;
   // The pass's producer waits for each chunk's flag, so that the chunks the prep finished early run while its last
   // wave does: beside the prep warpgroup (HeadPass::kProducer), for sequences of a mean of at most

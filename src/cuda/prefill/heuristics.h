@@ -173,8 +173,9 @@ constexpr bool head_pass_load_warp(bool wgmma, bool m_warpgroup, int K, int cols
 
 // The longest sequence the short-sequence path takes by default, per layout, input and pool dtype.
 int short_len_default(const PrefillParams& p);
-// Whether the host's copy of cu_seqlens puts every sequence in one length class (item_order.h); false without it.
-bool one_length_class(const PrefillParams& p);
+// Whether the host's copy of cu_seqlens has the sequences the chunked kernels take (those longer than short_len) in
+// non-increasing length class (item_order.h), every one in one class included; false without it.
+bool longest_first_already(const PrefillParams& p, int short_len);
 // Sequences of at most len tokens, by the host copy of cu_seqlens (which must be given).
 int32_t count_short(const PrefillParams& p, int len);
 int choose_short_len(const PrefillParams& p, const Overrides& o, int num_sms);

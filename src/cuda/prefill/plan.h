@@ -125,9 +125,9 @@ struct HeadTensorMaps {
 };
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
-// Workspace bytes for T', M, the token factors and the chunks' counts (each 256-byte aligned;
-// prefill_workspace_bytes): M's region also where the pass forms M, so that the size grows with total_tokens and
-// num_seqs alone.
+// Workspace bytes for T', M, the token factors, the chunks' counts, the persistent pass's counter and order (each
+// region 256-byte aligned; prefill_workspace_bytes): M's region also where the pass forms M, so that the size grows
+// with total_tokens and num_seqs alone.
 size_t workspace_bytes(const PrefillParams& p);
 // The plan's workspace pointers (ws_tprime, ws_masked_qk: null where the pass forms M, ws_factors, chunk_ready where
 // chunk_flags, pass_ticket where ticket) in `base`.
