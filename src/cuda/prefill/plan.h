@@ -130,8 +130,8 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 // with total_tokens and num_seqs alone.
 size_t workspace_bytes(const PrefillParams& p);
 // The plan's workspace pointers (ws_tprime, ws_masked_qk: null where the pass forms M, ws_factors, chunk_ready where
-// chunk_flags, pass_ticket where ticket) in `base`.
-void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags, bool ticket);
+// chunk_flags, pass_ticket where ticket, pass_order where both ticket and order) in `base`.
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags, bool ticket, bool order);
 
 // Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
 template <int K>

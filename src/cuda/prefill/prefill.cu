@@ -85,7 +85,7 @@ size_t workspace_bytes(const PrefillParams& p) {
   return ready_offset(p) + ready_bytes(p);
 }
 
-void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags, bool ticket) {
+void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags, bool ticket, bool order) {
   if (base == nullptr) {  // no workspace: no tokens
     plan.ws_tprime = plan.ws_masked_qk = nullptr;
     plan.ws_factors = nullptr;
@@ -97,6 +97,7 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
   if (chunk_flags) plan.chunk_ready = reinterpret_cast<uint32_t*>(at + ready_offset(p));
   if (ticket) plan.pass_ticket = reinterpret_cast<uint32_t*>(at + ready_offset(p)) + num_chunk_slots(p);
+  if (ticket && order) plan.pass_order = reinterpret_cast<int32_t*>(plan.pass_ticket + 1);
   if (plan.cp_segment_len > 0) {  // the segment table and its indices, then the three per-segment states
     char* cp = at + cp_offset(p);
     const CpLayout l = cp_layout(p, plan.cp_max_segments, plan.cp_max_states, plan.cp_max_cuts);
@@ -186,6 +187,7 @@ Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   plan.fused_prep = choice.fused_prep;
   plan.early_state_pass = choice.early_state_pass;
   plan.prep_parts = choice.prep_parts;
+  plan.pass_ctas = choice.pass_ctas;
   plan.short_len = choice.short_len;
   plan.cp_segment_len = choice.cp_segment_len;
   plan.cp_first_final = choice.cp_first_final;
@@ -219,12 +221,9 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
                 "q: head dim K=" + std::to_string(K) + " is not supported (expected 64, 128 or 256)");
   Plan plan = make_plan(p, choice);
   void* ws = call_workspace(p, workspace_bytes(p), "prefill_workspace_bytes", stream);
-  carve_workspace(p, ws, plan, choice.chunk_flags, choice.persistent_pass);
-  plan.pass_ctas = choice.pass_ctas;
-  if (choice.longest_first && plan.pass_ticket != nullptr) {
-    plan.pass_order = reinterpret_cast<int32_t*>(plan.pass_ticket + 1);
-    launch_pass_order(p, plan, stream);  // before the chunk prep, behind which the pass launches early
-  }
+  carve_workspace(p, ws, plan, choice.chunk_flags, choice.persistent_pass, choice.longest_first);
+  // before the chunk prep, behind which the pass launches early
+  if (plan.pass_order != nullptr) launch_pass_order(p, plan, stream);
   if (choice.short_len > 0) prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
   if (K == 64) launch<64>(p, plan, choice.vtile, stream, choice.stages);
   if (K == 128) launch<128>(p, plan, choice.vtile, stream, choice.stages);
@@ -251,7 +250,7 @@ void run_split(const SplitPrefillParams& sp, bool begin, cudaStream_t stream) {
   plan.split_offsets = sp.piece_offsets;
   plan.split_exchange = sp.exchange;
   carve_workspace(p, call_workspace(p, split_workspace_bytes(sp), "split_prefill_workspace_bytes", stream), plan, false,
-                  false);
+                  false, false);
   if (p.heads.head_dim_k == 64) launch_split<64>(p, plan, begin, stream);
   if (p.heads.head_dim_k == 128) launch_split<128>(p, plan, begin, stream);
 }
