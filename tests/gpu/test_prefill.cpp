@@ -21,6 +21,7 @@
 #include "support/problem.h"
 #include "cuda/host/check.h"
 #include "cuda/host/overrides.h"
+#include "cuda/prefill/item_order.h"
 #include "cuda/prefill/plan.h"
 #include "gdnkit/gdnkit.h"
 #include "gpu/gpu_harness.h"
@@ -768,6 +769,51 @@ TEST(PrefillGpu, PersistentPassMatchesOneCtaPerItem) {
     }
 }
 
+// The persistent pass's order (item_order.cuh) is the sequence indices stably sorted by length class, longest first:
+// against std::stable_sort for counts around the kernel's tiles of 1024 and far past them, random lengths with empty
+// and bad spans among them, int32 and int64 cu_seqlens; the buffer poisoned first.
+TEST(PrefillGpu, LongestFirstOrderIsAStableSortByClass) {
+  namespace cp = cuda::chunked_prefill;
+  std::mt19937 rng(2911);
+  for (const bool wide : {false, true})
+    for (const int N : {1, 2, 31, 33, 1000, 1023, 1024, 1025, 3000, 70000}) {
+      SCOPED_TRACE("N " + std::to_string(N) + (wide ? ", int64" : ", int32"));
+      std::vector<int64_t> cu(size_t(N) + 1, 0);
+      for (int n = 0; n < N; ++n) {
+        const uint32_t pick = rng() % 16;
+        const int64_t len = pick == 0 ? 0 : pick < 12 ? int64_t(rng() % 300) : int64_t(rng() % 20000);
+        cu[size_t(n) + 1] = cu[size_t(n)] + len;
+      }
+      if (N > 2) cu[2] = cu[1] - 1;  // a bad span (end before start): class 0, and the next one longer
+      std::vector<int32_t> cu32(cu.begin(), cu.end());
+      void* d_cu = nullptr;
+      int32_t* d_order = nullptr;
+      const size_t cu_bytes = wide ? cu.size() * 8 : cu.size() * 4;
+      GDNKIT_TEST_CUDA(cudaMalloc(&d_cu, cu_bytes));
+      GDNKIT_TEST_CUDA(cudaMalloc(&d_order, size_t(N) * 4));
+      GDNKIT_TEST_CUDA(cudaMemcpy(d_cu, wide ? static_cast<const void*>(cu.data()) : cu32.data(), cu_bytes,
+                                  cudaMemcpyHostToDevice));
+      GDNKIT_TEST_CUDA(cudaMemset(d_order, 0xff, size_t(N) * 4));
+      GDNKIT_TEST_CUDA(cudaDeviceSynchronize());
+      PrefillParams p;
+      p.num_seqs = N;
+      p.total_tokens = cu.back();
+      p.cu_seqlens = d_cu;
+      p.cu_seqlens_dtype = wide ? DType::kInt64 : DType::kInt32;
+      cp::order_longest_first(p, d_order, nullptr);
+      std::vector<int32_t> got(static_cast<size_t>(N));
+      GDNKIT_TEST_CUDA(cudaMemcpy(got.data(), d_order, size_t(N) * 4, cudaMemcpyDeviceToHost));
+      cudaFree(d_cu);
+      cudaFree(d_order);
+      std::vector<int32_t> want(static_cast<size_t>(N));
+      for (int n = 0; n < N; ++n) want[size_t(n)] = n;
+      std::stable_sort(want.begin(), want.end(), [&](int32_t a, int32_t b) {
+        return cp::length_class(cu[size_t(a)], cu[size_t(a) + 1]) > cp::length_class(cu[size_t(b)], cu[size_t(b) + 1]);
+      });
+      EXPECT_EQ(got, want);
+    }
+}
+
 // The chunk prep in parts (Plan::prep_parts: several CTAs per chunk and q/k head, each a share of the GVA group's value
 // heads) computes what one CTA per group does, bit for bit, and within the tolerances of the fp64 recurrence: with M
 // formed by the prep (the head split's one state warpgroup) and without (the prep warpgroup), waiting per chunk (whose
@@ -1001,13 +1047,16 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     int cp = -1;           // context-parallel segments asked for (-1: the heuristic's choice)
     int first_final = -1;  // the first segment's final pass beside the local pass (1) or after the scan (0)
     int parts = 0;         // chunk prep CTAs per (chunk, q/k head) asked for (0: the heuristic's choice)
+    int persistent = -1;   // the persistent pass on 3 CTAs, longest first (1)
   };
   for (const Plan want : {Plan{0, false, true}, Plan{0, true, false}, Plan{0, true, false, -1, -1, 2},
-                          Plan{1, false, true}, Plan{1, false, true, 64}, Plan{1, false, true, 64, 1}}) {
+                          Plan{1, false, true}, Plan{1, false, true, 64}, Plan{1, false, true, 64, 1},
+                          Plan{1, false, true, -1, -1, 0, 1}}) {
     // qwen3-next heads: 3 x 32 (sequence, head) pairs take one CTA each (no split: M formed in the pass, by the state
     // warpgroups or the prep warpgroup), 1 x 32 two each (M from the workspace; also with the prep in two parts); last,
     // context-parallel segments of 64 tokens (the workspace's per-segment states after the table), the first segment's
-    // final pass after the scan and beside the local pass.
+    // final pass after the scan and beside the local pass; the persistent pass on three CTAs taking the sequences
+    // longest first (its counter and order: the workspace's last words).
     const Problem before(want.few ? base({130}, 16, 32) : base({130, 64, 71}, 16, 32));
     Problem lib = before, own = before;
     DeviceProblem d_lib(lib), d_own(own);
@@ -1017,7 +1066,9 @@ TEST(PrefillGpu, CallerWorkspaceSizedByThePlan) {
     o.prefill_cp_segment_len = want.cp;
     o.prefill_cp_first_final = want.first_final;
     o.prefill_prep_parts = want.parts;
+    if (want.persistent > 0) o.prefill_persistent = 1, o.prefill_persistent_ctas = 3;
     const cp::PrefillChoice choice = cp::choose_prefill(p, cuda::device_sms(), o);
+    ASSERT_EQ(choice.longest_first, want.persistent > 0) << "the case no longer takes the plan it is written for";
     if (want.parts > 0)
       ASSERT_EQ(choice.prep_parts, want.parts) << "the case no longer takes the plan it is written for";
     if (want.first_final >= 0)

@@ -13,57 +13,60 @@
 
 namespace gdnkit::cuda::chunked_prefill {
 
-constexpr int kOrderThreads = 1024;
+constexpr int kOrderThreads = 1024, kOrderWarps = kOrderThreads / 32;
 
-// A counting sort over the classes: their sizes, the start of each (the longest class first), then tiles of
-// kOrderThreads sequences, each thread's place in its class from its warp's ballot and the warps before it.
-__global__ void __launch_bounds__(kOrderThreads) pass_order_kernel(const PrefillParams p, const Plan plan) {
+// A counting sort over the classes: their sizes (each warp's lanes of one class add once), the start of each (the
+// longest class first), then tiles of kOrderThreads sequences, each thread's place in its class from the lanes of its
+// warp in that class before it and the warps before its own (a scan over the warps, one thread a class).
+__global__ void __launch_bounds__(kOrderThreads) pass_order_kernel(const PrefillParams p, int32_t* order) {
   __shared__ uint32_t start[kLengthClasses];
-  __shared__ uint32_t warp_count[kOrderThreads / 32][kLengthClasses];
+  __shared__ uint32_t before[kOrderWarps][kLengthClasses];  // per tile: lanes of class k in warp w, then the warps < w
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int N = p.num_seqs;
-  const auto class_of = [&](int n) { return length_class(load_cu(p, n), load_cu(p, n + 1)); };
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  const auto class_of = [&](int n) { return n < N ? length_class(load_cu(p, n), load_cu(p, n + 1)) : -1; };
   if (tid < kLengthClasses) start[tid] = 0;
   __syncthreads();
-  for (int n = tid; n < N; n += kOrderThreads) atomicAdd(&start[class_of(n)], 1u);
+  for (int n0 = 0; n0 < N; n0 += kOrderThreads) {
+    const int c = class_of(n0 + tid);
+    const unsigned peers = __match_any_sync(0xffffffffu, c);
+    if (c >= 0 && (peers & lanes_below) == 0) atomicAdd(&start[c], uint32_t(__popc(peers)));
+  }
   __syncthreads();
   if (tid == 0) {
     uint32_t at = 0;
-    for (int c = kLengthClasses - 1; c >= 0; --c) {
-      const uint32_t size = start[c];
-      start[c] = at;
+    for (int k = kLengthClasses - 1; k >= 0; --k) {
+      const uint32_t size = start[k];
+      start[k] = at;
       at += size;
     }
   }
   __syncthreads();
   for (int n0 = 0; n0 < N; n0 += kOrderThreads) {
-    const int n = n0 + tid;
-    const int c = n < N ? class_of(n) : -1;
-    uint32_t rank = 0;
-#pragma unroll 4
-    for (int k = 0; k < kLengthClasses; ++k) {
-      const unsigned m = __ballot_sync(0xffffffffu, c == k);
-      if (lane == 0) warp_count[warp][k] = uint32_t(__popc(m));
-      if (c == k) rank = uint32_t(__popc(m & ((1u << lane) - 1u)));
+    const int n = n0 + tid, c = class_of(n);
+    const unsigned peers = __match_any_sync(0xffffffffu, c);
+    before[warp][lane] = 0;  // kLengthClasses == 32: a lane a class
+    __syncwarp();
+    if (c >= 0 && (peers & lanes_below) == 0) before[warp][c] = uint32_t(__popc(peers));
+    __syncthreads();
+    if (tid < kLengthClasses) {  // exclusive over the warps, then the class's start moves past the tile
+      uint32_t sum = 0;
+      for (int w = 0; w < kOrderWarps; ++w) {
+        const uint32_t count = before[w][tid];
+        before[w][tid] = start[tid] + sum;
+        sum += count;
+      }
+      start[tid] += sum;
     }
     __syncthreads();
-    if (c >= 0) {
-      uint32_t at = start[c] + rank;
-      for (int w = 0; w < warp; ++w) at += warp_count[w][c];
-      plan.pass_order[at] = n;
-    }
-    __syncthreads();
-    if (tid < kLengthClasses) {
-      uint32_t size = 0;
-      for (int w = 0; w < kOrderThreads / 32; ++w) size += warp_count[w][tid];
-      start[tid] += size;
-    }
+    if (c >= 0) order[before[warp][c] + uint32_t(__popc(peers & lanes_below))] = n;
     __syncthreads();
   }
 }
 
-inline void launch_pass_order(const PrefillParams& p, const Plan& plan, cudaStream_t stream) {
-  pass_order_kernel<<<1, kOrderThreads, 0, stream>>>(p, plan);
+inline void launch_pass_order(const PrefillParams& p, int32_t* order, cudaStream_t stream) {
+  static_assert(kLengthClasses == 32, "a lane a class");
+  pass_order_kernel<<<1, kOrderThreads, 0, stream>>>(p, order);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 

@@ -136,6 +136,9 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_
 // Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
 template <int K>
 void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages);
+// The sequence indices of p (its cu_seqlens on the device) in the order the persistent pass takes them, longest class
+// first (item_order.cuh), into p.num_seqs words at `order`; the kernel the call launches, callable by tests.
+void order_longest_first(const PrefillParams& p, int32_t* order, cudaStream_t stream);
 // A split call's half (prefill_k64.cu and prefill_k128.cu): begin (true) or end.
 template <int K>
 void launch_split(const PrefillParams& p, const Plan& plan, bool begin, cudaStream_t stream);

@@ -223,7 +223,7 @@ void run(const PrefillParams& p_in, cudaStream_t stream) {
   void* ws = call_workspace(p, workspace_bytes(p), "prefill_workspace_bytes", stream);
   carve_workspace(p, ws, plan, choice.chunk_flags, choice.persistent_pass, choice.longest_first);
   // before the chunk prep, behind which the pass launches early
-  if (plan.pass_order != nullptr) launch_pass_order(p, plan, stream);
+  if (plan.pass_order != nullptr) launch_pass_order(p, plan.pass_order, stream);
   if (choice.short_len > 0) prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
   if (K == 64) launch<64>(p, plan, choice.vtile, stream, choice.stages);
   if (K == 128) launch<128>(p, plan, choice.vtile, stream, choice.stages);
@@ -262,6 +262,12 @@ void prefill(const PrefillParams& p, Stream stream) {
 }
 
 size_t prefill_workspace_bytes(const PrefillParams& p) { return chunked_prefill::workspace_bytes(p); }
+
+namespace chunked_prefill {
+void order_longest_first(const PrefillParams& p, int32_t* order, cudaStream_t stream) {
+  if (p.num_seqs > 0) launch_pass_order(p, order, stream);
+}
+}  // namespace chunked_prefill
 
 void split_prefill_begin(const SplitPrefillParams& p, Stream stream) {
   chunked_prefill::run_split(p, true, reinterpret_cast<cudaStream_t>(stream));
