@@ -765,9 +765,10 @@ TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
   EXPECT_FALSE(c.persistent_pass);
 }
 
-// The length classes (0 for no chunk, then one per power of two of 64-token chunks), and the persistent pass taking the
-// sequences longest first unless the host's cu_seqlens has them in that order already (all in one class included);
-// without that copy it orders them; the override either way; never where the pass is not persistent.
+// The length classes (0 for no chunk, then one per power of two of 64-token chunks), and the head pass taking the
+// sequences longest first (persistent, or one CTA per item in more than a wave) unless the host's cu_seqlens has them
+// in that order already (all in one class included); without that copy it orders them; the override either way; not
+// in one wave nor under context parallelism.
 TEST(PrefillHeuristics, PersistentPassLongestFirstWhereLengthsDiffer) {
   using chunked_prefill::length_class;
   EXPECT_EQ(length_class(0, 0), 0);
@@ -812,8 +813,17 @@ TEST(PrefillHeuristics, PersistentPassLongestFirstWhereLengthsDiffer) {
   EXPECT_FALSE(chunked_prefill::choose_prefill(mixed.p, kSms, o).longest_first);
   o.prefill_longest_first = 1;
   EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(close).p, kSms, o).longest_first);
-  o.prefill_persistent = 0;
-  EXPECT_FALSE(chunked_prefill::choose_prefill(mixed.p, kSms, o).longest_first);
+  o.prefill_persistent = 0;  // one CTA per item, 2080 of them: more than a wave
+  EXPECT_TRUE(chunked_prefill::choose_prefill(mixed.p, kSms, o).longest_first);
+  EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall({4096, 100, 2048, 300}).p, kSms, {}).longest_first);  // 128
+  PrefillCall batch({100, 8192, 300, 8192, 200, 8192, 100, 8192});  // one CTA per item, 256 of them
+  c = chunked_prefill::choose_prefill(batch.p, kSms, {});
+  EXPECT_FALSE(c.persistent_pass);
+  EXPECT_TRUE(c.longest_first);
+  PrefillCall cp({100, 65536}, 2, 8);  // context parallelism: no order
+  c = chunked_prefill::choose_prefill(cp.p, kSms, {});
+  EXPECT_GT(c.cp_segment_len, 0);
+  EXPECT_FALSE(c.longest_first);
 }
 
 // The chunk prep takes several CTAs per (chunk, q/k head), each a share of the GVA group, where the grid then still

@@ -402,7 +402,9 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   // Its CTAs take the items longest first, so that a long prompt does not start last and run alone at the end, unless
   // the host's copy of cu_seqlens shows the pass's sequences in that order already (one length class included: the
   // order kernel would change nothing).
-  if (c.persistent_pass)
+  // The same for one CTA per item where its CTAs take more than one wave: the hardware launches them in grid order.
+  const bool orderable = c.persistent_pass || (is_head_tile(c.vtile) && !cp && pass_ctas > num_sms);
+  if (orderable)
     c.longest_first =
         o.prefill_longest_first >= 0 ? o.prefill_longest_first > 0 : !longest_first_already(p, c.short_len);
   c.early_state_pass = prep && pass_ctas <= int64_t(kEarlyPassMaxCtasPerSm) * num_sms;

@@ -66,7 +66,8 @@ struct PrefillChoice {
   // in turn, the producer loading the next item's state and chunks while the current one runs (whole sequences)
   bool persistent_pass = false;
   int pass_ctas = 0;  // ... its grid: one CTA per SM (the override: fewer), at most one per item
-  // ... taking the sequences longest first (by length class, item_order.h) where their lengths may differ in class
+  // The head pass (persistent, or one CTA per item in more than one wave) takes the sequences longest first (by
+  // length class, item_order.h) where their lengths may differ in class
   bool longest_first = false;
   int stages = kStagesAll;
   // > 0: the context-parallel path (context_parallel.cuh) with sequences cut into segments of this many tokens

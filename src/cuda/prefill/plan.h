@@ -76,8 +76,8 @@ struct Plan {
   // (PrefillChoice::pass_ctas)
   uint32_t* pass_ticket = nullptr;
   int32_t pass_ctas = 0;
-  // PrefillChoice::longest_first: the sequence indices in the order its items are taken (item_order.cuh), after the
-  // item counter; else null (the sequences' order)
+  // PrefillChoice::longest_first: the sequence indices in the order the head pass takes them (item_order.cuh: the
+  // persistent pass's items, or the CTAs of one per item in launch order), after the item counter; else null
   int32_t* pass_order = nullptr;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
   // K-last pool with 16-byte aligned slots (and block scales): the wgmma build's final states (beside a prep
@@ -130,7 +130,7 @@ HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 // with total_tokens and num_seqs alone.
 size_t workspace_bytes(const PrefillParams& p);
 // The plan's workspace pointers (ws_tprime, ws_masked_qk: null where the pass forms M, ws_factors, chunk_ready where
-// chunk_flags, pass_ticket where ticket, pass_order where both ticket and order) in `base`.
+// chunk_flags, pass_ticket where ticket, pass_order where order) in `base`.
 void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_flags, bool ticket, bool order);
 
 // Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).

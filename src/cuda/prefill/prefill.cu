@@ -97,7 +97,8 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_
   plan.ws_factors = reinterpret_cast<float*>(at + 2 * t_bytes(p));
   if (chunk_flags) plan.chunk_ready = reinterpret_cast<uint32_t*>(at + ready_offset(p));
   if (ticket) plan.pass_ticket = reinterpret_cast<uint32_t*>(at + ready_offset(p)) + num_chunk_slots(p);
-  if (ticket && order) plan.pass_order = reinterpret_cast<int32_t*>(plan.pass_ticket + 1);
+  if (order)  // after the ticket
+    plan.pass_order = reinterpret_cast<int32_t*>(at + ready_offset(p)) + num_chunk_slots(p) + 1;
   if (plan.cp_segment_len > 0) {  // the segment table and its indices, then the three per-segment states
     char* cp = at + cp_offset(p);
     const CpLayout l = cp_layout(p, plan.cp_max_segments, plan.cp_max_states, plan.cp_max_cuts);

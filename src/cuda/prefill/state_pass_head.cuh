@@ -145,7 +145,10 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Stage* stage = reinterpret_cast<Stage*>(smem_raw + (kWgmma ? (1024 - (smem_addr(smem_raw) & 1023)) & 1023 : 0));
 
-  const HeadCoords at = head_coords<S::kSplit, S::kCols>(p);
+  HeadCoords at = head_coords<S::kSplit, S::kCols>(p);
+  // whole sequences longest first (Plan::pass_order): the CTAs of a long prompt launch in the first wave
+  if constexpr (kCpMode == 0)
+    if (plan.pass_order != nullptr) at.n = plan.pass_order[at.n];
   SeqSlots sq;
   CpSegment seg{};
   bool run;
