@@ -33,6 +33,50 @@ __device__ __forceinline__ void wait_chunk_ready(const uint32_t* count, uint32_t
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// The wgmma build's loads of one chunk into a stage, counted on its mbarrier: HeadLoader's (a sequence's chunks) and
+// the persistent producer's (issue_item_chunk: an item's chunks from its token, heads and slot alone).
+template <class S>  // HeadPass
+struct ChunkTma {
+  using Op = typename S::Op;
+  static constexpr int K = S::K;
+  static constexpr uint32_t kVBytes = uint32_t(S::kCols * kChunk * 2);
+  static constexpr bool kReadsM = !S::kMInPass && !S::kMWarpgroup && S::kOutputs;  // M from the workspace
+  // Both parts' bytes (with a prep warpgroup: the rows, T' and the factor rows kLog2Gcum, kInvNormK; it forms the
+  // rest; without o: no q rows and no M; the fused prep: the rows and the gate rows kLog2Gcum, kBeta alone).
+  static constexpr uint32_t kBytes =
+      uint32_t(((S::kOutputs ? 2 : 1) * K * kChunk) * 2) + kVBytes +
+      uint32_t((S::kFusedPrep ? 0 : S::kMWarpgroup || S::kMInPass || !S::kOutputs ? 1 : 2) * kCausalImageElems * 2 +
+               (S::kMWarpgroup ? 2 : S::kFRows) * kChunk * 4);
+
+  // The k (and q) rows of tokens tk .. tk + 63 of q/k head hk; where load_v, the v columns from v0 of value head h.
+  template <class Stage>
+  static __device__ __forceinline__ void rows(const HeadTensorMaps& maps, Stage& b, uint64_t* bar, int tk, int hk,
+                                              int h, int v0, bool load_v) {
+#pragma unroll
+    for (int i = 0; i < K / 64; ++i) {
+      tma_load_3d(&b.ks[i * 64 * kChunk], &maps.k, 64 * i, hk, tk, bar);
+      if constexpr (S::kOutputs) tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
+    }
+    if (load_v) {
+#pragma unroll
+      for (int i = 0; i < S::kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
+    }
+  }
+
+  // A workspace entry: its T' (t) and M (m, where neither the pass nor its prep warpgroup forms it) causal images,
+  // one bulk copy each, and its factor rows (f: the entry's kFRows rows; beside a prep warpgroup kLog2Gcum and
+  // kInvNormK alone).
+  template <class Stage>
+  static __device__ __forceinline__ void workspace(Stage& b, uint64_t* bar, const Op* t, const Op* m, const float* f) {
+    if constexpr (!S::kFusedPrep) bulk_load(b.ts, t, kCausalImageElems * 2, bar);
+    if constexpr (kReadsM) bulk_load(b.ms, m, kCausalImageElems * 2, bar);
+    if constexpr (S::kMWarpgroup)
+      bulk_load(b.sc + kLog2Gcum * kChunk, f + kLog2Gcum * kChunk, 2 * kChunk * 4, bar);
+    else
+      bulk_load(b.sc, f, S::kFRows * kChunk * 4, bar);
+  }
+};
+
 template <class S>  // HeadPass
 struct HeadLoader {
   using Op = typename S::Op;
@@ -98,41 +142,18 @@ struct HeadLoader {
  private:
   template <class Stage>
   __device__ __forceinline__ void issue_tma(int64_t c, Stage& b, int parts) const {
+    using Tma = ChunkTma<S>;
     uint64_t* bar = &bars[c % kStages];
     if (parts & kInputs) {
-      // both parts' bytes (with a prep warpgroup: the rows, T' and the factor rows kLog2Gcum, kInvNormK; it forms
-      // the rest; without o: no q rows and no M)
-      constexpr uint32_t kVBytes = uint32_t(kCols * kChunk * 2);
-      // (the fused prep: the rows and the gate rows kLog2Gcum, kBeta alone)
-      constexpr uint32_t kBytes =
-          uint32_t(((S::kOutputs ? 2 : 1) * K * kChunk) * 2) + kVBytes +
-          uint32_t((S::kFusedPrep ? 0 : S::kMWarpgroup || S::kMInPass || !S::kOutputs ? 1 : 2) * kCausalImageElems * 2 +
-                   (S::kMWarpgroup ? 2 : kFRows) * kChunk * 4);
       fence_proxy_async();  // this stage's generic reads (two chunks ago) before the async writes
-      mbarrier_arrive_expect_tx(bar, load_v ? kBytes : kBytes - kVBytes);
-      const int tk = int(start + c * kChunk);
-#pragma unroll
-      for (int i = 0; i < K / 64; ++i) {
-        tma_load_3d(&b.ks[i * 64 * kChunk], &maps.k, 64 * i, hk, tk, bar);
-        if constexpr (S::kOutputs) tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
-      }
-      if (load_v) {
-#pragma unroll
-        for (int i = 0; i < kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, v0 + 64 * i, h, tk, bar);
-      }
+      mbarrier_arrive_expect_tx(bar, load_v ? Tma::kBytes : Tma::kBytes - Tma::kVBytes);
+      Tma::rows(maps, b, bar, int(start + c * kChunk), hk, h, v0, load_v);
     }
     if (parts & kWorkspace) {
       if constexpr (kChunkFlags)
         if (ready != nullptr) wait_chunk_ready(ready + c, uint32_t(p.heads.num_qk_heads * plan.prep_parts));
-      const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's causal images: one bulk copy each
-      if constexpr (!S::kFusedPrep) bulk_load(b.ts, t_img + wc, kCausalImageElems * 2, bar);
-      if constexpr (!S::kMInPass && !S::kMWarpgroup && S::kOutputs)
-        bulk_load(b.ms, m_img + wc, kCausalImageElems * 2, bar);
-      if constexpr (S::kMWarpgroup)
-        bulk_load(b.sc + kLog2Gcum * kChunk, f_src + c * HV * (kFRows * kChunk) + kLog2Gcum * kChunk, 2 * kChunk * 4,
-                  bar);
-      else
-        bulk_load(b.sc, f_src + c * HV * (kFRows * kChunk), kFRows * kChunk * 4, bar);
+      const int64_t wc = c * HV * (kChunk * kChunk);  // the chunk's entry: HV entries a chunk slot
+      Tma::workspace(b, bar, t_img + wc, Tma::kReadsM ? m_img + wc : nullptr, f_src + c * HV * (kFRows * kChunk));
     }
   }
 

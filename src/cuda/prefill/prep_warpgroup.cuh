@@ -326,6 +326,27 @@ struct InitialStateCopy {
   uint64_t* bars = nullptr;
 };
 
+// Value head h's K x V slice of pool slot `slot` and (float8_e4m3) its block scales (bars left unset).
+template <int K, int V>
+__device__ __forceinline__ InitialStateCopy initial_state_copy(const PrefillParams& p, int64_t slot, int h) {
+  InitialStateCopy in;
+  const int64_t es = dtype_bytes(p.state.dtype);
+  in.src = static_cast<const char*>(p.state.data) + (slot * p.state.slot_stride + int64_t(h) * K * V) * es;
+  in.bytes = uint32_t(K * V * es);
+  if (p.state.dtype == DType::kFloat8E4M3) {
+    in.scales = p.state.scales + (slot * p.heads.num_v_heads + h) * (K * V / kFp8Block);
+    in.scale_bytes = uint32_t(K * V / kFp8Block);
+  }
+  return in;
+}
+
+// Its bulk copies into `dst` (the scales right after the slice), the bytes counted on `bar`.
+__device__ __forceinline__ void issue_state_copy(void* dst, const InitialStateCopy& in, uint64_t* bar) {
+  mbarrier_arrive_expect_tx(bar, in.bytes + in.scale_bytes);
+  bulk_load(dst, in.src, in.bytes, bar);
+  if (in.scale_bytes > 0) bulk_load(static_cast<char*>(dst) + in.bytes, in.scales, in.scale_bytes, bar);
+}
+
 // The producer warpgroup (kMWarpgroup), or warp (kLoadWarp): its first thread issues every stage's loads, so that no
 // warpgroup that computes waits for a TMA issue (each takes about a hundred cycles). Chunk 0's rows go out before the
 // chunk prep's grid completed, its workspace part after; chunk n (from kStages - 1 on) into the stage of chunk n -
@@ -340,12 +361,7 @@ __device__ __forceinline__ void producer_warpgroup(const Loader& loader, Stage* 
   if (!issuer) return;
   const int64_t nchunks = (len + kChunk - 1) / kChunk;
   if (nchunks > 0) loader.issue(0, stage[0], kInputs);
-  if (in.bytes > 0) {  // the pool is not the prep's: before the wait
-    mbarrier_arrive_expect_tx(&in.bars[0], in.bytes + in.scale_bytes);
-    bulk_load(&stage[kStages - 1], in.src, in.bytes, &in.bars[0]);
-    if (in.scale_bytes > 0)
-      bulk_load(reinterpret_cast<char*>(&stage[kStages - 1]) + in.bytes, in.scales, in.scale_bytes, &in.bars[0]);
-  }
+  if (in.bytes > 0) issue_state_copy(&stage[kStages - 1], in, &in.bars[0]);  // not the prep's: before the wait
   if (loader.ready == nullptr) asm volatile("griddepcontrol.wait;" ::: "memory");  // else per chunk (the loader)
   if (nchunks > 0) loader.issue(0, stage[0], kWorkspace);
 #pragma unroll
@@ -404,37 +420,28 @@ __device__ __forceinline__ bool item_state_bulk(const Plan& plan, const HeadItem
   return plan.state_bulk && it.sq.islot >= 0;
 }
 
-// Chunk c of an item into stage b, its bytes counted on `bar` (the persistent producer; HeadLoader::issue_tma's loads
-// of the prep warpgroup's build from the item's token, heads and slot alone, so that its 24 registers hold most of the
-// loop: it spills the item's fields, 112 bytes, which its wait-dominated loop does not feel): the k, q, v rows of
-// tokens tk .. tk + 63 (q/k head hk, value head h), then, once the chunk's count says the prep wrote it (ready, where
-// Plan::chunk_ready) or after griddepcontrol.wait (first), T' and the factor rows kLog2Gcum, kInvNormK of workspace
-// entry `entry` (its slot times HV plus h).
+// Chunk c of an item into stage b, its bytes counted on `bar` (the persistent producer: ChunkTma's loads from the
+// item's token, heads and slot alone, so that its 24 registers hold most of the loop: it spills the item's fields,
+// 112 bytes, which its wait-dominated loop does not feel): the k, q, v rows of tokens tk .. tk + 63 (q/k head hk,
+// value head h), then, once the chunk's count says the prep wrote it (ready, where Plan::chunk_ready) or after
+// griddepcontrol.wait (first), T' and the factor rows of workspace entry slot * HV + h.
 template <class S, class Stage>
 __device__ __forceinline__ void issue_item_chunk(const PrefillParams& p, const Plan& plan, const HeadTensorMaps& maps,
                                                  Stage& b, uint64_t* bar, int tk, int hk, int h, int64_t slot,
                                                  bool first) {
   using Op = typename S::Op;
-  constexpr int K = S::K;
-  constexpr uint32_t kBytes = uint32_t((2 * K + S::kCols) * kChunk * 2) + uint32_t(kCausalImageElems * 2) +
-                              uint32_t(2 * kChunk * 4);
+  using Tma = ChunkTma<S>;
+  static_assert(S::kMWarpgroup && S::kOutputs && !S::kFusedPrep, "the persistent pass: beside the prep warpgroup");
   fence_proxy_async();  // this stage's generic reads (its previous position) before the async writes
-  mbarrier_arrive_expect_tx(bar, kBytes);
-#pragma unroll
-  for (int i = 0; i < K / 64; ++i) {
-    tma_load_3d(&b.ks[i * 64 * kChunk], &maps.k, 64 * i, hk, tk, bar);
-    tma_load_3d(&b.qs[i * 64 * kChunk], &maps.q, 64 * i, hk, tk, bar);
-  }
-#pragma unroll
-  for (int i = 0; i < S::kCols / 64; ++i) tma_load_3d(&b.vs[i * 64 * kChunk], &maps.v, 64 * i, h, tk, bar);
+  mbarrier_arrive_expect_tx(bar, Tma::kBytes);
+  Tma::rows(maps, b, bar, tk, hk, h, 0, true);
   if (plan.chunk_ready != nullptr)
     wait_chunk_ready(plan.chunk_ready + slot, uint32_t(p.heads.num_qk_heads * plan.prep_parts));
   else if (first)
     asm volatile("griddepcontrol.wait;" ::: "memory");
   const int64_t entry = slot * p.heads.num_v_heads + h;
-  bulk_load(b.ts, static_cast<const Op*>(plan.ws_tprime) + entry * (kChunk * kChunk), kCausalImageElems * 2, bar);
-  bulk_load(b.sc + kLog2Gcum * kChunk, plan.ws_factors + entry * (S::kFRows * kChunk) + kLog2Gcum * kChunk,
-            2 * kChunk * 4, bar);
+  Tma::workspace(b, bar, static_cast<const Op*>(plan.ws_tprime) + entry * (kChunk * kChunk), nullptr,
+                 plan.ws_factors + entry * (S::kFRows * kChunk));
 }
 
 // The persistent pass's producer (its first thread): items from the counter (ticket t: value head t % HV of sequence
@@ -505,18 +512,8 @@ __device__ __forceinline__ void producer_persistent(const PrefillParams& p, cons
     if (item_state_bulk(plan, it)) {
       claim(r);
       const uint32_t st = r % kStages;
-      const int64_t es = dtype_bytes(p.state.dtype);
-      const uint32_t bytes = uint32_t(K * V * es);
-      const bool e4m3 = p.state.dtype == DType::kFloat8E4M3;
-      const uint32_t scale_bytes = e4m3 ? uint32_t(K * V / kFp8Block) : 0u;
       fence_proxy_async();  // the stage's generic accesses (its previous position) before the async writes
-      mbarrier_arrive_expect_tx(&full[st], bytes + scale_bytes);
-      bulk_load(&stage[st], static_cast<const char*>(p.state.data) +
-                                (int64_t(it.sq.islot) * p.state.slot_stride + int64_t(it.h) * K * V) * es,
-                bytes, &full[st]);
-      if (e4m3)
-        bulk_load(reinterpret_cast<char*>(&stage[st]) + bytes,
-                  p.state.scales + (int64_t(it.sq.islot) * HV + it.h) * (K * V / kFp8Block), scale_bytes, &full[st]);
+      issue_state_copy(&stage[st], initial_state_copy<K, V>(p, it.sq.islot, it.h), &full[st]);
       issued(r++, {-1, 0});
     }
     const int hk = it.h / (HV / p.heads.num_qk_heads), len = int(it.sq.len), tk0 = int(it.sq.start);

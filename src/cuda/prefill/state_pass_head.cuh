@@ -220,18 +220,8 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
         }
       }
       const HeadLoader<S> loader(p, plan, maps, pa, start, len, slot0, bars, !transition);
-      InitialStateCopy in;
+      InitialStateCopy in = bulk_in ? initial_state_copy<K, V>(p, sq.islot, at.h) : InitialStateCopy{};
       in.bars = &prep_bars[S::kStateIn];
-      if (bulk_in) {
-        const int64_t es = dtype_bytes(p.state.dtype);
-        in.src = static_cast<const char*>(p.state.data) +
-                 (int64_t(sq.islot) * p.state.slot_stride + int64_t(at.h) * K * V) * es;
-        in.bytes = uint32_t(K * V * es);
-        if (p.state.dtype == DType::kFloat8E4M3) {
-          in.scales = p.state.scales + (int64_t(sq.islot) * at.HV + at.h) * (K * V / kFp8Block);
-          in.scale_bytes = uint32_t(K * V / kFp8Block);
-        }
-      }
       producer_warpgroup<kStages, S::kOutputs, 2>(loader, stage, prep_bars, len, pa.tid == 0, &maps.o, pa.v0, pa.h,
                                                   start, in);
       return;
