@@ -50,6 +50,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/arch/tma.cuh"
 #include "cuda/host/check.h"
@@ -446,16 +447,15 @@ __device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p,
     warps.ring0 = r;
     warps.ran_before = ran;
     const bool final_through = plan.state_bulk && it.sq.fslot >= 0;
-    for (int64_t c = 0; c < nchunks; ++c) {
+    // the full chunks in one loop and a partial last chunk after it (one chunk body in the loop)
+    const int64_t nfull = len / kChunk;
+    const auto run_chunk = [&](auto full, int64_t c) {
       const uint32_t rc = r + uint32_t(c);
       Stage& b = stage[rc % kStages];
-      const int L = int(min(int64_t(kChunk), len - c * kChunk));
       mbarrier_wait(&prep_bars[rc % kStages], (rc / kStages) & 1);
-      if (L == kChunk)
-        warps.template chunk<true>(b, s, c, L, nchunks, loader, stage);
-      else
-        warps.template chunk<false>(b, s, c, L, nchunks, loader, stage);
-      const int64_t ck = clock.tick(c);
+      warps.template chunk<decltype(full)::value>(b, s, c, full ? kChunk : int(len - c * kChunk), nchunks, loader,
+                                                   stage);
+      const int64_t ck = full ? clock.tick(c) : -1;  // checkpoints follow full chunks only
       const bool ck_bulk = ck >= 0 && plan.checkpoint_bulk;
       if (ck_bulk) store_head_checkpoint_bulk<S>(s, p, a, it.sq, ck, b);
       if (final_through && c == nchunks - 1) {
@@ -467,7 +467,9 @@ __device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p,
       }
       mbarrier_arrive(&prep_bars[kStages + rc % kStages]);  // this thread is done with b
       if (ck >= 0 && !ck_bulk) store_head_checkpoint<S>(s, p, plan, a, it.sq, ck);
-    }
+    };
+    for (int64_t c = 0; c < nfull; ++c) run_chunk(std::true_type{}, c);
+    if (nfull < nchunks) run_chunk(std::false_type{}, nfull);
     r += uint32_t(nchunks);
     ran = ran || nchunks > 0;
     if (it.sq.fslot >= 0 && !(final_through && nchunks > 0)) store_head_state_regs<S>(s, p, plan, a, it.sq.fslot);
