@@ -679,11 +679,11 @@ TEST(PrefillHeuristics, CheckpointClockMatchesTheRule) {
 }
 
 // The head pass's producer waits for each chunk's flag instead of the chunk prep's grid beside the prep warpgroup for
-// sequences of a mean of at most 2048 tokens (8x1024, 4x2048; not 8x8192, nor the head split's 1x8192, nor the
+// sequences of a mean of at most 2048 tokens (8x2048, 4x2048; not 8x8192, nor the head split's 1x8192, nor the
 // persistent pass), wherever a producer can with the override (the head split too), never under context parallelism
 // or without PDL; off by the override.
 TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
-  PrefillCall eight({1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024});
+  PrefillCall eight({2048, 2048, 2048, 2048, 2048, 2048, 2048, 2048});
   Overrides per_item;  // one CTA per (sequence, value head)
   per_item.prefill_persistent = 0;
   auto c = chunked_prefill::choose_prefill(eight.p, kSms, {});
@@ -727,8 +727,8 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
 }
 
 // The prep warpgroup's pass runs persistent (one CTA per SM taking the items in turn) where its (sequence, value head)
-// items outnumber the SMs and the sequences are a mean of at most 512 tokens (8192x32, 1024x64; not 8x1024, 8x8192
-// nor 4x2048's one wave), launched early behind the prep (its grid is one CTA per SM); by the override wherever that
+// items outnumber the SMs and the sequences are a mean of at most 1024 tokens (8192x32, 1024x64, 8x1024; not 8x2048,
+// 8x8192 nor 4x2048's one wave), launched early behind the prep (its grid is one CTA per SM); by the override wherever that
 // build runs on whole sequences: not beside the fused prep, under context parallelism, without the prep warpgroup,
 // or where only the chunk prep runs.
 TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
@@ -739,7 +739,8 @@ TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
   EXPECT_EQ(c.pass_ctas, kSms);  // one CTA per SM
   EXPECT_TRUE(c.early_state_pass);
   EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(1024, 64)).p, kSms, {}).persistent_pass);
-  EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 1024)).p, kSms, {}).persistent_pass);
+  EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 1024)).p, kSms, {}).persistent_pass);
+  EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 2048)).p, kSms, {}).persistent_pass);
   PrefillCall batch(std::vector<int64_t>(8, 8192));
   EXPECT_FALSE(chunked_prefill::choose_prefill(batch.p, kSms, {}).persistent_pass);
   EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(4, 2048)).p, kSms, {}).persistent_pass);

@@ -34,10 +34,9 @@ constexpr int64_t kChunkFlagsMaxTokens = 2048;
 constexpr int kEarlyPassMaxCtasPerSm = 4;
 // The prep warpgroup's pass runs persistent where its (sequence, value head) items outnumber the SMs and the sequences
 // are a mean of at most this many tokens: there the next item's state and first chunks load while the current item
-// runs (8192x32 1.41x, 1024x64 1.37x, 1024x128 1.21x faster); on longer sequences a CTA's start and end weigh less
-// than the persistent loop's own cost (8x1024 within spread on fp32 pools, 4% slower on float8_e4m3 ones; 8x8192 2%
-// slower), and one wave has no next item (4x2048 3% slower).
-constexpr int64_t kPersistentMaxTokens = 512;
+// runs (8192x32 1.41x, 1024x64 1.37x, 1024x128 1.21x, 32x768 1.09x, 16x1024 1.05x faster); 8x1024 within spread, and
+// longer sequences gain nothing (8x8192 within spread); one wave has no next item (4x2048 2% slower).
+constexpr int64_t kPersistentMaxTokens = 1024;
 
 constexpr int32_t kMaxGridY = 65535;
 // Without a host copy of cu_seqlens, the short path's grid may cover every sequence while at most this many
