@@ -80,8 +80,8 @@ bench options:
                              flag wherever its producer can (1), instead of the library's choice
   --persistent-pass N        A/B switch: prefill's head pass with the prep warpgroup as one CTA per (sequence, value
                              head) (0) or as one CTA per SM taking them in turn (1), instead of the library's choice
-  --longest-first N          A/B switch: that persistent pass taking the sequences longest first (1) or in their order
-                             (0), instead of the library's choice
+  --longest-first N          A/B switch: prefill's head pass (persistent, or one CTA per item past one wave) taking
+                             the sequences longest first (1) or in their order (0), instead of the library's choice
   --prep-parts N             A/B switch: prefill's chunk prep in N CTAs per (chunk, q/k head), each a share of
                              the GVA group's value heads (N divides HV / H), instead of the library's choice
   --short-max-len N          A/B switch: prefill's sequences of at most N tokens on the recurrent kernels (0: none),

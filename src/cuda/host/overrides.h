@@ -35,7 +35,9 @@ struct Overrides {
   int prefill_persistent = -1;      // the prep warpgroup's head pass as one CTA per SM taking (sequence, value head)
                                     // items in turn: 0 off (a CTA per item), 1 wherever that build runs
   int prefill_persistent_ctas = 0;  // ... its CTAs (0: one per SM)
-  int prefill_longest_first = -1;   // ... taking the sequences longest first (1) or in their order (0)
+  // the head pass (persistent, or one CTA per item past one wave) taking the sequences longest first (1) or in
+  // their order (0)
+  int prefill_longest_first = -1;
 };
 
 // The process-wide overrides the backend reads on every call (host/device.cpp). Tests and the bench set them
