@@ -769,6 +769,49 @@ TEST(PrefillGpu, PersistentPassMatchesOneCtaPerItem) {
     }
 }
 
+// The head pass of one CTA per item takes the sequences longest first where its grid is more than one wave: each CTA
+// reads its sequence through the order (a long prompt after short ones, an empty one, bad initial and final slots,
+// checkpoints), bitwise equal to the grid's own order and within the fp64 recurrence's tolerances, at K = 128 and 64.
+TEST(PrefillGpu, OneCtaPerItemLongestFirstMatchesGridOrder) {
+  constexpr int kHead = cuda::chunked_prefill::kVTileHead;
+  const std::vector<int32_t> lens = {70, 10, 65, 5, 200, 0, 129, 64, 100, 900};
+  // more (sequence, value head) CTAs than SMs, HV a multiple of H = 2
+  const int HV = std::max(4, (cuda::device_sms() / int(lens.size()) + 2) / 2 * 2);
+  for (int K : {128, 64}) {
+    SCOPED_TRACE("K " + std::to_string(K) + ", HV " + std::to_string(HV));
+    ProblemConfig c = base(lens, 2, HV, K, 128);
+    c.checkpoint_interval = 64;
+    c.seed = 5200 + K;
+    Problem before(c);
+    before.as<int32_t>("initial_indices")[3] = int32_t(before.num_slots());
+    before.as<int32_t>("final_indices")[6] = int32_t(before.num_slots()) + 3;
+    Problem ref = before;
+    prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+    const auto run = [&](Problem& got, int longest_first) {
+      DeviceProblem dev(got);
+      PrefillParams pp = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+      cuda::Overrides o = case_overrides(kHead, 1, 0, 1);
+      o.prefill_persistent = 0, o.prefill_longest_first = longest_first;
+      const cuda::chunked_prefill::PrefillChoice choice =
+          cuda::chunked_prefill::choose_prefill(pp, cuda::device_sms(), o);
+      EXPECT_FALSE(choice.persistent_pass);
+      EXPECT_EQ(choice.longest_first, longest_first != 0);
+      {
+        const cuda::ScopedOverrides scoped(o);
+        prefill(pp, {Backend::kCUDA, dev.stream()});
+      }
+      dev.download(got);
+    };
+    Problem in_order = before, longest = before;
+    run(in_order, 0);
+    run(longest, -1);  // the library's choice for these lengths
+    check_prefill_results(before, longest, ref);
+    EXPECT_EQ(longest.as<int32_t>("error_flag")[0], 2);
+    for (const Buffer& b : longest.buffers())
+      if (b.is_output) EXPECT_TRUE(BitwiseEqual(b.name + " (longest first)", b, in_order.buffer(b.name)));
+  }
+}
+
 // The persistent pass's order (item_order.cuh) is the sequence indices stably sorted by length class, longest first:
 // against std::stable_sort for counts around the kernel's tiles of 1024 and far past them, random lengths with empty
 // and bad spans among them, int32 and int64 cu_seqlens; the buffer poisoned first.
