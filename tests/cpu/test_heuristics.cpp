@@ -679,14 +679,14 @@ TEST(PrefillHeuristics, CheckpointClockMatchesTheRule) {
 }
 
 // The head pass's producer waits for each chunk's flag instead of the chunk prep's grid beside the prep warpgroup for
-// sequences of a mean of at most 2048 tokens (8x2048, 4x2048; not 8x8192, nor the head split's 1x8192, nor the
+// sequences of a mean of at most 2048 tokens on one CTA per item (4x2048; not 4x8192, nor the head split's 1x8192, nor the
 // persistent pass), wherever a producer can with the override (the head split too), never under context parallelism
 // or without PDL; off by the override.
 TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
-  PrefillCall eight({2048, 2048, 2048, 2048, 2048, 2048, 2048, 2048});
+  PrefillCall four({2048, 2048, 2048, 2048});  // 128 items: one wave, one CTA per item
   Overrides per_item;  // one CTA per (sequence, value head)
   per_item.prefill_persistent = 0;
-  auto c = chunked_prefill::choose_prefill(eight.p, kSms, {});
+  auto c = chunked_prefill::choose_prefill(four.p, kSms, {});
   EXPECT_TRUE(c.m_warpgroup);
   EXPECT_FALSE(c.persistent_pass);
   EXPECT_TRUE(c.chunk_flags);
@@ -698,12 +698,11 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
   EXPECT_FALSE(chunked_prefill::choose_prefill(short_ones.p, kSms, per_item).early_state_pass);  // 32768 CTAs
   Overrides off = per_item;
   off.prefill_chunk_flags = 0;
-  EXPECT_FALSE(chunked_prefill::choose_prefill(eight.p, kSms, off).chunk_flags);
-  PrefillCall four({2048, 2048, 2048, 2048});
-  EXPECT_TRUE(chunked_prefill::choose_prefill(four.p, kSms, {}).chunk_flags);
-  PrefillCall longer({8192, 8192, 8192, 8192, 8192, 8192, 8192, 8192});
+  EXPECT_FALSE(chunked_prefill::choose_prefill(four.p, kSms, off).chunk_flags);
+  PrefillCall longer({8192, 8192, 8192, 8192});
   c = chunked_prefill::choose_prefill(longer.p, kSms, {});
   EXPECT_TRUE(c.m_warpgroup);
+  EXPECT_FALSE(c.persistent_pass);
   EXPECT_FALSE(c.chunk_flags);
   PrefillCall one({8192});
   c = chunked_prefill::choose_prefill(one.p, kSms, {});
@@ -727,8 +726,7 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
 }
 
 // The prep warpgroup's pass runs persistent (one CTA per SM taking the items in turn) where its (sequence, value head)
-// items outnumber the SMs and the sequences are a mean of at most 1024 tokens (8192x32, 1024x64, 8x1024; not 8x2048,
-// 8x8192 nor 4x2048's one wave), launched early behind the prep (its grid is one CTA per SM); by the override wherever that
+// items outnumber the SMs (8192x32, 1024x64, 8x1024, 8x8192; not 4x2048's one wave), launched early behind the prep (its grid is one CTA per SM); by the override wherever that
 // build runs on whole sequences: not beside the fused prep, under context parallelism, without the prep warpgroup,
 // or where only the chunk prep runs.
 TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
@@ -740,10 +738,9 @@ TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
   EXPECT_TRUE(c.early_state_pass);
   EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(1024, 64)).p, kSms, {}).persistent_pass);
   EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 1024)).p, kSms, {}).persistent_pass);
-  EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 2048)).p, kSms, {}).persistent_pass);
-  PrefillCall batch(std::vector<int64_t>(8, 8192));
+  EXPECT_TRUE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(8, 8192)).p, kSms, {}).persistent_pass);
+  PrefillCall batch(std::vector<int64_t>(4, 2048));  // 128 items
   EXPECT_FALSE(chunked_prefill::choose_prefill(batch.p, kSms, {}).persistent_pass);
-  EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall(std::vector<int64_t>(4, 2048)).p, kSms, {}).persistent_pass);
   // the choice for `call` under one override
   const auto persistent_with = [](const PrefillCall& call, int Overrides::*field, int value) {
     Overrides o;
@@ -817,8 +814,13 @@ TEST(PrefillHeuristics, PersistentPassLongestFirstWhereLengthsDiffer) {
   o.prefill_persistent = 0;  // one CTA per item, 2080 of them: more than a wave
   EXPECT_TRUE(chunked_prefill::choose_prefill(mixed.p, kSms, o).longest_first);
   EXPECT_FALSE(chunked_prefill::choose_prefill(PrefillCall({4096, 100, 2048, 300}).p, kSms, {}).longest_first);  // 128
-  PrefillCall batch({100, 8192, 300, 8192, 200, 8192, 100, 8192});  // one CTA per item, 256 of them
+  PrefillCall batch({100, 8192, 300, 8192, 200, 8192, 100, 8192});  // 256 items
   c = chunked_prefill::choose_prefill(batch.p, kSms, {});
+  EXPECT_TRUE(c.persistent_pass);
+  EXPECT_TRUE(c.longest_first);
+  Overrides per_item;  // one CTA per item, 256 of them
+  per_item.prefill_persistent = 0;
+  c = chunked_prefill::choose_prefill(batch.p, kSms, per_item);
   EXPECT_FALSE(c.persistent_pass);
   EXPECT_TRUE(c.longest_first);
   PrefillCall cp({100, 65536}, 2, 8);  // context parallelism: no order

@@ -32,11 +32,6 @@ constexpr int64_t kChunkFlagsMaxTokens = 2048;
 // The state pass launches behind the chunk prep with PDL while the grid is at most this many CTAs per SM:
 // with many short CTAs each one's wait costs more than the overlap saves.
 constexpr int kEarlyPassMaxCtasPerSm = 4;
-// The prep warpgroup's pass runs persistent where its (sequence, value head) items outnumber the SMs and the sequences
-// are a mean of at most this many tokens: there the next item's state and first chunks load while the current item
-// runs (8192x32 1.41x, 1024x64 1.37x, 1024x128 1.21x, 32x768 1.09x, 16x1024 1.05x faster); 8x1024 within spread, and
-// longer sequences gain nothing (8x8192 within spread); one wave has no next item (4x2048 2% slower).
-constexpr int64_t kPersistentMaxTokens = 1024;
 
 constexpr int32_t kMaxGridY = 65535;
 // Without a host copy of cu_seqlens, the short path's grid may cover every sequence while at most this many
@@ -389,7 +384,10 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
   if (prep && !c.fused_prep) c.prep_parts = choose_prep_parts(p, num_sms, !c.m_in_pass, o);
   const int64_t items = int64_t(p.num_seqs) * p.heads.num_v_heads;
-  const bool persistent_pays = items > num_sms && p.total_tokens <= kPersistentMaxTokens * int64_t(p.num_seqs);
+  // Persistent where the items outnumber the SMs: the next item's state and first chunks load while the current item
+  // runs (8192x32 1.41x, 1024x64 1.37x, 32x768 1.09x, 16x2048 1.04x faster; 8x8192 and 32x8192 within spread); one
+  // wave has no next item (4x2048 2% slower).
+  const bool persistent_pays = items > num_sms;
   c.persistent_pass = c.m_warpgroup && !c.fused_prep && !cp && (c.stages & kStageStatePass) &&
                       (o.prefill_persistent >= 0 ? o.prefill_persistent > 0 : persistent_pays);
   // (under context parallelism the pass behind the prep is the local pass: two CTAs per state and value head; the
