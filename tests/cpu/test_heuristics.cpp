@@ -679,9 +679,9 @@ TEST(PrefillHeuristics, CheckpointClockMatchesTheRule) {
 }
 
 // The head pass's producer waits for each chunk's flag instead of the chunk prep's grid beside the prep warpgroup for
-// sequences of a mean of at most 2048 tokens on one CTA per item (4x2048; not 4x8192, nor the head split's 1x8192, nor the
-// persistent pass), wherever a producer can with the override (the head split too), never under context parallelism
-// or without PDL; off by the override.
+// sequences of a mean of at most 2048 tokens on one CTA per item (4x2048; not 4x8192, nor the head split's 1x8192,
+// nor the persistent pass), wherever a producer can with the override (the head split too), never under context
+// parallelism or without PDL; off by the override.
 TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
   PrefillCall four({2048, 2048, 2048, 2048});  // 128 items: one wave, one CTA per item
   Overrides per_item;  // one CTA per (sequence, value head)
@@ -726,9 +726,9 @@ TEST(PrefillHeuristics, ChunkFlagsBesideAProducer) {
 }
 
 // The prep warpgroup's pass runs persistent (one CTA per SM taking the items in turn) where its (sequence, value head)
-// items outnumber the SMs (8192x32, 1024x64, 8x1024, 8x8192; not 4x2048's one wave), launched early behind the prep (its grid is one CTA per SM); by the override wherever that
-// build runs on whole sequences: not beside the fused prep, under context parallelism, without the prep warpgroup,
-// or where only the chunk prep runs.
+// items outnumber the SMs (8192x32, 1024x64, 8x1024, 8x8192; not 4x2048's one wave), launched early behind the prep
+// (its grid is one CTA per SM); by the override wherever that build runs on whole sequences: not beside the fused
+// prep, under context parallelism, without the prep warpgroup, or where only the chunk prep runs.
 TEST(PrefillHeuristics, PersistentPassBesideThePrepWarpgroup) {
   PrefillCall many(std::vector<int64_t>(8192, 32));
   auto c = chunked_prefill::choose_prefill(many.p, kSms, {});
@@ -827,6 +827,11 @@ TEST(PrefillHeuristics, PersistentPassLongestFirstWhereLengthsDiffer) {
   c = chunked_prefill::choose_prefill(cp.p, kSms, {});
   EXPECT_GT(c.cp_segment_len, 0);
   EXPECT_FALSE(c.longest_first);
+  Overrides prep_only = per_item;  // the chunk prep alone: no pass to order
+  prep_only.prefill_stages = chunked_prefill::kStagePrep;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(batch.p, kSms, prep_only).longest_first);
+  prep_only.prefill_persistent = -1;
+  EXPECT_FALSE(chunked_prefill::choose_prefill(batch.p, kSms, prep_only).longest_first);
 }
 
 // The chunk prep takes several CTAs per (chunk, q/k head), each a share of the GVA group, where the grid then still

@@ -1,6 +1,6 @@
-// The persistent head pass's order of sequences (Plan::pass_order; item_order.h): one CTA sorts the sequence indices
-// by length class, longest first, stable within a class, before the chunk prep runs, so that the pass, which takes
-// (sequence, value head) items from a counter in this order, finds it written when it starts.
+// The head pass's order of sequences (Plan::pass_order; item_order.h): one CTA sorts the sequence indices by length
+// class, longest first, stable within a class, before the chunk prep runs, so that the pass (its items from a counter
+// in this order, or its CTAs of one per item reading their sequence through it) finds it written when it starts.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,8 @@
-// The order in which the persistent head pass takes sequences (Plan::pass_order): longest first by length class, a
-// power-of-two class of chunks, so that a long prompt starts before the short ones beside it instead of running alone
-// at the end. One definition for the device's ordering (item_order.cuh) and the host's test of whether it can change
-// anything (heuristics.cpp). Plain C++ outside nvcc.
+// The order in which the head pass takes sequences (Plan::pass_order: the persistent pass's items, or the CTAs of one
+// per item in launch order): longest first by length class, a power-of-two class of chunks, so that a long prompt
+// starts before the short ones beside it instead of running alone at the end. One definition for the device's
+// ordering (item_order.cuh) and the host's test of whether it can change anything (heuristics.cpp). Plain C++ outside
+// nvcc.
 #pragma once
 
 #include <cstdint>

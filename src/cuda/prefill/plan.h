@@ -125,9 +125,9 @@ struct HeadTensorMaps {
 };
 HeadTensorMaps make_head_tensor_maps(const PrefillParams& p, const Plan& plan);
 
-// Workspace bytes for T', M, the token factors, the chunks' counts, the persistent pass's counter and order (each
-// region 256-byte aligned; prefill_workspace_bytes): M's region also where the pass forms M, so that the size grows
-// with total_tokens and num_seqs alone.
+// Workspace bytes for T', M, the token factors, the chunks' counts, the persistent pass's counter, the head pass's
+// order (each region 256-byte aligned; prefill_workspace_bytes): M's region also where the pass forms M, so that the
+// size grows with total_tokens and num_seqs alone.
 size_t workspace_bytes(const PrefillParams& p);
 // The plan's workspace pointers (ws_tprime, ws_masked_qk: null where the pass forms M, ws_factors, chunk_ready where
 // chunk_flags, pass_ticket where ticket, pass_order where order) in `base`.
@@ -136,8 +136,8 @@ void carve_workspace(const PrefillParams& p, void* base, Plan& plan, bool chunk_
 // Launch the kernels for head dim K with value tile `vtile` (defined in prefill_k<K>.cu).
 template <int K>
 void launch(const PrefillParams& p, const Plan& plan, int vtile, cudaStream_t stream, int stages);
-// The sequence indices of p (its cu_seqlens on the device) in the order the persistent pass takes them, longest class
-// first (item_order.cuh), into p.num_seqs words at `order`; the kernel the call launches, callable by tests.
+// The sequence indices of p (its cu_seqlens on the device) in the order the head pass takes them, longest class first
+// (item_order.cuh), into p.num_seqs words at `order`; the kernel the call launches, callable by tests.
 void order_longest_first(const PrefillParams& p, int32_t* order, cudaStream_t stream);
 // A split call's half (prefill_k64.cu and prefill_k128.cu): begin (true) or end.
 template <int K>
