@@ -155,6 +155,21 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
   dev.download(got);
 }
 
+// The library's entry on `got` under overrides `o` (host false: without the host's copy of cu_seqlens); returns the
+// plan it took.
+cuda::chunked_prefill::PrefillChoice run_gpu_with(Problem& got, const cuda::Overrides& o, bool host = true) {
+  DeviceProblem dev(got);
+  PrefillParams pp = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+  if (!host) pp.cu_seqlens_host = nullptr;
+  const cuda::chunked_prefill::PrefillChoice choice = cuda::chunked_prefill::choose_prefill(pp, cuda::device_sms(), o);
+  {
+    const cuda::ScopedOverrides scoped(o);
+    prefill(pp, {Backend::kCUDA, dev.stream()});
+  }
+  dev.download(got);
+  return choice;
+}
+
 // CPU reference (recurrent, fp64) and GPU from identical copies of `before`; compares everything.
 void check_prefill(const Problem& before, int vtile = 0, int head_split = 0, int short_len = -1, int aux = -1,
                    int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0, int pass_ctas = 0) {
@@ -734,22 +749,13 @@ TEST(PrefillGpu, PersistentPassMatchesOneCtaPerItem) {
       // this build on one CTA per item (persistent 0) or persistent on `ctas` CTAs (0: one per SM), taking the
       // sequences longest first (the library's choice for these lengths; also without the host's cu_seqlens) or not
       const auto run = [&](Problem& got, int persistent, int ctas, int longest_first = -1, bool host = true) {
-        DeviceProblem dev(got);
-        PrefillParams pp = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
-        if (!host) pp.cu_seqlens_host = nullptr;
         cuda::Overrides o = case_overrides(kHead, 1, 0, 1, 0, flags);
         o.prefill_persistent = persistent, o.prefill_persistent_ctas = ctas;
         o.prefill_longest_first = longest_first;
-        const cuda::chunked_prefill::PrefillChoice choice =
-            cuda::chunked_prefill::choose_prefill(pp, cuda::device_sms(), o);
+        const cuda::chunked_prefill::PrefillChoice choice = run_gpu_with(got, o, host);
         EXPECT_EQ(choice.persistent_pass, persistent > 0);
         EXPECT_EQ(choice.chunk_flags, flags > 0);
         EXPECT_EQ(choice.longest_first, persistent > 0 && longest_first != 0);
-        {
-          const cuda::ScopedOverrides scoped(o);
-          prefill(pp, {Backend::kCUDA, dev.stream()});
-        }
-        dev.download(got);
       };
       Problem per_item = before;
       run(per_item, 0, 0);
@@ -794,20 +800,12 @@ TEST(PrefillGpu, OneCtaPerItemLongestFirstMatchesGridOrder) {
       SCOPED_TRACE("K " + std::to_string(K) + ", HV " + std::to_string(HV) + ", head split " +
                    std::to_string(bd.split) + ", prep warpgroup " + std::to_string(bd.aux));
       const auto run = [&](Problem& got, int longest_first) {
-        DeviceProblem dev(got);
-        PrefillParams pp = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
         cuda::Overrides o = case_overrides(kHead, bd.split, 0, bd.aux);
         o.prefill_persistent = 0, o.prefill_longest_first = longest_first;
-        const cuda::chunked_prefill::PrefillChoice choice =
-            cuda::chunked_prefill::choose_prefill(pp, cuda::device_sms(), o);
+        const cuda::chunked_prefill::PrefillChoice choice = run_gpu_with(got, o);
         EXPECT_FALSE(choice.persistent_pass);
         EXPECT_EQ(choice.head_split, bd.split);
         EXPECT_EQ(choice.longest_first, longest_first != 0);
-        {
-          const cuda::ScopedOverrides scoped(o);
-          prefill(pp, {Backend::kCUDA, dev.stream()});
-        }
-        dev.download(got);
       };
       Problem in_order = before, longest = before;
       run(in_order, 0);

@@ -384,11 +384,12 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   const bool prep = (c.stages & kStagePrep) && p.num_seqs > 0 && p.total_tokens > 0;
   if (prep && !c.fused_prep) c.prep_parts = choose_prep_parts(p, num_sms, !c.m_in_pass, o);
   const int64_t items = int64_t(p.num_seqs) * p.heads.num_v_heads;
+  const bool pass_runs = c.stages & kStageStatePass;
   // Persistent where the items outnumber the SMs: the next item's state and first chunks load while the current item
   // runs (8192x32 1.41x, 1024x64 1.38x, 32x768 1.09x, 16x2048 1.04x faster; 8x8192 and 32x8192 within spread); one
   // wave has no next item (4x2048 2% slower).
   const bool persistent_pays = items > num_sms;
-  c.persistent_pass = c.m_warpgroup && !c.fused_prep && !cp && (c.stages & kStageStatePass) &&
+  c.persistent_pass = c.m_warpgroup && !c.fused_prep && !cp && pass_runs &&
                       (o.prefill_persistent >= 0 ? o.prefill_persistent > 0 : persistent_pays);
   // (under context parallelism the pass behind the prep is the local pass: two CTAs per state and value head; the
   // persistent pass is one CTA per SM at most)
@@ -400,8 +401,7 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
   // the host's copy of cu_seqlens shows the pass's sequences in that order already (one length class included: the
   // order kernel would change nothing).
   // The same for one CTA per item where its CTAs take more than one wave: the hardware launches them in grid order.
-  const bool orderable = c.persistent_pass || ((c.stages & kStageStatePass) && is_head_tile(c.vtile) && !cp &&
-                                               pass_ctas > num_sms);
+  const bool orderable = c.persistent_pass || (pass_runs && is_head_tile(c.vtile) && !cp && pass_ctas > num_sms);
   if (orderable)
     c.longest_first =
         o.prefill_longest_first >= 0 ? o.prefill_longest_first > 0 : !longest_first_already(p, c.short_len);
