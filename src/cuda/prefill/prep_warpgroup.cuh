@@ -220,8 +220,9 @@ struct FusedPrepSmem {
 // The fused prep (Plan::fused_prep): the whole chunk prep of each stage, after the gate kernel wrote kLog2Gcum and
 // kBeta (they arrive with the rows by TMA) and the producer's norm threads rk and rq (norms[c % kStages], 64 arrivals):
 // k k^T on wgmma; A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) (k_i . k_j), j < i (the row factor in the exponent as
-// a log2, as the chunk prep without M) to shared memory; q k^T on wgmma while T = (I + A)^-1 is solved and T' = T diag
-// (beta) stored to the stage's causal image (solve.cuh, on this warpgroup's named barrier); M with rq; the factor rows.
+// a log2, as the chunk prep without M) to shared memory; T = (I + A)^-1 solved and T' = T diag(beta) stored to the
+// stage's causal image (solve.cuh, on this warpgroup's named barrier); then q k^T on wgmma and M with rq; the factor
+// rows.
 // The stages and their barriers as in prep_warpgroup.
 template <int K, class Op, int kStages, class Stage>
 __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* stage, uint64_t* full, uint64_t* done,
@@ -271,9 +272,9 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
       *reinterpret_cast<float2*>(&ps.a[solve_at(warp * 16, r, j)]) = make_float2(a[0], a[1]);
       *reinterpret_cast<float2*>(&ps.a[solve_at(warp * 16, r + 8, j)]) = make_float2(a[2], a[3]);
     }
-    issue_qk_product<K, Op>(acc, dq, dk);  // q k^T for M, while the solve runs
     __syncwarp();  // this warp's rows of A (the solve's first steps read the warp's own blocks)
     invert_and_store_t<Op, kPrepBarrier, 2 * kThreads>(ps.a, betas, L, b.ts, true, warp, lane);
+    issue_qk_product<K, Op>(acc, dq, dk);  // q k^T for M (its accumulators held through the solve spill)
     float fq[2];
     prep_store_m<Op>(b, acc, ps.rq[s], rks, gi, fq, warp, lane, r, q2);
     prep_factor_rows<true>(b, ps.rq[s], rks, L, warp, lane);
