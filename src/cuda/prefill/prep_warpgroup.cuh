@@ -210,6 +210,23 @@ __device__ __forceinline__ void prep_warpgroup(const Plan& plan, PrepSmem& ps, S
   }
 }
 
+// Warp W's rows of A (the fused prep) from k k^T's accumulators to the solve's fp32 blocks on and left of its diagonal
+// (those above it are the solve's scratch): A[i][j] = exp2(gi_i - gcum_j log2 e) rk_j G[i][j], j < i, with gi_i =
+// gcum_i log2 e + log2(beta_i rk_i).
+template <int W>
+__device__ __forceinline__ void store_a_rows(float* a_s, const float (&acc)[8][4], const float (&gi)[2],
+                                             const float* gcs, const float* rks, int r, int q2) {
+#pragma unroll
+  for (int nt = 0; nt < 2 * (W + 1); ++nt) {
+    const int j = nt * 8 + q2;
+    float a[4];
+    masked_decayed_tile<true>(acc[nt], gi, {1.0f, 1.0f}, *reinterpret_cast<const float2*>(&gcs[j]),
+                              *reinterpret_cast<const float2*>(&rks[j]), nt >= 2 * W, W * 16 + r, j, a);
+    *reinterpret_cast<float2*>(&a_s[solve_at(W * 16, r, j)]) = make_float2(a[0], a[1]);
+    *reinterpret_cast<float2*>(&a_s[solve_at(W * 16, r + 8, j)]) = make_float2(a[2], a[3]);
+  }
+}
+
 // The prep warpgroup's shared memory in the fused prep (kFusedPrep): A, then T in place (solve.cuh), and per stage the
 // chunk's rk and rq, which the producer warpgroup's norm threads form from the staged rows (producer_norms).
 struct FusedPrepSmem {
@@ -262,15 +279,11 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
     wgmma_wait<0>();
     wgmma_pin(acc);
     named_barrier_sync(kPrepBarrier, kThreads);  // every warp stored the previous chunk's T' (A replaces T)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if (nt >= 2 * (warp + 1)) continue;  // A's blocks above the diagonal are the solve's scratch
-      const int j = nt * 8 + q2, i0 = warp * 16 + r;
-      float a[4];
-      masked_decayed_tile<true>(acc[nt], gi, {1.0f, 1.0f}, *reinterpret_cast<const float2*>(&gcs[j]),
-                                *reinterpret_cast<const float2*>(&rks[j]), nt >= 2 * warp, i0, j, a);
-      *reinterpret_cast<float2*>(&ps.a[solve_at(warp * 16, r, j)]) = make_float2(a[0], a[1]);
-      *reinterpret_cast<float2*>(&ps.a[solve_at(warp * 16, r + 8, j)]) = make_float2(a[2], a[3]);
+    switch (warp) {  // a warp's tile count a constant, so that ptxas overlaps the tiles' loads and exponentials
+      case 0: store_a_rows<0>(ps.a, acc, gi, gcs, rks, r, q2); break;
+      case 1: store_a_rows<1>(ps.a, acc, gi, gcs, rks, r, q2); break;
+      case 2: store_a_rows<2>(ps.a, acc, gi, gcs, rks, r, q2); break;
+      default: store_a_rows<3>(ps.a, acc, gi, gcs, rks, r, q2); break;
     }
     __syncwarp();  // this warp's rows of A (the solve's first steps read the warp's own blocks)
     invert_and_store_t<Op, kPrepBarrier, 2 * kThreads>(ps.a, betas, L, b.ts, true, warp, lane);
