@@ -222,8 +222,13 @@ __device__ __forceinline__ void store_a_rows(float* a_s, const float (&acc)[8][4
     float a[4];
     masked_decayed_tile<true>(acc[nt], gi, {1.0f, 1.0f}, *reinterpret_cast<const float2*>(&gcs[j]),
                               *reinterpret_cast<const float2*>(&rks[j]), nt >= 2 * W, W * 16 + r, j, a);
-    *reinterpret_cast<float2*>(&a_s[solve_at(W * 16, r, j)]) = make_float2(a[0], a[1]);
-    *reinterpret_cast<float2*>(&a_s[solve_at(W * 16, r + 8, j)]) = make_float2(a[2], a[3]);
+    if (nt >= 2 * W) {
+      *reinterpret_cast<float2*>(&a_s[solve_at(W * 16, r, j)]) = make_float2(a[0], a[1]);
+      *reinterpret_cast<float2*>(&a_s[solve_at(W * 16, r + 8, j)]) = make_float2(a[2], a[3]);
+    } else {  // left of the diagonal block: fp16, the solve's operands as they are
+      *reinterpret_cast<uint32_t*>(solve_a16(a_s, W * 16, r, j)) = pack2<__half>(a[0], a[1]);
+      *reinterpret_cast<uint32_t*>(solve_a16(a_s, W * 16, r + 8, j)) = pack2<__half>(a[2], a[3]);
+    }
   }
 }
 
@@ -286,7 +291,7 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
       default: store_a_rows<3>(ps.a, acc, gi, gcs, rks, r, q2); break;
     }
     __syncwarp();  // this warp's rows of A (the solve's first steps read the warp's own blocks)
-    invert_and_store_t<Op, kPrepBarrier, 2 * kThreads>(ps.a, betas, L, b.ts, true, warp, lane);
+    invert_and_store_t<Op, kPrepBarrier, 2 * kThreads, true>(ps.a, betas, L, b.ts, true, warp, lane);
     issue_qk_product<K, Op>(acc, dq, dk);  // q k^T for M (its accumulators held through the solve spill)
     float fq[2];
     prep_store_m<Op>(b, acc, ps.rq[s], rks, gi, fq, warp, lane, r, q2);

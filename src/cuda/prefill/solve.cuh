@@ -140,6 +140,23 @@ __device__ __forceinline__ void block_mma_half(float (&acc)[2][4], const uint32_
   }
 }
 
+// A's blocks left of the diagonal in fp16 (the fused prep: they are only ever fp16 operands, the B fragments of
+// W'_ik = -T_ii A_ik): element (i0 + di, j) of such a block (i0, j0 multiples of 16) in the first 32 bytes of its fp32
+// row's 64, 16 bytes further on in rows with bit 2 set, so that the eight 16-byte rows of each 8 x 8 ldmatrix matrix
+// fall on distinct banks (with solve_at's skew: words 0, 8, 16, 24, then 12, 20, 28, 4).
+__device__ __forceinline__ __half* solve_a16(float* Af, int i0, int di, int j) {
+  return reinterpret_cast<__half*>(Af + solve_at(i0, di, j & ~15)) + ((di & 4) << 1) + (j & 15);
+}
+// block_mma_half for B the fp16 block at (i0, j0) (solve_a16), its B fragments by one ldmatrix.trans (lanes 8 m ..
+// 8 m + 7: rows 8 (m % 2) .. of n-tile m / 2).
+__device__ __forceinline__ void block_mma_a16(float (&acc)[2][4], const uint32_t (&a)[4], float* Af, int i0, int j0,
+                                              int lane) {
+  uint32_t b[4];
+  ldmatrix_x4_trans(b, solve_a16(Af, i0, ((lane >> 3) & 1) * 8 + (lane & 7), j0 + (lane >> 4) * 8));
+  mma<__half>(acc[0], a, b[0], b[1]);
+  mma<__half>(acc[1], a, b[2], b[3]);
+}
+
 // Where lane keeps half `nh` (8 bytes: words 2 nh, 2 nh + 1 of solve_b_words) of a 16x16 block's B fragments in the
 // block (kb, ib) above A's diagonal of Af, the solve's scratch: half nh in rows 4 nh .. 4 nh + 3, lanes 0-7, 8-15,
 // 16-23, 24-31 in rows 0, 2, 1, 3 of those, 8 bytes apart, so that each half-warp's 8-byte access covers 32 banks.
@@ -160,8 +177,9 @@ __device__ __forceinline__ uint4 solve_b_words(const float (&w)[2][4]) {
 // dtype: the wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or past L are written as zero.
 // Called by 4 warps (kThreads threads): the chunk prep's CTA, meeting on __syncthreads (kBarrier 0), or the head pass's
 // prep warpgroup, threads kTid0 .. kTid0 + 127 meeting on named barrier kBarrier. On return this thread's part of T'
-// is stored; Af may be overwritten after the next barrier of the 4 warps.
-template <class Op, int kBarrier = 0, int kTid0 = 0>
+// is stored; Af may be overwritten after the next barrier of the 4 warps. kA16: A's blocks left of the diagonal are
+// fp16 (solve_a16).
+template <class Op, int kBarrier = 0, int kTid0 = 0, bool kA16 = false>
 __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta, int L, Op* out, bool image, int warp,
                                                    int lane) {
   float* const Tf = Af;
@@ -233,7 +251,10 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     for (int k = 0; k < 3; ++k) {
       if (k >= warp) continue;
       float wk[2][4] = {};
-      block_mma_half(wk, t_a, Af, b0, k * 16, lane);
+      if constexpr (kA16)
+        block_mma_a16(wk, t_a, Af, b0, k * 16, lane);
+      else
+        block_mma_half(wk, t_a, Af, b0, k * 16, lane);
       const uint4 words = solve_b_words(wk);
       *solve_b_slot(Af, k, warp, 0, lane) = make_uint2(words.x, words.y);
       *solve_b_slot(Af, k, warp, 1, lane) = make_uint2(words.z, words.w);
