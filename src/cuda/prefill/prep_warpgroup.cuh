@@ -210,9 +210,9 @@ __device__ __forceinline__ void prep_warpgroup(const Plan& plan, PrepSmem& ps, S
   }
 }
 
-// Warp W's rows of A (the fused prep) from k k^T's accumulators to the solve's fp32 blocks on and left of its diagonal
-// (those above it are the solve's scratch): A[i][j] = exp2(gi_i - gcum_j log2 e) rk_j G[i][j], j < i, with gi_i =
-// gcum_i log2 e + log2(beta_i rk_i).
+// Warp W's rows of A (the fused prep) from k k^T's accumulators to the solve's blocks on and left of its diagonal:
+// fp32 on the diagonal block, fp16 left of it (solve_a16); the blocks above the diagonal are the solve's scratch.
+// A[i][j] = exp2(gi_i - gcum_j log2 e) rk_j G[i][j], j < i, with gi_i = gcum_i log2 e + log2(beta_i rk_i).
 template <int W>
 __device__ __forceinline__ void store_a_rows(float* a_s, const float (&acc)[8][4], const float (&gi)[2],
                                              const float* gcs, const float* rks, int r, int q2) {
@@ -232,8 +232,9 @@ __device__ __forceinline__ void store_a_rows(float* a_s, const float (&acc)[8][4
   }
 }
 
-// The prep warpgroup's shared memory in the fused prep (kFusedPrep): A, then T in place (solve.cuh), and per stage the
-// chunk's rk and rq, which the producer warpgroup's norm threads form from the staged rows (producer_norms).
+// The prep warpgroup's shared memory in the fused prep (kFusedPrep): A (its blocks left of the diagonal in fp16), then
+// T in place (solve.cuh), and per stage the chunk's rk and rq, which the producer warpgroup's norm threads form from
+// the staged rows (producer_norms).
 struct FusedPrepSmem {
   float a[kChunk * kSolveLd];
   float rk[kHeadStages<true>][kChunk], rq[kHeadStages<true>][kChunk];
@@ -292,7 +293,7 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
     }
     __syncwarp();  // this warp's rows of A (the solve's first steps read the warp's own blocks)
     invert_and_store_t<Op, kPrepBarrier, 2 * kThreads, true>(ps.a, betas, L, b.ts, true, warp, lane);
-    issue_qk_product<K, Op>(acc, dq, dk);  // q k^T for M (its accumulators held through the solve spill)
+    issue_qk_product<K, Op>(acc, dq, dk);  // q k^T for M, after the solve (held through it, its accumulators spilled)
     float fq[2];
     prep_store_m<Op>(b, acc, ps.rq[s], rks, gi, fq, warp, lane, r, q2);
     prep_factor_rows<true>(b, ps.rq[s], rks, L, warp, lane);

@@ -263,8 +263,8 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
   sync();  // every W' is in shared memory, every A_ik read
   {
     // Block row `warp` of T^T, block by block: T_ij^T = sum_k T_kj^T W'_ik^T, the T_kj^T as A fragments (af[k]),
-    // each block stored transposed over A_ij once complete. One accumulator at a time: the fused prep's warpgroup
-    // holds q k^T's meanwhile.
+    // each block stored transposed over A_ij once complete. One accumulator at a time: the fused prep runs the solve
+    // at its warpgroup's 72 registers.
     int t;  // the lane read again (volatile), so that the offsets are not hoisted out of the caller's loops
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     const int ln = t & 31, r = ln >> 2, q2 = (ln & 3) * 2;
