@@ -140,10 +140,10 @@ __device__ __forceinline__ void block_mma_half(float (&acc)[2][4], const uint32_
   }
 }
 
-// A's blocks left of the diagonal in fp16 (the fused prep: they are only ever fp16 operands, the B fragments of
-// W'_ik = -T_ii A_ik): element (i0 + di, j) of such a block (i0, j0 multiples of 16) in the first 32 bytes of its fp32
-// row's 64, 16 bytes further on in rows with bit 2 set, so that the eight 16-byte rows of each 8 x 8 ldmatrix matrix
-// fall on distinct banks (with solve_at's skew: words 0, 8, 16, 24, then 12, 20, 28, 4).
+// A's blocks left of the diagonal in fp16 (the fused prep's doubling solve: they are only ever fp16 operands, the B
+// fragments of T_rs A_sm): element (i0 + di, j) of such a block (i0, j0 multiples of 16) in the first 32 bytes of its
+// fp32 row's 64, 16 bytes further on in rows with bit 2 set, so that the eight 16-byte rows of each 8 x 8 ldmatrix
+// matrix fall on distinct banks (with solve_at's skew: words 0, 8, 16, 24, then 12, 20, 28, 4).
 __device__ __forceinline__ __half* solve_a16(float* Af, int i0, int di, int j) {
   return reinterpret_cast<__half*>(Af + solve_at(i0, di, j & ~15)) + ((di & 4) << 1) + (j & 15);
 }
@@ -155,6 +155,15 @@ __device__ __forceinline__ void block_mma_a16(float (&acc)[2][4], const uint32_t
   ldmatrix_x4_trans(b, solve_a16(Af, i0, ((lane >> 3) & 1) * 8 + (lane & 7), j0 + (lane >> 4) * 8));
   mma<__half>(acc[0], a, b[0], b[1]);
   mma<__half>(acc[1], a, b[2], b[3]);
+}
+
+// The doubling solve's (kDoubling) fp16 images of T's blocks, 16 x 16 row-major in the blocks above A's diagonal (the
+// solve's scratch, solve_a16's layout): n = 0..3 T_nn, 4 T_10, 5 T_32, in blocks (0, 1), (0, 2), (0, 3), (1, 2), (1,
+// 3), (2, 3). This lane's ldmatrix / stmatrix row address (x4: an A fragment, or with .trans both n-tiles' B
+// fragments).
+__device__ __forceinline__ uint32_t t_image(float* Af, int n, int lane) {
+  const int kb = n < 3 ? 0 : n < 5 ? 1 : 2, ib = n < 3 ? n + 1 : n < 5 ? n - 1 : 3;
+  return smem_addr(solve_a16(Af, kb * 16, ((lane >> 3) & 1) * 8 + (lane & 7), ib * 16 + (lane >> 4) * 8));
 }
 
 // Where lane keeps half `nh` (8 bytes: words 2 nh, 2 nh + 1 of solve_b_words) of a 16x16 block's B fragments in the
@@ -172,14 +181,79 @@ __device__ __forceinline__ uint4 solve_b_words(const float (&w)[2][4]) {
                     pack2<__half>(w[1][2], w[1][3]));
 }
 
-// T = (I + A)^{-1} of Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them,
-// strictly lower; the blocks above the diagonal are free space), then T' = T diag(beta) to `out` in the operand
-// dtype: the wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or past L are written as zero.
-// Called by 4 warps (kThreads threads): the chunk prep's CTA, meeting on __syncthreads (kBarrier 0), or the head pass's
-// prep warpgroup, threads kTid0 .. kTid0 + 127 meeting on named barrier kBarrier. On return this thread's part of T'
-// is stored; Af may be overwritten after the next barrier of the 4 warps. kA16: A's blocks left of the diagonal are
-// fp16 (solve_a16).
-template <class Op, int kBarrier = 0, int kTid0 = 0, bool kA16 = false>
+// The doubling solve's levels (invert_and_store_t with kDoubling), after every warp's T_ii and its image (t_a: this
+// warp's T_ii as an fp16 A fragment): 32: T_10 = -(T_11 A_10) T_00 on warp 1 and T_32 = -(T_33 A_32) T_22 on warp 3;
+// 64: warp w forms block (2 + w / 2, w % 2) of T = -T_[23] A_[23][01] T_[01] as -sum_m Q_rm T_mc with Q_rm = sum_s T_rs
+// A_sm, forming the Q it needs itself. Products on fp16 operands (A by solve_a16, T by its images), fp32 accumulation;
+// each block of T goes to Af in fp32 (over A's, once no warp reads that A) and, where a later level reads it, to its
+// image.
+template <int kBarrier>
+__device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)[4], int warp, int lane) {
+  const auto sync = [] {
+    if constexpr (kBarrier == 0)
+      __syncthreads();
+    else
+      asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
+  };
+  const int r = lane >> 2, q2 = (lane & 3) * 2;
+  const auto store_fp32 = [&](const float (&c)[2][4], int ib, int jb, float sign) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(Af + solve_at(ib * 16, r + 8 * h, jb * 16 + 8 * t + q2)) =
+            make_float2(sign * c[t][2 * h], sign * c[t][2 * h + 1]);
+  };
+  if (warp & 1) {  // level 32: T_hi,lo with hi = warp
+    const int lo = warp - 1;
+    float q[2][4] = {}, c[2][4] = {};
+    block_mma_a16(q, t_a, Af, warp * 16, lo * 16, lane);  // T_hi A_hi,lo
+    uint32_t qa[4], tb[4];
+    c_to_a_half(q, qa);
+    ldmatrix_x4_trans(tb, t_image(Af, lo, lane));  // T_lo as B
+    mma<__half>(c[0], qa, tb[0], tb[1]);
+    mma<__half>(c[1], qa, tb[2], tb[3]);
+    __syncwarp();  // this warp's reads of A_hi,lo (no other warp reads it) before T_hi,lo replaces it
+    store_fp32(c, warp, lo, -1.0f);
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c[t][e] = -c[t][e];
+    uint32_t ta[4];
+    c_to_a_half(c, ta);
+    stmatrix_x4(t_image(Af, warp == 1 ? 4 : 5, lane), ta);
+  }
+  sync();  // T_10, T_32 and their images
+  const int rr = 2 + (warp >> 1), cc = warp & 1;
+  uint32_t t2[4], t3[4];  // T_r2 (T_22 or T_32) and T_33
+  ldmatrix_x4(t2, t_image(Af, rr == 2 ? 2 : 5, lane));
+  if (rr == 3) ldmatrix_x4(t3, t_image(Af, 3, lane));
+  float res[2][4] = {};
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    if (m < cc) continue;
+    float q[2][4] = {};
+    block_mma_a16(q, t2, Af, 32, m * 16, lane);             // T_r2 A_2m
+    if (rr == 3) block_mma_a16(q, t3, Af, 48, m * 16, lane);  // + T_33 A_3m
+    uint32_t qa[4], tb[4];
+    c_to_a_half(q, qa);
+    ldmatrix_x4_trans(tb, t_image(Af, m == 0 ? 0 : cc == 0 ? 4 : 1, lane));  // T_mc: T_00, T_10 or T_11
+    mma<__half>(res[0], qa, tb[0], tb[1]);
+    mma<__half>(res[1], qa, tb[2], tb[3]);
+  }
+  sync();  // every read of A's rows 32..63
+  store_fp32(res, rr, cc, -1.0f);
+}
+
+// T = (I + A)^{-1} of Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them, strictly
+// lower, with kDoubling fp16 left of the diagonal; the blocks above the diagonal are free space), then T' = T
+// diag(beta) to `out` in the operand dtype: the wgmma head pass's causal image (image) or row-major 64 x 64. Rows at or
+// past L are written as zero. Called by 4 warps (kThreads threads): the chunk prep's CTA, meeting on __syncthreads
+// (kBarrier 0), or the head pass's prep warpgroup, threads kTid0 .. kTid0 + 127 meeting on named barrier kBarrier. On
+// return this thread's part of T' is stored; Af may be overwritten after the next barrier of the 4 warps. kDoubling
+// (the fused prep): A's blocks left of the diagonal are fp16 (solve_a16), and after the diagonal blocks T is formed by
+// doubling (doubling_levels) instead of phase 1's W' and phase 2.
+template <class Op, int kBarrier = 0, int kTid0 = 0, bool kDoubling = false>
 __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta, int L, Op* out, bool image, int warp,
                                                    int lane) {
   float* const Tf = Af;
@@ -244,24 +318,28 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     __syncwarp();  // every lane has read A21
     *reinterpret_cast<float2*>(Tf + solve_at(b0 + 8, r, b0 + q2)) = make_float2(y[2], y[3]);
     t_a[1] = pack2<__half>(y[2], y[3]);  // T_ii's lower-left quarter
-    // -T_ii as the A operand: W'_ik = -T_ii A_ik.
+    if constexpr (kDoubling) {
+      stmatrix_x4(t_image(Af, warp, lane), t_a);  // T_ii's fp16 image
+      __syncwarp();
+      sync();  // every T_ii and its image
+      doubling_levels<kBarrier>(Af, t_a, warp, lane);
+    } else {
+      // -T_ii as the A operand: W'_ik = -T_ii A_ik.
 #pragma unroll
-    for (int i = 0; i < 4; ++i) t_a[i] ^= 0x80008000u;
+      for (int i = 0; i < 4; ++i) t_a[i] ^= 0x80008000u;
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      if (k >= warp) continue;
-      float wk[2][4] = {};
-      if constexpr (kA16)
-        block_mma_a16(wk, t_a, Af, b0, k * 16, lane);
-      else
+      for (int k = 0; k < 3; ++k) {
+        if (k >= warp) continue;
+        float wk[2][4] = {};
         block_mma_half(wk, t_a, Af, b0, k * 16, lane);
-      const uint4 words = solve_b_words(wk);
-      *solve_b_slot(Af, k, warp, 0, lane) = make_uint2(words.x, words.y);
-      *solve_b_slot(Af, k, warp, 1, lane) = make_uint2(words.z, words.w);
+        const uint4 words = solve_b_words(wk);
+        *solve_b_slot(Af, k, warp, 0, lane) = make_uint2(words.x, words.y);
+        *solve_b_slot(Af, k, warp, 1, lane) = make_uint2(words.z, words.w);
+      }
     }
   }
-  sync();  // every W' is in shared memory, every A_ik read
-  {
+  if constexpr (!kDoubling) sync();  // every W' is in shared memory, every A_ik read
+  if constexpr (!kDoubling) {
     // Block row `warp` of T^T, block by block: T_ij^T = sum_k T_kj^T W'_ik^T, the T_kj^T as A fragments (af[k]),
     // each block stored transposed over A_ij once complete. One accumulator at a time: the fused prep runs the solve
     // at its warpgroup's 72 registers.
