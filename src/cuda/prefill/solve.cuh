@@ -3,8 +3,8 @@
 // head pass's fused prep warpgroup, prep_warpgroup.cuh):
 //   the gate inputs of a value head loaded by warp 0 as raw bits, then gcum and beta (store_gates);
 //   the per-token factor rows (store_token_factors);
-//   T = (I + A)^{-1} of the strictly lower A (fp32 in shared memory, written over A) and T' = T diag(beta) stored
-//   in the operand dtype (invert_and_store_t).
+//   T = (I + A)^{-1} of the strictly lower A (in shared memory; T in fp32 over it) and T' = T diag(beta) stored in
+//   the operand dtype (invert_and_store_t; the fused prep's by doubling, doubling_levels).
 #pragma once
 
 #include <cstdint>
@@ -182,11 +182,11 @@ __device__ __forceinline__ uint4 solve_b_words(const float (&w)[2][4]) {
 }
 
 // The doubling solve's levels (invert_and_store_t with kDoubling), after every warp's T_ii and its image (t_a: this
-// warp's T_ii as an fp16 A fragment): 32: T_10 = -(T_11 A_10) T_00 on warp 1 and T_32 = -(T_33 A_32) T_22 on warp 3;
-// 64: warp w forms block (2 + w / 2, w % 2) of T = -T_[23] A_[23][01] T_[01] as -sum_m Q_rm T_mc with Q_rm = sum_s T_rs
-// A_sm, forming the Q it needs itself. Products on fp16 operands (A by solve_a16, T by its images), fp32 accumulation;
-// each block of T goes to Af in fp32 (over A's, once no warp reads that A) and, where a later level reads it, to its
-// image.
+// warp's T_ii as an fp16 A fragment): the 32 x 32 diagonal blocks' lower-left blocks T_10 = -(T_11 A_10) T_00 on warp 1
+// and T_32 = -(T_33 A_32) T_22 on warp 3; then warp w forms block (2 + w / 2, w % 2) of the lower-left quarter
+// T_[23][01] = -T_[23] A_[23][01] T_[01] as -sum_m Q_rm T_mc with Q_rm = sum_s T_rs A_sm, forming the Q it needs
+// itself. Products on fp16 operands (A by solve_a16, T by its images), fp32 accumulation; each block of T goes to Af in
+// fp32 (over A's, once no warp reads that A) and, where a later level reads it, to its image.
 template <int kBarrier>
 __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)[4], int warp, int lane) {
   const auto sync = [] {
@@ -275,7 +275,8 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
   // So the warps meet twice, and phase 2's B operands are fp16 fragments formed once, not fp32 blocks converted for
   // each product. The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh). A's
   // rows at or past L are zero (beta_i = 0 there), so T's are e_i^T, and T' rows there are 0 whatever is selected;
-  // they are selected away all the same.
+  // they are selected away all the same. With kDoubling, phase 1 stops at T_ii, doubling_levels replaces its W' and
+  // phase 2, and the warps meet four times.
   const int b0 = warp * 16;
   {
     // X1 (lanes 0..7) and X2 (lanes 8..15) column by column; lanes 16..31 repeat lanes 0..15
@@ -341,8 +342,8 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
   if constexpr (!kDoubling) sync();  // every W' is in shared memory, every A_ik read
   if constexpr (!kDoubling) {
     // Block row `warp` of T^T, block by block: T_ij^T = sum_k T_kj^T W'_ik^T, the T_kj^T as A fragments (af[k]),
-    // each block stored transposed over A_ij once complete. One accumulator at a time: the fused prep runs the solve
-    // at its warpgroup's 72 registers.
+    // each block stored transposed over A_ij once complete. One accumulator at a time (the chunk prep's 72
+    // registers).
     int t;  // the lane read again (volatile), so that the offsets are not hoisted out of the caller's loops
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     const int ln = t & 31, r = ln >> 2, q2 = (ln & 3) * 2;
