@@ -181,6 +181,15 @@ __device__ __forceinline__ uint4 solve_b_words(const float (&w)[2][4]) {
                     pack2<__half>(w[1][2], w[1][3]));
 }
 
+// The solve's barrier of its 4 warps: the chunk prep's CTA (kBarrier 0) or the prep warpgroup's named barrier.
+template <int kBarrier>
+__device__ __forceinline__ void solve_sync() {
+  if constexpr (kBarrier == 0)
+    __syncthreads();
+  else
+    asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
+}
+
 // The doubling solve's levels (invert_and_store_t with kDoubling), after every warp's T_ii and its image (t_a: this
 // warp's T_ii as an fp16 A fragment): the 32 x 32 diagonal blocks' lower-left blocks T_10 = -(T_11 A_10) T_00 on warp 1
 // and T_32 = -(T_33 A_32) T_22 on warp 3; then warp w forms block (2 + w / 2, w % 2) of the lower-left quarter
@@ -189,20 +198,15 @@ __device__ __forceinline__ uint4 solve_b_words(const float (&w)[2][4]) {
 // fp32 (over A's, once no warp reads that A) and, where a later level reads it, to its image.
 template <int kBarrier>
 __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)[4], int warp, int lane) {
-  const auto sync = [] {
-    if constexpr (kBarrier == 0)
-      __syncthreads();
-    else
-      asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
-  };
   const int r = lane >> 2, q2 = (lane & 3) * 2;
-  const auto store_fp32 = [&](const float (&c)[2][4], int ib, int jb, float sign) {
+  // -c to block (ib, jb) in fp32 (each level's product is the block's negative)
+  const auto store_negated = [&](const float (&c)[2][4], int ib, int jb) {
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         *reinterpret_cast<float2*>(Af + solve_at(ib * 16, r + 8 * h, jb * 16 + 8 * t + q2)) =
-            make_float2(sign * c[t][2 * h], sign * c[t][2 * h + 1]);
+            make_float2(-c[t][2 * h], -c[t][2 * h + 1]);
   };
   if (warp & 1) {  // level 32: T_hi,lo with hi = warp
     const int lo = warp - 1;
@@ -214,7 +218,7 @@ __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)
     mma<__half>(c[0], qa, tb[0], tb[1]);
     mma<__half>(c[1], qa, tb[2], tb[3]);
     __syncwarp();  // this warp's reads of A_hi,lo (no other warp reads it) before T_hi,lo replaces it
-    store_fp32(c, warp, lo, -1.0f);
+    store_negated(c, warp, lo);
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -223,7 +227,7 @@ __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)
     c_to_a_half(c, ta);
     stmatrix_x4(t_image(Af, warp == 1 ? 4 : 5, lane), ta);
   }
-  sync();  // T_10, T_32 and their images
+  solve_sync<kBarrier>();  // T_10, T_32 and their images
   const int rr = 2 + (warp >> 1), cc = warp & 1;
   uint32_t t2[4], t3[4];  // T_r2 (T_22 or T_32) and T_33
   ldmatrix_x4(t2, t_image(Af, rr == 2 ? 2 : 5, lane));
@@ -241,8 +245,8 @@ __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)
     mma<__half>(res[0], qa, tb[0], tb[1]);
     mma<__half>(res[1], qa, tb[2], tb[3]);
   }
-  sync();  // every read of A's rows 32..63
-  store_fp32(res, rr, cc, -1.0f);
+  solve_sync<kBarrier>();  // every read of A's rows 32..63
+  store_negated(res, rr, cc);
 }
 
 // T = (I + A)^{-1} of Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them, strictly
@@ -257,12 +261,6 @@ template <class Op, int kBarrier = 0, int kTid0 = 0, bool kDoubling = false>
 __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta, int L, Op* out, bool image, int warp,
                                                    int lane) {
   float* const Tf = Af;
-  const auto sync = [] {
-    if constexpr (kBarrier == 0)
-      __syncthreads();
-    else
-      asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
-  };
   // T = (I + A)^{-1}, blocked by 16, in three phases with a barrier between each two:
   //   1. warp i: its diagonal block T_ii = (I + A_ii)^{-1} (fp32, over A_ii) by its 8 x 8 halves, [[X1, 0], [Y, X2]]
   //      with X1 = (I + A11)^{-1}, X2 = (I + A22)^{-1} by forward substitution (one column per lane) and
@@ -322,7 +320,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     if constexpr (kDoubling) {
       stmatrix_x4(t_image(Af, warp, lane), t_a);  // T_ii's fp16 image
       __syncwarp();
-      sync();  // every T_ii and its image
+      solve_sync<kBarrier>();  // every T_ii and its image
       doubling_levels<kBarrier>(Af, t_a, warp, lane);
     } else {
       // -T_ii as the A operand: W'_ik = -T_ii A_ik.
@@ -339,8 +337,8 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       }
     }
   }
-  if constexpr (!kDoubling) sync();  // every W' is in shared memory, every A_ik read
   if constexpr (!kDoubling) {
+    solve_sync<kBarrier>();  // every W' is in shared memory, every A_ik read
     // Block row `warp` of T^T, block by block: T_ij^T = sum_k T_kj^T W'_ik^T, the T_kj^T as A fragments (af[k]),
     // each block stored transposed over A_ij once complete. One accumulator at a time (the chunk prep's 72
     // registers).
@@ -371,7 +369,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
           Tf[solve_at(i * 16 + 8 * nh, q2 + (e & 1), b0 + 8 * (e >> 1) + r)] = c[nh][e];
     }
   }
-  sync();  // T is in shared memory
+  solve_sync<kBarrier>();  // T is in shared memory
   // Column scaling by beta: T' = T diag(beta), so v_new = T' (v - D k^ S) (see the header).
   {
     // Element pair (i, c) at `from`, c even, scaled by beta's pair bv, to `to` in one access. T's upper triangle is
