@@ -66,7 +66,8 @@ struct HeadStateWarps {
   const Plan& plan;
   const HeadCoords& at;
   // kMInPass: the chunk's rq (scale / ||q||, or the scale), written after the chunk's first barrier, read after the
-  // second (one buffer: every read of chunk c precedes the next chunk's first barrier)
+  // second (one buffer: every read of chunk c precedes the next chunk's first barrier). Beside the fused prep: the
+  // producer's norms of every stage (FusedPrepSmem: rk[kStages][kChunk], then rq[kStages][kChunk]), which M reads.
   float* s_rq;
   // o: lane l stores 16-byte piece l & 1 of the warp's columns of rows l / 2 + 16 u of each chunk, staged in its
   // v columns at o_staged (+ 16 rows per u).
@@ -141,9 +142,9 @@ struct HeadStateWarps {
     // that the P/Q products above start right after the barrier (kProducer: by the producer).
     if constexpr (!S::kProducer)
       if (c + kStages - 1 < nchunks) loader.issue(c + kStages - 1, stage[(c + kStages - 1) % kStages], kBoth);
-    if constexpr (kFormsM) q_norms(b);
+    if constexpr (kFormsM && kMInPass) q_norms(b);
     if constexpr (kWgmma) {
-      wgmma_wait<int(kOutputs) + int(kFormsM)>();  // P^T (Q^T and q k^T may still run)
+      wgmma_wait<int(kOutputs) + int(kFormsM && !S::kFusedPrep)>();  // P^T (Q^T and q k^T may still run)
       wgmma_pin(pk);
     }
     if constexpr (S::kMWarpgroup) {
@@ -173,13 +174,21 @@ struct HeadStateWarps {
     float vn[8][4];
     zero_acc(vn);
     if constexpr (kWgmma) {
+      // beside the fused prep M's q k^T is issued here, ahead of v_new's product, once Q^T completed: its
+      // accumulators live beside S^T's A fragments (Q^T's operand) leave the state warpgroups short of registers
+      if constexpr (kFormsM && S::kFusedPrep) {
+        wgmma_wait<0>();  // Q^T
+        wgmma_pin(qo);
+        zero_acc(mk);
+        m_product(mk, dk, dq);
+      }
       wgmma_pin(vn);
       wgmma_fence();
       const CausalDescs dt = causal_image_descs(b.ts);
       causal_cols_wgmma<Op>(vn, xa, dt.lo, dt.hi);
       wgmma_commit();
     }
-    if constexpr (kFormsM) form_m(b, mk);
+    if constexpr (kFormsM) form_m(b, mk, c);
     if constexpr (kWgmma) {
       wgmma_wait<0>();  // v_new^T (and Q^T)
       wgmma_pin(vn);
@@ -236,7 +245,7 @@ struct HeadStateWarps {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) pk[nt][e] = qo[nt][e] = 0.0f;
-    if constexpr (kFormsM) zero_acc(mk);
+    if constexpr (kFormsM && !S::kFusedPrep) zero_acc(mk);
     if constexpr (kWgmma) {
       uint32_t sa[K / 16][4];  // S^T as A fragments, held until both products complete
 #pragma unroll
@@ -254,18 +263,7 @@ struct HeadStateWarps {
           wgmma_rs<Op, kChunk, 0, false>(qo, sa[kk], desc_add(dq, (kk / 4) * kBlock + (kk % 4) * 32));
         wgmma_commit();
       }
-      if constexpr (kFormsM) {
-        // M's q k^T: tokens i (rows, A = q rows) x this warpgroup's token columns mj0 .. mj0 + 31 (B = k rows),
-        // both operands in shared memory
-        wgmma_pin(mk);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < K / 16; ++kk) {
-          const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
-          wgmma_ss<Op, kMCols, 0>(mk, desc_add(dq, koff), desc_add(dk, koff + uint32_t(mj0) * 128));
-        }
-        wgmma_commit();
-      }
+      if constexpr (kFormsM && !S::kFusedPrep) m_product(mk, dk, dq);
     } else {
 #pragma unroll
       for (int kk = 0; kk < K / 16; ++kk) {
@@ -286,6 +284,19 @@ struct HeadStateWarps {
     }
   }
 
+  // M's q k^T: tokens i (rows, A = q rows) x this warpgroup's token columns mj0 .. mj0 + 31 (B = k rows), both
+  // operands in shared memory, as a commit group of its own
+  __device__ __forceinline__ void m_product(float (&mk)[kMCols / 8][4], uint64_t dk, uint64_t dq) const {
+    wgmma_pin(mk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+      const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
+      wgmma_ss<Op, kMCols, 0>(mk, desc_add(dq, koff), desc_add(dk, koff + uint32_t(mj0) * 128));
+    }
+    wgmma_commit();
+  }
+
   // kMInPass: rq of token tid / 4 from a quarter of its q row per lane (rows past a partial chunk are zero), while
   // the products run (docs/design/prefill.md "M formed in the pass").
   __device__ __forceinline__ void q_norms(const Stage& b) const {
@@ -299,24 +310,29 @@ struct HeadStateWarps {
   }
 
   // ---- kMInPass: M'[i][j] = mask_{j<=i} exp2(gc_i - gc_j) rk_j (q_i . k_j) (M without rq_i, which o's rows get
-  // at the end) from the chunk prep's factors, stored to the stage's M rows while v_new's product runs (o's product
-  // reads them after a CTA barrier)
-  __device__ __forceinline__ void form_m(Stage& b, float (&mk)[kMCols / 8][4]) const {
+  // at the end) from the chunk prep's factors; beside the fused prep M itself (rq_i, rk_j from the producer's norms
+  // of the stage). Stored to the stage's M rows while v_new's product runs (o's product reads them once both
+  // warpgroups stored theirs).
+  __device__ __forceinline__ void form_m(Stage& b, float (&mk)[kMCols / 8][4], int64_t c) const {
     wgmma_wait<1>();  // Q^T and q k^T (v_new^T may still run)
     wgmma_pin(mk);
-    float gi[2];
+    const float* const rks = S::kFusedPrep ? s_rq + (c % kStages) * kChunk : &b.sc[kInvNormK * kChunk];
+    float gi[2], fi[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) gi[half] = b.sc[kLog2Gcum * kChunk + mrow + 8 * half];
+    for (int half = 0; half < 2; ++half) {
+      gi[half] = b.sc[kLog2Gcum * kChunk + mrow + 8 * half];
+      fi[half] = S::kFusedPrep ? s_rq[(kStages + c % kStages) * kChunk + mrow + 8 * half] : 1.0f;
+    }
 #pragma unroll
     for (int nt = 0; nt < kMCols / 8; ++nt) {
       const int j = mj0 + nt * 8 + at.q2;
       const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kLog2Gcum * kChunk + j]);
-      const float2 kj = *reinterpret_cast<const float2*>(&b.sc[kInvNormK * kChunk + j]);
+      const float2 kj = *reinterpret_cast<const float2*>(&rks[j]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
         const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
-        mk[nt][e] = jj <= i ? mk[nt][e] * d : 0.0f;
+        mk[nt][e] = jj <= i ? mk[nt][e] * (S::kFusedPrep ? d * fi[e >> 1] : d) : 0.0f;
       }
     }
 #pragma unroll
@@ -350,11 +366,12 @@ struct HeadStateWarps {
   __device__ __forceinline__ void o_and_update_wgmma(const Stage& b, float (&s)[KT][4], float (&qo)[8][4],
                                                      const uint32_t (&na)[4][4], const uint32_t (&da)[4][4], float eg,
                                                      uint64_t dkt) const {
-    if constexpr (kFormsM) __syncthreads();  // every warpgroup's share of M is stored
+    if constexpr (kFormsM && kMInPass) __syncthreads();  // every warpgroup's share of M is stored
+    else if constexpr (kFormsM) named_barrier_sync(kMFormedBarrier, 2 * kThreads);
     if constexpr (kOutputs) {
       wgmma_pin(qo);
       wgmma_fence();
-      const CausalDescs dm = kMInPass ? full_causal_descs(b.ms) : causal_image_descs(b.ms);
+      const CausalDescs dm = kFormsM ? full_causal_descs(b.ms) : causal_image_descs(b.ms);
       causal_cols_wgmma<Op>(qo, na, dm.lo, dm.hi);
       wgmma_commit();
     }
@@ -365,14 +382,14 @@ struct HeadStateWarps {
     for (int ks = 0; ks < 4; ++ks) wgmma_rs<Op, K, 0, true>(s, da[ks], desc_add(dkt, ks * 2048));
     wgmma_commit();
     if constexpr (!kOutputs) return;
-    [[maybe_unused]] float2 rqv[kFormsM ? 8 : 1];  // o's row factors, read while o's product runs
-    if constexpr (kFormsM) {
+    [[maybe_unused]] float2 rqv[kMInPass ? 8 : 1];  // o's row factors, read while o's product runs
+    if constexpr (kMInPass) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) rqv[nt] = *reinterpret_cast<const float2*>(&s_rq[nt * 8 + at.q2]);
     }
     wgmma_wait<1>();  // o^T
     wgmma_pin(qo);
-    if constexpr (kFormsM) {
+    if constexpr (kMInPass) {
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         const float2 rq = rqv[nt];

@@ -60,6 +60,8 @@ constexpr int kPqTurnBarrier = 5;  // + the warpgroup that waits
 // two state warpgroups meet on kCheckpointBarrier before they store a state through a stage (head_state_io.cuh);
 // beside a producer warp the state warpgroup meets on kZeroRowsBarrier once it zeroed a partial chunk's rows.
 constexpr int kPrepBarrier = 2, kOStoreBarrier = 3, kCheckpointBarrier = 7, kZeroRowsBarrier = 8;
+// Beside the fused prep the two state warpgroups meet on kMFormedBarrier once both stored their halves of M.
+constexpr int kMFormedBarrier = 9;
 
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
 // wgmma build; kMWarpgroup a prep and a producer warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode
@@ -89,9 +91,10 @@ struct HeadPass {
   // M formed by the state warpgroups, not read from the stage (with a prep warpgroup, that warpgroup forms it)
   static constexpr bool kMInPass = !kMWarpgroup && head_pass_forms_m(kWgmma, kCols);
   // The pass writes o: every build but the context-parallel local pass, which keeps only the segment's end state and
-  // so reads no q and forms neither M nor o (kFormsM: the state warpgroups form M in this build).
+  // so reads no q and forms neither M nor o (kFormsM: the state warpgroups form M in this build; beside the fused
+  // prep too, with the norms the producer formed, so that the prep warpgroup's chunk is shorter).
   static constexpr bool kOutputs = kCpMode != 1;
-  static constexpr bool kFormsM = kMInPass && kOutputs;
+  static constexpr bool kFormsM = (kMInPass || kFusedPrep) && kOutputs;
   // the chunk prep's factor rows in the workspace (6: without M, where the pass forms M)
   static constexpr int kFRows = kFactorRows<kMInPass || kMWarpgroup>;
   using Stage = HeadStageOf<K, kCols, Op, kWgmma>;
@@ -103,7 +106,7 @@ struct HeadPass {
   static constexpr uint32_t kVRow16 = kWgmma ? 16 * 128 : 16 * LDV * 2;
   // M in the pass: each of the two warpgroups forms kMCols of its token columns.
   static constexpr int kMCols = 32;
-  static_assert(!kMInPass || kWarps == 8, "M in the pass: two warpgroups, half of M's columns each");
+  static_assert(!kFormsM || kWarps == 8, "M in the pass: two warpgroups, half of M's columns each");
   static_assert(!kMInPass || kThr == 4 * kChunk, "M in the pass: four lanes per token for rq");
 
   // The prep warpgroup's barriers (state_pass_head.cuh init_stage_barriers): the initial state's copy and its read

@@ -8,9 +8,9 @@
 // Per chunk: wait for the state warps' release of the stage's previous chunk and for the stage's TMA; past a partial
 // chunk's end zero the k, q, v rows (the tiles hold the next tokens there); form M and the factors; then one arrival
 // per thread on the stage's `done` mbarrier, after a proxy fence (the tensor cores read M).
-// The fused prep (Plan::fused_prep, opt-in): fused_prep_warpgroup forms the whole chunk prep in the stage instead
-// (k k^T, A, the solve and T', M, the factor rows) after the gate kernel, with rk and rq from the producer's last
-// two warps (producer_norms).
+// The fused prep (Plan::fused_prep, opt-in): fused_prep_warpgroup forms the rest of the chunk prep in the stage instead
+// (k k^T, A, the solve and T', the factor rows) after the gate kernel, with rk and rq from the producer's last two
+// warps (producer_norms); the state warpgroups form M from those norms (head_chunk.cuh form_m).
 // The persistent pass (HeadPass::kPersistent): the producer takes (sequence, value head) items from a counter and hands
 // them to the other warpgroups (ItemRing), loading each item's initial state and chunks into ring positions that run
 // on across items (producer_persistent); this warpgroup passes an initial state's position through and prepares the
@@ -244,8 +244,8 @@ struct FusedPrepSmem {
 // kBeta (they arrive with the rows by TMA) and the producer's norm threads rk and rq (norms[c % kStages], 64 arrivals):
 // k k^T on wgmma; A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) (k_i . k_j), j < i (the row factor in the exponent as
 // a log2, as the chunk prep without M) to shared memory; T = (I + A)^-1 solved and T' = T diag(beta) stored to the
-// stage's causal image (solve.cuh, on this warpgroup's named barrier); then q k^T on wgmma and M with rq; the factor
-// rows.
+// stage's causal image (solve.cuh, on this warpgroup's named barrier); then the factor rows. M is the state
+// warpgroups' (they read rk and rq of the stage from ps, which the producer writes again only once they released it).
 // The stages and their barriers as in prep_warpgroup.
 template <int K, class Op, int kStages, class Stage>
 __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* stage, uint64_t* full, uint64_t* done,
@@ -269,7 +269,7 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
       fence_proxy_async();  // the zeros are read by the tensor cores
       named_barrier_sync(kPrepBarrier, kThreads);
     }
-    const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024), dq = sw128_desc(smem_addr(b.qs), 16, 1024);
+    const uint64_t dk = sw128_desc(smem_addr(b.ks), 16, 1024);
     float acc[8][4];
     issue_qk_product<K, Op>(acc, dk, dk);  // G = k k^T
     mbarrier_wait(&norms[s], parity);      // the chunk's rk, rq
@@ -293,11 +293,8 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
     }
     __syncwarp();  // this warp's rows of A (the solve's first steps read the warp's own blocks)
     invert_and_store_t<Op, kPrepBarrier, 2 * kThreads, true>(ps.a, betas, L, b.ts, true, warp, lane);
-    issue_qk_product<K, Op>(acc, dq, dk);  // q k^T for M, after the solve (held through it, its accumulators spilled)
-    float fq[2];
-    prep_store_m<Op>(b, acc, ps.rq[s], rks, gi, fq, warp, lane, r, q2);
     prep_factor_rows<true>(b, ps.rq[s], rks, L, warp, lane);
-    fence_proxy_async();  // T' and M are read by the tensor cores
+    fence_proxy_async();  // T' is read by the tensor cores
     mbarrier_arrive(&done[s]);
   }
 }

@@ -41,8 +41,9 @@
 //     kernel without M) and hands it over by an mbarrier per stage; a fourth, the producer warpgroup, issues
 //     every stage's loads and stores each full chunk's o, so that no state warpgroup issues a TMA. The two
 //     state warpgroups run apart, taking turns at their P/Q products (head_chunk.cuh). With the fused prep
-//     (kFusedPrep, opt-in) the prep warpgroup forms all of the chunk prep after a gate kernel, and the producer's
-//     last two warps the q and k norms.
+//     (kFusedPrep, opt-in) the prep warpgroup forms the chunk prep but M after a gate kernel, the producer's last
+//     two warps the q and k norms, and the state warpgroups M (as without a prep warpgroup, meeting on a named
+//     barrier of their own once both halves are stored).
 //
 // The kernel is built from named parts: head_stage.cuh (the build's shape, the stages, the CTA's coordinates),
 // head_loader.cuh (the loader: TMA or cp.async into the stages), head_chunk.cuh (the state warps' per-chunk math),
@@ -274,7 +275,9 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
   // with the bulk path.
   constexpr bool kCheckpointBulk = kWgmma && (kMWarpgroup || S::kWarps == 4);
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
-  const HeadStateWarps<S> warps(p, plan, at, start, s_rq, &maps.o, transition,
+  // beside the fused prep, M's norms are the producer's (FusedPrepSmem: rk of every stage, then rq)
+  float* const m_norms = kFusedPrep ? reinterpret_cast<FusedPrepSmem*>(stage + kStages)->rk[0] : s_rq;
+  const HeadStateWarps<S> warps(p, plan, at, start, m_norms, &maps.o, transition,
                                 S::kProducer ? &prep_bars[2 * kStages] : nullptr);  // the o hand-over
 
   if constexpr (kWgmma && !S::kProducer) init_stage_barriers<S>(at.tid, bars, prep_bars);
@@ -486,8 +489,8 @@ __device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p,
 // kCpMode (context_parallel.cuh): the grid's rows are the segment table's entries instead of the sequences (the
 // local pass (1): the cut segments' states, two CTAs per state and value head; blockIdx.y: 0 the segment from zero,
 // 1 its transition; the first segment's y = 0 CTA runs its final pass there where Plan::cp_first_final).
-// kFusedPrep (with kMWarpgroup, whole sequences): the prep warpgroup forms the whole chunk prep (fused_prep_warpgroup)
-// after the gate kernel, with the norms from the producer's last two warps.
+// kFusedPrep (with kMWarpgroup, whole sequences): the prep warpgroup forms the chunk prep but M (fused_prep_warpgroup)
+// after the gate kernel, with the norms from the producer's last two warps; the state warpgroups form M.
 // kPersistent: one CTA per SM over the items (head_pass_persistent_cta).
 template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0, bool kFusedPrep = false,
           bool kPersistent = false>
