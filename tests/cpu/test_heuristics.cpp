@@ -33,6 +33,7 @@ Candidates h100_candidates(int64_t B) {
   c.narrow = {32 * 8 * B, 0};
   c.vlast_decode = {32 * 4 * B, 8 * kSms};
   c.mma_decode = {32 * 2 * B, 6 * kSms};   // 24 warps per SM
+  c.mma_decode_tf32 = {32 * 2 * B, 5 * kSms};  // 20 warps per SM
   c.chain_mma = {32 * 4 * B, 8 * kSms};
   c.fp8_chain = {32 * 2 * B, 3 * kSms};    // 2 CTAs per head, 12 warps per SM
   return c;
@@ -86,9 +87,16 @@ TEST(RecurrentHeuristics, Bf16DecodeBySize) {
   // fp16 inputs have no tensor-core decode against bf16 state: the tiles from B = 1.
   EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kFloat16, 1)), RecurrentKernel::kWarpRegular);
   EXPECT_EQ(kernel_at(decode_call(DType::kBFloat16, DType::kFloat16, 4)), RecurrentKernel::kWarpWide);
-  // fp16 pools as bf16 pools: tensor cores with fp16 or bf16 inputs (k, q brought to fp16 under a power of two).
+  // fp16 pools as bf16 pools: tensor cores with fp16 or bf16 inputs (bf16 inputs on tf32 steps while that grid and the
+  // next fit at 20 warps per SM, B <= 5, then brought to fp16 under a power of two).
+  for (int64_t B : {1, 5}) {
+    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, B)), RecurrentKernel::kMmaDecodeTf32);
+    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kFloat16, B)), RecurrentKernel::kMmaDecode);
+  }
+  Overrides no_mma;
+  no_mma.decode_mma = false;
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 1), no_mma), RecurrentKernel::kWarpRegular);
   for (DType in : {DType::kBFloat16, DType::kFloat16}) {
-    EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 1)), RecurrentKernel::kMmaDecode);
     EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 6)), RecurrentKernel::kMmaDecode);
     EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 7)), RecurrentKernel::kWarpWide);
     EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, in, 14)), RecurrentKernel::kWarpSolo);

@@ -127,7 +127,7 @@ std::vector<Named> small_batch_cases() {
         c.seed = 400 + i++;
         out.push_back({case_name(c) + "_b" + std::to_string(batch), c});
       }
-  // fp16 state on the tensor-core kernel: fp16 inputs as loaded, bf16 inputs brought to fp16 (mma_decode.cuh).
+  // fp16 state on the tensor-core kernel: fp16 inputs as loaded, bf16 inputs on its tf32 steps (mma_decode.cuh).
   for (int batch : {1, 2, 4})
     for (DType in : {DType::kBFloat16, DType::kFloat16}) {
       ProblemConfig c;
@@ -214,14 +214,15 @@ INSTANTIATE_TEST_SUITE_P(Batches, DecodeTest, ::testing::ValuesIn(batch_cases())
 INSTANTIATE_TEST_SUITE_P(Sanitize, DecodeTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// fp16 pools with bf16 q and k far past fp16's range (x 2^20) or far below its normal range (x 2^-20): the
-// tensor-core kernel scales them by a power of two of their norm before rounding them to fp16; without it they would
-// round to infinity, or to fp16's subnormals (few bits) and zero.
+// fp16 pools with bf16 q and k far past fp16's range (x 2^20) or far below its normal range (x 2^-20), on both forms
+// of the tensor-core kernel (mma_decode.cuh): tf32 steps (B = 1, 4; K = 64 also 6) take them as they are; the fp16
+// steps (K = 128 B = 6, K = 64 B = 12) scale them by a power of two of their norm before rounding them to fp16 (without
+// it they would round to infinity, or to fp16's subnormals and zero); K = 128 B = 12 runs the warp kernel.
 TEST(DecodeGpu, Fp16PoolBf16InputsPastFp16Range) {
   int seed = 450;
   for (int scale : {20, -20})
   for (int K : {64, 128})
-    for (int batch : {1, 4}) {
+    for (int batch : {1, 4, 6, 12}) {
       SCOPED_TRACE("K=" + std::to_string(K) + " B=" + std::to_string(batch) + " x 2^" + std::to_string(scale));
       ProblemConfig c;
       c.op = OpKind::kDecode;

@@ -28,6 +28,7 @@ const char* kernel_name(RecurrentKernel k) {
     case RecurrentKernel::kWarpSolo: return "warp (one-warp CTAs)";
     case RecurrentKernel::kVLastDecode: return "V-last decode";
     case RecurrentKernel::kMmaDecode: return "tensor-core decode";
+    case RecurrentKernel::kMmaDecodeTf32: return "tensor-core decode (tf32)";
     case RecurrentKernel::kChainMma: return "tensor-core chain";
     case RecurrentKernel::kFp8Chain: return "fp8 chain";
   }
@@ -75,6 +76,10 @@ bool mma_decode_built(const RecurrentCall& c) {
          c.head_dim_v % 64 == 0;
 }
 
+bool mma_decode_tf32_built(const RecurrentCall& c) {
+  return mma_decode_built(c) && c.state_dtype == DType::kFloat16 && c.input_dtype == DType::kBFloat16;
+}
+
 bool vlast_decode_built(const RecurrentCall& c) {
   return c.layout == StateLayout::kVLast && c.op == RecurrentOp::kDecode && c.head_dim_k <= 128;
 }
@@ -92,7 +97,8 @@ int prefetch_share(const RecurrentCall& c, RecurrentKernel k) {
   switch (k) {
     case RecurrentKernel::kWarpWide:
     case RecurrentKernel::kVLastDecode:
-    case RecurrentKernel::kMmaDecode: return 1;
+    case RecurrentKernel::kMmaDecode:
+    case RecurrentKernel::kMmaDecodeTf32: return 1;
     case RecurrentKernel::kWarpRegular:
     case RecurrentKernel::kWarpPinned:
       return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && dtype_size(c.state_dtype) == 2 ? 8
@@ -122,7 +128,11 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
     const int min_batch = or_default(o.verify_fp8_chain_min_batch, kFp8ChainMinBatch);
     if (min_batch > 0 && c.batch >= min_batch) return RecurrentChoice{K::kFp8Chain, false};
   }
-  // 16-bit decode on tensor cores where this grid and the next fit the GPU together.
+  // 16-bit decode on tensor cores where this grid and the next fit the GPU together (fp16 state with bf16 inputs: the
+  // tf32 steps, with fewer warps per SM, where they fit so, else the inputs scaled to fp16).
+  if (mma_decode_tf32_built(c) && o.decode_mma && k.mma_decode_tf32.grid_ctas > 0 &&
+      2 * k.mma_decode_tf32.grid_ctas <= k.mma_decode_tf32.resident_ctas && prefetch_mode(k.mma_decode_tf32, 1, o))
+    return take(K::kMmaDecodeTf32, k.mma_decode_tf32);
   if (mma_decode_built(c) && o.decode_mma && k.mma_decode.grid_ctas > 0 &&
       2 * k.mma_decode.grid_ctas <= k.mma_decode.resident_ctas && prefetch_mode(k.mma_decode, 1, o))
     return take(K::kMmaDecode, k.mma_decode);

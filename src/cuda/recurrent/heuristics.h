@@ -27,6 +27,7 @@ enum class RecurrentKernel {
   kWarpSolo,     // ... one-warp CTAs: K-last decode, K = 128, grids past prefetch mode (16-bit pools: the wide tile)
   kVLastDecode,  // vlast_decode_kernel (vlast_decode.cuh)
   kMmaDecode,    // mma_decode_kernel: K-last 16-bit state (bf16: bf16 inputs; fp16: fp16 or bf16), tensor cores
+  kMmaDecodeTf32,  // ... its tf32 steps: fp16 state with bf16 inputs
   kChainMma,     // chain_mma_kernel: K-last chains of bf16 inputs on tensor cores
   kFp8Chain,     // fp8_chain_kernel: verify of chains on K-last float8_e4m3 pools, fp8 cache or none
 };
@@ -68,7 +69,7 @@ struct KernelFit {
   int64_t resident_ctas = 0;
 };
 struct Candidates {
-  KernelFit regular, wide, narrow, vlast_decode, mma_decode, chain_mma, fp8_chain;
+  KernelFit regular, wide, narrow, vlast_decode, mma_decode, mma_decode_tf32, chain_mma, fp8_chain;
 };
 
 struct RecurrentChoice {
@@ -79,6 +80,7 @@ struct RecurrentChoice {
 // Which kernels exist for a call (the template conditions of dispatch.cu, as values).
 bool chain_mma_built(const RecurrentCall& c);
 bool mma_decode_built(const RecurrentCall& c);
+bool mma_decode_tf32_built(const RecurrentCall& c);  // fp16 state with bf16 inputs
 bool vlast_decode_built(const RecurrentCall& c);
 bool tile_widths_built(const RecurrentCall& c);  // the wide, narrow and solo tiles, and the pinned slot
 bool fp8_chain_built(const RecurrentCall& c);

@@ -77,6 +77,8 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
       kLayout == StateLayout::kKLast && kOp == RecurrentOp::kDecode && K <= 128 && V % 64 == 0 &&
       ((std::is_same_v<TState, __nv_bfloat16> && std::is_same_v<TInput, __nv_bfloat16>) ||
        (std::is_same_v<TState, __half> && (std::is_same_v<TInput, __half> || std::is_same_v<TInput, __nv_bfloat16>)));
+  constexpr bool kMmaDecodeTf32Built =
+      kMmaDecodeBuilt && std::is_same_v<TState, __half> && std::is_same_v<TInput, __nv_bfloat16>;
   constexpr bool kVLastBuilt = kLayout == StateLayout::kVLast && kOp == RecurrentOp::kDecode && K <= 128;
   constexpr bool kWidthsBuilt = kLayout == StateLayout::kKLast && kOp == RecurrentOp::kDecode && K == 128;
   constexpr bool kFp8ChainBuilt = kLayout == StateLayout::kKLast && kFp8State && kOp == RecurrentOp::kVerify &&
@@ -109,6 +111,11 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
     static const int64_t resident =
         resident_ctas(reinterpret_cast<const void*>(mma_decode_kernel<TState, TInput, K, V>), Tile::kWarps * 32);
     fit.mma_decode = {grid_ctas(head_grid(p, V / Tile::kCtaCols)), resident};
+    if constexpr (kMmaDecodeTf32Built) {
+      static const int64_t tf32_resident = resident_ctas(
+          reinterpret_cast<const void*>(mma_decode_kernel<TState, TInput, K, V, true>), Tile::kWarps * 32);
+      fit.mma_decode_tf32 = {fit.mma_decode.grid_ctas, tf32_resident};
+    }
   }
   if constexpr (kVLastBuilt) {
     using R = VLastRows<TState, K>;
@@ -151,6 +158,12 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
     case RecurrentKernel::kMmaDecode:
       if constexpr (kMmaDecodeBuilt)
         return launch_recurrent(mma_decode_kernel<TState, TInput, K, V>,
+                                head_grid(p, V / MmaDecodeTile<K, V>::kCtaCols), MmaDecodeTile<K, V>::kWarps * 32,
+                                choice.prefetch, stream, p);
+      break;
+    case RecurrentKernel::kMmaDecodeTf32:
+      if constexpr (kMmaDecodeTf32Built)
+        return launch_recurrent(mma_decode_kernel<TState, TInput, K, V, true>,
                                 head_grid(p, V / MmaDecodeTile<K, V>::kCtaCols), MmaDecodeTile<K, V>::kWarps * 32,
                                 choice.prefetch, stream, p);
       break;

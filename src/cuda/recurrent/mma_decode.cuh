@@ -16,9 +16,12 @@
 // k or q. The accumulator then gives lane 4 r: S[:, v0+r] . k, . q, S[:, v0+r+8] . k, . q.
 // The update is the warp kernel's, per value and in fp32 (S_new = exp(g) S + k (u rk), rounded once to the pool's
 // dtype), so the pool's new values equal the warp kernel's up to the u that the sums' order changes.
-// fp16 state with bf16 inputs: the mma takes fp16 operands, so k and q enter the B fragment as fp16 after a power of
-// two 2^-s that brings their norm under 1 (bf16's 8 significant bits fit fp16's 11: exact, down to components
-// 2^-15 of the norm), and the sums are scaled back by 2^s.
+// fp16 state with bf16 inputs: an mma takes both operands in one type. kTf32: both go to tf32 (fp16's 11 and bf16's
+// 8 significant bits fit its 11, and its exponent is fp32's): m16n8k8 steps, each lane's word w of chunk j (two k)
+// as the step's logical k columns c and c + 4, in two chains; 96 registers (at 80 ptxas spills and the calls run
+// slower), so 20 warps per SM. Otherwise k and q enter the B fragment as fp16 after a power of two 2^-s that brings
+// their norm under 1 (bf16's 8 significant bits fit fp16's 11: exact, down to components 2^-15 of the norm), the sums
+// scaled back by 2^s, at 24 warps per SM: the heuristics take it where the tf32 grid does not fit twice.
 // Everything else (PDL, prefetch mode, padding and out-of-range rows, GVA, norms) follows the warp kernel and
 // shares its helpers (row.cuh, token.cuh); the gates use the SFU forms (dtype.cuh, fused_decay_fast: the outputs
 // and the state are 16-bit here).
@@ -59,13 +62,6 @@ __device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 
-// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0; 113 for
-// an overflowed norm: components up to bf16's largest stay in fp16's range).
-__device__ __forceinline__ int norm_exponent(float nn) {
-  const int e = int((__float_as_uint(nn) >> 23) & 0xffu) - 127;  // nn in [2^e, 2^(e+1))
-  return e == 128 ? 113 : nn > 0.0f ? (e + 1) / 2 + 1 : 0;
-}
-
 // Two packed 16-bit values (the lower in the low half) as fp32; bf16 by a shift and a mask, one instruction each
 // (mma_sync.cuh unpack2's __bfloat1622float2 costs this kernel ~140 instructions more).
 template <class T>
@@ -77,14 +73,22 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t w) {
   }
 }
 
-// 24 warps per SM (80 registers, no spills; at 72 registers ptxas spills and the calls run slower).
-template <class TState, class TInput, int K, int V>
-__global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDecodeTile<K, V>::kWarps)
+// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0; 113 for
+// an overflowed norm: components up to bf16's largest stay in fp16's range).
+__device__ __forceinline__ int norm_exponent(float nn) {
+  const int e = int((__float_as_uint(nn) >> 23) & 0xffu) - 127;  // nn in [2^e, 2^(e+1))
+  return e == 128 ? 113 : nn > 0.0f ? (e + 1) / 2 + 1 : 0;
+}
+
+// 24 warps per SM (80 registers, no spills; at 72 registers ptxas spills and the calls run slower); kTf32 20.
+template <class TState, class TInput, int K, int V, bool kTf32 = false>
+__global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, (kTf32 ? 20 : 24) / MmaDecodeTile<K, V>::kWarps)
     mma_decode_kernel(const RecurrentParams p, const bool prefetch) {
   static_assert(std::is_same_v<TState, TInput> ||
                     (std::is_same_v<TState, __half> && std::is_same_v<TInput, __nv_bfloat16>),
                 "mma decode: bf16 state with bf16 inputs, fp16 state with fp16 or bf16 inputs");
   constexpr bool kConvertInputs = !std::is_same_v<TState, TInput>;
+  static_assert(!kTf32 || kConvertInputs, "mma decode on tf32: fp16 state with bf16 inputs");
   using Tile = MmaDecodeTile<K, V>;
   constexpr int kCols = Tile::kCols, kChunks = Tile::kChunks, kSteps = Tile::kSteps;
   constexpr int kColCtas = V / Tile::kCtaCols;
@@ -165,7 +169,7 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
 
   // bf16 k, q into an fp16 B fragment: times 2^-s of their own norm (lanes 0-3 k, 4-7 q), the sums times 2^s.
   float back_k = 1.0f, back_q = 1.0f;
-  if constexpr (kConvertInputs) {
+  if constexpr (kConvertInputs && !kTf32) {
     const int sk = norm_exponent(kk), sq = norm_exponent(qq);
     const float down = ldexpf(1.0f, r == 0 ? -sk : -sq);
 #pragma unroll
@@ -183,13 +187,29 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, 24 / MmaDeco
 
   // S^T [k q]: lane 4 r ends with d = (S[:, v0+r] . k, . q, S[:, v0+r+8] . k, . q).
   float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if constexpr (kTf32) {
+    float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // the odd steps: two chains of dependent mma
 #pragma unroll
-  for (int t = 0; t < kSteps; ++t) {
-    const int j = t / 2, w = 2 * (t % 2);
-    const uint32_t a[4] = {word_of(s[0][j], w), word_of(s[1][j], w), word_of(s[0][j], w + 1), word_of(s[1][j], w + 1)};
-    mma<TState>(d, a, word_of(bf[j], w), word_of(bf[j], w + 1));
+    for (int t = 0; t < 2 * kSteps; ++t) {
+      const int j = t / 4, w = t % 4;
+      const float2 lo = unpack_pair<TState>(word_of(s[0][j], w)), hi = unpack_pair<TState>(word_of(s[1][j], w));
+      const float2 kq2 = unpack_pair<TInput>(word_of(bf[j], w));
+      const uint32_t a[4] = {__float_as_uint(lo.x), __float_as_uint(hi.x), __float_as_uint(lo.y), __float_as_uint(hi.y)};
+      if (t % 2) mma_tf32(e, a, __float_as_uint(kq2.x), __float_as_uint(kq2.y));
+      else mma_tf32(d, a, __float_as_uint(kq2.x), __float_as_uint(kq2.y));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] += e[i];
+  } else {
+#pragma unroll
+    for (int t = 0; t < kSteps; ++t) {
+      const int j = t / 2, w = 2 * (t % 2);
+      const uint32_t a[4] = {word_of(s[0][j], w), word_of(s[1][j], w), word_of(s[0][j], w + 1),
+                             word_of(s[1][j], w + 1)};
+      mma<TState>(d, a, word_of(bf[j], w), word_of(bf[j], w + 1));
+    }
   }
-  if constexpr (kConvertInputs) d[0] *= back_k, d[2] *= back_k, d[1] *= back_q, d[3] *= back_q;
+  if constexpr (kConvertInputs && !kTf32) d[0] *= back_k, d[2] *= back_k, d[1] *= back_q, d[3] *= back_q;
   const float u_lo = beta * (to_float(v_lo) - decay * (d[0] * rk));
   const float u_hi = beta * (to_float(v_hi) - decay * (d[2] * rk));
   if (c == 0) {
