@@ -93,6 +93,9 @@ TEST(RecurrentHeuristics, Bf16DecodeBySize) {
     EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, B)), RecurrentKernel::kMmaDecodeTf32);
     EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kFloat16, B)), RecurrentKernel::kMmaDecode);
   }
+  Overrides no_tf32;
+  no_tf32.decode_mma_tf32 = false;
+  EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 1), no_tf32), RecurrentKernel::kMmaDecode);
   Overrides no_mma;
   no_mma.decode_mma = false;
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 1), no_mma), RecurrentKernel::kWarpRegular);

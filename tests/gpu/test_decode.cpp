@@ -215,15 +215,20 @@ INSTANTIATE_TEST_SUITE_P(Sanitize, DecodeTest, ::testing::ValuesIn(sanitize_case
                          [](const auto& info) { return info.param.name; });
 
 // fp16 pools with bf16 q and k far past fp16's range (x 2^20) or far below its normal range (x 2^-20), on both forms
-// of the tensor-core kernel (mma_decode.cuh): tf32 steps (B = 1, 4; K = 64 also 6) take them as they are; the fp16
-// steps (K = 128 B = 6, K = 64 B = 12) scale them by a power of two of their norm before rounding them to fp16 (without
-// it they would round to infinity, or to fp16's subnormals and zero); K = 128 B = 12 runs the warp kernel.
+// of the tensor-core kernel (mma_decode.cuh): its tf32 steps take them as they are; its fp16 steps (the override
+// decode_mma_tf32 off) scale them by a power of two of their norm before rounding them to fp16 (without it they would
+// round to infinity, or to fp16's subnormals and zero). Larger batches run the warp kernel.
 TEST(DecodeGpu, Fp16PoolBf16InputsPastFp16Range) {
   int seed = 450;
+  for (bool tf32 : {true, false})
   for (int scale : {20, -20})
   for (int K : {64, 128})
-    for (int batch : {1, 4, 6, 12}) {
-      SCOPED_TRACE("K=" + std::to_string(K) + " B=" + std::to_string(batch) + " x 2^" + std::to_string(scale));
+    for (int batch : {1, 4, 12}) {
+      SCOPED_TRACE(std::string(tf32 ? "tf32" : "fp16") + " K=" + std::to_string(K) + " B=" + std::to_string(batch) +
+                   " x 2^" + std::to_string(scale));
+      cuda::Overrides o;
+      o.decode_mma_tf32 = tf32;
+      const cuda::ScopedOverrides scoped(o);
       ProblemConfig c;
       c.op = OpKind::kDecode;
       c.batch = batch, c.padding_rows = batch >= 2 ? 1 : 0;

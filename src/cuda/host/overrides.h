@@ -14,14 +14,15 @@ struct Overrides {
   int decode_narrow_max_batch = -1;  // largest batch on the narrow tile (0: never)
   int decode_solo_min_batch = -1;   // smallest batch of K-last decode on one-warp CTAs (0: never)
   bool decode_mma = true;           // the tensor-core bf16 decode kernel where the heuristic takes it
+  bool decode_mma_tf32 = true;      // ... its tf32 steps for fp16 pools with bf16 inputs (false: its fp16 steps)
   int decode_fp8_columns = 0;       // columns per warp of the fp8 decode kernel: 8, 16 or 32 (0: the heuristic)
   int decode_vlast_fp8_columns = 0;  // columns per CTA of V-last fp8 decode: 64 or 128 (0: the heuristic)
   int verify_fp8_chain_min_batch = -1;  // smallest batch of verify of chains on float8_e4m3 pools on the fp8 chain
                                         // kernel, where it is built (0: never)
   // Prefill choice; -1 / 0: the heuristic.
   int prefill_short_max_len = -1;   // longest sequence on the short-sequence path (0: off)
-  int prefill_m_warpgroup = -1;     // the prep warpgroup: 0 off, 1 forming M wherever it can run, 2 forming all of
-                                    // the chunk prep (no chunk prep kernel) where it can
+  int prefill_m_warpgroup = -1;     // the prep warpgroup: 0 off, 1 forming M wherever it can run, 2 forming the
+                                    // chunk prep but M (no chunk prep kernel; the state warpgroups form M) where it can
   int prefill_vtile = 0;            // state pass value tile: kVTileHead, kVTileHeadWarp, 16, 32 or 64
   int prefill_head_split = 0;       // head pass CTAs per (sequence, value head): 1 or 2
   int prefill_stages = 3;           // kernels a call launches: 1 chunk prep, 2 state pass, 3 both (timing)

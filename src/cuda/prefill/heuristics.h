@@ -55,8 +55,8 @@ struct PrefillChoice {
   bool wgmma_pass = false;    // the head pass's wgmma build (TMA loads)
   bool m_warpgroup = false;   // a third warpgroup forms M and the factor rows beside two state warpgroups
   bool m_in_pass = false;     // the chunk prep leaves M to the state pass (its state or third warpgroup)
-  // ... that third warpgroup forms all of the chunk prep (k k^T, A, T', M, the factors) in each stage: the gates
-  // alone run before the pass (gate_prep_kernel), no chunk prep kernel
+  // ... that third warpgroup forms the chunk prep but M (k k^T, A, T', the factors; the state warpgroups form M) in
+  // each stage: the gates alone run before the pass (gate_prep_kernel), no chunk prep kernel
   bool fused_prep = false;
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep
   // ... and waits for each chunk's flag (the chunk prep counts its q/k heads) instead of the prep's grid: the head

@@ -32,7 +32,7 @@ constexpr int kThreads = 128;  // 4 warps per CTA in both kernels
 // and scales o's rows by it, so kDecayRq is e^gcum alone and M is formed without rq. Beside a prep warpgroup for M
 // (Plan::m_warpgroup, m_in_pass set too) the chunk prep writes kLog2Gcum and kInvNormK alone (the block keeps its 6 rows),
 // and the warpgroup forms kDecayRk, kDecayRq (with rq), kTailDecayRk and kChunkDecay in the stage.
-// Beside a prep warpgroup that forms the whole prep (Plan::fused_prep) the gate kernel writes kLog2Gcum and, in
+// Beside a prep warpgroup that forms the prep but M (Plan::fused_prep) the gate kernel writes kLog2Gcum and, in
 // kInvNormK's place, kBeta: the gates' beta (the warpgroup takes the norms from the staged rows).
 enum FactorRow {
   kDecayRk = 0, kDecayRq = 1, kTailDecayRk = 2, kChunkDecay = 3, kLog2Gcum = 4, kInvNormK = 5, kBeta = 5
@@ -62,8 +62,8 @@ struct Plan {
   // ... with a third warpgroup beside the two state warpgroups (prep_warpgroup.cuh; K a multiple of 64) that forms
   // M, rq and the factor rows in each chunk's stage (the chunk prep kernel runs without M: m_in_pass is set too).
   bool m_warpgroup = false;
-  // ... forming the whole chunk prep in each stage (gate_prep_kernel writes the gates alone; no chunk prep kernel, no
-  // T' or M in the workspace)
+  // ... forming the chunk prep but M in each stage, the state warpgroups M (gate_prep_kernel writes the gates alone;
+  // no chunk prep kernel, no T' or M in the workspace)
   bool fused_prep = false;
   bool early_state_pass = false;  // the state pass launches with PDL behind the chunk prep (or the gate kernel)
   // Chunk prep CTAs per (chunk slot, q/k head) (PrefillChoice::prep_parts): CTA (slot H + hk) prep_parts + part takes

@@ -17,6 +17,7 @@
 // chunks' as above.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/arch/tma.cuh"
@@ -239,8 +240,11 @@ struct FusedPrepSmem {
   float a[kChunk * kSolveLd];
   float rk[kHeadStages<true>][kChunk], rq[kHeadStages<true>][kChunk];
 };
+// the state warpgroups read a stage's rq at rk[0] + (kStages + stage) kChunk (head_chunk.cuh form_m)
+static_assert(offsetof(FusedPrepSmem, rq) == offsetof(FusedPrepSmem, rk) + sizeof(FusedPrepSmem::rk),
+              "FusedPrepSmem: rq right after rk");
 
-// The fused prep (Plan::fused_prep): the whole chunk prep of each stage, after the gate kernel wrote kLog2Gcum and
+// The fused prep (Plan::fused_prep): the chunk prep of each stage but M, after the gate kernel wrote kLog2Gcum and
 // kBeta (they arrive with the rows by TMA) and the producer's norm threads rk and rq (norms[c % kStages], 64 arrivals):
 // k k^T on wgmma; A[i][j] = beta_i rk_i rk_j exp(gcum_i - gcum_j) (k_i . k_j), j < i (the row factor in the exponent as
 // a log2, as the chunk prep without M) to shared memory; T = (I + A)^-1 solved and T' = T diag(beta) stored to the
@@ -302,8 +306,9 @@ __device__ __forceinline__ void fused_prep_warpgroup(FusedPrepSmem& ps, Stage* s
 // The fused prep's norms: thread j < 64 of the producer's last two warps forms token j's rk = 1 / |k_j| and
 // rq = scale / |q_j| (without the L2 norm 1 and the scale) of every chunk from its staged rows, once they landed, to
 // the stage's slot of ps (0 at or past the chunk's end, whose rows the prep warpgroup zeroes meanwhile), then arrives
-// on norms[c % kStages]. The prep warpgroup reads them before it releases the stage (its `done`), so a slot is written
-// again only after they were read.
+// on norms[c % kStages]. The prep warpgroup and the state warpgroups (M) read them before the stage is released, and
+// the stage's next chunk (whose full[] these threads wait on) is loaded only after that release, so a slot is written
+// again only after every read.
 template <int K, class Op, int kStages, class Stage>
 __device__ __forceinline__ void producer_norms(const PrefillParams& p, const Plan& plan, FusedPrepSmem& ps,
                                                Stage* stage, uint64_t* full, uint64_t* norms, int64_t len, int j) {

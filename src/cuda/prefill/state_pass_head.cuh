@@ -108,7 +108,8 @@ __device__ __forceinline__ void init_stage_barriers(int tid, uint64_t* bars, uin
 }
 
 // Until chunk c's inputs are in stage b (with a prep warpgroup: the rows, zeroed past a partial chunk's end, T', M
-// and the factors) and, without one, every state warp is done with chunk c - 1's stage.
+// (beside the fused prep: the norms, M being the state warpgroups') and the factors) and, without one, every state
+// warp is done with chunk c - 1's stage.
 template <class S>
 __device__ __forceinline__ void wait_for_stage(typename S::Stage& b, int64_t c, int L, int tid, uint64_t* bars,
                                                uint64_t* prep_bars) {

@@ -130,7 +130,7 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
   }
   // 16-bit decode on tensor cores where this grid and the next fit the GPU together (fp16 state with bf16 inputs: the
   // tf32 steps, with fewer warps per SM, where they fit so, else the inputs scaled to fp16).
-  if (mma_decode_tf32_built(c) && o.decode_mma && k.mma_decode_tf32.grid_ctas > 0 &&
+  if (mma_decode_tf32_built(c) && o.decode_mma && o.decode_mma_tf32 && k.mma_decode_tf32.grid_ctas > 0 &&
       2 * k.mma_decode_tf32.grid_ctas <= k.mma_decode_tf32.resident_ctas && prefetch_mode(k.mma_decode_tf32, 1, o))
     return take(K::kMmaDecodeTf32, k.mma_decode_tf32);
   if (mma_decode_built(c) && o.decode_mma && k.mma_decode.grid_ctas > 0 &&
