@@ -66,8 +66,8 @@ constexpr int kMFormedBarrier = 9;
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
 // wgmma build; kMWarpgroup a prep and a producer warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode
 // 0 whole sequences, 1 the context-parallel local pass, 2 its final pass (context_parallel.cuh); kFusedPrep the prep
-// warpgroup forms the chunk prep but M, which the state warpgroups form (Plan::fused_prep); kPersistent one CTA per SM taking (sequence, value head)
-// items in turn (Plan::pass_ticket; state_pass_head.cuh head_pass_persistent_cta).
+// warpgroup forms the chunk prep but M, which the state warpgroups form (Plan::fused_prep); kPersistent one CTA per SM
+// taking (sequence, value head) items in turn (Plan::pass_ticket; state_pass_head.cuh head_pass_persistent_cta).
 template <int K_, int V_, int kSplit_, class Op_, bool kWgmma_, bool kMWarpgroup_, int kCpMode_ = 0,
           bool kFusedPrep_ = false, bool kPersistent_ = false>
 struct HeadPass {
@@ -88,8 +88,8 @@ struct HeadPass {
   static constexpr int kCtaThreads = kThr + (kMWarpgroup ? 2 * 128 : kLoadWarp ? 32 : 0);
   static_assert(!kWgmma || kCols % 64 == 0, "the wgmma build needs whole warpgroups of 64 value columns");
   static_assert(!kMWarpgroup || (kWgmma && kCols == 128), "the prep warpgroup: beside two state warpgroups");
-  // M formed by the state warpgroups, not read from the stage (with a prep warpgroup forming M, that warpgroup forms it;
-  // beside the fused prep they do: kFormsM)
+  // M formed by the state warpgroups, not read from the stage (with a prep warpgroup forming M, that warpgroup forms
+  // it; beside the fused prep they do: kFormsM)
   static constexpr bool kMInPass = !kMWarpgroup && head_pass_forms_m(kWgmma, kCols);
   // The pass writes o: every build but the context-parallel local pass, which keeps only the segment's end state and
   // so reads no q and forms neither M nor o (kFormsM: the state warpgroups form M in this build; beside the fused

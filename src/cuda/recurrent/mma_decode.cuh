@@ -62,6 +62,13 @@ __device__ __forceinline__ uint32_t word_of(const uint4& x, int i) {
   return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
 }
 
+// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0; 113 for
+// an overflowed norm: components up to bf16's largest stay in fp16's range).
+__device__ __forceinline__ int norm_exponent(float nn) {
+  const int e = int((__float_as_uint(nn) >> 23) & 0xffu) - 127;  // nn in [2^e, 2^(e+1))
+  return e == 128 ? 113 : nn > 0.0f ? (e + 1) / 2 + 1 : 0;
+}
+
 // Two packed 16-bit values (the lower in the low half) as fp32; bf16 by a shift and a mask, one instruction each
 // (mma_sync.cuh unpack2's __bfloat1622float2 costs this kernel ~140 instructions more).
 template <class T>
@@ -71,13 +78,6 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t w) {
   } else {
     return __half22float2(*reinterpret_cast<const __half2*>(&w));
   }
-}
-
-// The exponent s with 2^-s x below 1 for every component x of a vector whose squared norm is nn (0 for 0; 113 for
-// an overflowed norm: components up to bf16's largest stay in fp16's range).
-__device__ __forceinline__ int norm_exponent(float nn) {
-  const int e = int((__float_as_uint(nn) >> 23) & 0xffu) - 127;  // nn in [2^e, 2^(e+1))
-  return e == 128 ? 113 : nn > 0.0f ? (e + 1) / 2 + 1 : 0;
 }
 
 // 24 warps per SM (80 registers, no spills; at 72 registers ptxas spills and the calls run slower); kTf32 20.
@@ -194,7 +194,8 @@ __global__ void __launch_bounds__(MmaDecodeTile<K, V>::kWarps * 32, (kTf32 ? 20 
       const int j = t / 4, w = t % 4;
       const float2 lo = unpack_pair<TState>(word_of(s[0][j], w)), hi = unpack_pair<TState>(word_of(s[1][j], w));
       const float2 kq2 = unpack_pair<TInput>(word_of(bf[j], w));
-      const uint32_t a[4] = {__float_as_uint(lo.x), __float_as_uint(hi.x), __float_as_uint(lo.y), __float_as_uint(hi.y)};
+      const uint32_t a[4] = {__float_as_uint(lo.x), __float_as_uint(hi.x), __float_as_uint(lo.y),
+                             __float_as_uint(hi.y)};
       if (t % 2) mma_tf32(e, a, __float_as_uint(kq2.x), __float_as_uint(kq2.y));
       else mma_tf32(d, a, __float_as_uint(kq2.x), __float_as_uint(kq2.y));
     }
