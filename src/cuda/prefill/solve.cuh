@@ -190,24 +190,38 @@ __device__ __forceinline__ void solve_sync() {
     asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
 }
 
+// Block (ib, jb) of T' = T diag(beta) (c: T's 16 x 16 block as C fragments of two n8 tiles, fp32) to the causal image
+// `out` by one stmatrix, rows at or past L zero; zero: the block of zeros (the image's blocks above the diagonal).
+template <class Op, bool kZero = false>
+__device__ __forceinline__ void store_t_image_block(Op* out, const float (&c)[2][4], int ib, int jb, const float* beta,
+                                                    int L, int lane) {
+  const int r = lane >> 2, q2 = (lane & 3) * 2;
+  uint32_t f[4] = {0u, 0u, 0u, 0u};
+  if constexpr (!kZero) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const float2 bv = *reinterpret_cast<const float2*>(&beta[jb * 16 + 8 * t + q2]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool live = ib * 16 + r + 8 * h < L;
+        f[2 * t + h] = pack2<Op>(live ? c[t][2 * h] * bv.x : 0.0f, live ? c[t][2 * h + 1] * bv.y : 0.0f);
+      }
+    }
+  }
+  stmatrix_x4(smem_addr(out + causal_image_offset(ib * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, jb * 16 + (lane >> 4) * 8)),
+              f);
+}
+
 // The doubling solve's levels (invert_and_store_t with kDoubling), after every warp's T_ii and its image (t_a: this
 // warp's T_ii as an fp16 A fragment): the 32 x 32 diagonal blocks' lower-left blocks T_10 = -(T_11 A_10) T_00 on warp 1
 // and T_32 = -(T_33 A_32) T_22 on warp 3; then warp w forms block (2 + w / 2, w % 2) of the lower-left quarter
 // T_[23][01] = -T_[23] A_[23][01] T_[01] as -sum_m Q_rm T_mc with Q_rm = sum_s T_rs A_sm, forming the Q it needs
-// itself. Products on fp16 operands (A by solve_a16, T by its images), fp32 accumulation; each block of T goes to Af in
-// fp32 (over A's, once no warp reads that A) and, where a later level reads it, to its image.
-template <int kBarrier>
-__device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)[4], int warp, int lane) {
-  const int r = lane >> 2, q2 = (lane & 3) * 2;
-  // -c to block (ib, jb) in fp32 (each level's product is the block's negative)
-  const auto store_negated = [&](const float (&c)[2][4], int ib, int jb) {
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(Af + solve_at(ib * 16, r + 8 * h, jb * 16 + 8 * t + q2)) =
-            make_float2(-c[t][2 * h], -c[t][2 * h + 1]);
-  };
+// itself. Products on fp16 operands (A by solve_a16, T by its images), fp32 accumulation; each block of T goes from
+// the accumulators to T' in the causal image `out` (store_t_image_block) and, where a later level reads it, to its
+// fp16 image. No block of T is written over A, so the levels meet once.
+template <class Op, int kBarrier>
+__device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)[4], int warp, int lane,
+                                                const float* beta, int L, Op* out) {
   if (warp & 1) {  // level 32: T_hi,lo with hi = warp
     const int lo = warp - 1;
     float q[2][4] = {}, c[2][4] = {};
@@ -217,8 +231,6 @@ __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)
     ldmatrix_x4_trans(tb, t_image(Af, lo, lane));  // T_lo as B
     mma<__half>(c[0], qa, tb[0], tb[1]);
     mma<__half>(c[1], qa, tb[2], tb[3]);
-    __syncwarp();  // this warp's reads of A_hi,lo (no other warp reads it) before T_hi,lo replaces it
-    store_negated(c, warp, lo);
 #pragma unroll
     for (int t = 0; t < 2; ++t)
 #pragma unroll
@@ -226,6 +238,7 @@ __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)
     uint32_t ta[4];
     c_to_a_half(c, ta);
     stmatrix_x4(t_image(Af, warp == 1 ? 4 : 5, lane), ta);
+    store_t_image_block<Op>(out, c, warp, lo, beta, L, lane);
   }
   solve_sync<kBarrier>();  // T_10, T_32 and their images
   const int rr = 2 + (warp >> 1), cc = warp & 1;
@@ -245,8 +258,11 @@ __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)
     mma<__half>(res[0], qa, tb[0], tb[1]);
     mma<__half>(res[1], qa, tb[2], tb[3]);
   }
-  solve_sync<kBarrier>();  // every read of A's rows 32..63
-  store_negated(res, rr, cc);
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) res[t][e] = -res[t][e];
+  store_t_image_block<Op>(out, res, rr, cc, beta, L, lane);
 }
 
 // T = (I + A)^{-1} of Af ([64][kSolveLd] fp32: A's blocks on and below the diagonal as the caller wrote them, strictly
@@ -255,8 +271,9 @@ __device__ __forceinline__ void doubling_levels(float* Af, const uint32_t (&t_a)
 // past L are written as zero. Called by 4 warps (kThreads threads): the chunk prep's CTA, meeting on __syncthreads
 // (kBarrier 0), or the head pass's prep warpgroup, threads kTid0 .. kTid0 + 127 meeting on named barrier kBarrier. On
 // return this thread's part of T' is stored; Af may be overwritten after the next barrier of the 4 warps. kDoubling
-// (the fused prep): A's blocks left of the diagonal are fp16 (solve_a16), and after the diagonal blocks T is formed by
-// doubling (doubling_levels) instead of phase 1's W' and phase 2.
+// (the fused prep): A's blocks left of the diagonal are fp16 (solve_a16), after the diagonal blocks T is formed by
+// doubling (doubling_levels) instead of phase 1's W' and phase 2, and each block of T' leaves for the causal image
+// (`image` is not read) from the warp that formed it, so that no barrier waits for a pass over T in shared memory.
 template <class Op, int kBarrier = 0, int kTid0 = 0, bool kDoubling = false>
 __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta, int L, Op* out, bool image, int warp,
                                                    int lane) {
@@ -273,8 +290,8 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
   // So the warps meet twice, and phase 2's B operands are fp16 fragments formed once, not fp32 blocks converted for
   // each product. The block products run on tensor cores with fp16 operands and fp32 accumulation (mma.cuh). A's
   // rows at or past L are zero (beta_i = 0 there), so T's are e_i^T, and T' rows there are 0 whatever is selected;
-  // they are selected away all the same. With kDoubling, phase 1 stops at T_ii, doubling_levels replaces its W' and
-  // phase 2, and the warps meet four times.
+  // they are selected away all the same. With kDoubling, phase 1 stops at T_ii (to T' from the warp's fp32 X1, X2 and
+  // accumulators Y), doubling_levels replaces its W', phase 2 and phase 3, and the warps meet twice.
   const int b0 = warp * 16;
   {
     // X1 (lanes 0..7) and X2 (lanes 8..15) column by column; lanes 16..31 repeat lanes 0..15
@@ -314,15 +331,23 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
     mma<__half>(w, neg_x2, bx[0], bx[1]);
     const uint32_t w_lower_left[4] = {0u, pack2<__half>(w[2], w[3]), 0u, 0u};
     mma<__half>(y, w_lower_left, bx[0], bx[1]);
-    __syncwarp();  // every lane has read A21
-    *reinterpret_cast<float2*>(Tf + solve_at(b0 + 8, r, b0 + q2)) = make_float2(y[2], y[3]);
-    t_a[1] = pack2<__half>(y[2], y[3]);  // T_ii's lower-left quarter
     if constexpr (kDoubling) {
+      t_a[1] = pack2<__half>(y[2], y[3]);  // T_ii's lower-left quarter
       stmatrix_x4(t_image(Af, warp, lane), t_a);  // T_ii's fp16 image
+      // T_ii to T' in fp32: X1 and X2 as the substitution stored them, Y from the accumulator
+      const float2 x1 = *reinterpret_cast<const float2*>(Tf + solve_at(b0, r, b0 + q2));
+      const float2 x2 = *reinterpret_cast<const float2*>(Tf + solve_at(b0, 8 + r, b0 + 8 + q2));
+      const float tii[2][4] = {{x1.x, x1.y, y[2], y[3]}, {0.0f, 0.0f, x2.x, x2.y}};
+      store_t_image_block<Op>(out, tii, warp, warp, beta, L, lane);
+      if (!(warp & 1)) store_t_image_block<Op, true>(out, tii, warp, warp + 1, beta, L, lane);  // (0, 1), (2, 3)
       __syncwarp();
       solve_sync<kBarrier>();  // every T_ii and its image
-      doubling_levels<kBarrier>(Af, t_a, warp, lane);
+      doubling_levels<Op, kBarrier>(Af, t_a, warp, lane, beta, L, out);
+      return;
     } else {
+      __syncwarp();  // every lane has read A21
+      *reinterpret_cast<float2*>(Tf + solve_at(b0 + 8, r, b0 + q2)) = make_float2(y[2], y[3]);
+      t_a[1] = pack2<__half>(y[2], y[3]);  // T_ii's lower-left quarter
       // -T_ii as the A operand: W'_ik = -T_ii A_ik.
 #pragma unroll
       for (int i = 0; i < 4; ++i) t_a[i] ^= 0x80008000u;
