@@ -323,16 +323,37 @@ struct HeadStateWarps {
       gi[half] = b.sc[kLog2Gcum * kChunk + mrow + 8 * half];
       fi[half] = S::kFusedPrep ? s_rq[(kStages + c % kStages) * kChunk + mrow + 8 * half] : 1.0f;
     }
+    // Beside the fused prep, where the warp's 16 rows span less than 2^64 of decay: exp2(gi - gj) as a row factor
+    // exp2(gi - g0) (<= 1) times a column factor exp2(g0 - gj) (< 2^64 for j <= i), g0 the warp's first row's, so
+    // that an element takes two multiplies and no exponential.
+    const int i0 = mrow - at.r;
+    const float g0 = b.sc[kLog2Gcum * kChunk + i0];
+    if (S::kFusedPrep && g0 - b.sc[kLog2Gcum * kChunk + i0 + 15] < 64.0f) {
+      const float fr[2] = {fi[0] * exp2_approx(gi[0] - g0), fi[1] * exp2_approx(gi[1] - g0)};
 #pragma unroll
-    for (int nt = 0; nt < kMCols / 8; ++nt) {
-      const int j = mj0 + nt * 8 + at.q2;
-      const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kLog2Gcum * kChunk + j]);
-      const float2 kj = *reinterpret_cast<const float2*>(&rks[j]);
+      for (int nt = 0; nt < kMCols / 8; ++nt) {
+        const int j = mj0 + nt * 8 + at.q2;
+        const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kLog2Gcum * kChunk + j]);
+        const float2 kj = *reinterpret_cast<const float2*>(&rks[j]);
+        const float fc[2] = {kj.x * exp2_approx(g0 - gj.x), kj.y * exp2_approx(g0 - gj.y)};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
-        const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
-        mk[nt][e] = jj <= i ? mk[nt][e] * (S::kFusedPrep ? d * fi[e >> 1] : d) : 0.0f;
+        for (int e = 0; e < 4; ++e) {
+          const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
+          mk[nt][e] = jj <= i ? mk[nt][e] * fr[e >> 1] * fc[e & 1] : 0.0f;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < kMCols / 8; ++nt) {
+        const int j = mj0 + nt * 8 + at.q2;
+        const float2 gj = *reinterpret_cast<const float2*>(&b.sc[kLog2Gcum * kChunk + j]);
+        const float2 kj = *reinterpret_cast<const float2*>(&rks[j]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = mrow + 8 * (e >> 1), jj = j + (e & 1);
+          const float d = exp2_approx(gi[e >> 1] - (e & 1 ? gj.y : gj.x)) * (e & 1 ? kj.y : kj.x);
+          mk[nt][e] = jj <= i ? mk[nt][e] * (S::kFusedPrep ? d * fi[e >> 1] : d) : 0.0f;
+        }
       }
     }
 #pragma unroll
