@@ -233,9 +233,9 @@ __device__ __forceinline__ void store_a_rows(float* a_s, const float (&acc)[8][4
   }
 }
 
-// The prep warpgroup's shared memory in the fused prep (kFusedPrep): A (its blocks left of the diagonal in fp16), then
-// T in place (solve.cuh), and per stage the chunk's rk and rq, which the producer warpgroup's norm threads form from
-// the staged rows (producer_norms).
+// The prep warpgroup's shared memory in the fused prep (kFusedPrep): A (its blocks left of the diagonal in fp16; the
+// solve's fp16 images of T's blocks in the free blocks above the diagonal, solve.cuh), and per stage the chunk's rk and
+// rq, which the producer warpgroup's norm threads form from the staged rows (producer_norms).
 struct FusedPrepSmem {
   float a[kChunk * kSolveLd];
   float rk[kHeadStages<true>][kChunk], rq[kHeadStages<true>][kChunk];

@@ -4,7 +4,7 @@
 //   the gate inputs of a value head loaded by warp 0 as raw bits, then gcum and beta (store_gates);
 //   the per-token factor rows (store_token_factors);
 //   T = (I + A)^{-1} of the strictly lower A (in shared memory; T in fp32 over it) and T' = T diag(beta) stored in
-//   the operand dtype (invert_and_store_t; the fused prep's by doubling, doubling_levels).
+//   the operand dtype (invert_and_store_t; the fused prep's by doubling, doubling_levels, T' from the accumulators).
 #pragma once
 
 #include <cstdint>
