@@ -325,7 +325,8 @@ struct HeadStateWarps {
     }
     // Beside the fused prep, where the warp's 16 rows span less than 2^64 of decay: exp2(gi - gj) as a row factor
     // exp2(gi - g0) (<= 1) times a column factor exp2(g0 - gj) (< 2^64 for j <= i), g0 the warp's first row's, so
-    // that an element takes two multiplies and no exponential.
+    // that an element takes two multiplies and no exponential. (The two loops written out: as one template of the
+    // factored flag, ptxas spills twice as much in the state warpgroups.)
     const int i0 = mrow - at.r;
     const float g0 = b.sc[kLog2Gcum * kChunk + i0];
     if (S::kFusedPrep && g0 - b.sc[kLog2Gcum * kChunk + i0 + 15] < 64.0f) {

@@ -190,26 +190,28 @@ __device__ __forceinline__ void solve_sync() {
     asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrier), "n"(kThreads) : "memory");
 }
 
+// This lane's stmatrix row address of the 16 x 16 block (ib, jb) of the causal image `out`.
+template <class Op>
+__device__ __forceinline__ uint32_t t_image_block(Op* out, int ib, int jb, int lane) {
+  return smem_addr(out + causal_image_offset(ib * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, jb * 16 + (lane >> 4) * 8));
+}
 // Block (ib, jb) of T' = T diag(beta) (c: T's 16 x 16 block as C fragments of two n8 tiles, fp32) to the causal image
-// `out` by one stmatrix, rows at or past L zero; zero: the block of zeros (the image's blocks above the diagonal).
-template <class Op, bool kZero = false>
+// `out` by one stmatrix, rows at or past L zero.
+template <class Op>
 __device__ __forceinline__ void store_t_image_block(Op* out, const float (&c)[2][4], int ib, int jb, const float* beta,
                                                     int L, int lane) {
   const int r = lane >> 2, q2 = (lane & 3) * 2;
-  uint32_t f[4] = {0u, 0u, 0u, 0u};
-  if constexpr (!kZero) {
+  uint32_t f[4];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const float2 bv = *reinterpret_cast<const float2*>(&beta[jb * 16 + 8 * t + q2]);
+  for (int t = 0; t < 2; ++t) {
+    const float2 bv = *reinterpret_cast<const float2*>(&beta[jb * 16 + 8 * t + q2]);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const bool live = ib * 16 + r + 8 * h < L;
-        f[2 * t + h] = pack2<Op>(live ? c[t][2 * h] * bv.x : 0.0f, live ? c[t][2 * h + 1] * bv.y : 0.0f);
-      }
+    for (int h = 0; h < 2; ++h) {
+      const bool live = ib * 16 + r + 8 * h < L;
+      f[2 * t + h] = pack2<Op>(live ? c[t][2 * h] * bv.x : 0.0f, live ? c[t][2 * h + 1] * bv.y : 0.0f);
     }
   }
-  stmatrix_x4(smem_addr(out + causal_image_offset(ib * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, jb * 16 + (lane >> 4) * 8)),
-              f);
+  stmatrix_x4(t_image_block(out, ib, jb, lane), f);
 }
 
 // The doubling solve's levels (invert_and_store_t with kDoubling), after every warp's T_ii and its image (t_a: this
@@ -339,7 +341,7 @@ __device__ __forceinline__ void invert_and_store_t(float* Af, const float* beta,
       const float2 x2 = *reinterpret_cast<const float2*>(Tf + solve_at(b0, 8 + r, b0 + 8 + q2));
       const float tii[2][4] = {{x1.x, x1.y, y[2], y[3]}, {0.0f, 0.0f, x2.x, x2.y}};
       store_t_image_block<Op>(out, tii, warp, warp, beta, L, lane);
-      if (!(warp & 1)) store_t_image_block<Op, true>(out, tii, warp, warp + 1, beta, L, lane);  // (0, 1), (2, 3)
+      if (!(warp & 1)) stmatrix_x4(t_image_block(out, warp, warp + 1, lane), {0u, 0u, 0u, 0u});  // (0, 1), (2, 3)
       __syncwarp();
       solve_sync<kBarrier>();  // every T_ii and its image
       doubling_levels<Op, kBarrier>(Af, t_a, warp, lane, beta, L, out);
