@@ -36,6 +36,7 @@ Candidates h100_candidates(int64_t B) {
   c.mma_decode_tf32 = {32 * 2 * B, 5 * kSms};  // 20 warps per SM
   c.chain_mma = {32 * 4 * B, 8 * kSms};
   c.fp8_chain = {32 * 2 * B, 3 * kSms};    // 2 CTAs per head, 12 warps per SM
+  c.fp8_chain_mma = {32 * 2 * B, 3 * kSms};
   return c;
 }
 
@@ -193,10 +194,17 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
   c.num_draft_tokens = 4;
   c.caches_states = true, c.cache_dtype = DType::kFloat8E4M3;
   EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8Chain);
-  c.caches_states = false;  // no cache
-  EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8Chain);
+  c.caches_states = false;  // no cache: its tensor-core form, unless asked
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8ChainMma);
+  Overrides cuda_cores;
+  cuda_cores.verify_fp8_chain_mma = false;
+  EXPECT_EQ(kernel_at(c, cuda_cores), RecurrentKernel::kFp8Chain);
+  Candidates unknown = h100_candidates(c.batch);  // no fit measured for the tensor-core form
+  unknown.fp8_chain_mma = {};
+  EXPECT_EQ(recurrent::choose_recurrent_kernel(c, unknown, Overrides{}).kernel, RecurrentKernel::kFp8Chain);
   c.input_dtype = DType::kFloat16;
-  EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8Chain);
+  EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8ChainMma);
+  c.caches_states = true;
   // The warp kernel: other caches, trees, fp32 inputs, K = 256, V-last, other ops, or where asked.
   RecurrentCall other = c;
   other.caches_states = true, other.cache_dtype = DType::kBFloat16;

@@ -13,6 +13,7 @@
 #include "support/compare.h"
 #include "support/problem.h"
 #include "gdnkit/gdnkit.h"
+#include "cuda/host/overrides.h"
 #include "gpu/gpu_harness.h"
 
 namespace gdnkit::test {
@@ -268,6 +269,34 @@ INSTANTIATE_TEST_SUITE_P(Axes, VerifyTest, ::testing::ValuesIn(verify_cases()),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Sanitize, VerifyTest, ::testing::ValuesIn(sanitize_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// Chains of float8_e4m3 pools without a cache on both forms of the fp8 chain kernel: on tensor cores
+// (fp8_chain_mma.cuh, the library's choice) and on CUDA cores (fp8_chain.cuh, by override). K = 64 and 128, bf16 and
+// fp16 inputs, one group of tokens and three (the later groups' products from x split into hi + lo), update_state on
+// and off, varlen rows of every length and padding rows.
+TEST(VerifyGpu, Fp8ChainsWithoutACacheOnBothForms) {
+  uint64_t seed = 4100;
+  for (bool mma : {true, false})
+    for (int d : {64, 128})
+      for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain})
+        for (int T : {4, 11}) {
+          ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, T, seed++);
+          c.intermediate = false, c.K = c.V = d, c.H = 4, c.HV = 16, c.batch = 12, c.padding_rows = 2;
+          c.in_dtype = seed % 2 ? DType::kFloat16 : DType::kBFloat16;
+          if (s == Shape::kVarlenChain) c.seq_lens = many_lens(c.batch, T);
+          SCOPED_TRACE(std::string(mma ? "tensor cores " : "CUDA cores ") + name_of(s, c));
+          cuda::Overrides o;
+          o.verify_fp8_chain_mma = mma;
+          const cuda::ScopedOverrides scoped(o);
+          const Problem before(c);
+          Problem ref = before, got = before;
+          DeviceProblem dev(got);
+          verify(ref.verify_params(), {Backend::kCPU, nullptr});
+          verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+          dev.download(got);
+          check_verify_results(before, got, ref);
+        }
+}
 
 // ---- commit ------------------------------------------------------------------------------------
 struct CommitCase {

@@ -85,6 +85,14 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// c += a * b  (m16n8k4, tf32 x tf32 -> fp32): a[0]=A[r][q] a[1]=A[r+8][q], b=B[q][n].
+__device__ __forceinline__ void mma_tf32_k4(float (&c)[4], const uint32_t (&a)[2], uint32_t b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k4.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
 // Two floats rounded to a packed Op pair (lo in the low half).
 template <class Op>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {

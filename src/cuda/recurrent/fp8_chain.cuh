@@ -1,6 +1,7 @@
 // Verify of chains on K-last float8_e4m3 pools, with a float8_e4m3 intermediate cache or none (docs/design/decode.md
-// "fp8 pools"). The warp kernel's math (warp_step.cuh) on the fp8 decode kernel's lane map (fp8_decode.cuh), with the
-// state kept in fp32 registers across the tokens.
+// "fp8 pools"; without a cache the library takes fp8_chain_mma.cuh, this kernel by override). The warp kernel's math
+// (warp_step.cuh) on the fp8 decode kernel's lane map (fp8_decode.cuh), with the state kept in fp32 registers across
+// the tokens.
 //
 // A warp owns 16 columns of one value head. Lane l = kLanesPerCol g + c holds, for run i < kRuns, the 16 k
 // 16 c .. 16 c + 15 of column v0 + kColsPerLoad i + g (one 16-byte load or store a run; a scale block is a lane pair),

@@ -31,6 +31,7 @@ const char* kernel_name(RecurrentKernel k) {
     case RecurrentKernel::kMmaDecodeTf32: return "tensor-core decode (tf32)";
     case RecurrentKernel::kChainMma: return "tensor-core chain";
     case RecurrentKernel::kFp8Chain: return "fp8 chain";
+    case RecurrentKernel::kFp8ChainMma: return "fp8 chain (tensor cores)";
   }
   return "?";
 }
@@ -123,10 +124,15 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
     if (min_tokens > 0 && c.num_draft_tokens >= min_tokens && chain) return take(K::kChainMma, k.chain_mma);
   }
   // Verify of chains on float8_e4m3 pools from B = 2: 16 columns a warp share the token's fixed work (B = 1: the warp
-  // kernel's twice as many warps, each a shorter chain).
+  // kernel's twice as many warps, each a shorter chain); without a cache on tensor cores (with one, the CUDA-core
+  // kernel measured faster: docs/design/decode.md "fp8 pools").
   if (fp8_chain_built(c) && k.fp8_chain.grid_ctas > 0) {
     const int min_batch = or_default(o.verify_fp8_chain_min_batch, kFp8ChainMinBatch);
-    if (min_batch > 0 && c.batch >= min_batch) return RecurrentChoice{K::kFp8Chain, false};
+    if (min_batch > 0 && c.batch >= min_batch) {
+      if (!c.caches_states && o.verify_fp8_chain_mma && k.fp8_chain_mma.grid_ctas > 0)
+        return RecurrentChoice{K::kFp8ChainMma, false};
+      return RecurrentChoice{K::kFp8Chain, false};
+    }
   }
   // 16-bit decode on tensor cores where this grid and the next fit the GPU together (fp16 state with bf16 inputs: the
   // tf32 steps, with fewer warps per SM, where they fit so, else the inputs scaled to fp16).

@@ -15,6 +15,7 @@
 #include "cuda/host/check.h"
 #include "cuda/recurrent/chain_mma.cuh"
 #include "cuda/recurrent/fp8_chain.cuh"
+#include "cuda/recurrent/fp8_chain_mma.cuh"
 #include "cuda/recurrent/heuristics.h"
 #include "cuda/recurrent/launch.cuh"
 #include "cuda/recurrent/mma_decode.cuh"
@@ -105,6 +106,9 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
     static const int64_t resident = resident_ctas(
         reinterpret_cast<const void*>(fp8_chain_kernel<TInput, K, V, true>), Fp8ChainTile<K>::kWarps * 32);
     fit.fp8_chain = {grid_ctas(head_grid(p, V / Fp8ChainTile<K>::kCtaCols)), resident};
+    static const int64_t mma_resident = resident_ctas(
+        reinterpret_cast<const void*>(fp8_chain_mma_kernel<TInput, K, V>), Fp8ChainMmaTile<K>::kWarps * 32);
+    fit.fp8_chain_mma = {grid_ctas(head_grid(p, V / Fp8ChainMmaTile<K>::kCtaCols)), mma_resident};
   }
   if constexpr (kMmaDecodeBuilt) {
     using Tile = MmaDecodeTile<K, V>;
@@ -154,6 +158,11 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
         return launch_recurrent(fp8_chain_kernel<TInput, K, V, false>, grid, kFp8ChainThreads, false, stream, p,
                                 write_state);
       }
+      break;
+    case RecurrentKernel::kFp8ChainMma:
+      if constexpr (kFp8ChainBuilt)
+        return launch_recurrent(fp8_chain_mma_kernel<TInput, K, V>, head_grid(p, V / Fp8ChainMmaTile<K>::kCtaCols),
+                                Fp8ChainMmaTile<K>::kWarps * 32, false, stream, p, write_state);
       break;
     case RecurrentKernel::kMmaDecode:
       if constexpr (kMmaDecodeBuilt)
