@@ -253,10 +253,9 @@ std::vector<Named> sanitize_cases() {
   return out;
 }
 
-class VerifyTest : public ::testing::TestWithParam<Named> {};
-
-TEST_P(VerifyTest, MatchesCpuReference) {
-  const Problem before(GetParam().cfg);
+// Verify on both backends from the same inputs; the CUDA outputs, cache and pool must match the reference's.
+void check_verify(const ProblemConfig& c) {
+  const Problem before(c);
   Problem ref = before, got = before;
   DeviceProblem dev(got);
   verify(ref.verify_params(), {Backend::kCPU, nullptr});
@@ -264,6 +263,10 @@ TEST_P(VerifyTest, MatchesCpuReference) {
   dev.download(got);
   check_verify_results(before, got, ref);
 }
+
+class VerifyTest : public ::testing::TestWithParam<Named> {};
+
+TEST_P(VerifyTest, MatchesCpuReference) { check_verify(GetParam().cfg); }
 
 INSTANTIATE_TEST_SUITE_P(Axes, VerifyTest, ::testing::ValuesIn(verify_cases()),
                          [](const auto& info) { return info.param.name; });
@@ -288,13 +291,7 @@ TEST(VerifyGpu, Fp8ChainsWithoutACacheOnBothForms) {
           cuda::Overrides o;
           o.verify_fp8_chain_mma = mma;
           const cuda::ScopedOverrides scoped(o);
-          const Problem before(c);
-          Problem ref = before, got = before;
-          DeviceProblem dev(got);
-          verify(ref.verify_params(), {Backend::kCPU, nullptr});
-          verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
-          dev.download(got);
-          check_verify_results(before, got, ref);
+          check_verify(c);
         }
 }
 

@@ -83,7 +83,6 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
   constexpr int kLPC = Tile::kLanesPerCol, kCPL = Tile::kColsPerLoad, kRuns = Tile::kRuns;
   constexpr int kColCtas = V / Tile::kCtaCols;
   constexpr int64_t kHeadElems = int64_t(K) * V, kHeadBlocks = kHeadElems / kFp8Block;
-  constexpr RecurrentOp kOp = RecurrentOp::kVerify;
   static_assert(V % Tile::kCtaCols == 0, "fp8 chain: V a multiple of the CTA's columns");
   (void)prefetch;  // every grid runs the same way
 
@@ -92,29 +91,18 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
   const int v0 = int(blockIdx.x % unsigned(kColCtas)) * Tile::kCtaCols + int(threadIdx.x) / 32 * Tile::kCols;
   const int hq = qk_head(p, hv);  // GVA
   const int num_v_heads = p.heads.num_v_heads;
-  const int T = p.num_draft_tokens;
   const bool counts_errors = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
   pdl_wait_and_launch_dependents();
 
   // ---- which tokens, which slots (the warp kernel's checks, in the CPU reference's order) --------
-  const RowLoads row = load_row<kOp>(p, b);
-  int64_t tok0;
-  int len;
-  if (!row_tokens<kOp>(p, row, b, T, tok0, len)) {
-    if (counts_errors) atomicAdd(p.error_flag, 1);
-    return;
-  }
-  int n_replay, cache_slot;
-  const bool bad = row_is_bad<kOp>(p, row, b, T, len, n_replay, cache_slot);
+  VerifyRow vr;
+  if (!verify_row<TInput, Tile::kCols>(p, b, hv, v0, lane, counts_errors, vr)) return;
+  const RowLoads& row = vr.row;
+  const int64_t tok0 = vr.tok0;
+  const int len = vr.len, cache_slot = vr.cache_slot;
   const auto out_row = [&](int t) {
     return static_cast<TInput*>(p.o.data) + (tok0 + t) * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
   };
-  if (bad || row.slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
-    if (bad && counts_errors) atomicAdd(p.error_flag, 1);
-    if (lane < Tile::kCols)
-      for (int t = 0; t < len; ++t) out_row(t)[lane] = from_float<TInput>(0.0f);
-    return;
-  }
 
   // ---- the state: x = e4m3 bytes, w = the block's scale ------------------------------------------
   uint8_t* const head = static_cast<uint8_t*>(p.state.data) + int64_t(row.slot) * p.state.slot_stride + hv * kHeadElems;

@@ -102,7 +102,6 @@ __global__ void __launch_bounds__(Fp8ChainMmaTile<K>::kWarps * 32, 3)
   constexpr int kSteps = Tile::kSteps, kGroup = Tile::kGroup;
   constexpr int kColCtas = V / Tile::kCtaCols;
   constexpr int64_t kHeadElems = int64_t(K) * V, kHeadBlocks = kHeadElems / kFp8Block;
-  constexpr RecurrentOp kOp = RecurrentOp::kVerify;
   constexpr unsigned kAll = 0xffffffffu;
   static_assert(V % Tile::kCtaCols == 0, "fp8 chain: V a multiple of the CTA's columns");
   (void)prefetch;  // every grid runs the same way
@@ -113,29 +112,18 @@ __global__ void __launch_bounds__(Fp8ChainMmaTile<K>::kWarps * 32, 3)
   const int col0 = v0 + g;  // this lane's columns: col0 and col0 + 8
   const int hq = qk_head(p, hv);  // GVA
   const int num_v_heads = p.heads.num_v_heads;
-  const int T = p.num_draft_tokens;
   const bool counts_errors = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
   __shared__ __align__(16) float scratch[Tile::kWarps][Tile::kCols][8];  // per warp: a group's P as [row][vector]
   float(&pscr)[Tile::kCols][8] = scratch[threadIdx.x / 32];
   pdl_wait_and_launch_dependents();
 
   // ---- which tokens, which slots (the warp kernel's checks, in the CPU reference's order) --------
-  const RowLoads row = load_row<kOp>(p, b);
-  int64_t tok0;
-  int len;
-  if (!row_tokens<kOp>(p, row, b, T, tok0, len)) {
-    if (counts_errors) atomicAdd(p.error_flag, 1);
-    return;
-  }
-  int n_replay, cache_slot;
-  const bool bad = row_is_bad<kOp>(p, row, b, T, len, n_replay, cache_slot);
+  VerifyRow vr;
+  if (!verify_row<TInput, Tile::kCols>(p, b, hv, v0, lane, counts_errors, vr)) return;
+  const RowLoads& row = vr.row;
+  const int64_t tok0 = vr.tok0;
+  const int len = vr.len;
   TInput* const o_row0 = static_cast<TInput*>(p.o.data) + tok0 * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
-  if (bad || row.slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
-    if (bad && counts_errors) atomicAdd(p.error_flag, 1);
-    if (lane < Tile::kCols)
-      for (int tk = 0; tk < len; ++tk) o_row0[tk * p.o.token_stride + lane] = from_float<TInput>(0.0f);
-    return;
-  }
 
   const TInput* const k_head = static_cast<const TInput*>(p.k.data) + tok0 * p.k.token_stride + int64_t(hq) * p.k.head_stride;
   const TInput* const q_head = static_cast<const TInput*>(p.q.data) + tok0 * p.q.token_stride + int64_t(hq) * p.q.head_stride;

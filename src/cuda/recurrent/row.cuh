@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "cuda/arch/dtype.cuh"
 #include "cuda/prefill/short_sequence.h"
 #include "cuda/recurrent/heuristics.h"
 #include "gdnkit/params.h"
@@ -153,6 +154,37 @@ __device__ __forceinline__ bool row_is_bad(const RecurrentParams& p, const RowLo
     }
   }
   return bad;
+}
+
+// Verify's row prologue for kernels of kCols columns a warp at v0 (fp8_chain.cuh, fp8_chain_mma.cuh): the row's
+// tokens (tok0, len), slot and cache slot (-1: none). False where the kernel must not run the row: one it cannot place
+// or must not touch (counted by counts_errors), or a padding row; o = 0 for the warp's columns of its placed tokens.
+struct VerifyRow {
+  RowLoads row;
+  int64_t tok0;
+  int len, cache_slot;
+};
+template <class TInput, int kCols>
+__device__ __forceinline__ bool verify_row(const RecurrentParams& p, int b, int hv, int v0, int lane,
+                                           bool counts_errors, VerifyRow& r) {
+  constexpr RecurrentOp kOp = RecurrentOp::kVerify;
+  const int T = p.num_draft_tokens;
+  r.row = load_row<kOp>(p, b);
+  if (!row_tokens<kOp>(p, r.row, b, T, r.tok0, r.len)) {
+    if (counts_errors) atomicAdd(p.error_flag, 1);
+    return false;
+  }
+  int n_replay;
+  const bool bad = row_is_bad<kOp>(p, r.row, b, T, r.len, n_replay, r.cache_slot);
+  if (bad || r.row.slot < 0) {  // padding row, or one the kernel must not touch: o = 0, no state traffic
+    if (bad && counts_errors) atomicAdd(p.error_flag, 1);
+    if (lane < kCols)
+      for (int t = 0; t < r.len; ++t)
+        static_cast<TInput*>(p.o.data)[(r.tok0 + t) * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0 + lane] =
+            from_float<TInput>(0.0f);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace gdnkit::cuda::recurrent
