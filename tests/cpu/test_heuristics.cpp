@@ -204,6 +204,20 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
   EXPECT_EQ(recurrent::choose_recurrent_kernel(c, unknown, Overrides{}).kernel, RecurrentKernel::kFp8Chain);
   c.input_dtype = DType::kFloat16;
   EXPECT_EQ(kernel_at(c), RecurrentKernel::kFp8ChainMma);
+  {  // without a cache: B = 1 the warp kernel, B = 2 the CUDA-core form, from B = 3 the tensor-core one; K = 64 too
+    RecurrentCall n = c;
+    n.batch = 1;
+    EXPECT_EQ(kernel_at(n), RecurrentKernel::kWarpRegular);
+    n.batch = 2;
+    EXPECT_EQ(kernel_at(n), RecurrentKernel::kFp8Chain);
+    n.batch = 3;
+    EXPECT_EQ(kernel_at(n), RecurrentKernel::kFp8ChainMma);
+    n = c, n.head_dim_k = n.head_dim_v = 64;
+    EXPECT_EQ(kernel_at(n), RecurrentKernel::kFp8ChainMma);
+    Overrides never;
+    never.verify_fp8_chain_min_batch = 0;
+    EXPECT_EQ(kernel_at(c, never), RecurrentKernel::kWarpRegular);
+  }
   c.caches_states = true;
   // The warp kernel: other caches, trees, fp32 inputs, K = 256, V-last, other ops, or where asked.
   RecurrentCall other = c;

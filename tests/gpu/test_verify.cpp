@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -65,10 +66,12 @@ std::string name_of(Shape s, const ProblemConfig& c) {
 
 const Shape kShapes[] = {Shape::kChain, Shape::kChainUpdate, Shape::kTree, Shape::kVarlenChain, Shape::kVarlenTree};
 
-// n varlen lengths cycling through 0..T.
+// n varlen lengths cycling through 0..T (by a step coprime to T + 1, so that every length comes).
 std::vector<int32_t> many_lens(int n, int T) {
+  int step = 5;
+  while (std::gcd(step, T + 1) != 1) ++step;
   std::vector<int32_t> lens;
-  for (int i = 0; i < n; ++i) lens.push_back((5 * i) % (T + 1));
+  for (int i = 0; i < n; ++i) lens.push_back((step * i) % (T + 1));
   return lens;
 }
 
@@ -186,9 +189,9 @@ std::vector<Named> verify_cases() {
       if (seed % 2) c.token_pad = 8, c.head_pad = 8, c.slot_pad = 32;
       out.push_back({name_of(s, c), c});
     }
-  // Chains on the fp8 chain kernel (fp8_chain.cuh, from B = 2): past 32 tokens (the gates of the next 32), the
-  // qwen3-next heads over several waves with padding and empty rows, one sequence (the warp kernel), K = 64, fp16
-  // inputs, given gates without the L2 norm, long memory.
+  // Chains on the fp8 chain kernels (from B = 2; fp8_chain.cuh with a cache, fp8_chain_mma.cuh without one): past 32
+  // tokens (the gates of the next 32), the qwen3-next heads over several waves with padding and empty rows, one
+  // sequence (the warp kernel), K = 64, fp16 inputs, given gates without the L2 norm, long memory.
   for (int T : {33, 40}) {
     ProblemConfig c = make(Shape::kChainUpdate, StateLayout::kKLast, DType::kFloat8E4M3,
                            T == 40 ? DType::kFloat8E4M3 : DType::kFloat32, T, seed++);
@@ -201,8 +204,8 @@ std::vector<Named> verify_cases() {
     c.seq_lens = many_lens(c.batch, 6);
     out.push_back({name_of(Shape::kVarlenChain, c) + "_b40", c});
   }
-  // No cache, 48 tokens of the usual decays and v 16x larger: a run's factor w takes every decay (the sum falls far
-  // below -87) and must be folded into the values before x = S / w leaves the fp32 range (kMinBlockFactor).
+  // No cache, 48 tokens of the usual decays and v 16x larger: the state's factor w takes every decay (the sum falls
+  // far below -87) and must be folded into the values before x = S / w leaves the fp32 range (kMinBlockFactor).
   for (DType in : {DType::kBFloat16, DType::kFloat16}) {
     ProblemConfig c = make(Shape::kChainUpdate, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 48, seed++);
     c.intermediate = false, c.in_dtype = in, c.H = 4, c.HV = 16, c.batch = 6, c.v_scale = 16.0;
@@ -275,24 +278,35 @@ INSTANTIATE_TEST_SUITE_P(Sanitize, VerifyTest, ::testing::ValuesIn(sanitize_case
 
 // Chains of float8_e4m3 pools without a cache on both forms of the fp8 chain kernel: on tensor cores
 // (fp8_chain_mma.cuh, the library's choice) and on CUDA cores (fp8_chain.cuh, by override). K = 64 and 128, bf16 and
-// fp16 inputs, one group of tokens and three (the later groups' products from x split into hi + lo), update_state on
-// and off, varlen rows of every length and padding rows.
+// fp16 inputs, one group of tokens, three (the later groups' products from x split into hi + lo) and nine (past 32
+// tokens: the next gates), update_state on and off, varlen rows of every length, padding rows; and 48 tokens whose
+// decays sum far below -87 with v 16x larger (the state's factor w folded into its values).
 TEST(VerifyGpu, Fp8ChainsWithoutACacheOnBothForms) {
   uint64_t seed = 4100;
-  for (bool mma : {true, false})
-    for (int d : {64, 128})
+  std::vector<Named> cases;
+  for (int d : {64, 128})
+    for (DType in : {DType::kBFloat16, DType::kFloat16}) {
       for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain})
-        for (int T : {4, 11}) {
+        for (int T : {4, 11, 33}) {
           ProblemConfig c = make(s, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, T, seed++);
-          c.intermediate = false, c.K = c.V = d, c.H = 4, c.HV = 16, c.batch = 12, c.padding_rows = 2;
-          c.in_dtype = seed % 2 ? DType::kFloat16 : DType::kBFloat16;
+          c.intermediate = false, c.K = c.V = d, c.in_dtype = in, c.H = 4, c.HV = 16, c.batch = 12;
+          c.padding_rows = 2;
           if (s == Shape::kVarlenChain) c.seq_lens = many_lens(c.batch, T);
-          SCOPED_TRACE(std::string(mma ? "tensor cores " : "CUDA cores ") + name_of(s, c));
-          cuda::Overrides o;
-          o.verify_fp8_chain_mma = mma;
-          const cuda::ScopedOverrides scoped(o);
-          check_verify(c);
+          cases.push_back({name_of(s, c), c});
         }
+      ProblemConfig c =
+          make(Shape::kChainUpdate, StateLayout::kKLast, DType::kFloat8E4M3, DType::kFloat32, 48, seed++);
+      c.intermediate = false, c.K = c.V = d, c.in_dtype = in, c.H = 4, c.HV = 16, c.batch = 6, c.v_scale = 16.0;
+      cases.push_back({name_of(Shape::kChainUpdate, c) + "_decayed", c});
+    }
+  for (bool mma : {true, false})
+    for (const Named& n : cases) {
+      SCOPED_TRACE(std::string(mma ? "tensor cores " : "CUDA cores ") + n.name);
+      cuda::Overrides o;
+      o.verify_fp8_chain_mma = mma;
+      const cuda::ScopedOverrides scoped(o);
+      check_verify(n.cfg);
+    }
 }
 
 // ---- commit ------------------------------------------------------------------------------------

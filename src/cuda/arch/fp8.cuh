@@ -51,17 +51,19 @@ __device__ __forceinline__ float max_abs_nan(float a, float b) {
   return m;
 }
 
-// The largest magnitude of 16 values (max_abs_nan), by a pairwise tree: 4 dependent steps, not 16.
-__device__ __forceinline__ float max_abs_nan16(const float (&x)[16]) {
-  float h[8];
+// The largest magnitude of N values (max_abs_nan), by a pairwise tree: log2 N dependent steps, not N.
+template <int N>
+__device__ __forceinline__ float max_abs_nan_tree(const float* x) {
+  if constexpr (N == 2) {
+    return max_abs_nan(x[0], x[1]);
+  } else {
+    float h[N / 2];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) h[j] = max_abs_nan(x[j], x[j + 8]);
-#pragma unroll
-  for (int n = 4; n >= 1; n /= 2)
-#pragma unroll
-    for (int j = 0; j < n; ++j) h[j] = max_abs_nan(h[j], h[j + n]);
-  return h[0];
+    for (int j = 0; j < N / 2; ++j) h[j] = max_abs_nan(x[j], x[j + N / 2]);
+    return max_abs_nan_tree<N / 2>(h);
+  }
 }
+__device__ __forceinline__ float max_abs_nan16(const float (&x)[16]) { return max_abs_nan_tree<16>(x); }
 
 // Four values times f as e4m3 bytes, the first in the low byte: no branch, a NaN f (the NaN scale's) gives the NaN
 // codes.

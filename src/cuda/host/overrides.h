@@ -19,7 +19,8 @@ struct Overrides {
   int decode_vlast_fp8_columns = 0;  // columns per CTA of V-last fp8 decode: 64 or 128 (0: the heuristic)
   int verify_fp8_chain_min_batch = -1;  // smallest batch of verify of chains on float8_e4m3 pools on the fp8 chain
                                         // kernel, where it is built (0: never)
-  bool verify_fp8_chain_mma = true;     // ... without a cache on its tensor-core kernel (false: the CUDA-core one)
+  bool verify_fp8_chain_mma = true;     // ... without a cache on its tensor-core kernel where the heuristic takes it
+                                        // (false: the CUDA-core one)
   // Prefill choice; -1 / 0: the heuristic.
   int prefill_short_max_len = -1;   // longest sequence on the short-sequence path (0: off)
   int prefill_m_warpgroup = -1;     // the prep warpgroup: 0 off, 1 forming M wherever it can run, 2 forming the

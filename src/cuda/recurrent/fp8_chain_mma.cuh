@@ -1,26 +1,27 @@
 // Verify of chains without an intermediate cache on K-last float8_e4m3 pools (docs/design/decode.md "fp8 pools"), on
 // tensor cores: the state is the B operand of its products and the accumulator of its updates.
 //
-// A warp owns 16 columns of one value head, the 16 rows of m16n8 tf32 steps. Lane (g, t) = (lane / 4, lane % 4)
+// A warp owns 16 columns of one value head (the rows of its updates' m16n8 steps). Lane (g, t) = (lane / 4, lane % 4)
 // holds columns v0 + g and v0 + g + 8 at k = h K/2 + (K/8) t + j (h = 0, 1; j < K/8), kept as x with S = w x, one
 // factor w a warp: x[j] is the C fragment of the update's n-tile j, and its pairs the B fragments of step j of the
 // products; lanes t = 0..3 hold contiguous pieces of a column. Per group of up to four tokens:
-//   products  P^T = [k_0 .. k_3, q_0 .. q_3] x^T in K/8 steps per 8 state rows: the pool's x is e4m3 times a power of
-//             two, exact in tf32, and 16-bit k and q are exact too; after a group's updates x is split into hi + lo
-//             (two steps each, ~2^-21 relative). The group's 8 x 8 Gram matrix of the same vectors in K/8 more steps
+//   products  P^T = [k_0 .. k_3, q_0 .. q_3] x^T in K/8 steps per 8 columns: the pool's x is e4m3 times a power
+//             of two, exact in tf32 (block scales below about 2^-117 give fp32 subnormals, which tf32 steps need not
+//             keep), and 16-bit k and q are exact too; after a group's updates x is split into hi + lo (two steps
+//             each, ~2^-21 relative). The group's 8 x 8 Gram matrix of the same vectors in K/8 more steps
 //             (exact products). P goes through a per-warp scratch to the lanes of its rows.
 //   scalars   per column, u and o of the group's tokens from P and the Gram matrix (the WY form, G_t the decay product
-//             from the group's start): g_t S_{t-1} k^_t = G_t rk_t w P_t + sum_{i<t} (G_t/G_i) rk_i rk_t (k_i . k_t) u_i,
-//             u_t = beta_t (v_t - that), o_t = G_t rq_t w Q_t + sum_{i<=t} (G_t/G_i) rk_i rq_t (k_i . q_t) u_i; every
-//             lane of a quad alike.
+//             from the group's start): g_t S_{t-1} k^_t = G_t rk_t w P_t + sum_{i<t} (G_t/G_i) rk_i rk_t
+//             (k_i . k_t) u_i, u_t = beta_t (v_t - that), o_t = G_t rq_t w Q_t + sum_{i<=t} (G_t/G_i) rk_i rq_t
+//             (k_i . q_t) u_i; every lane of a quad alike.
 //   update    only where the state is stored (update_state) or a group follows: per token, x += (rk u / w) k in K/8
 //             m16n8k4 steps whose k-dimension holds the coefficient's tf32 hi and lo parts (slots 0 and 1, the others
 //             zero) against the token's k (~2^-21 relative); the decay goes into w (w below kMinBlockFactor, or a
 //             coefficient not finite: x takes w first and w = 1, as fp8 decode).
 //   store     the final state by block: the largest magnitude of a block's runs, the scale from w max|x|, x (w 2^-s)
 //             converted.
-// With an fp8 cache, each token's state quantized and stored, the same kernel measured slower than fp8_chain.cuh's
-// (the cache's per-token blocks at 12 warps a SM: docs/design/decode.md), which keeps that case.
+// A form of this kernel that stores each token's state to an fp8 cache measured slower than fp8_chain.cuh
+// (docs/design/decode.md "fp8 pools"), which keeps that case.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,19 +48,6 @@ struct Fp8ChainMmaTile {
   static constexpr int kGroup = 4;        // tokens whose products share one pass over the state
   static_assert(K == 64 || K == 128, "fp8 chain on tensor cores: K in {64, 128}");
 };
-
-// The largest magnitude of N values (max_abs_nan), by a pairwise tree.
-template <int N>
-__device__ __forceinline__ float max_abs_nan_tree(const float* x) {
-  if constexpr (N == 2) {
-    return max_abs_nan(x[0], x[1]);
-  } else {
-    float h[N / 2];
-#pragma unroll
-    for (int j = 0; j < N / 2; ++j) h[j] = max_abs_nan(x[j], x[j + N / 2]);
-    return max_abs_nan_tree<N / 2>(h);
-  }
-}
 
 // A lane's runs of the warp's columns (rows g, g + 8) as e4m3 blocks, bytes and scales: run h of row r holds
 // k = h K/2 + (K/8) t + j as x[j][2r + h]; a block is the runs of 32 / (K/8) neighbouring lanes (K = 128: t, t ^ 1),
@@ -113,7 +101,7 @@ __global__ void __launch_bounds__(Fp8ChainMmaTile<K>::kWarps * 32, 3)
   const int hq = qk_head(p, hv);  // GVA
   const int num_v_heads = p.heads.num_v_heads;
   const bool counts_errors = hv == 0 && v0 == 0 && lane == 0 && p.error_flag != nullptr;
-  __shared__ __align__(16) float scratch[Tile::kWarps][Tile::kCols][8];  // per warp: a group's P as [row][vector]
+  __shared__ __align__(16) float scratch[Tile::kWarps][Tile::kCols][8];  // per warp: a group's P, [column][vector]
   float(&pscr)[Tile::kCols][8] = scratch[threadIdx.x / 32];
   pdl_wait_and_launch_dependents();
 
@@ -125,8 +113,10 @@ __global__ void __launch_bounds__(Fp8ChainMmaTile<K>::kWarps * 32, 3)
   const int len = vr.len;
   TInput* const o_row0 = static_cast<TInput*>(p.o.data) + tok0 * p.o.token_stride + int64_t(hv) * p.o.head_stride + v0;
 
-  const TInput* const k_head = static_cast<const TInput*>(p.k.data) + tok0 * p.k.token_stride + int64_t(hq) * p.k.head_stride;
-  const TInput* const q_head = static_cast<const TInput*>(p.q.data) + tok0 * p.q.token_stride + int64_t(hq) * p.q.head_stride;
+  const TInput* const k_head =
+      static_cast<const TInput*>(p.k.data) + tok0 * p.k.token_stride + int64_t(hq) * p.k.head_stride;
+  const TInput* const q_head =
+      static_cast<const TInput*>(p.q.data) + tok0 * p.q.token_stride + int64_t(hq) * p.q.head_stride;
   const TInput* const v_col = static_cast<const TInput*>(p.v.data) + tok0 * p.v.token_stride +
                               int64_t(hv) * p.v.head_stride + col0;
   // A group's inputs as loaded: lane (g, t)'s vector g (k_g, or q_{g-4}; zero past the group) at k run t, and v of
@@ -220,7 +210,7 @@ __global__ void __launch_bounds__(Fp8ChainMmaTile<K>::kWarps * 32, 3)
     // x takes the tokens' updates for the final store or the next group
     const bool update = write_state || t0 + kGroup < len;
 
-    // ---- P^T = [k; q] x^T (the group's vectors as A, state rows as B) and the Gram matrix [k; q] [k; q]^T, each in
+    // ---- P^T = [k; q] x^T (the group's vectors as A, the columns as B) and the Gram matrix [k; q] [k; q]^T, each in
     // two accumulation chains (half the dependent latency)
     float gram[4];
     float vv[2][kGroup];
@@ -239,7 +229,7 @@ __global__ void __launch_bounds__(Fp8ChainMmaTile<K>::kWarps * 32, 3)
 #pragma unroll
           for (int r = 0; r < 2; ++r) vv[r][i] = to_float(in.v[r][i]);
       }
-      float pacc[2][2][4] = {};  // [chain][state rows 0-7, 8-15]
+      float pacc[2][2][4] = {};  // [chain][columns v0 .. v0 + 7, v0 + 8 ..]
       float gacc[2][4] = {};
       if (t0 == 0) {  // the pool's values: exact in tf32
 #pragma unroll
@@ -247,8 +237,8 @@ __global__ void __launch_bounds__(Fp8ChainMmaTile<K>::kWarps * 32, 3)
           const uint32_t va[4] = {vf[j], 0u, vf[kSteps + j], 0u};  // rows 8-15 empty
           mma_tf32(gacc[j & 1], va, vf[j], vf[kSteps + j]);
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            mma_tf32(pacc[j & 1][h], va, __float_as_uint(x[j][2 * h]), __float_as_uint(x[j][2 * h + 1]));
+          for (int r = 0; r < 2; ++r)  // columns v0 + 8r ..
+            mma_tf32(pacc[j & 1][r], va, __float_as_uint(x[j][2 * r]), __float_as_uint(x[j][2 * r + 1]));
         }
       } else {  // x = hi + lo
 #pragma unroll
@@ -256,27 +246,27 @@ __global__ void __launch_bounds__(Fp8ChainMmaTile<K>::kWarps * 32, 3)
           const uint32_t va[4] = {vf[j], 0u, vf[kSteps + j], 0u};
           mma_tf32(gacc[j & 1], va, vf[j], vf[kSteps + j]);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t hi0 = __float_as_uint(x[j][2 * h]) & 0xffffe000u;
-            const uint32_t hi1 = __float_as_uint(x[j][2 * h + 1]) & 0xffffe000u;
-            mma_tf32(pacc[j & 1][h], va, __float_as_uint(x[j][2 * h] - __uint_as_float(hi0)),
-                     __float_as_uint(x[j][2 * h + 1] - __uint_as_float(hi1)));
-            mma_tf32(pacc[j & 1][h], va, hi0, hi1);
+          for (int r = 0; r < 2; ++r) {
+            const uint32_t hi0 = __float_as_uint(x[j][2 * r]) & 0xffffe000u;
+            const uint32_t hi1 = __float_as_uint(x[j][2 * r + 1]) & 0xffffe000u;
+            mma_tf32(pacc[j & 1][r], va, __float_as_uint(x[j][2 * r] - __uint_as_float(hi0)),
+                     __float_as_uint(x[j][2 * r + 1] - __uint_as_float(hi1)));
+            mma_tf32(pacc[j & 1][r], va, hi0, hi1);
           }
         }
       }
-      // P^T[vector g][state row 8h + 2t + e] to the warp's scratch as [row][vector]
+      // P^T[vector g][column v0 + 8r + 2t + e] to the warp's scratch as [column][vector]
       __syncwarp();
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) pscr[8 * h + 2 * t + e][g] = pacc[0][h][e] + pacc[1][h][e];
+        for (int e = 0; e < 2; ++e) pscr[8 * r + 2 * t + e][g] = pacc[0][r][e] + pacc[1][r][e];
 #pragma unroll
       for (int e = 0; e < 4; ++e) gram[e] = gacc[0][e] + gacc[1][e];
       __syncwarp();
     }
-    // P[r][n] of this lane's rows g + 8r (n < 4: k_n, else q_{n-4}) in the scratch, read where used; Gram[m][n] from
-    // lane 4 m + n / 2, element n % 2
+    // P[r][n] of this lane's columns col0 + 8r (n < 4: k_n, else q_{n-4}) in the scratch, read where used;
+    // Gram[m][n] from lane 4 m + n / 2, element n % 2
     const auto gram_of = [&](int m, int n) { return __shfl_sync(kAll, gram[n & 1], 4 * m + (n >> 1)); };
 
     // ---- the group's scalars (the same in every lane): the norms of k; each token's gates and coefficients where used

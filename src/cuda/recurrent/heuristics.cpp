@@ -10,6 +10,7 @@ constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefet
 constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
 constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode
 constexpr int kFp8ChainMinBatch = 2;    // fp8 chain verify on its kernel from B = 2 (H200)
+constexpr int kFp8ChainMmaMinBatch = 3;  // ... without a cache on tensor cores from B = 3 (H200: B = 2 1% slower)
 
 bool klast_decode_k128(const RecurrentCall& c) {
   return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.head_dim_k == 128;
@@ -129,7 +130,8 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
   if (fp8_chain_built(c) && k.fp8_chain.grid_ctas > 0) {
     const int min_batch = or_default(o.verify_fp8_chain_min_batch, kFp8ChainMinBatch);
     if (min_batch > 0 && c.batch >= min_batch) {
-      if (!c.caches_states && o.verify_fp8_chain_mma && k.fp8_chain_mma.grid_ctas > 0)
+      if (!c.caches_states && o.verify_fp8_chain_mma && k.fp8_chain_mma.grid_ctas > 0 &&
+          c.batch >= kFp8ChainMmaMinBatch)
         return RecurrentChoice{K::kFp8ChainMma, false};
       return RecurrentChoice{K::kFp8Chain, false};
     }
