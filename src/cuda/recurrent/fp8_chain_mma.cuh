@@ -9,7 +9,7 @@
 //             of two, exact in tf32 (block scales below about 2^-117 give fp32 subnormals, which tf32 steps need not
 //             keep), and 16-bit k and q are exact too; after a group's updates x is split into hi + lo (two steps
 //             each, ~2^-21 relative). The group's 8 x 8 Gram matrix of the same vectors in K/8 more steps
-//             (exact products). P goes through a per-warp scratch to the lanes of its rows.
+//             (exact products). P goes through a per-warp scratch to the lanes of its columns.
 //   scalars   per column, u and o of the group's tokens from P and the Gram matrix (the WY form, G_t the decay product
 //             from the group's start): g_t S_{t-1} k^_t = G_t rk_t w P_t + sum_{i<t} (G_t/G_i) rk_i rk_t
 //             (k_i . k_t) u_i, u_t = beta_t (v_t - that), o_t = G_t rq_t w Q_t + sum_{i<=t} (G_t/G_i) rk_i rq_t
@@ -41,7 +41,7 @@ namespace gdnkit::cuda::recurrent {
 
 template <int K>
 struct Fp8ChainMmaTile {
-  static constexpr int kCols = 16;        // columns per warp: the rows of the m16n8 steps
+  static constexpr int kCols = 16;        // columns per warp: the rows of the updates' m16n8 steps
   static constexpr int kWarps = 4;        // neighbouring columns of one head per CTA
   static constexpr int kCtaCols = kCols * kWarps;
   static constexpr int kSteps = K / 8;    // k-steps of the products, n-tiles of the update
@@ -49,7 +49,7 @@ struct Fp8ChainMmaTile {
   static_assert(K == 64 || K == 128, "fp8 chain on tensor cores: K in {64, 128}");
 };
 
-// A lane's runs of the warp's columns (rows g, g + 8) as e4m3 blocks, bytes and scales: run h of row r holds
+// A lane's runs of its columns (col0, col0 + 8) as e4m3 blocks, bytes and scales: run h of column col0 + 8r holds
 // k = h K/2 + (K/8) t + j as x[j][2r + h]; a block is the runs of 32 / (K/8) neighbouring lanes (K = 128: t, t ^ 1),
 // whose first lane writes the scale byte. Lanes t = 0..3 store a run's bytes as one contiguous piece.
 template <int K>
