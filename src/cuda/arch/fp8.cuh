@@ -130,11 +130,32 @@ __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16])
 // out of its elements): the scale comes from w max|x|, each element goes through x (w 2^-s), and the NaN scale's
 // factor is NaN (every element then converts to the NaN code, with no branch). Otherwise the values are x (w unused)
 // and the NaN scale a branch, which keeps narrow decode warps faster (docs/design/decode.md "fp8 pools").
+// A 32-element block held by 32 / N lanes (l, l ^ kPartner, l ^ 2 kPartner, ...), N values x w each (w > 0, the same
+// on every lane of the block), to e4m3 words, the first value in the low byte of words[0], and its E8M0 scale byte:
+// the scale from w max|x|, each element through x (w 2^-s), the NaN scale's factor NaN (every element its NaN code).
+template <int N, int kPartner>
+__device__ __forceinline__ void quantize_e4m3_factored(const float (&x)[N], float w, uint32_t (&words)[N / 4],
+                                                       uint32_t& scale_byte) {
+  float m = max_abs_nan_tree<N>(x);
+#pragma unroll
+  for (int off = kPartner; off < kPartner * (kFp8Block / N); off *= 2)
+    m = max_abs_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
+  const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w * m));
+  scale_byte = sc.byte;
+  const float f = sc.byte == 255u ? e4m3_nan_factor() : w * sc.inv;
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) words[i] = e4m3x4_by_factor(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], f);
+}
+
 template <int kPartner, bool kFactored = false>
 __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t& scale_byte, float w = 1.0f) {
-  const float own = max_abs_nan16(x);
-  const float m = max_abs_nan(own, __shfl_xor_sync(0xffffffffu, own, kPartner));
-  if constexpr (!kFactored) {
+  if constexpr (kFactored) {
+    uint32_t out[4];
+    quantize_e4m3_factored<16, kPartner>(x, w, out, scale_byte);
+    return make_uint4(out[0], out[1], out[2], out[3]);
+  } else {
+    const float own = max_abs_nan16(x);
+    const float m = max_abs_nan(own, __shfl_xor_sync(0xffffffffu, own, kPartner));
     const Fp8Scale sc = e4m3_block_scale(__float_as_uint(m));
     scale_byte = sc.byte;
     uint32_t out[4];
@@ -142,13 +163,6 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t
     for (int i = 0; i < 4; ++i) out[i] = e4m3x4(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], sc);
     return make_uint4(out[0], out[1], out[2], out[3]);
   }
-  const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w * m));
-  scale_byte = sc.byte;
-  const float f = sc.byte == 255u ? e4m3_nan_factor() : w * sc.inv;
-  uint32_t out[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = e4m3x4_by_factor(x[4 * i], x[4 * i + 1], x[4 * i + 2], x[4 * i + 3], f);
-  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 }  // namespace gdnkit::cuda

@@ -64,21 +64,15 @@ __device__ __forceinline__ void store_fp8_rows(uint8_t* head, uint8_t* scales, i
       float run[kRun];
 #pragma unroll
       for (int j = 0; j < kRun; ++j) run[j] = x[j][2 * r + h];
-      float m = max_abs_nan_tree<kRun>(run);
-#pragma unroll
-      for (int off = 1; off < kLanes; off *= 2) m = max_abs_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
-      const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w * m));
-      const float f = sc.byte == 255u ? e4m3_nan_factor() : w * sc.inv;
-      uint32_t words[kRun / 4];
-#pragma unroll
-      for (int q = 0; q < kRun / 4; ++q)
-        words[q] = e4m3x4_by_factor(run[4 * q], run[4 * q + 1], run[4 * q + 2], run[4 * q + 3], f);
+      uint32_t words[kRun / 4], scale_byte;
+      quantize_e4m3_factored<kRun, 1>(run, w, words, scale_byte);
       uint8_t* const dst = head + int64_t(col) * K + h * (K / 2) + kRun * t;
       if constexpr (kRun == 16)
         *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
       else
         *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
-      if (t % kLanes == 0) scales[col * (K / kFp8Block) + (h * (K / 2) + kRun * t) / kFp8Block] = uint8_t(sc.byte);
+      if (t % kLanes == 0)
+        scales[col * (K / kFp8Block) + (h * (K / 2) + kRun * t) / kFp8Block] = uint8_t(scale_byte);
     }
   }
 }
