@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "gdnkit/types.h"
+
 namespace gdnkit::cuda {
 
 // 2^(e - 127) of an E8M0 byte (255: NaN; 0: the subnormal 2^-127).
