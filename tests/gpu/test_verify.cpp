@@ -342,7 +342,7 @@ std::vector<CommitCase> commit_cases() {
             if (seed % 2) c.token_pad = 8, c.slot_pad = 24;
             out.push_back({std::string(src == CommitSource::kCache ? "cache_" : "recompute_") + name_of(s, c), c, src});
           }
-  // From float8_e4m3 caches (commit_cache_kernel dequantizes by block), both layouts.
+  // From float8_e4m3 caches into 32- and 16-bit pools (commit_cache_kernel dequantizes by block), both layouts.
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
     for (Shape s : {Shape::kChain, Shape::kVarlenTree})
       for (DType state : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -365,7 +365,8 @@ std::vector<CommitCase> commit_cases() {
       if (s == Shape::kVarlenTree) c.seq_lens = many_lens(c.batch, 10);
       out.push_back({"recompute_" + name_of(s, c) + "_b24", c, CommitSource::kRecompute});
     }
-  // Into float8_e4m3 pools, both layouts: from fp32 and fp8 caches (commit_cache_kernel quantizes by block), by
+  // Into float8_e4m3 pools, both layouts: from fp32 caches (commit_cache_kernel quantizes by block) and fp8 caches (it
+  // copies the bytes and scales), by
   // replay.
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
     for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree}) {
