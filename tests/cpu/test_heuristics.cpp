@@ -37,6 +37,7 @@ Candidates h100_candidates(int64_t B) {
   c.chain_mma = {32 * 4 * B, 8 * kSms};
   c.fp8_chain = {32 * 2 * B, 3 * kSms};    // 2 CTAs per head, 12 warps per SM
   c.fp8_chain_mma = {32 * 2 * B, 3 * kSms};
+  c.vlast_fp8_chain = {32 * 2 * B, 3 * kSms};  // 2 CTAs of 64 columns per head, 12 warps per SM
   return c;
 }
 
@@ -188,6 +189,48 @@ TEST(RecurrentHeuristics, ChainsOnTensorCoresFromThreeTokens) {
   }
 }
 
+TEST(RecurrentHeuristics, VLastFp8VerifyChainsOnTheirKernel) {
+  RecurrentCall c = decode_call(DType::kFloat8E4M3, DType::kBFloat16, 64, StateLayout::kVLast);
+  c.op = RecurrentOp::kVerify;
+  c.num_draft_tokens = 4;
+  c.caches_states = true, c.cache_dtype = DType::kFloat8E4M3;
+  // With a cache from B = 6, without one from B = 32.
+  for (int64_t B : {1, 4, 5, 6, 8, 64, 256}) {
+    RecurrentCall n = c;
+    n.batch = B;
+    EXPECT_EQ(kernel_at(n), B >= 6 ? RecurrentKernel::kVLastFp8Chain : RecurrentKernel::kWarpRegular) << "B " << B;
+    n.caches_states = false;
+    EXPECT_EQ(kernel_at(n), B >= 32 ? RecurrentKernel::kVLastFp8Chain : RecurrentKernel::kWarpRegular) << "B " << B;
+  }
+  RecurrentCall other = c;
+  other = c, other.input_dtype = DType::kFloat16;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastFp8Chain);
+  other = c, other.head_dim_k = other.head_dim_v = 64;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastFp8Chain);
+  // The warp kernel: other caches, trees, fp32 inputs, K = 256, other ops, or where asked.
+  other = c, other.cache_dtype = DType::kBFloat16;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.tree = true;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.input_dtype = DType::kFloat32;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.head_dim_k = other.head_dim_v = 256;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.op = RecurrentOp::kRecompute;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.state_dtype = DType::kBFloat16;
+  EXPECT_NE(kernel_at(other), RecurrentKernel::kVLastFp8Chain);
+  Overrides never, from_one;
+  never.verify_vlast_fp8_chain_min_batch = 0;
+  from_one.verify_vlast_fp8_chain_min_batch = 1;
+  EXPECT_EQ(kernel_at(c, never), RecurrentKernel::kWarpRegular);
+  other = c, other.batch = 1, other.caches_states = false;
+  EXPECT_EQ(kernel_at(other, from_one), RecurrentKernel::kVLastFp8Chain);
+  Candidates unknown = h100_candidates(c.batch);  // not built for the call
+  unknown.vlast_fp8_chain = {};
+  EXPECT_EQ(recurrent::choose_recurrent_kernel(c, unknown, Overrides{}).kernel, RecurrentKernel::kWarpRegular);
+}
+
 TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
   RecurrentCall c = decode_call(DType::kFloat8E4M3, DType::kBFloat16, 64);
   c.op = RecurrentOp::kVerify;
@@ -219,7 +262,7 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
     EXPECT_EQ(kernel_at(c, never), RecurrentKernel::kWarpRegular);
   }
   c.caches_states = true;
-  // The warp kernel: other caches, trees, fp32 inputs, K = 256, V-last, other ops, or where asked.
+  // The warp kernel: other caches, trees, fp32 inputs, K = 256, other ops, or where asked (V-last: its own kernel).
   RecurrentCall other = c;
   other.caches_states = true, other.cache_dtype = DType::kBFloat16;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
@@ -232,7 +275,7 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
   other = c, other.head_dim_k = other.head_dim_v = 64;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kFp8Chain);
   other = c, other.layout = StateLayout::kVLast;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastFp8Chain);
   other = c, other.op = RecurrentOp::kRecompute;  // commit by recompute: the warp kernel (measured no faster there)
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
   other = c, other.op = RecurrentOp::kPrefill;

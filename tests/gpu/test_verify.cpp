@@ -309,6 +309,38 @@ TEST(VerifyGpu, Fp8ChainsWithoutACacheOnBothForms) {
     }
 }
 
+// Chains of V-last float8_e4m3 pools on their chain kernel (vlast_fp8_chain.cuh, at every batch by override), with an
+// fp8 cache and without: K = V = 64 and 128 (one and two CTAs of 64 columns a head), bf16 and fp16 inputs, one token,
+// four, and 33 (past 32: the next gates), update_state on and off, varlen rows of every length, padding rows; and 48
+// tokens whose decays sum far below -87 with v 16x larger (the rows' factor w folded into their values).
+TEST(VerifyGpu, VLastFp8Chains) {
+  uint64_t seed = 4300;
+  std::vector<Named> cases;
+  for (int d : {64, 128})
+    for (DType in : {DType::kBFloat16, DType::kFloat16})
+      for (bool cache : {true, false}) {
+        for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain})
+          for (int T : {1, 4, 33}) {
+            ProblemConfig c = make(s, StateLayout::kVLast, DType::kFloat8E4M3, DType::kFloat8E4M3, T, seed++);
+            c.intermediate = cache, c.K = c.V = d, c.in_dtype = in, c.H = 4, c.HV = 8;
+            c.batch = 10, c.padding_rows = 2;
+            if (s == Shape::kVarlenChain) c.seq_lens = many_lens(c.batch, T);
+            cases.push_back({name_of(s, c), c});
+          }
+        ProblemConfig c =
+            make(Shape::kChainUpdate, StateLayout::kVLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 48, seed++);
+        c.intermediate = cache, c.K = c.V = d, c.in_dtype = in, c.H = 4, c.HV = 8, c.batch = 6, c.v_scale = 16.0;
+        cases.push_back({name_of(Shape::kChainUpdate, c) + "_decayed", c});
+      }
+  cuda::Overrides o;
+  o.verify_vlast_fp8_chain_min_batch = 1;
+  const cuda::ScopedOverrides scoped(o);
+  for (const Named& n : cases) {
+    SCOPED_TRACE(n.name);
+    check_verify(n.cfg);
+  }
+}
+
 // ---- commit ------------------------------------------------------------------------------------
 struct CommitCase {
   std::string name;

@@ -167,4 +167,35 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t
   }
 }
 
+// kRuns 32-element blocks, each held by a lane pair (l, l ^ kPartner) as 16 values times w > 0 (the same on both
+// lanes), as quantize_e4m3x16<kPartner, true> quantizes each, and rescaled in place: x becomes x w 2^-s, the values
+// the bytes round, and w becomes 2^s (under the NaN scale: x w and w = 1, the bytes all NaN codes). Phase by phase
+// over the runs, so that their dependent chains overlap (the fp8 chain kernels' cache stores).
+template <int kRuns, int kPartner>
+__device__ __forceinline__ void quantize_e4m3_runs_rescale(float (&x)[kRuns][16], float (&w)[kRuns],
+                                                           uint4 (&bytes)[kRuns], uint32_t (&scale_byte)[kRuns]) {
+  float m[kRuns];
+#pragma unroll
+  for (int i = 0; i < kRuns; ++i) m[i] = max_abs_nan16(x[i]);
+#pragma unroll
+  for (int i = 0; i < kRuns; ++i) m[i] = max_abs_nan(m[i], __shfl_xor_sync(0xffffffffu, m[i], kPartner));
+#pragma unroll
+  for (int i = 0; i < kRuns; ++i) {
+    const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w[i] * m[i]));
+    scale_byte[i] = sc.byte;
+    const bool nan = sc.byte == 255u;
+    const float f = nan ? w[i] : w[i] * sc.inv;
+    w[i] = nan ? 1.0f : e8m0_scale(sc.byte);
+    uint32_t out[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[i][4 * q + e] *= f;
+      const uint32_t b = e4m3x4_by_factor(x[i][4 * q], x[i][4 * q + 1], x[i][4 * q + 2], x[i][4 * q + 3], 1.0f);
+      out[q] = nan ? 0x7f7f7f7fu : b;
+    }
+    bytes[i] = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
 }  // namespace gdnkit::cuda

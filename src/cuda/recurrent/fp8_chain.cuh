@@ -45,36 +45,6 @@ struct Fp8ChainTile {
   static_assert(2 * kRuns == kLanesPerCol, "K in {64, 128}: a column's lanes take its 2 kRuns sums one each");
 };
 
-// kRuns 32-element blocks, each held by a lane pair (l, l ^ 1) as 16 values times w > 0 (the same on both lanes), as
-// quantize_e4m3x16<1, true> quantizes each, and rescaled in place: x becomes x w 2^-s, the values the bytes round,
-// and w becomes 2^s (under the NaN scale: x w and w = 1, the bytes all NaN codes). Phase by phase over the runs.
-template <int kRuns>
-__device__ __forceinline__ void quantize_runs_rescale(float (&x)[kRuns][16], float (&w)[kRuns], uint4 (&bytes)[kRuns],
-                                                      uint32_t (&scale_byte)[kRuns]) {
-  float m[kRuns];
-#pragma unroll
-  for (int i = 0; i < kRuns; ++i) m[i] = max_abs_nan16(x[i]);
-#pragma unroll
-  for (int i = 0; i < kRuns; ++i) m[i] = max_abs_nan(m[i], __shfl_xor_sync(0xffffffffu, m[i], 1));
-#pragma unroll
-  for (int i = 0; i < kRuns; ++i) {
-    const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w[i] * m[i]));
-    scale_byte[i] = sc.byte;
-    const bool nan = sc.byte == 255u;
-    const float f = nan ? w[i] : w[i] * sc.inv;
-    w[i] = nan ? 1.0f : e8m0_scale(sc.byte);
-    uint32_t out[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[i][4 * q + e] *= f;
-      const uint32_t b = e4m3x4_by_factor(x[i][4 * q], x[i][4 * q + 1], x[i][4 * q + 2], x[i][4 * q + 3], 1.0f);
-      out[q] = nan ? 0x7f7f7f7fu : b;
-    }
-    bytes[i] = make_uint4(out[0], out[1], out[2], out[3]);
-  }
-}
-
 // kCache: the rows' intermediate states go to a float8_e4m3 cache (rows with a cache slot); else no cache.
 template <class TInput, int K, int V, bool kCache>
 __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
@@ -236,7 +206,7 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
     if (kCache && t < cached) {
       uint4 bytes[kRuns];
       uint32_t scale_bytes[kRuns];
-      quantize_runs_rescale(x, w, bytes, scale_bytes);
+      quantize_e4m3_runs_rescale<kRuns, 1>(x, w, bytes, scale_bytes);
 #pragma unroll
       for (int i = 0; i < kRuns; ++i)
         store_e4m3_run<K>(cache, cache_scales, v0 + kCPL * i + g, c, bytes[i], scale_bytes[i]);

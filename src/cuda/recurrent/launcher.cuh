@@ -16,6 +16,7 @@
 #include "cuda/recurrent/chain_mma.cuh"
 #include "cuda/recurrent/fp8_chain.cuh"
 #include "cuda/recurrent/fp8_chain_mma.cuh"
+#include "cuda/recurrent/vlast_fp8_chain.cuh"
 #include "cuda/recurrent/heuristics.h"
 #include "cuda/recurrent/launch.cuh"
 #include "cuda/recurrent/mma_decode.cuh"
@@ -84,6 +85,8 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
   constexpr bool kWidthsBuilt = kLayout == StateLayout::kKLast && kOp == RecurrentOp::kDecode && K == 128;
   constexpr bool kFp8ChainBuilt = kLayout == StateLayout::kKLast && kFp8State && kOp == RecurrentOp::kVerify &&
                                   sizeof(TInput) == 2 && (K == 64 || K == 128) && K == V;
+  constexpr bool kVLastFp8ChainBuilt = kLayout == StateLayout::kVLast && kFp8State && kOp == RecurrentOp::kVerify &&
+                                       sizeof(TInput) == 2 && (K == 64 || K == 128) && K == V;
 
   Candidates fit;
   if constexpr (!kVLastBuilt) {  // V-last decode has its own kernel: the warp kernel is not built for it
@@ -109,6 +112,11 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
     static const int64_t mma_resident = resident_ctas(
         reinterpret_cast<const void*>(fp8_chain_mma_kernel<TInput, K, V>), Fp8ChainMmaTile<K>::kWarps * 32);
     fit.fp8_chain_mma = {grid_ctas(head_grid(p, V / Fp8ChainMmaTile<K>::kCtaCols)), mma_resident};
+  }
+  if constexpr (kVLastFp8ChainBuilt) {
+    static const int64_t resident = resident_ctas(
+        reinterpret_cast<const void*>(vlast_fp8_chain_kernel<TInput, K, V, true>), VLastFp8ChainRows<K>::kWarps * 32);
+    fit.vlast_fp8_chain = {grid_ctas(head_grid(p, V / VLastFp8ChainRows<K>::kCols)), resident};
   }
   if constexpr (kMmaDecodeBuilt) {
     using Tile = MmaDecodeTile<K, V>;
@@ -163,6 +171,17 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
       if constexpr (kFp8ChainBuilt)
         return launch_recurrent(fp8_chain_mma_kernel<TInput, K, V>, head_grid(p, V / Fp8ChainMmaTile<K>::kCtaCols),
                                 Fp8ChainMmaTile<K>::kWarps * 32, false, stream, p, write_state);
+      break;
+    case RecurrentKernel::kVLastFp8Chain:
+      if constexpr (kVLastFp8ChainBuilt) {
+        const dim3 grid = head_grid(p, V / VLastFp8ChainRows<K>::kCols);
+        constexpr int kThreadsPerCta = VLastFp8ChainRows<K>::kWarps * 32;
+        if (call.caches_states)
+          return launch_recurrent(vlast_fp8_chain_kernel<TInput, K, V, true>, grid, kThreadsPerCta, false, stream, p,
+                                  write_state);
+        return launch_recurrent(vlast_fp8_chain_kernel<TInput, K, V, false>, grid, kThreadsPerCta, false, stream, p,
+                                write_state);
+      }
       break;
     case RecurrentKernel::kMmaDecode:
       if constexpr (kMmaDecodeBuilt)
