@@ -70,7 +70,7 @@ struct Options {
   int chain_min_tokens = -1;     // A/B switch: fewest tokens on the tensor-core chain kernel (0: never; -1: the heuristic)
   int fp8_chain = -1;            // A/B switch: fp8 chain verify on the fp8 chain kernel from this batch (0: never)
   int fp8_chain_mma = -1;        // A/B switch: fp8 chain verify without a cache on tensor cores (1) or CUDA cores (0)
-  int vlast_fp8_chain = -1;      // A/B switch: V-last fp8 chain verify on its chain kernel from N sequences (0: never)
+  int vlast_chain = -1;          // A/B switch: V-last chain verify on its chain kernel from N sequences (0: never)
   int solo_min_batch = -1;       // A/B switch: fp32 K-last decode in one-warp CTAs from this batch (0: never)
   int prep_warpgroup = -1;       // A/B switch: prefill's prep warpgroup (0 off, 1 M, 2 the whole prep)
   int chunk_flags = -1;          // A/B switch: prefill's pass waiting per chunk (0: for the chunk prep's grid)

@@ -971,7 +971,7 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
   if (o.solo_min_batch >= 0) overrides.decode_solo_min_batch = o.solo_min_batch;
   if (o.fp8_chain >= 0) overrides.verify_fp8_chain_min_batch = o.fp8_chain;
   if (o.fp8_chain_mma >= 0) overrides.verify_fp8_chain_mma = o.fp8_chain_mma != 0;
-  if (o.vlast_fp8_chain >= 0) overrides.verify_vlast_fp8_chain_min_batch = o.vlast_fp8_chain;
+  if (o.vlast_chain >= 0) overrides.verify_vlast_chain_min_batch = o.vlast_chain;
   overrides.prefill_stages = o.prefill_stages;
   const cuda::ScopedOverrides scoped(overrides);  // the A/B switches of this run
   Device d;

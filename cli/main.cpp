@@ -73,8 +73,8 @@ bench options:
                              sequences (0: never), where it is built, instead of the library's choice
   --fp8-chain-mma N          A/B switch: those chains without a cache on the fp8 chain kernel's tensor-core form (1)
                              or its CUDA-core form (0), instead of the library's choice
-  --vlast-fp8-chain N        A/B switch: verify of chains on V-last float8_e4m3 pools on their chain kernel from N
-                             sequences (0: never), where it is built, instead of the library's choice
+  --vlast-chain N            A/B switch: verify of chains on V-last pools on their chain kernel from N sequences
+                             (0: never), where it is built, instead of the library's choice
   --solo-min-batch N         A/B switch: fp32 K-last decode on one-warp CTAs from N sequences (0: never), instead
                              of the library's choice
   --prep-warpgroup N         A/B switch: prefill's prep warpgroup beside two state warpgroups, 0 none, 1 forming M,
@@ -228,8 +228,8 @@ Options parse_bench(int argc, char** argv, int first) {
       o.fp8_chain = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--fp8-chain-mma") {
       o.fp8_chain_mma = int_list(a, value(i), 0, 1).front();
-    } else if (a == "--vlast-fp8-chain") {
-      o.vlast_fp8_chain = int_list(a, value(i), 0, 1 << 20).front();
+    } else if (a == "--vlast-chain") {
+      o.vlast_chain = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--solo-min-batch") {
       o.solo_min_batch = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--prep-warpgroup") {

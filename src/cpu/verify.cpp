@@ -1,6 +1,8 @@
 // CPU reference: decode, verify (chain, tree, varlen) and commit (from cache, by recompute).
 // Decode is verify with T = 1 and update_state: one code path for every token-by-token op.
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu/backend.h"
@@ -126,7 +128,15 @@ void commit(const CommitParams& p) {
       if (from_cache) {
         // The state after the last kept token was stored by verify at step kept(n-1).
         if (islot < 0) break;  // the row cached nothing: padding
-        detail::load_state(detail::cache_head(p.intermediate, islot, kept(n - 1), HV, h, K, V), K, V, S.data());
+        const detail::HeadState entry = detail::cache_head(p.intermediate, islot, kept(n - 1), HV, h, K, V);
+        if (entry.dtype == DType::kFloat8E4M3 && pool.dtype == DType::kFloat8E4M3) {
+          // float8_e4m3 into float8_e4m3: the bytes and scales as stored (requantizing a stored state writes the same)
+          std::memcpy(static_cast<uint8_t*>(pool.base) + pool.offset,
+                      static_cast<const uint8_t*>(entry.base) + entry.offset, size_t(KV));
+          std::memcpy(pool.scales, entry.scales, size_t(KV / kFp8Block));
+          continue;
+        }
+        detail::load_state(entry, K, V, S.data());
       } else {
         // Replay the kept tokens in order from the pool state; q and o are not needed.
         detail::load_state(pool, K, V, S.data());

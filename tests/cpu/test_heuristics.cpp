@@ -37,7 +37,7 @@ Candidates h100_candidates(int64_t B) {
   c.chain_mma = {32 * 4 * B, 8 * kSms};
   c.fp8_chain = {32 * 2 * B, 3 * kSms};    // 2 CTAs per head, 12 warps per SM
   c.fp8_chain_mma = {32 * 2 * B, 3 * kSms};
-  c.vlast_fp8_chain = {32 * 2 * B, 3 * kSms};  // 2 CTAs of 64 columns per head, 12 warps per SM
+  c.vlast_chain = {32 * 2 * B, 3 * kSms};  // 2 CTAs of 64 columns per head, 12 warps per SM
   return c;
 }
 
@@ -189,7 +189,7 @@ TEST(RecurrentHeuristics, ChainsOnTensorCoresFromThreeTokens) {
   }
 }
 
-TEST(RecurrentHeuristics, VLastFp8VerifyChainsOnTheirKernel) {
+TEST(RecurrentHeuristics, VLastVerifyChainsOnTheirKernel) {
   RecurrentCall c = decode_call(DType::kFloat8E4M3, DType::kBFloat16, 64, StateLayout::kVLast);
   c.op = RecurrentOp::kVerify;
   c.num_draft_tokens = 4;
@@ -198,15 +198,15 @@ TEST(RecurrentHeuristics, VLastFp8VerifyChainsOnTheirKernel) {
   for (int64_t B : {1, 4, 5, 6, 8, 64, 256}) {
     RecurrentCall n = c;
     n.batch = B;
-    EXPECT_EQ(kernel_at(n), B >= 6 ? RecurrentKernel::kVLastFp8Chain : RecurrentKernel::kWarpRegular) << "B " << B;
+    EXPECT_EQ(kernel_at(n), B >= 6 ? RecurrentKernel::kVLastChain : RecurrentKernel::kWarpRegular) << "B " << B;
     n.caches_states = false;
-    EXPECT_EQ(kernel_at(n), B >= 32 ? RecurrentKernel::kVLastFp8Chain : RecurrentKernel::kWarpRegular) << "B " << B;
+    EXPECT_EQ(kernel_at(n), B >= 32 ? RecurrentKernel::kVLastChain : RecurrentKernel::kWarpRegular) << "B " << B;
   }
   RecurrentCall other = c;
-  other = c, other.input_dtype = DType::kFloat16;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastFp8Chain);
+  other.input_dtype = DType::kFloat16;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastChain);
   other = c, other.head_dim_k = other.head_dim_v = 64;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastFp8Chain);
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastChain);
   // The warp kernel: other caches, trees, fp32 inputs, K = 256, other ops, or where asked.
   other = c, other.cache_dtype = DType::kBFloat16;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
@@ -219,16 +219,36 @@ TEST(RecurrentHeuristics, VLastFp8VerifyChainsOnTheirKernel) {
   other = c, other.op = RecurrentOp::kRecompute;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
   other = c, other.state_dtype = DType::kBFloat16;
-  EXPECT_NE(kernel_at(other), RecurrentKernel::kVLastFp8Chain);
+  EXPECT_NE(kernel_at(other), RecurrentKernel::kVLastChain);
   Overrides never, from_one;
-  never.verify_vlast_fp8_chain_min_batch = 0;
-  from_one.verify_vlast_fp8_chain_min_batch = 1;
+  never.verify_vlast_chain_min_batch = 0;
+  from_one.verify_vlast_chain_min_batch = 1;
   EXPECT_EQ(kernel_at(c, never), RecurrentKernel::kWarpRegular);
   other = c, other.batch = 1, other.caches_states = false;
-  EXPECT_EQ(kernel_at(other, from_one), RecurrentKernel::kVLastFp8Chain);
+  EXPECT_EQ(kernel_at(other, from_one), RecurrentKernel::kVLastChain);
   Candidates unknown = h100_candidates(c.batch);  // not built for the call
-  unknown.vlast_fp8_chain = {};
+  unknown.vlast_chain = {};
   EXPECT_EQ(recurrent::choose_recurrent_kernel(c, unknown, Overrides{}).kernel, RecurrentKernel::kWarpRegular);
+  // The other pools (the benchmark's fp32 cache): fp32 with a cache from B = 1, never without; bf16 and fp16 never
+  // with a cache, from B = 16 without; a bf16 cache with a bf16 pool by override only (not measured).
+  for (int64_t B : {1, 8, 16, 64}) {
+    RecurrentCall n = c;
+    n.batch = B, n.cache_dtype = DType::kFloat32;
+    n.state_dtype = DType::kFloat32;
+    EXPECT_EQ(kernel_at(n), RecurrentKernel::kVLastChain) << "B " << B;
+    n.caches_states = false;
+    EXPECT_EQ(kernel_at(n), RecurrentKernel::kWarpRegular) << "B " << B;
+    for (DType s : {DType::kBFloat16, DType::kFloat16}) {
+      n.state_dtype = s, n.caches_states = true;
+      EXPECT_EQ(kernel_at(n), RecurrentKernel::kWarpRegular) << "B " << B;
+      n.caches_states = false;
+      EXPECT_EQ(kernel_at(n), B >= 16 ? RecurrentKernel::kVLastChain : RecurrentKernel::kWarpRegular) << "B " << B;
+    }
+  }
+  other = c, other.state_dtype = DType::kBFloat16, other.cache_dtype = DType::kBFloat16;
+  EXPECT_EQ(kernel_at(other, from_one), RecurrentKernel::kVLastChain);
+  other.cache_dtype = DType::kFloat16;  // a cache of another 16-bit dtype: not built
+  EXPECT_EQ(kernel_at(other, from_one), RecurrentKernel::kWarpRegular);
 }
 
 TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
@@ -275,7 +295,7 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
   other = c, other.head_dim_k = other.head_dim_v = 64;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kFp8Chain);
   other = c, other.layout = StateLayout::kVLast;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastFp8Chain);
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastChain);
   other = c, other.op = RecurrentOp::kRecompute;  // commit by recompute: the warp kernel (measured no faster there)
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
   other = c, other.op = RecurrentOp::kPrefill;

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -67,6 +68,8 @@ struct Fp8DecodeCase {
   bool nonfinite = false;  // slot 3, head 1: a block of column 5 holds a NaN, one of column 9 an infinity
   bool tiny = false;       // some blocks of magnitude 2^-118 .. 2^-108 and v 64x larger: a factored update's
                            // (rk u / w) k would overflow for a finite state (kMinBlockFactor)
+  bool zero = false;       // block 0 of some columns zero codes under the scale 2^73, and k zero over its 32 k: the
+                           // block stays zero, whose store's factor w 2^127 overflows (zeros, not NaN codes, stored)
 };
 
 class Fp8DecodeGpu : public ::testing::TestWithParam<Fp8DecodeCase> {};
@@ -98,6 +101,10 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
         if (GetParam().nonfinite && s == 3 && e == head + 9 * K) x[30] = INFINITY;
         scales[size_t((s * HV * head + e) / kFp8Block)] =
             host::quantize_e4m3_block(x, kFp8Block, &pool[size_t(s * stride + e)]);
+        if (GetParam().zero && (e % head) % K == 0 && (e / K) % 3 == 0) {  // block 0 of every third column
+          std::fill_n(&pool[size_t(s * stride + e)], kFp8Block, uint8_t(0));
+          scales[size_t((s * HV * head + e) / kFp8Block)] = 200;
+        }
       }
   }
   std::vector<float> a(static_cast<size_t>(B * HV)), bb(static_cast<size_t>(B * HV)), A_log(static_cast<size_t>(HV)),
@@ -110,7 +117,11 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
     for (float& x : A_log) x = std::log(ud(gen));
     for (float& x : dt_bias) x = 0.5f * nd(gen);
   }
-  const std::vector<uint8_t> q = token_bytes(gen, size_t(B * H * K), in), k = token_bytes(gen, size_t(B * H * K), in);
+  const std::vector<uint8_t> q = token_bytes(gen, size_t(B * H * K), in);
+  std::vector<uint8_t> k = token_bytes(gen, size_t(B * H * K), in);
+  if (GetParam().zero)
+    for (int64_t r = 0; r < int64_t(B) * H; ++r)
+      for (int j = 0; j < kFp8Block; ++j) host::store(k.data(), in, r * K + j, 0.0);
   std::vector<uint8_t> v = token_bytes(gen, size_t(B * HV * V), in);
   if (GetParam().tiny)
     for (int64_t i = 0; i < int64_t(B) * HV * V; ++i) host::store(v.data(), in, i, 64.0 * host::load(v.data(), in, i));
@@ -232,12 +243,15 @@ INSTANTIATE_TEST_SUITE_P(Dims, Fp8DecodeGpu,
                                            Fp8DecodeCase{128, DType::kBFloat16, 16, true},
                                            Fp8DecodeCase{128, DType::kBFloat16, 32, true},
                                            Fp8DecodeCase{128, DType::kBFloat16, 32, false, true},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 16, false, true}),
+                                           Fp8DecodeCase{128, DType::kBFloat16, 16, false, true},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 32, false, false, true},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 16, false, false, true},
+                                           Fp8DecodeCase{64, DType::kBFloat16, 8, false, false, true}),
                          [](const auto& info) {
                            return "K" + std::to_string(info.param.K) +
                                   (info.param.in == DType::kFloat32 ? "_f32" : "_bf16") + "_cols" +
                                   std::to_string(info.param.cols) + (info.param.nonfinite ? "_nonfinite" : "") +
-                                  (info.param.tiny ? "_tiny" : "");
+                                  (info.param.tiny ? "_tiny" : "") + (info.param.zero ? "_zero" : "");
                          });
 
 }  // namespace

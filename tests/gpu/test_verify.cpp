@@ -309,31 +309,38 @@ TEST(VerifyGpu, Fp8ChainsWithoutACacheOnBothForms) {
     }
 }
 
-// Chains of V-last float8_e4m3 pools on their chain kernel (vlast_fp8_chain.cuh, at every batch by override), with an
-// fp8 cache and without: K = V = 64 and 128 (one and two CTAs of 64 columns a head), bf16 and fp16 inputs, one token,
-// four, and 33 (past 32: the next gates), update_state on and off, varlen rows of every length, padding rows; and 48
-// tokens whose decays sum far below -87 with v 16x larger (the rows' factor w folded into their values).
-TEST(VerifyGpu, VLastFp8Chains) {
+// Chains of V-last pools on their chain kernel (vlast_chain.cuh, at every batch by override), with a cache and without:
+// float8_e4m3 pools (an fp8 cache), bf16 (a bf16 or fp32 cache), fp16 (fp16), fp32 (fp32); K = V = 64 and 128 (one or
+// two CTAs a head; fp32: two or four), bf16 and fp16 inputs, one token, four, and 33 (past 32: the next gates),
+// update_state on and off, varlen rows of every length, padding rows; and 48 tokens whose decays sum far below -87
+// with v 16x larger (the rows' factor w folded into their values).
+TEST(VerifyGpu, VLastChains) {
   uint64_t seed = 4300;
   std::vector<Named> cases;
-  for (int d : {64, 128})
-    for (DType in : {DType::kBFloat16, DType::kFloat16})
+  const std::pair<DType, DType> kinds[] = {{DType::kFloat8E4M3, DType::kFloat8E4M3},
+                                           {DType::kBFloat16, DType::kBFloat16},
+                                           {DType::kBFloat16, DType::kFloat32},
+                                           {DType::kFloat16, DType::kFloat16},
+                                           {DType::kFloat32, DType::kFloat32}};
+  for (const auto& [state, cache_dtype] : kinds)
+    for (int d : {64, 128})
       for (bool cache : {true, false}) {
+        if (!cache && cache_dtype != state) continue;  // the same call as the state's own cache dtype
+        const DType in = (d == 64) == cache ? DType::kFloat16 : DType::kBFloat16;
         for (Shape s : {Shape::kChain, Shape::kChainUpdate, Shape::kVarlenChain})
           for (int T : {1, 4, 33}) {
-            ProblemConfig c = make(s, StateLayout::kVLast, DType::kFloat8E4M3, DType::kFloat8E4M3, T, seed++);
+            ProblemConfig c = make(s, StateLayout::kVLast, state, cache_dtype, T, seed++);
             c.intermediate = cache, c.K = c.V = d, c.in_dtype = in, c.H = 4, c.HV = 8;
             c.batch = 10, c.padding_rows = 2;
             if (s == Shape::kVarlenChain) c.seq_lens = many_lens(c.batch, T);
             cases.push_back({name_of(s, c), c});
           }
-        ProblemConfig c =
-            make(Shape::kChainUpdate, StateLayout::kVLast, DType::kFloat8E4M3, DType::kFloat8E4M3, 48, seed++);
+        ProblemConfig c = make(Shape::kChainUpdate, StateLayout::kVLast, state, cache_dtype, 48, seed++);
         c.intermediate = cache, c.K = c.V = d, c.in_dtype = in, c.H = 4, c.HV = 8, c.batch = 6, c.v_scale = 16.0;
         cases.push_back({name_of(Shape::kChainUpdate, c) + "_decayed", c});
       }
   cuda::Overrides o;
-  o.verify_vlast_fp8_chain_min_batch = 1;
+  o.verify_vlast_chain_min_batch = 1;
   const cuda::ScopedOverrides scoped(o);
   for (const Named& n : cases) {
     SCOPED_TRACE(n.name);
@@ -398,8 +405,7 @@ std::vector<CommitCase> commit_cases() {
       out.push_back({"recompute_" + name_of(s, c) + "_b24", c, CommitSource::kRecompute});
     }
   // Into float8_e4m3 pools, both layouts: from fp32 caches (commit_cache_kernel quantizes by block) and fp8 caches (it
-  // copies the bytes and scales), by
-  // replay.
+  // copies the bytes and scales), by replay.
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
     for (Shape s : {Shape::kChain, Shape::kTree, Shape::kVarlenTree}) {
       for (DType cache : {DType::kFloat32, DType::kFloat8E4M3}) {

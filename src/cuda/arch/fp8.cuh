@@ -127,14 +127,11 @@ __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16])
     }
 }
 
-// A 32-element block held by lanes l and l ^ kPartner, 16 values each, to e4m3 bytes and its E8M0 scale byte (the
-// same on both lanes). kFactored: the values are x w, for a w > 0 the same on both lanes (a factor the caller kept
-// out of its elements): the scale comes from w max|x|, each element goes through x (w 2^-s), and the NaN scale's
-// factor is NaN (every element then converts to the NaN code, with no branch). Otherwise the values are x (w unused)
-// and the NaN scale a branch, which keeps narrow decode warps faster (docs/design/decode.md "fp8 pools").
 // A 32-element block held by 32 / N lanes (l, l ^ kPartner, l ^ 2 kPartner, ...), N values x w each (w > 0, the same
 // on every lane of the block), to e4m3 words, the first value in the low byte of words[0], and its E8M0 scale byte:
 // the scale from w max|x|, each element through x (w 2^-s), the NaN scale's factor NaN (every element its NaN code).
+// The scale comes from w max(max|x|, 2^-120), so that w 2^-s stays finite where x is zero or tiny beside w (a block of
+// zero codes under a large scale: it keeps a scale near w's; any code at all is at least 2^-9).
 template <int N, int kPartner>
 __device__ __forceinline__ void quantize_e4m3_factored(const float (&x)[N], float w, uint32_t (&words)[N / 4],
                                                        uint32_t& scale_byte) {
@@ -142,7 +139,7 @@ __device__ __forceinline__ void quantize_e4m3_factored(const float (&x)[N], floa
 #pragma unroll
   for (int off = kPartner; off < kPartner * (kFp8Block / N); off *= 2)
     m = max_abs_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
-  const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w * m));
+  const Fp8Scale sc = e4m3_block_scale(__float_as_uint(max_abs_nan(w * m, w * 0x1p-120f)));
   scale_byte = sc.byte;
   const float f = sc.byte == 255u ? e4m3_nan_factor() : w * sc.inv;
 #pragma unroll
@@ -169,8 +166,9 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t
 
 // kRuns 32-element blocks, each held by a lane pair (l, l ^ kPartner) as 16 values times w > 0 (the same on both
 // lanes), as quantize_e4m3x16<kPartner, true> quantizes each, and rescaled in place: x becomes x w 2^-s, the values
-// the bytes round, and w becomes 2^s (under the NaN scale: x w and w = 1, the bytes all NaN codes). Phase by phase
-// over the runs, so that their dependent chains overlap (the fp8 chain kernels' cache stores).
+// the bytes round, and w becomes 2^s (under the NaN scale: x w and w = 1, the bytes all NaN codes; the scale from w
+// max(max|x|, 2^-120), as quantize_e4m3_factored's). Phase by phase over the runs, so that their dependent chains
+// overlap (the fp8 chain kernels' cache stores).
 template <int kRuns, int kPartner>
 __device__ __forceinline__ void quantize_e4m3_runs_rescale(float (&x)[kRuns][16], float (&w)[kRuns],
                                                            uint4 (&bytes)[kRuns], uint32_t (&scale_byte)[kRuns]) {
@@ -181,7 +179,7 @@ __device__ __forceinline__ void quantize_e4m3_runs_rescale(float (&x)[kRuns][16]
   for (int i = 0; i < kRuns; ++i) m[i] = max_abs_nan(m[i], __shfl_xor_sync(0xffffffffu, m[i], kPartner));
 #pragma unroll
   for (int i = 0; i < kRuns; ++i) {
-    const Fp8Scale sc = e4m3_block_scale(__float_as_uint(w[i] * m[i]));
+    const Fp8Scale sc = e4m3_block_scale(__float_as_uint(max_abs_nan(w[i] * m[i], w[i] * 0x1p-120f)));
     scale_byte[i] = sc.byte;
     const bool nan = sc.byte == 255u;
     const float f = nan ? w[i] : w[i] * sc.inv;

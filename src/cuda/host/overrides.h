@@ -21,8 +21,8 @@ struct Overrides {
                                         // kernel, where it is built (0: never)
   bool verify_fp8_chain_mma = true;     // ... without a cache on its tensor-core kernel where the heuristic takes it
                                         // (false: the CUDA-core one)
-  int verify_vlast_fp8_chain_min_batch = -1;  // smallest batch of verify of chains on V-last float8_e4m3 pools on
-                                              // their chain kernel, with a cache or without, where built (0: never)
+  int verify_vlast_chain_min_batch = -1;  // smallest batch of verify of chains on V-last pools on their chain kernel,
+                                          // with a cache or without, where built (0: never)
   // Prefill choice; -1 / 0: the heuristic.
   int prefill_short_max_len = -1;   // longest sequence on the short-sequence path (0: off)
   int prefill_m_warpgroup = -1;     // the prep warpgroup: 0 off, 1 forming M wherever it can run, 2 forming the

@@ -11,9 +11,16 @@ constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside
 constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode
 constexpr int kFp8ChainMinBatch = 2;    // fp8 chain verify on its kernel from B = 2 (H200)
 constexpr int kFp8ChainMmaMinBatch = 3;  // ... without a cache on tensor cores from B = 3 (H200: B = 2 1% slower)
-// V-last fp8 chain verify on its kernel from B = 6 with a cache, from B = 32 without one (H200: below, the warp
-// kernel's grids of shorter chains are as fast or faster at some batches)
-constexpr int kVLastFp8ChainMinBatch = 6, kVLastFp8ChainNoCacheMinBatch = 32;
+// V-last chain verify on its kernel from these batches, by pool dtype, with a cache / without one (0: never; H200,
+// T = 4, docs/design/decode.md "Verify of chains on V-last pools"): fp8 6 / 32, fp32 (an fp32 cache) 1 / never, bf16 and
+// fp16 (an fp32 cache) never / 16.
+int vlast_chain_min_batch(const RecurrentCall& c) {
+  switch (c.state_dtype) {
+    case DType::kFloat8E4M3: return c.caches_states ? 6 : 32;
+    case DType::kFloat32: return c.caches_states ? 1 : 0;
+    default: return c.caches_states ? 0 : 16;
+  }
+}
 
 bool klast_decode_k128(const RecurrentCall& c) {
   return c.layout == StateLayout::kKLast && c.op == RecurrentOp::kDecode && c.head_dim_k == 128;
@@ -36,7 +43,7 @@ const char* kernel_name(RecurrentKernel k) {
     case RecurrentKernel::kChainMma: return "tensor-core chain";
     case RecurrentKernel::kFp8Chain: return "fp8 chain";
     case RecurrentKernel::kFp8ChainMma: return "fp8 chain (tensor cores)";
-    case RecurrentKernel::kVLastFp8Chain: return "V-last fp8 chain";
+    case RecurrentKernel::kVLastChain: return "V-last chain";
   }
   return "?";
 }
@@ -99,11 +106,13 @@ bool fp8_chain_built(const RecurrentCall& c) {
          !c.tree && cache && inputs && (c.head_dim_k == 64 || c.head_dim_k == 128) && c.head_dim_v == c.head_dim_k;
 }
 
-bool vlast_fp8_chain_built(const RecurrentCall& c) {
+bool vlast_chain_built(const RecurrentCall& c) {
   const bool inputs = c.input_dtype == DType::kBFloat16 || c.input_dtype == DType::kFloat16;
-  const bool cache = !c.caches_states || c.cache_dtype == DType::kFloat8E4M3;
-  return c.layout == StateLayout::kVLast && c.state_dtype == DType::kFloat8E4M3 && c.op == RecurrentOp::kVerify &&
-         !c.tree && cache && inputs && (c.head_dim_k == 64 || c.head_dim_k == 128) && c.head_dim_v == c.head_dim_k;
+  // fp8 states: an fp8 cache; the others: a cache of their dtype or fp32
+  const bool fp8 = c.state_dtype == DType::kFloat8E4M3;
+  const bool cache = !c.caches_states || c.cache_dtype == c.state_dtype || (!fp8 && c.cache_dtype == DType::kFloat32);
+  return c.layout == StateLayout::kVLast && c.op == RecurrentOp::kVerify && !c.tree && cache && inputs &&
+         (c.head_dim_k == 64 || c.head_dim_k == 128) && c.head_dim_v == c.head_dim_k;
 }
 
 int prefetch_share(const RecurrentCall& c, RecurrentKernel k) {
@@ -147,12 +156,12 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
       return RecurrentChoice{K::kFp8Chain, false};
     }
   }
-  // Verify of chains on V-last float8_e4m3 pools: the state in registers across the tokens (the warp kernel
-  // converts and stores it every token), where the grid is large enough.
-  if (vlast_fp8_chain_built(c) && k.vlast_fp8_chain.grid_ctas > 0) {
-    const int min_batch = or_default(o.verify_vlast_fp8_chain_min_batch,
-                                     c.caches_states ? kVLastFp8ChainMinBatch : kVLastFp8ChainNoCacheMinBatch);
-    if (min_batch > 0 && c.batch >= min_batch) return RecurrentChoice{K::kVLastFp8Chain, false};
+  // Verify of chains on V-last pools on their chain kernel (whole 16-byte row pieces a lane, one barrier a token; the
+  // warp kernel's V-last tile moves 32-byte pieces through shared memory) from the batches above (set at HV = 32,
+  // K = 128).
+  if (vlast_chain_built(c) && k.vlast_chain.grid_ctas > 0) {
+    const int min_batch = or_default(o.verify_vlast_chain_min_batch, vlast_chain_min_batch(c));
+    if (min_batch > 0 && c.batch >= min_batch) return RecurrentChoice{K::kVLastChain, false};
   }
   // 16-bit decode on tensor cores where this grid and the next fit the GPU together (fp16 state with bf16 inputs: the
   // tf32 steps, with fewer warps per SM, where they fit so, else the inputs scaled to fp16).

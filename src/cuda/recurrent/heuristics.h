@@ -31,7 +31,7 @@ enum class RecurrentKernel {
   kChainMma,     // chain_mma_kernel: K-last chains of bf16 inputs on tensor cores
   kFp8Chain,     // fp8_chain_kernel: verify of chains on K-last float8_e4m3 pools, an fp8 cache (none: B = 2, override)
   kFp8ChainMma,  // fp8_chain_mma_kernel: ... without a cache, on tensor cores
-  kVLastFp8Chain,  // vlast_fp8_chain_kernel: verify of chains on V-last float8_e4m3 pools, an fp8 cache or none
+  kVLastChain,   // vlast_chain_kernel: verify of chains on V-last pools, a cache of the state's dtype (fp32 too) or none
 };
 const char* kernel_name(RecurrentKernel k);
 
@@ -72,7 +72,7 @@ struct KernelFit {
 };
 struct Candidates {
   KernelFit regular, wide, narrow, vlast_decode, mma_decode, mma_decode_tf32, chain_mma, fp8_chain, fp8_chain_mma,
-      vlast_fp8_chain;
+      vlast_chain;
 };
 
 struct RecurrentChoice {
@@ -87,7 +87,7 @@ bool mma_decode_tf32_built(const RecurrentCall& c);  // fp16 state with bf16 inp
 bool vlast_decode_built(const RecurrentCall& c);
 bool tile_widths_built(const RecurrentCall& c);  // the wide, narrow and solo tiles, and the pinned slot
 bool fp8_chain_built(const RecurrentCall& c);
-bool vlast_fp8_chain_built(const RecurrentCall& c);
+bool vlast_chain_built(const RecurrentCall& c);
 
 // The largest grid in prefetch mode: resident / share, share 2 so that this grid and the next of its size
 // are resident together (1 where the next needs only to start beside this one; 8 for the regular tile with

@@ -16,7 +16,7 @@
 #include "cuda/recurrent/chain_mma.cuh"
 #include "cuda/recurrent/fp8_chain.cuh"
 #include "cuda/recurrent/fp8_chain_mma.cuh"
-#include "cuda/recurrent/vlast_fp8_chain.cuh"
+#include "cuda/recurrent/vlast_chain.cuh"
 #include "cuda/recurrent/heuristics.h"
 #include "cuda/recurrent/launch.cuh"
 #include "cuda/recurrent/mma_decode.cuh"
@@ -85,8 +85,10 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
   constexpr bool kWidthsBuilt = kLayout == StateLayout::kKLast && kOp == RecurrentOp::kDecode && K == 128;
   constexpr bool kFp8ChainBuilt = kLayout == StateLayout::kKLast && kFp8State && kOp == RecurrentOp::kVerify &&
                                   sizeof(TInput) == 2 && (K == 64 || K == 128) && K == V;
-  constexpr bool kVLastFp8ChainBuilt = kLayout == StateLayout::kVLast && kFp8State && kOp == RecurrentOp::kVerify &&
-                                       sizeof(TInput) == 2 && (K == 64 || K == 128) && K == V;
+  constexpr bool kVLastChainBuilt = kLayout == StateLayout::kVLast && kOp == RecurrentOp::kVerify &&
+                                    sizeof(TInput) == 2 && (K == 64 || K == 128) && K == V;
+  // the chain kernel's cache: fp8 with fp8 states, else fp32 or the state's dtype (the call's, at run time)
+  using VLastCache = std::conditional_t<kFp8State, uint8_t, float>;
 
   Candidates fit;
   if constexpr (!kVLastBuilt) {  // V-last decode has its own kernel: the warp kernel is not built for it
@@ -113,10 +115,11 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
         reinterpret_cast<const void*>(fp8_chain_mma_kernel<TInput, K, V>), Fp8ChainMmaTile<K>::kWarps * 32);
     fit.fp8_chain_mma = {grid_ctas(head_grid(p, V / Fp8ChainMmaTile<K>::kCtaCols)), mma_resident};
   }
-  if constexpr (kVLastFp8ChainBuilt) {
+  if constexpr (kVLastChainBuilt) {
+    using Rows = VLastChainRows<TState, K>;
     static const int64_t resident = resident_ctas(
-        reinterpret_cast<const void*>(vlast_fp8_chain_kernel<TInput, K, V, true>), VLastFp8ChainRows<K>::kWarps * 32);
-    fit.vlast_fp8_chain = {grid_ctas(head_grid(p, V / VLastFp8ChainRows<K>::kCols)), resident};
+        reinterpret_cast<const void*>(vlast_chain_kernel<TState, VLastCache, TInput, K, V, true>), Rows::kWarps * 32);
+    fit.vlast_chain = {grid_ctas(head_grid(p, V / Rows::kCols)), resident};
   }
   if constexpr (kMmaDecodeBuilt) {
     using Tile = MmaDecodeTile<K, V>;
@@ -172,15 +175,21 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
         return launch_recurrent(fp8_chain_mma_kernel<TInput, K, V>, head_grid(p, V / Fp8ChainMmaTile<K>::kCtaCols),
                                 Fp8ChainMmaTile<K>::kWarps * 32, false, stream, p, write_state);
       break;
-    case RecurrentKernel::kVLastFp8Chain:
-      if constexpr (kVLastFp8ChainBuilt) {
-        const dim3 grid = head_grid(p, V / VLastFp8ChainRows<K>::kCols);
-        constexpr int kThreadsPerCta = VLastFp8ChainRows<K>::kWarps * 32;
-        if (call.caches_states)
-          return launch_recurrent(vlast_fp8_chain_kernel<TInput, K, V, true>, grid, kThreadsPerCta, false, stream, p,
-                                  write_state);
-        return launch_recurrent(vlast_fp8_chain_kernel<TInput, K, V, false>, grid, kThreadsPerCta, false, stream, p,
-                                write_state);
+    case RecurrentKernel::kVLastChain:
+      if constexpr (kVLastChainBuilt) {
+        using Rows = VLastChainRows<TState, K>;
+        const dim3 grid = head_grid(p, V / Rows::kCols);
+        constexpr int kThreadsPerCta = Rows::kWarps * 32;
+        if (!call.caches_states)
+          return launch_recurrent(vlast_chain_kernel<TState, TState, TInput, K, V, false>, grid, kThreadsPerCta, false,
+                                  stream, p, write_state);
+        if (call.cache_dtype == call.state_dtype)
+          return launch_recurrent(vlast_chain_kernel<TState, std::conditional_t<kFp8State, uint8_t, TState>, TInput, K,
+                                                     V, true>,
+                                  grid, kThreadsPerCta, false, stream, p, write_state);
+        if constexpr (!kFp8State)
+          return launch_recurrent(vlast_chain_kernel<TState, float, TInput, K, V, true>, grid, kThreadsPerCta, false,
+                                  stream, p, write_state);
       }
       break;
     case RecurrentKernel::kMmaDecode:

@@ -156,9 +156,10 @@ __device__ __forceinline__ bool row_is_bad(const RecurrentParams& p, const RowLo
   return bad;
 }
 
-// Verify's row prologue for kernels of kCols columns a warp at v0 (fp8_chain.cuh, fp8_chain_mma.cuh): the row's
-// tokens (tok0, len), slot and cache slot (-1: none). False where the kernel must not run the row: one it cannot place
-// or must not touch (counted by counts_errors), or a padding row; o = 0 for the warp's columns of its placed tokens.
+// Verify's row prologue for kernels of kCols columns a warp at v0 (fp8_chain.cuh, fp8_chain_mma.cuh, vlast_chain.cuh):
+// the row's tokens (tok0, len), slot and cache slot (-1: none). False where the kernel must not run the row: one it
+// cannot place or must not touch (counted by counts_errors), or a padding row; o = 0 for the warp's columns of its
+// placed tokens.
 struct VerifyRow {
   RowLoads row;
   int64_t tok0;

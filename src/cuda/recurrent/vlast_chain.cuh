@@ -1,21 +1,24 @@
-// Verify of chains on V-last float8_e4m3 pools, with a float8_e4m3 intermediate cache or none (docs/design/decode.md
-// "fp8 pools"). V-last decode's half-line CTAs (vlast_decode.cuh, kGroups = 4) with the state kept in fp32 registers
-// across the tokens, as the K-last fp8 chain kernel (fp8_chain.cuh) keeps its columns.
+// Verify of chains on V-last pools (fp32, bf16, fp16, float8_e4m3), with an intermediate cache or none
+// (docs/design/decode.md "Verify of chains on V-last pools"). V-last decode's CTAs (vlast_decode.cuh) with the state
+// kept in fp32 registers across the tokens, as the K-last fp8 chain kernel (fp8_chain.cuh) keeps its columns.
 //
-// A CTA owns 64 columns of one value head (a 64-byte piece of every row) and K / 32 warps split the rows: lane l holds
-// the 16 columns col = c0 + 16 (l / 8) .. + 15 of rows 32 w + l % 8 + 8 i, i < 4 (64 values; a row's 16 bytes are
-// half of a 32-column scale block, whose other half is lane l ^ 8's). Each row's values are kept as w x with one factor
-// w a row (the same in both lanes of a block): the decay multiplies w, the update is one FFMA an element,
-// x + (rk k_i / w) u, and a stored block takes its scale from w max|x| (fp8_chain.cuh's exact rewrites, kMinBlockFactor
-// included). Per token: the sums over k (S^T k, S^T q of the CTA's columns) over the lane's rows, then over the 8 lanes
-// of its column group (a halving butterfly), then over the warps through shared memory, double-buffered by the token's
-// parity: one barrier a token. The next token's k, q and v entries are loaded while the update and the cache store run.
+// A CTA owns kCols columns of one value head (64 of fp8, bf16 or fp16, 32 of fp32: VLastChainRows below) and K / 32
+// warps split the rows: lane l holds the kVec columns col = c0 + kVec cg
+// of rows 32 w + ro + kPhases i (cg = l / kPhases, ro = l % kPhases), one 16-byte load a row (fp8: half of a 32-column
+// scale block, whose other half is lane l ^ kPhases's). Each row's values are kept as w x with one factor w a row
+// (fp8: the same in both lanes of a block): the decay multiplies w, the update is one FFMA an element, x + (rk k_i / w)
+// u, a stored row is w x (fp8: the block's scale from w max|x|), and a row whose w falls below kMinBlockFactor, or
+// whose update factor is not finite, multiplies x by w first (fp8_chain.cuh's exact rewrites). Per token: the sums over
+// k (S^T k, S^T q of the CTA's columns) over the lane's rows, then over the kPhases lanes of its column group (a halving
+// butterfly), then over the warps through shared memory, double-buffered by the token's parity: one barrier a token.
+// The next token's k, q and v entries are loaded while the update and the cache store run.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/arch/dtype.cuh"
 #include "cuda/arch/fp8.cuh"
@@ -26,17 +29,22 @@
 
 namespace gdnkit::cuda::recurrent {
 
-template <int K>
-using VLastFp8ChainRows = VLastRows<uint8_t, K, 4>;  // 64 columns a CTA, 4 rows of 16 bytes a lane
+// A lane's rows of 16 bytes: 4 of 16 fp8 columns (CTAs of 64 columns, half-line pieces), 8 of 8 bf16 / fp16 columns
+// (64) or of 4 fp32 columns (32): 64 values a lane (fp32: 32).
+template <class TState, int K>
+using VLastChainRows = VLastRows<TState, K, sizeof(TState) == 1 ? 4 : 8>;
 
-// 168 registers at K = 128: 12 warps per SM.
-template <class TInput, int K, int V, bool kCache>
-__global__ void __launch_bounds__(K, 384 / K)
-    vlast_fp8_chain_kernel(const RecurrentParams p, const bool write_state, const bool prefetch) {
-  using R = VLastFp8ChainRows<K>;
+// 168 registers at K = 128 (fp32 state: 128): 12 warps per SM (16).
+template <class TState, class TCache, class TInput, int K, int V, bool kCache>
+__global__ void __launch_bounds__(K, (sizeof(TState) == 4 ? 512 : 384) / K)
+    vlast_chain_kernel(const RecurrentParams p, const bool write_state, const bool prefetch) {
+  using R = VLastChainRows<TState, K>;
   constexpr int kVec = R::kVec, kCols = R::kCols, kRows = R::kRowsPerLane, kWarps = R::kWarps, kPhases = R::kPhases;
-  static_assert(kVec == kFp8Block / 2 && kCols == 64 && kRows == 4, "half a scale block a lane and row");
-  static_assert(V % kCols == 0, "V-last fp8 chain: V a multiple of the CTA's columns");
+  constexpr bool kFp8 = sizeof(TState) == 1;
+  static_assert(!kFp8 || (kVec == kFp8Block / 2 && std::is_same_v<TCache, uint8_t>),
+                "fp8: half a scale block a lane and row, an fp8 cache");
+  static_assert(kFp8 || !std::is_same_v<TCache, uint8_t>, "an fp8 cache with fp8 states");
+  static_assert(V % kCols == 0, "V-last chain: V a multiple of the CTA's columns");
   constexpr int kColCtas = V / kCols;
   constexpr int64_t kHeadElems = int64_t(K) * V, kHeadBlocks = kHeadElems / kFp8Block;
   __shared__ __align__(16) float partial[2][2][kWarps][kCols];  // [token parity][S^T k, S^T q][warp][column]
@@ -53,26 +61,35 @@ __global__ void __launch_bounds__(K, 384 / K)
   const bool counts_errors = hv == 0 && c0 == 0 && threadIdx.x == 0 && p.error_flag != nullptr;
   pdl_wait_and_launch_dependents();
 
-  // ---- which tokens, which slots (each warp zeroes o of half the CTA's columns for a row it must not run) -------
+  // ---- which tokens, which slots (each warp zeroes o of 32 of the CTA's columns for a row it must not run) -------
   VerifyRow vr;
-  if (!verify_row<TInput, 32>(p, b, hv, c0 + 32 * (w % 2), lane, counts_errors, vr)) return;
+  if (!verify_row<TInput, 32>(p, b, hv, c0 + (kCols == 64 ? 32 * (w % 2) : 0), lane, counts_errors, vr)) return;
   const int64_t tok0 = vr.tok0;
   const int len = vr.len;
 
-  // ---- the state: x = e4m3 values, w = the block's scale ----------------------------------------------------------
-  uint8_t* const head =
-      static_cast<uint8_t*>(p.state.data) + int64_t(vr.row.slot) * p.state.slot_stride + hv * kHeadElems;
-  uint8_t* const scales = p.state.scales + (int64_t(vr.row.slot) * num_v_heads + hv) * kHeadBlocks;
+  // ---- the state: x as loaded (fp8: the e4m3 values), w = 1 (fp8: the block's scale) ------------------------------
+  TState* const head =
+      static_cast<TState*>(p.state.data) + int64_t(vr.row.slot) * p.state.slot_stride + hv * kHeadElems;
+  [[maybe_unused]] uint8_t* const scales =
+      kFp8 ? p.state.scales + (int64_t(vr.row.slot) * num_v_heads + hv) * kHeadBlocks : nullptr;
   const auto at = [&](int i) { return int64_t(row0 + kPhases * i) * V + col; };  // row i's piece, in elements
   float x[kRows][kVec], wr[kRows];
   {
-    uint4 raw[kRows];
-    uint32_t sbyte[kRows];
+    RawVec<TState, kVec> raw[kRows];
+    [[maybe_unused]] uint32_t sbyte[kRows];
 #pragma unroll
-    for (int i = 0; i < kRows; ++i)
-      raw[i] = *reinterpret_cast<const uint4*>(head + at(i)), sbyte[i] = scales[at(i) / kFp8Block];
+    for (int i = 0; i < kRows; ++i) {
+      raw[i].load(head + at(i));
+      if constexpr (kFp8) sbyte[i] = scales[at(i) / kFp8Block];
+    }
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) unpack_e4m3x16(raw[i], x[i]), wr[i] = e8m0_scale(sbyte[i]);
+    for (int i = 0; i < kRows; ++i) {
+      if constexpr (kFp8) {
+        unpack_e4m3x16(raw[i].w[0], x[i]), wr[i] = e8m0_scale(sbyte[i]);
+      } else {
+        raw[i].to_floats(x[i]), wr[i] = 1.0f;
+      }
+    }
   }
 
   // The gates of token t0 + lane for the 32 tokens from t0, computed once per token and taken by shuffle.
@@ -110,14 +127,15 @@ __global__ void __launch_bounds__(K, 384 / K)
   TInput* o_ptr = static_cast<TInput*>(p.o.data) + tok0 * p.o.token_stride + int64_t(hv) * p.o.head_stride + col;
 
   // The row's cache entries: token t's state at entry t < num_steps.
-  uint8_t* cache = nullptr;
-  uint8_t* cache_scales = nullptr;
+  TCache* cache = nullptr;
+  [[maybe_unused]] uint8_t* cache_scales = nullptr;
   int cached = 0;  // tokens whose state is stored
   if (kCache && vr.cache_slot >= 0) {
-    cache = static_cast<uint8_t*>(p.intermediate.data) + int64_t(vr.cache_slot) * p.intermediate.slot_stride +
+    cache = static_cast<TCache*>(p.intermediate.data) + int64_t(vr.cache_slot) * p.intermediate.slot_stride +
             hv * kHeadElems;
-    cache_scales =
-        p.intermediate.scales + (int64_t(vr.cache_slot) * p.intermediate.num_steps * num_v_heads + hv) * kHeadBlocks;
+    if constexpr (kFp8)
+      cache_scales =
+          p.intermediate.scales + (int64_t(vr.cache_slot) * p.intermediate.num_steps * num_v_heads + hv) * kHeadBlocks;
     cached = len < p.intermediate.num_steps ? len : int(p.intermediate.num_steps);
   }
 
@@ -205,24 +223,42 @@ __global__ void __launch_bounds__(K, 384 / K)
 #pragma unroll
       for (int c = 0; c < kVec; ++c) x[i][c] = fmaf(r[i], u[c], x[i][c]);
     if (kCache && t < cached) {
-      uint4 bytes[kRows];
-      uint32_t scale_bytes[kRows];
-      quantize_e4m3_runs_rescale<kRows, kPhases>(x, wr, bytes, scale_bytes);
+      if constexpr (kFp8) {
+        uint4 bytes[kRows];
+        uint32_t scale_bytes[kRows];
+        quantize_e4m3_runs_rescale<kRows, kPhases>(x, wr, bytes, scale_bytes);
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        *reinterpret_cast<uint4*>(cache + at(i)) = bytes[i];
-        if (cg % 2 == 0) cache_scales[at(i) / kFp8Block] = uint8_t(scale_bytes[i]);
+        for (int i = 0; i < kRows; ++i) {
+          *reinterpret_cast<uint4*>(cache + at(i)) = bytes[i];
+          if (cg % 2 == 0) cache_scales[at(i) / kFp8Block] = uint8_t(scale_bytes[i]);
+        }
+        cache_scales += num_v_heads * kHeadBlocks;
+      } else {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          float y[kVec];
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) y[c] = wr[i] * x[i][c];
+          store_vec<TCache, kVec>(cache + at(i), y);
+        }
       }
-      cache += num_v_heads * kHeadElems, cache_scales += num_v_heads * kHeadBlocks;
+      cache += num_v_heads * kHeadElems;
     }
   }
 
   if (write_state) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
-      uint32_t byte;
-      *reinterpret_cast<uint4*>(head + at(i)) = quantize_e4m3x16<kPhases, true>(x[i], byte, wr[i]);
-      if (cg % 2 == 0) scales[at(i) / kFp8Block] = uint8_t(byte);
+      if constexpr (kFp8) {
+        uint32_t byte;
+        *reinterpret_cast<uint4*>(head + at(i)) = quantize_e4m3x16<kPhases, true>(x[i], byte, wr[i]);
+        if (cg % 2 == 0) scales[at(i) / kFp8Block] = uint8_t(byte);
+      } else {
+        float y[kVec];
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) y[c] = wr[i] * x[i][c];
+        store_vec<TState, kVec>(head + at(i), y);
+      }
     }
   }
 }
