@@ -55,6 +55,22 @@ RecurrentKernel kernel_at(const RecurrentCall& c, const Overrides& o = {}) {
   return recurrent::choose_recurrent_kernel(c, h100_candidates(c.batch), o).kernel;
 }
 
+// The fp8 and V-last chain kernels' reach ends at a bf16 cache of an fp8 pool, trees, fp32 inputs, K = 256 and replay:
+// the warp kernel there.
+void expect_warp_kernel_past_chains(const RecurrentCall& c) {
+  RecurrentCall other = c;
+  other.caches_states = true, other.cache_dtype = DType::kBFloat16;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.tree = true;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.input_dtype = DType::kFloat32;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.head_dim_k = other.head_dim_v = 256;
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  other = c, other.op = RecurrentOp::kRecompute;  // commit by recompute: the warp kernel (measured no faster there)
+  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+}
+
 TEST(RecurrentHeuristics, Bf16DecodeBySize) {
   // bf16 state and inputs: tensor cores while this grid and the next fit together (B <= 6), then the wide tile in
   // prefetch mode (B <= 12), then one-warp CTAs (of the wide tile); without those, the narrow tile (B <= 16) and the
@@ -208,16 +224,7 @@ TEST(RecurrentHeuristics, VLastVerifyChainsOnTheirKernel) {
   other = c, other.head_dim_k = other.head_dim_v = 64;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastChain);
   // The warp kernel: other caches, trees, fp32 inputs, K = 256, other ops, or where asked.
-  other = c, other.cache_dtype = DType::kBFloat16;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.tree = true;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.input_dtype = DType::kFloat32;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.head_dim_k = other.head_dim_v = 256;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.op = RecurrentOp::kRecompute;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
+  expect_warp_kernel_past_chains(c);
   other = c, other.state_dtype = DType::kBFloat16;
   EXPECT_NE(kernel_at(other), RecurrentKernel::kVLastChain);
   Overrides never, from_one;
@@ -283,21 +290,12 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
   }
   c.caches_states = true;
   // The warp kernel: other caches, trees, fp32 inputs, K = 256, other ops, or where asked (V-last: its own kernel).
+  expect_warp_kernel_past_chains(c);
   RecurrentCall other = c;
-  other.caches_states = true, other.cache_dtype = DType::kBFloat16;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.tree = true;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.input_dtype = DType::kFloat32;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.head_dim_k = other.head_dim_v = 256;
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
-  other = c, other.head_dim_k = other.head_dim_v = 64;
+  other.head_dim_k = other.head_dim_v = 64;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kFp8Chain);
   other = c, other.layout = StateLayout::kVLast;
   EXPECT_EQ(kernel_at(other), RecurrentKernel::kVLastChain);
-  other = c, other.op = RecurrentOp::kRecompute;  // commit by recompute: the warp kernel (measured no faster there)
-  EXPECT_EQ(kernel_at(other), RecurrentKernel::kWarpRegular);
   other = c, other.op = RecurrentOp::kPrefill;
   EXPECT_NE(kernel_at(other), RecurrentKernel::kFp8Chain);
   other = c, other.state_dtype = DType::kBFloat16;

@@ -87,17 +87,9 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
     for (int i = 0; i < kRuns; ++i) unpack_e4m3x16(raw[i], x[i]), w[i] = e8m0_scale(sbyte[i]);
   }
 
-  // The gates of token t0 + lane for the 32 tokens from t0, computed once per token and taken by shuffle.
   const HeadGates hg = head_gates(p.gating, hv);
-  float lane_decay = 1.0f, lane_beta = 0.0f;
-  const auto lane_gates = [&](int t0) {
-    if (t0 + lane < len) {
-      float gl;
-      gate_log_values(p.gating, hg, token_gate_bits(p.gating, tok0 + t0 + lane, hv), gl, lane_beta);
-      lane_decay = expf(gl);
-    }
-  };
-  lane_gates(0);
+  LaneGates gates;
+  gates.load(p.gating, hg, tok0, 0, len, hv, lane);
 
   // One token's inputs as loaded: k and q at the lane's 16 k, v of the column whose d_k the lane ends with. A chain's
   // tokens are consecutive rows: the pointers move by a row's stride each token.
@@ -151,14 +143,14 @@ __global__ void __launch_bounds__(Fp8ChainTile<K>::kWarps * 32, 3)
 #pragma unroll 1
   for (int t = 0; t < len; ++t) {
     if (t % kCPL == 0 && t > 0) group_norms(t);
-    if (t % 32 == 0 && t > 0) lane_gates(t);  // chains past 32 tokens
+    if (t % 32 == 0 && t > 0) gates.load(p.gating, hg, tok0, t, len, hv, lane);  // chains past 32 tokens
     float kf[16], qf[16];
     cur.k.to_floats(kf), cur.q.to_floats(qf);
     const int from = t % kCPL * kLPC;  // the group holding token t's norms
     const float rk = __shfl_sync(0xffffffffu, group_rk, from), rq = __shfl_sync(0xffffffffu, group_rq, from);
     const float kq_n = __shfl_sync(0xffffffffu, group_kq, from);
-    const float decay = __shfl_sync(0xffffffffu, lane_decay, t % 32);
-    const float beta = __shfl_sync(0xffffffffu, lane_beta, t % 32);
+    const float decay = __shfl_sync(0xffffffffu, gates.decay, t % 32);
+    const float beta = __shfl_sync(0xffffffffu, gates.beta, t % 32);
 
     // d_k and d_q of every run (w applied per lane: a column's blocks have different w), reduced together.
     float sums[2 * kRuns];

@@ -49,6 +49,20 @@ __device__ __forceinline__ void gate_log_values(const Gating& gt, const HeadGate
   }
 }
 
+// A chain's gates, lane l holding token t0 + l's for the 32 tokens from t0: computed once a token, taken by shuffle
+// (the fp8 and V-last chain kernels).
+struct LaneGates {
+  float decay = 1.0f, beta = 0.0f;
+  __device__ __forceinline__ void load(const Gating& gt, const HeadGates& hg, int64_t tok0, int t0, int len, int hv,
+                                       int lane) {
+    if (t0 + lane < len) {
+      float gl;
+      gate_log_values(gt, hg, token_gate_bits(gt, tok0 + t0 + lane, hv), gl, beta);
+      decay = expf(gl);
+    }
+  }
+};
+
 // One token's q/k factors: rk = 1 / ||k|| and rq = scale / ||q|| (eps inside the root; 1 and scale without the L2
 // norm), kq_n = k . q of the normalized vectors. The decode kernels scale their sums by these instead of normalizing
 // k and q first.

@@ -92,17 +92,9 @@ __global__ void __launch_bounds__(K, (sizeof(TState) == 4 ? 512 : 384) / K)
     }
   }
 
-  // The gates of token t0 + lane for the 32 tokens from t0, computed once per token and taken by shuffle.
   const HeadGates hg = head_gates(p.gating, hv);
-  float lane_decay = 1.0f, lane_beta = 0.0f;
-  const auto lane_gates = [&](int t0) {
-    if (t0 + lane < len) {
-      float gl;
-      gate_log_values(p.gating, hg, token_gate_bits(p.gating, tok0 + t0 + lane, hv), gl, lane_beta);
-      lane_decay = expf(gl);
-    }
-  };
-  lane_gates(0);
+  LaneGates gates;
+  gates.load(p.gating, hg, tok0, 0, len, hv, lane);
 
   // One token's inputs as loaded: the k and q entries of the head for the norms (K / 32 a lane), those of this lane's
   // rows, and v of its columns. A chain's tokens are consecutive rows: the pointers move by a row's stride each token.
@@ -143,7 +135,7 @@ __global__ void __launch_bounds__(K, (sizeof(TState) == 4 ? 512 : 384) / K)
   if (len > 0) cur = load_token(len > 1);
 #pragma unroll 1
   for (int t = 0; t < len; ++t) {
-    if (t % 32 == 0 && t > 0) lane_gates(t);  // chains past 32 tokens
+    if (t % 32 == 0 && t > 0) gates.load(p.gating, hg, tok0, t, len, hv, lane);  // chains past 32 tokens
     float kk = 0.0f, qq = 0.0f, kq = 0.0f;
 #pragma unroll
     for (int j = 0; j < K / 32; ++j) {
@@ -151,8 +143,8 @@ __global__ void __launch_bounds__(K, (sizeof(TState) == 4 ? 512 : 384) / K)
       kk = fmaf(kn, kn, kk), qq = fmaf(qn, qn, qq), kq = fmaf(kn, qn, kq);
     }
     const auto [rk, rq, kq_n] = qk_norms(p.heads, K, kk, qq, kq);
-    const float decay = __shfl_sync(0xffffffffu, lane_decay, t % 32);
-    const float beta = __shfl_sync(0xffffffffu, lane_beta, t % 32);
+    const float decay = __shfl_sync(0xffffffffu, gates.decay, t % 32);
+    const float beta = __shfl_sync(0xffffffffu, gates.beta, t % 32);
 
     // This lane's share of S^T k (s[c]) and S^T q (s[kVec + c]) over its rows (w applied per row: a lane's rows
     // have different blocks), then over its column group, then over the warps.
@@ -173,30 +165,12 @@ __global__ void __launch_bounds__(K, (sizeof(TState) == 4 ? 512 : 384) / K)
     constexpr int kMine = 2 * kVec / kPhases;  // sums this lane holds after the butterfly
     const int first = transpose_group_sums<2 * kVec, kPhases>(s, lane);
     float(&part)[2][kWarps][kCols] = partial[t & 1];
-#pragma unroll
-    for (int m = 0; m < kMine; ++m) {
-      const int e = first + m;  // value e: S^T k (e < kVec) or S^T q of column cg kVec + e % kVec
-      part[e / kVec][w][cg * kVec + e % kVec] = s[m];
-    }
+    store_partial_sums<kVec, kMine>(part, s, first, w, cg);
     __syncthreads();
 
     float u[kVec];
-#pragma unroll
-    for (int c = 0; c < kVec; ++c) {
-      float dk = 0.0f;
-#pragma unroll
-      for (int ww = 0; ww < kWarps; ++ww) dk += part[0][ww][cg * kVec + c];
-      u[c] = beta * (v[c] - decay * (dk * rk));
-    }
-    if (w == 0 && ro == 0) {
-#pragma unroll
-      for (int c = 0; c < kVec; ++c) {
-        float dq = 0.0f;
-#pragma unroll
-        for (int ww = 0; ww < kWarps; ++ww) dq += part[1][ww][cg * kVec + c];
-        o_ptr[c] = from_float<TInput>(fmaf(kq_n, u[c], decay * (dq * rq)));
-      }
-    }
+    column_u_and_o<kVec>(part, cg, w == 0 && ro == 0, v, beta, decay, rk, rq, kq_n, u,
+                         [&](int c, float value) { o_ptr[c] = from_float<TInput>(value); });
     o_ptr += p.o.token_stride;
 
     // w x_new = decay w x + (rk k_i) u: w *= decay, x += (rk k_i / w) u; where w falls below kMinBlockFactor or the

@@ -73,6 +73,42 @@ __device__ __forceinline__ int transpose_group_sums(float (&x)[N], int lane) {
   return index;
 }
 
+// The CTA's sums of its columns through shared memory (V-last decode and chains): this lane's kMine sums after
+// transpose_group_sums (`first`: the index of the first; index e: S^T k of column cg kVec + e, or S^T q of column
+// cg kVec + e - kVec) to the warp's rows of part ([S^T k, S^T q][warp][column]).
+template <int kVec, int kMine, int kWarps, int kCols>
+__device__ __forceinline__ void store_partial_sums(float (&part)[2][kWarps][kCols], const float* x, int first, int w,
+                                                   int cg) {
+#pragma unroll
+  for (int m = 0; m < kMine; ++m) {
+    const int e = first + m;
+    part[e / kVec][w][cg * kVec + e % kVec] = x[m];
+  }
+}
+// After the CTA's barrier: u of this lane's kVec columns from the warps' S^T k, and (writes_o) o of them from their
+// S^T q, column c's by store_o(c, value).
+template <int kVec, int kWarps, int kCols, class StoreO>
+__device__ __forceinline__ void column_u_and_o(const float (&part)[2][kWarps][kCols], int cg, bool writes_o,
+                                               const float* v, float beta, float decay, float rk, float rq, float kq_n,
+                                               float* u, StoreO store_o) {
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) {
+    float dk = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < kWarps; ++ww) dk += part[0][ww][cg * kVec + c];
+    u[c] = beta * (v[c] - decay * (dk * rk));
+  }
+  if (writes_o) {
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) {
+      float dq = 0.0f;
+#pragma unroll
+      for (int ww = 0; ww < kWarps; ++ww) dq += part[1][ww][cg * kVec + c];
+      store_o(c, fmaf(kq_n, u[c], decay * (dq * rq)));
+    }
+  }
+}
+
 // Resident warps per SM: fp32 state 24 (80 registers; at 64 ptxas spills and decode runs slower), bf16
 // state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills), fp8 state 12 (168 registers; half-line
 // pieces 16: 128 registers, at 96 ptxas spills). docs/design/decode.md "V-last decode".
@@ -208,30 +244,12 @@ __global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VL
   }
   constexpr int kMine = 2 * kVec / kPhases;  // sums this lane holds after the butterfly
   const int first = transpose_group_sums<2 * kVec, kPhases>(x, lane);
-#pragma unroll
-  for (int m = 0; m < kMine; ++m) {
-    const int e = first + m;  // value e: S^T k (e < kVec) or S^T q of column cg * kVec + e % kVec
-    partial[e / kVec][w][cg * kVec + e % kVec] = x[m];
-  }
+  store_partial_sums<kVec, kMine>(partial, x, first, w, cg);
   __syncthreads();
 
   float u[kVec];
-#pragma unroll
-  for (int c = 0; c < kVec; ++c) {
-    float dk = 0.0f;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) dk += partial[0][ww][cg * kVec + c];
-    u[c] = beta * (v[c] - decay * (dk * rk));
-  }
-  if (w == 0 && ro == 0) {
-#pragma unroll
-    for (int c = 0; c < kVec; ++c) {
-      float dq = 0.0f;
-#pragma unroll
-      for (int ww = 0; ww < kWarps; ++ww) dq += partial[1][ww][cg * kVec + c];
-      o[col + c] = from_float<TInput>(fmaf(kq_n, u[c], decay * (dq * rq)));
-    }
-  }
+  column_u_and_o<kVec>(partial, cg, w == 0 && ro == 0, v, beta, decay, rk, rq, kq_n, u,
+                       [&](int c, float value) { o[col + c] = from_float<TInput>(value); });
   TState* const t = head + int64_t(slot) * p.state.slot_stride + int64_t(row0) * V + col;
 #pragma unroll
   for (int i = 0; i < kRowsPerLane; ++i) {
