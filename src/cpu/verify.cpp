@@ -130,7 +130,7 @@ void commit(const CommitParams& p) {
         if (islot < 0) break;  // the row cached nothing: padding
         const detail::HeadState entry = detail::cache_head(p.intermediate, islot, kept(n - 1), HV, h, K, V);
         if (entry.dtype == DType::kFloat8E4M3 && pool.dtype == DType::kFloat8E4M3) {
-          // float8_e4m3 into float8_e4m3: the bytes and scales as stored (requantizing a stored state writes the same)
+          // float8_e4m3 into float8_e4m3: the bytes and scales as stored (the values requantizing would write)
           std::memcpy(static_cast<uint8_t*>(pool.base) + pool.offset,
                       static_cast<const uint8_t*>(entry.base) + entry.offset, size_t(KV));
           std::memcpy(pool.scales, entry.scales, size_t(KV / kFp8Block));

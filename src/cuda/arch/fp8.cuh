@@ -21,6 +21,9 @@ __device__ __forceinline__ float e8m0_scale(uint32_t e) {
 // The smallest factor w a block kept as w x (the factored updates of fp8 decode and the fp8 chain kernel) keeps: below
 // it the elements take w (x w, w = 1), so that x = S / w, its sums and the update's (rk u / w) k stay far from overflow.
 constexpr float kMinBlockFactor = 0x1p-64f;
+// The largest factor the V-last chain kernel keeps (above it, decays above 1 from given gates, the elements take w
+// too), so that 1 / w stays a normal number.
+constexpr float kMaxBlockFactor = 0x1p64f;
 
 // 1 / x to about 1 ulp (rcp.approx.ftz: a subnormal x counts as 0, its reciprocal infinite).
 __device__ __forceinline__ float rcp_approx_ftz(float x) {
@@ -131,7 +134,7 @@ __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16])
 // on every lane of the block), to e4m3 words, the first value in the low byte of words[0], and its E8M0 scale byte:
 // the scale from w max|x|, each element through x (w 2^-s), the NaN scale's factor NaN (every element its NaN code).
 // The scale comes from w max(max|x|, 2^-120), so that w 2^-s stays finite where x is zero or tiny beside w (a block of
-// zero codes under a large scale: it keeps a scale near w's; any code at all is at least 2^-9).
+// zero codes under a large scale then takes the scale w 2^-127, not the smallest; any nonzero code is at least 2^-9).
 template <int N, int kPartner>
 __device__ __forceinline__ void quantize_e4m3_factored(const float (&x)[N], float w, uint32_t (&words)[N / 4],
                                                        uint32_t& scale_byte) {

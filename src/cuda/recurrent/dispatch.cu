@@ -173,9 +173,9 @@ __global__ void __launch_bounds__(kCopyThreads) commit_cache_kernel(const Commit
     dst_scales = p.state.scales + (int64_t(slot) * p.heads.num_v_heads + hv) * (head_elems / kFp8Block);
   static_assert(kCopyThreads * kCopyRun % kFp8Block == 0 && kFp8Block % kCopyRun == 0, "whole blocks per pass");
   if constexpr (std::is_same_v<TC, uint8_t> && std::is_same_v<TState, uint8_t>) {
-    // float8_e4m3 into float8_e4m3: bytes and scales as they are, which is what requantizing gives, since every
-    // block verify stores comes from the quantizer (largest code in [128, 240] or the scale at its floor, or the NaN
-    // scale and NaN codes). 16-byte pieces; the scales too where both are 16-byte aligned (slots are, by check).
+    // float8_e4m3 into float8_e4m3: bytes and scales as they are, the values requantizing gives (every block verify
+    // stores comes from the quantizer), as the reference does. 16-byte pieces; the scales too where both are 16-byte
+    // aligned (slots are, by check).
     for (int64_t i = int64_t(threadIdx.x) * 16; i < head_elems; i += kCopyThreads * 16)
       *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
     const int64_t n = head_elems / kFp8Block;

@@ -181,12 +181,12 @@ __global__ void __launch_bounds__(K, (sizeof(TState) == 4 ? 512 : 384) / K)
     for (int i = 0; i < kRows; ++i) {
       wr[i] *= decay;
       r[i] = kw[i] * rk * rcp_approx_ftz(wr[i]);
-      in_range = in_range && fabsf(r[i]) <= FLT_MAX && wr[i] >= kMinBlockFactor;
+      in_range = in_range && fabsf(r[i]) <= FLT_MAX && wr[i] >= kMinBlockFactor && wr[i] <= kMaxBlockFactor;
     }
     if (!in_range) {
 #pragma unroll
       for (int i = 0; i < kRows; ++i)
-        if (!(fabsf(r[i]) <= FLT_MAX && wr[i] >= kMinBlockFactor)) {
+        if (!(fabsf(r[i]) <= FLT_MAX && wr[i] >= kMinBlockFactor && wr[i] <= kMaxBlockFactor)) {
 #pragma unroll
           for (int c = 0; c < kVec; ++c) x[i][c] *= wr[i];
           r[i] = kw[i] * rk, wr[i] = 1.0f;
