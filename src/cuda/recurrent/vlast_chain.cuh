@@ -3,15 +3,15 @@
 // kept in fp32 registers across the tokens, as the K-last fp8 chain kernel (fp8_chain.cuh) keeps its columns.
 //
 // A CTA owns kCols columns of one value head (64 of fp8, bf16 or fp16, 32 of fp32: VLastChainRows below) and K / 32
-// warps split the rows: lane l holds the kVec columns col = c0 + kVec cg
-// of rows 32 w + ro + kPhases i (cg = l / kPhases, ro = l % kPhases), one 16-byte load a row (fp8: half of a 32-column
-// scale block, whose other half is lane l ^ kPhases's). Each row's values are kept as w x with one factor w a row
-// (fp8: the same in both lanes of a block): the decay multiplies w, the update is one FFMA an element, x + (rk k_i / w)
-// u, a stored row is w x (fp8: the block's scale from w max|x|), and a row whose w falls below kMinBlockFactor, or
-// whose update factor is not finite, multiplies x by w first (fp8_chain.cuh's exact rewrites). Per token: the sums over
-// k (S^T k, S^T q of the CTA's columns) over the lane's rows, then over the kPhases lanes of its column group (a halving
-// butterfly), then over the warps through shared memory, double-buffered by the token's parity: one barrier a token.
-// The next token's k, q and v entries are loaded while the update and the cache store run.
+// warps split the rows: lane l holds the kVec columns col = c0 + kVec cg of rows 32 w + ro + kPhases i (cg = l /
+// kPhases, ro = l % kPhases), one 16-byte load a row (fp8: half of a 32-column scale block, whose other half is lane
+// l ^ kPhases's). Each row's values are kept as w x with one factor w a row (fp8: the same in both lanes of a block):
+// the decay multiplies w, the update is one FFMA an element, x + (rk k_i / w) u, a stored row is w x (fp8: the block's
+// scale from w max|x|), and a row whose w leaves [kMinBlockFactor, kMaxBlockFactor], or whose update factor is not
+// finite, multiplies x by w first (fp8_chain.cuh's exact rewrites). Per token: the sums over k (S^T k, S^T q of the
+// CTA's columns) over the lane's rows, then over the kPhases lanes of its column group (a halving butterfly), then
+// over the warps through shared memory, double-buffered by the token's parity: one barrier a token. The next token's
+// k, q and v entries are loaded while the update and the cache store run.
 #pragma once
 
 #include <cuda_runtime.h>
