@@ -130,11 +130,17 @@ __device__ __forceinline__ void unpack_e4m3x16(const uint4& raw, float (&x)[16])
     }
 }
 
+// The scale of a block kept as w x whose largest |x| is m: from w max(m, 2^-120), so that w 2^-s stays finite where x
+// is zero or tiny beside w (a block of zero codes under a large scale then takes the scale w 2^-127, not the smallest;
+// any nonzero code is at least 2^-9, so no other block's scale changes).
+__device__ __forceinline__ Fp8Scale e4m3_factored_scale(float w, float m) {
+  return e4m3_block_scale(__float_as_uint(max_abs_nan(w * m, w * 0x1p-120f)));
+}
+
 // A 32-element block held by 32 / N lanes (l, l ^ kPartner, l ^ 2 kPartner, ...), N values x w each (w > 0, the same
 // on every lane of the block), to e4m3 words, the first value in the low byte of words[0], and its E8M0 scale byte:
-// the scale from w max|x|, each element through x (w 2^-s), the NaN scale's factor NaN (every element its NaN code).
-// The scale comes from w max(max|x|, 2^-120), so that w 2^-s stays finite where x is zero or tiny beside w (a block of
-// zero codes under a large scale then takes the scale w 2^-127, not the smallest; any nonzero code is at least 2^-9).
+// the scale by e4m3_factored_scale, each element through x (w 2^-s), the NaN scale's factor NaN (every element its
+// NaN code).
 template <int N, int kPartner>
 __device__ __forceinline__ void quantize_e4m3_factored(const float (&x)[N], float w, uint32_t (&words)[N / 4],
                                                        uint32_t& scale_byte) {
@@ -142,7 +148,7 @@ __device__ __forceinline__ void quantize_e4m3_factored(const float (&x)[N], floa
 #pragma unroll
   for (int off = kPartner; off < kPartner * (kFp8Block / N); off *= 2)
     m = max_abs_nan(m, __shfl_xor_sync(0xffffffffu, m, off));
-  const Fp8Scale sc = e4m3_block_scale(__float_as_uint(max_abs_nan(w * m, w * 0x1p-120f)));
+  const Fp8Scale sc = e4m3_factored_scale(w, m);
   scale_byte = sc.byte;
   const float f = sc.byte == 255u ? e4m3_nan_factor() : w * sc.inv;
 #pragma unroll
@@ -169,9 +175,9 @@ __device__ __forceinline__ uint4 quantize_e4m3x16(const float (&x)[16], uint32_t
 
 // kRuns 32-element blocks, each held by a lane pair (l, l ^ kPartner) as 16 values times w > 0 (the same on both
 // lanes), as quantize_e4m3x16<kPartner, true> quantizes each, and rescaled in place: x becomes x w 2^-s, the values
-// the bytes round, and w becomes 2^s (under the NaN scale: x w and w = 1, the bytes all NaN codes; the scale from w
-// max(max|x|, 2^-120), as quantize_e4m3_factored's). Phase by phase over the runs, so that their dependent chains
-// overlap (the fp8 chain kernels' cache stores).
+// the bytes round, and w becomes 2^s (under the NaN scale: x w and w = 1, the bytes all NaN codes; the scale by
+// e4m3_factored_scale). Phase by phase over the runs, so that their dependent chains overlap (the fp8 chain kernels'
+// cache stores).
 template <int kRuns, int kPartner>
 __device__ __forceinline__ void quantize_e4m3_runs_rescale(float (&x)[kRuns][16], float (&w)[kRuns],
                                                            uint4 (&bytes)[kRuns], uint32_t (&scale_byte)[kRuns]) {
@@ -182,7 +188,7 @@ __device__ __forceinline__ void quantize_e4m3_runs_rescale(float (&x)[kRuns][16]
   for (int i = 0; i < kRuns; ++i) m[i] = max_abs_nan(m[i], __shfl_xor_sync(0xffffffffu, m[i], kPartner));
 #pragma unroll
   for (int i = 0; i < kRuns; ++i) {
-    const Fp8Scale sc = e4m3_block_scale(__float_as_uint(max_abs_nan(w[i] * m[i], w[i] * 0x1p-120f)));
+    const Fp8Scale sc = e4m3_factored_scale(w[i], m[i]);
     scale_byte[i] = sc.byte;
     const bool nan = sc.byte == 255u;
     const float f = nan ? w[i] : w[i] * sc.inv;

@@ -184,9 +184,8 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
           return launch_recurrent(vlast_chain_kernel<TState, TState, TInput, K, V, false>, grid, kThreadsPerCta, false,
                                   stream, p, write_state);
         if (call.cache_dtype == call.state_dtype)
-          return launch_recurrent(vlast_chain_kernel<TState, std::conditional_t<kFp8State, uint8_t, TState>, TInput, K,
-                                                     V, true>,
-                                  grid, kThreadsPerCta, false, stream, p, write_state);
+          return launch_recurrent(vlast_chain_kernel<TState, TState, TInput, K, V, true>, grid, kThreadsPerCta, false,
+                                  stream, p, write_state);
         if constexpr (!kFp8State)
           return launch_recurrent(vlast_chain_kernel<TState, float, TInput, K, V, true>, grid, kThreadsPerCta, false,
                                   stream, p, write_state);
