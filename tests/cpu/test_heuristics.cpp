@@ -256,6 +256,20 @@ TEST(RecurrentHeuristics, VLastVerifyChainsOnTheirKernel) {
   EXPECT_EQ(kernel_at(other, from_one), RecurrentKernel::kVLastChain);
   other.cache_dtype = DType::kFloat16;  // a cache of another 16-bit dtype: not built
   EXPECT_EQ(kernel_at(other, from_one), RecurrentKernel::kWarpRegular);
+  // The boundaries count heads, B HV: at HV = 8 (qwen3.5-397b-tp8) fp8 with the cache from B = 24, without one from
+  // B = 128, bf16 without a cache from B = 64, fp32 with its cache at any B; the override still counts sequences.
+  for (int64_t B : {1, 23, 24, 63, 64, 127, 128}) {
+    RecurrentCall n = c;
+    n.batch = B, n.num_v_heads = 8;
+    EXPECT_EQ(kernel_at(n), B >= 24 ? RecurrentKernel::kVLastChain : RecurrentKernel::kWarpRegular) << "B " << B;
+    n.caches_states = false;
+    EXPECT_EQ(kernel_at(n), B >= 128 ? RecurrentKernel::kVLastChain : RecurrentKernel::kWarpRegular) << "B " << B;
+    EXPECT_EQ(kernel_at(n, from_one), RecurrentKernel::kVLastChain) << "B " << B;
+    n.state_dtype = DType::kBFloat16;
+    EXPECT_EQ(kernel_at(n), B >= 64 ? RecurrentKernel::kVLastChain : RecurrentKernel::kWarpRegular) << "B " << B;
+    n.state_dtype = DType::kFloat32, n.caches_states = true, n.cache_dtype = DType::kFloat32;
+    EXPECT_EQ(kernel_at(n), RecurrentKernel::kVLastChain) << "B " << B;
+  }
 }
 
 TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
@@ -315,27 +329,43 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
   EXPECT_EQ(kernel_at(c, o), RecurrentKernel::kWarpRegular);
   const auto r = recurrent::choose_recurrent_kernel(c, h100_candidates(c.batch), Overrides{});
   EXPECT_FALSE(r.prefetch);
+  // The boundary counts heads, B HV >= 48: at HV = 8 with the cache from B = 6; without one the tensor-core form from
+  // B = 3 at any HV, and B = 2 the warp kernel there.
+  for (int64_t B : {1, 2, 3, 5, 6, 16}) {
+    RecurrentCall n = c;
+    n.batch = B, n.num_v_heads = 8;
+    EXPECT_EQ(kernel_at(n), B >= 6 ? RecurrentKernel::kFp8Chain : RecurrentKernel::kWarpRegular) << "B " << B;
+    n.caches_states = false;
+    EXPECT_EQ(kernel_at(n), B >= 3 ? RecurrentKernel::kFp8ChainMma : RecurrentKernel::kWarpRegular) << "B " << B;
+    EXPECT_EQ(kernel_at(n, cuda_cores), B >= 6 ? RecurrentKernel::kFp8Chain : RecurrentKernel::kWarpRegular)
+        << "B " << B;
+  }
 }
 
 TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {
   const Overrides o;
-  EXPECT_EQ(recurrent::fp8_decode_columns(1, 128, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(15, 128, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(16, 128, o), 32);
-  EXPECT_EQ(recurrent::fp8_decode_columns(1, 64, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(8, 64, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(9, 64, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(2, 256, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(3, 256, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(512, 64, o), 16);  // 32 columns built at K = 128 only
-  EXPECT_EQ(recurrent::fp8_decode_columns(512, 256, o), 16);
+  // By heads, B HV: at K = 128 32 columns from 384 (HV = 32: B = 12; HV = 8: B = 48).
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 32, 128, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(11, 32, 128, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(12, 32, 128, o), 32);
+  EXPECT_EQ(recurrent::fp8_decode_columns(47, 8, 128, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(48, 8, 128, o), 32);
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 32, 64, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(8, 32, 64, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(9, 32, 64, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(32, 8, 64, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(33, 8, 64, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(2, 32, 256, o), 8);
+  EXPECT_EQ(recurrent::fp8_decode_columns(3, 32, 256, o), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(512, 32, 64, o), 16);  // 32 columns built at K = 128 only
+  EXPECT_EQ(recurrent::fp8_decode_columns(512, 32, 256, o), 16);
   Overrides forced;
   forced.decode_fp8_columns = 16;
-  EXPECT_EQ(recurrent::fp8_decode_columns(1, 128, forced), 16);
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 32, 128, forced), 16);
   forced.decode_fp8_columns = 32;
-  EXPECT_EQ(recurrent::fp8_decode_columns(1, 256, forced), 8);  // not built there: the heuristic
+  EXPECT_EQ(recurrent::fp8_decode_columns(1, 32, 256, forced), 8);  // not built there: the heuristic
   forced.decode_fp8_columns = 12;
-  EXPECT_EQ(recurrent::fp8_decode_columns(512, 128, forced), 32);
+  EXPECT_EQ(recurrent::fp8_decode_columns(512, 32, 128, forced), 32);
 }
 
 // K-last fp8 decode in prefetch mode for grids of at most an eighth of the resident CTAs: qwen3-next (HV = 32) at 16

@@ -1,8 +1,8 @@
-// Decode of K-last float8_e4m3 pools on CUDA (recurrent/fp8_decode.cuh) against the CPU backend on the same pool:
-// o within the step ops' tolerance (both read the same dequantized state), the stored blocks equal to the CPU's up
-// to the rare element whose fp32 arithmetic lands on the other side of a rounding boundary, untouched slots,
-// scales and slot padding bit-identical, padding and out-of-range rows as the CPU backend leaves them; a block holding
-// NaN or an infinity turns its column to NaN codes under NaN scales on both backends.
+// Decode of float8_e4m3 pools on CUDA (K-last: recurrent/fp8_decode.cuh; V-last: vlast_decode.cuh) against the CPU
+// backend on the same pool: o within the step ops' tolerance (both read the same dequantized state), the stored blocks
+// equal to the CPU's up to the rare element whose fp32 arithmetic lands on the other side of a rounding boundary,
+// untouched slots, scales and slot padding bit-identical, padding and out-of-range rows as the CPU backend leaves them;
+// a block holding NaN or an infinity turns the columns it reaches to NaN codes under NaN scales on both backends.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -64,12 +64,14 @@ std::vector<double> read_floats(const std::vector<uint8_t>& b, DType dt) {
 struct Fp8DecodeCase {
   int K;
   DType in;
-  int cols;                // columns per warp (Overrides::decode_fp8_columns; 0: the heuristic)
+  int cols;                // K-last: columns per warp (Overrides::decode_fp8_columns; 0: the heuristic); V-last: columns
+                           // per CTA (Overrides::decode_vlast_fp8_columns)
   bool nonfinite = false;  // slot 3, head 1: a block of column 5 holds a NaN, one of column 9 an infinity
   bool tiny = false;       // some blocks of magnitude 2^-118 .. 2^-108 and v 64x larger: a factored update's
                            // (rk u / w) k would overflow for a finite state (kMinBlockFactor)
   bool zero = false;       // block 0 of some columns zero codes under the scale 2^73, and k zero over its 32 k: the
                            // block stays zero, whose store's factor w 2^127 overflows (zeros, not NaN codes, stored)
+  StateLayout layout = StateLayout::kKLast;  // V-last: the same flat blocks are rows' (v-runs): "column" reads "row"
 };
 
 class Fp8DecodeGpu : public ::testing::TestWithParam<Fp8DecodeCase> {};
@@ -77,8 +79,9 @@ class Fp8DecodeGpu : public ::testing::TestWithParam<Fp8DecodeCase> {};
 TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
   const int K = GetParam().K, V = K, H = 2, HV = 4, P = 6;
   const DType in = GetParam().in;
+  const bool vlast = GetParam().layout == StateLayout::kVLast;
   cuda::Overrides ov;
-  ov.decode_fp8_columns = GetParam().cols;
+  (vlast ? ov.decode_vlast_fp8_columns : ov.decode_fp8_columns) = GetParam().cols;
   const cuda::ScopedOverrides scoped(ov);
   const int64_t head = int64_t(K) * V, stride = HV * head + 128;  // slot padding no kernel may touch
   const std::vector<int32_t> slots{3, 0, -1, 7, 5};                 // a padding row, a slot past the pool
@@ -143,7 +146,7 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
     d.gating.b = {pb, DType::kFloat32, HV, 1};
     d.gating.A_log = static_cast<const float*>(palog);
     d.gating.dt_bias = static_cast<const float*>(pdt);
-    d.state = {ppool, DType::kFloat8E4M3, StateLayout::kKLast, P, stride, static_cast<uint8_t*>(pscales)};
+    d.state = {ppool, DType::kFloat8E4M3, GetParam().layout, P, stride, static_cast<uint8_t*>(pscales)};
     d.state_indices = static_cast<const int32_t*>(pslots);
     d.error_flag = static_cast<int32_t*>(pflag);
     return d;
@@ -173,7 +176,10 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
   EXPECT_EQ(flag, cflag);
   EXPECT_EQ(flag, 1) << "the slot past the pool is counted once";
   // A non-finite block makes its whole column NaN (its sums, u, o and the new state: NaN scales, NaN codes), on both
-  // backends; the comparisons below take the finite values.
+  // backends; the comparisons below take the finite values. V-last: the two blocks (row 5's v 32..63, row 9's v 0..31)
+  // reach the sums of their 32 columns each, so o of 64 columns and those columns of every row.
+  const size_t nan_o = GetParam().nonfinite ? (vlast ? 2u * kFp8Block : 2u) : 0u;
+  const int64_t nan_state = GetParam().nonfinite ? (vlast ? 2 * kFp8Block * K : 2 * K) : 0;
   const auto finite_pair = [](std::vector<double>& got, std::vector<double>& ref, const std::string& what) {
     size_t n = 0;
     for (size_t i = 0; i < ref.size(); ++i) {
@@ -186,7 +192,7 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
   {
     std::vector<double> got = read_floats(go, in), ref = read_floats(co, in);
     const size_t all = ref.size();
-    EXPECT_EQ(all - finite_pair(got, ref, "o"), GetParam().nonfinite ? 2u : 0u);
+    EXPECT_EQ(all - finite_pair(got, ref, "o"), nan_o);
     EXPECT_TRUE(RelClose("o", got, ref, output_tolerance(OpFamily::kStep, in)));
   }
   for (int r : {2, 3})  // padding row and out-of-range row: o = 0
@@ -211,7 +217,18 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
       ref[size_t(e)] = double(host::e4m3_to_float(cpool[at])) * host::e8m0_to_float(cscales[sc]);
       differ += got[size_t(e)] != ref[size_t(e)] && !std::isnan(ref[size_t(e)]);
     }
-    if (GetParam().nonfinite && s == 3) {  // the two NaN columns: every byte the NaN code, every scale the NaN scale
+    if (GetParam().nonfinite && s == 3 && vlast) {  // v 0..63 of every row: NaN codes under NaN scales
+      for (int row = 0; row < K; ++row) {
+        const size_t e0 = size_t(head + row * V);
+        for (size_t e = e0; e < e0 + 2 * kFp8Block; ++e) {
+          ASSERT_EQ(gpool[size_t(s * stride) + e], cpool[size_t(s * stride) + e]) << "row " << row;
+          ASSERT_EQ(gpool[size_t(s * stride) + e] & 0x7fu, 0x7fu) << "row " << row;
+        }
+        ASSERT_EQ(gscales[s0 + e0 / kFp8Block], 0xffu) << "row " << row;
+        ASSERT_EQ(gscales[s0 + e0 / kFp8Block + 1], 0xffu) << "row " << row;
+      }
+    }
+    if (GetParam().nonfinite && s == 3 && !vlast) {  // the two NaN columns: every byte the NaN code, every scale the NaN scale
       for (int col : {5, 9}) {
         const size_t e0 = size_t(head + col * K);
         for (size_t e = e0; e < e0 + size_t(K); ++e) {
@@ -222,8 +239,7 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
           ASSERT_EQ(gscales[s0 + b], 0xffu) << "column " << col;
       }
     }
-    EXPECT_EQ(HV * head - int64_t(finite_pair(got, ref, "state slot " + std::to_string(s))),
-              GetParam().nonfinite && s == 3 ? 2 * K : 0);
+    EXPECT_EQ(HV * head - int64_t(finite_pair(got, ref, "state slot " + std::to_string(s))), s == 3 ? nan_state : 0);
     // One e4m3 step is 2^-3 relative: a few differing elements stay far below 1e-2 over the slot.
     EXPECT_TRUE(RelClose("state slot " + std::to_string(s), got, ref, 1e-2));
     EXPECT_LT(differ, HV * head / 50) << "slot " << s << ": " << differ << " elements differ from the CPU backend's";
@@ -246,9 +262,18 @@ INSTANTIATE_TEST_SUITE_P(Dims, Fp8DecodeGpu,
                                            Fp8DecodeCase{128, DType::kBFloat16, 16, false, true},
                                            Fp8DecodeCase{128, DType::kBFloat16, 32, false, false, true},
                                            Fp8DecodeCase{128, DType::kBFloat16, 16, false, false, true},
-                                           Fp8DecodeCase{64, DType::kBFloat16, 8, false, false, true}),
+                                           Fp8DecodeCase{64, DType::kBFloat16, 8, false, false, true},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 128, false, false, false, StateLayout::kVLast},
+                                           Fp8DecodeCase{128, DType::kFloat32, 64, false, false, false, StateLayout::kVLast},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 128, true, false, false, StateLayout::kVLast},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 64, true, false, false, StateLayout::kVLast},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 128, false, true, false, StateLayout::kVLast},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 64, false, true, false, StateLayout::kVLast},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 128, false, false, true, StateLayout::kVLast},
+                                           Fp8DecodeCase{128, DType::kBFloat16, 64, false, false, true, StateLayout::kVLast}),
                          [](const auto& info) {
-                           return "K" + std::to_string(info.param.K) +
+                           return std::string(info.param.layout == StateLayout::kVLast ? "VLast_" : "") + "K" +
+                                  std::to_string(info.param.K) +
                                   (info.param.in == DType::kFloat32 ? "_f32" : "_bf16") + "_cols" +
                                   std::to_string(info.param.cols) + (info.param.nonfinite ? "_nonfinite" : "") +
                                   (info.param.tiny ? "_tiny" : "") + (info.param.zero ? "_zero" : "");

@@ -14,6 +14,7 @@
 #include "support/compare.h"
 #include "support/problem.h"
 #include "gdnkit/gdnkit.h"
+#include "gdnkit/host_dtype.h"
 #include "cuda/host/overrides.h"
 #include "gpu/gpu_harness.h"
 
@@ -346,6 +347,57 @@ TEST(VerifyGpu, VLastChains) {
     SCOPED_TRACE(n.name);
     check_verify(n.cfg);
   }
+}
+
+// Blocks of zero codes under the scale 2^73 (block 0 of every third column, K-last; of every third row, V-last) with k
+// zero over its first 32 entries in every token: the blocks that no token updates (K-last: those blocks; V-last: the
+// rows below 32) stay zero through the chain and are stored as zeros (values), in the pool and in the cache, on the
+// fp8 chain kernels (K-last with the cache, and without one on both forms; V-last with the cache and without one).
+// Their stores' factor w 2^127 would overflow without the factored scale's floor (arch/fp8.cuh e4m3_factored_scale).
+TEST(VerifyGpu, Fp8ZeroBlocksUnderLargeScales) {
+  uint64_t seed = 4700;
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
+    for (bool cache : {true, false})
+      for (bool mma : {true, false}) {
+        if (mma && (cache || layout == StateLayout::kVLast)) continue;  // the tensor-core form: K-last, no cache
+        SCOPED_TRACE(std::string(layout_name(layout)) + (cache ? " cache" : " no cache") + (mma ? " tensor cores" : ""));
+        ProblemConfig c = make(Shape::kChainUpdate, layout, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
+        c.intermediate = cache, c.H = 4, c.HV = 8, c.batch = 12, c.padding_rows = 1;
+        Problem p(c);
+        const int64_t head = int64_t(c.K) * c.V, stride = p.slot_stride();
+        uint8_t* pool = p.as<uint8_t>("state");
+        uint8_t* scales = p.as<uint8_t>("state_scales");
+        for (int64_t s = 0; s < p.num_slots(); ++s)
+          for (int64_t e = 0; e < c.HV * head; e += kFp8Block)
+            if ((e % head) % c.V == 0 && (e % head) / c.V % 3 == 0 && scales[(s * c.HV * head + e) / kFp8Block] != 255) {
+              std::fill_n(pool + s * stride + e, kFp8Block, uint8_t(0));
+              scales[(s * c.HV * head + e) / kFp8Block] = 200;
+            }
+        for (int64_t t = 0; t < p.total_tokens(); ++t)
+          for (int h = 0; h < c.H; ++h)
+            for (int i = 0; i < kFp8Block; ++i)
+              host::store(p.buffer("k").bytes.data(), c.in_dtype, t * p.token_stride("k") + h * p.head_stride("k") + i,
+                          0.0);
+        cuda::Overrides o;
+        o.verify_fp8_chain_min_batch = 1, o.verify_fp8_chain_mma = mma, o.verify_vlast_chain_min_batch = 1;
+        const cuda::ScopedOverrides scoped(o);
+        Problem ref = p, got = p;
+        DeviceProblem dev(got);
+        verify(ref.verify_params(), {Backend::kCPU, nullptr});
+        verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+        dev.download(got);
+        check_verify_results(p, got, ref);
+        // The untouched zero blocks read back as zeros (not NaN) from the pool slots written.
+        for (int64_t slot : p.written_pool_slots_verify()) {
+          const std::vector<double> st = got.read_state("state", slot);
+          for (int h = 0; h < c.HV; ++h)
+            for (int a = 0; a < 32; a += 3)
+              for (int b = 0; b < kFp8Block; ++b) {  // S[h][k][v]: K-last column a block 0, V-last row a block 0
+                const int64_t at = h * head + (layout == StateLayout::kKLast ? int64_t(b) * c.V + a : int64_t(a) * c.V + b);
+                ASSERT_EQ(st[size_t(at)], 0.0) << "slot " << slot << " head " << h << " at " << at;
+              }
+        }
+      }
 }
 
 // ---- commit ------------------------------------------------------------------------------------

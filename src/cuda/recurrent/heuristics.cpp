@@ -9,17 +9,25 @@ constexpr int kChainMinTokens = 3;      // the chain kernel from T = 3 (T = 2 is
 constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefetch mode
 constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
 constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode
-constexpr int kFp8ChainMinBatch = 2;    // fp8 chain verify on its kernel from B = 2 (H200)
-constexpr int kFp8ChainMmaMinBatch = 3;  // ... without a cache on tensor cores from B = 3 (H200: B = 2 1% slower)
-// V-last chain verify on its kernel from these batches, by pool dtype, with a cache / without one (0: never; H200,
-// T = 4, docs/design/decode.md "Verify of chains on V-last pools"): fp8 6 / 32, fp32 (an fp32 cache) 1 / never, bf16 and
-// fp16 (an fp32 cache) never / 16.
-int vlast_chain_min_batch(const RecurrentCall& c) {
+// The verify kernels' boundaries count value heads of the batch, B HV (their grids' size; H200, T = 4, set at HV = 32 and
+// measured again at HV = 8: docs/design/decode.md "How the kernel is chosen").
+constexpr int64_t kFp8ChainMinHeads = 48;  // fp8 chain verify on its kernel from 48 heads (HV = 32: B = 2; HV = 8: B = 6)
+constexpr int kFp8ChainMmaMinBatch = 3;    // ... without a cache on tensor cores from B = 3 at any HV (B = 2 1% slower)
+// V-last chain verify on its kernel from these heads, by pool dtype, with a cache / without one (0: never;
+// docs/design/decode.md "Verify of chains on V-last pools"): fp8 192 / 1024 (HV = 32: B = 6 / 32), fp32 (an fp32 cache)
+// any / never, bf16 and fp16 (an fp32 cache) never / 512 (HV = 32: B = 16).
+int64_t vlast_chain_min_heads(const RecurrentCall& c) {
   switch (c.state_dtype) {
-    case DType::kFloat8E4M3: return c.caches_states ? 6 : 32;
+    case DType::kFloat8E4M3: return c.caches_states ? 192 : 1024;
     case DType::kFloat32: return c.caches_states ? 1 : 0;
-    default: return c.caches_states ? 0 : 16;
+    default: return c.caches_states ? 0 : 512;
   }
+}
+
+// An A/B override in sequences (>= 0: from that batch, 0 never) or the rule in heads (0: never).
+bool from_batch_or_heads(int override_min_batch, int64_t min_heads, const RecurrentCall& c) {
+  if (override_min_batch >= 0) return override_min_batch > 0 && c.batch >= override_min_batch;
+  return min_heads > 0 && c.batch * c.num_v_heads >= min_heads;
 }
 
 bool klast_decode_k128(const RecurrentCall& c) {
@@ -48,17 +56,19 @@ const char* kernel_name(RecurrentKernel k) {
   return "?";
 }
 
-// fp8 decode widths (docs/design/decode.md "fp8 pools"): 8 columns per warp where a tiny grid needs the warps
-// (K = 64, 256); at K = 128 16, and 32 from kFp8WideMinBatch (a warp's fixed work shared by more columns).
-constexpr int kFp8NarrowMaxBatchK64 = 8, kFp8NarrowMaxBatchK256 = 2;
-constexpr int kFp8WideMinBatch = 16;
+// fp8 decode widths (docs/design/decode.md "fp8 pools"), by value heads of the batch, B HV: 8 columns per warp where a
+// tiny grid needs the warps (K = 64 up to 256 heads, K = 256 up to 64; measured at HV = 32 only); at K = 128 16, and 32
+// from kFp8WideMinHeads (a warp's fixed work shared by more columns; HV = 32: B = 12, HV = 8: B = 48).
+constexpr int64_t kFp8NarrowMaxHeadsK64 = 256, kFp8NarrowMaxHeadsK256 = 64;
+constexpr int64_t kFp8WideMinHeads = 384;
 
-int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o) {
+int fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_k, const Overrides& o) {
   const bool wide_built = head_dim_k == 128;
   if (o.decode_fp8_columns == 8 || o.decode_fp8_columns == 16 || (o.decode_fp8_columns == 32 && wide_built))
     return o.decode_fp8_columns;
-  if (wide_built) return batch >= kFp8WideMinBatch ? 32 : 16;
-  return batch <= (head_dim_k == 64 ? kFp8NarrowMaxBatchK64 : kFp8NarrowMaxBatchK256) ? 8 : 16;
+  const int64_t heads = batch * num_v_heads;
+  if (wide_built) return heads >= kFp8WideMinHeads ? 32 : 16;
+  return heads <= (head_dim_k == 64 ? kFp8NarrowMaxHeadsK64 : kFp8NarrowMaxHeadsK256) ? 8 : 16;
 }
 
 constexpr int kFp8DecodePrefetchShare = 8;
@@ -144,25 +154,22 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
     const bool chain = c.op == RecurrentOp::kRecompute || c.op == RecurrentOp::kPrefill || (!c.tree && !c.caches_states);
     if (min_tokens > 0 && c.num_draft_tokens >= min_tokens && chain) return take(K::kChainMma, k.chain_mma);
   }
-  // Verify of chains on float8_e4m3 pools from B = 2: 16 columns a warp share the token's fixed work (B = 1: the warp
-  // kernel's twice as many warps, each a shorter chain); without a cache on tensor cores (with one, the CUDA-core
-  // kernel measured faster: docs/design/decode.md "fp8 pools").
+  // Verify of chains on float8_e4m3 pools from 48 heads: 16 columns a warp share the token's fixed work (fewer heads:
+  // the warp kernel's twice as many warps, each a shorter chain); without a cache on tensor cores from B = 3 at any
+  // HV (with one, the CUDA-core kernel measured faster: docs/design/decode.md "fp8 pools").
   if (fp8_chain_built(c) && k.fp8_chain.grid_ctas > 0) {
-    const int min_batch = or_default(o.verify_fp8_chain_min_batch, kFp8ChainMinBatch);
-    if (min_batch > 0 && c.batch >= min_batch) {
-      if (!c.caches_states && o.verify_fp8_chain_mma && k.fp8_chain_mma.grid_ctas > 0 &&
-          c.batch >= kFp8ChainMmaMinBatch)
-        return RecurrentChoice{K::kFp8ChainMma, false};
-      return RecurrentChoice{K::kFp8Chain, false};
-    }
+    const bool mma = !c.caches_states && o.verify_fp8_chain_mma && k.fp8_chain_mma.grid_ctas > 0 &&
+                     c.batch >= kFp8ChainMmaMinBatch;
+    const bool chain = o.verify_fp8_chain_min_batch >= 0
+                           ? from_batch_or_heads(o.verify_fp8_chain_min_batch, 0, c)
+                           : from_batch_or_heads(-1, kFp8ChainMinHeads, c) || mma;
+    if (chain) return RecurrentChoice{mma ? K::kFp8ChainMma : K::kFp8Chain, false};
   }
   // Verify of chains on V-last pools on their chain kernel (whole 16-byte row pieces a lane, one barrier a token; the
-  // warp kernel's V-last tile moves 32-byte pieces through shared memory) from the batches above (set at HV = 32,
-  // K = 128).
-  if (vlast_chain_built(c) && k.vlast_chain.grid_ctas > 0) {
-    const int min_batch = or_default(o.verify_vlast_chain_min_batch, vlast_chain_min_batch(c));
-    if (min_batch > 0 && c.batch >= min_batch) return RecurrentChoice{K::kVLastChain, false};
-  }
+  // warp kernel's V-last tile moves 32-byte pieces through shared memory) from the heads above (K = 128).
+  if (vlast_chain_built(c) && k.vlast_chain.grid_ctas > 0 &&
+      from_batch_or_heads(o.verify_vlast_chain_min_batch, vlast_chain_min_heads(c), c))
+    return RecurrentChoice{K::kVLastChain, false};
   // 16-bit decode on tensor cores where this grid and the next fit the GPU together (fp16 state with bf16 inputs: the
   // tf32 steps, with fewer warps per SM, where they fit so, else the inputs scaled to fp16).
   if (mma_decode_tf32_built(c) && o.decode_mma && o.decode_mma_tf32 && k.mma_decode_tf32.grid_ctas > 0 &&

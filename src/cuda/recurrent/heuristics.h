@@ -36,9 +36,10 @@ enum class RecurrentKernel {
 const char* kernel_name(RecurrentKernel k);
 
 // Columns per warp of the fp8 decode kernel (fp8_decode.cuh: 8, 16, or 32 at K = 128) for a call of `batch`
-// sequences: few columns where the grid is small (each warp's chain is the time), many where it is large (a warp's
-// fixed work, k and q and the gates, is shared by more columns, and more bytes are in flight per SM).
-int fp8_decode_columns(int64_t batch, int head_dim_k, const Overrides& o);
+// sequences of `num_v_heads` value heads: few columns where the grid is small (each warp's chain is the time), many
+// where it is large (a warp's fixed work, k and q and the gates, is shared by more columns, and more bytes are in
+// flight per SM).
+int fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_k, const Overrides& o);
 
 // Prefetch mode of K-last fp8 decode (fp8_decode.cuh) for a grid of `grid_ctas` CTAs where the GPU holds
 // `resident_ctas`: grids of at most an eighth of them (qwen3-next: B = 1), where the state's latency is the call;
@@ -58,6 +59,7 @@ struct RecurrentCall {
   DType input_dtype = DType::kFloat32;  // q, k, v
   int head_dim_k = 128, head_dim_v = 128;
   int64_t batch = 0;
+  int num_v_heads = 32;      // HV
   int num_draft_tokens = 1;  // T (prefill: the longest sequence the path takes)
   bool tree = false;         // verify with parent indices
   bool caches_states = false;  // verify stores intermediate states

@@ -25,7 +25,7 @@ void launch_k(const RecurrentParams& p, Stream stream) {
 
 template <class TInput, int K>
 void launch_cols(const RecurrentParams& p, Stream stream) {
-  const int cols = fp8_decode_columns(p.batch, K, overrides());
+  const int cols = fp8_decode_columns(p.batch, p.heads.num_v_heads, K, overrides());
   if (cols == 8) return launch_k<TInput, K, 8>(p, stream);
   if constexpr (K == 128)
     if (cols == 32) return launch_k<TInput, K, 32>(p, stream);

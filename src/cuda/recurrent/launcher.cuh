@@ -45,6 +45,7 @@ RecurrentCall describe_call(const RecurrentParams& p) {
   c.head_dim_k = K;
   c.head_dim_v = V;
   c.batch = p.batch;
+  c.num_v_heads = p.heads.num_v_heads;
   c.num_draft_tokens = kOp == RecurrentOp::kDecode ? 1 : p.num_draft_tokens;
   c.tree = p.parent != nullptr;
   c.caches_states = p.intermediate.data != nullptr && p.intermediate_indices != nullptr;
