@@ -969,6 +969,8 @@ void run_cuda(const Options& o_in, RunInfo& info, const RowSink& sink) {
   if (o.short_max_len >= 0) overrides.prefill_short_max_len = o.short_max_len;
   if (o.prefill_vtile > 0) overrides.prefill_vtile = o.prefill_vtile;
   if (o.solo_min_batch >= 0) overrides.decode_solo_min_batch = o.solo_min_batch;
+  if (o.wide_max_batch >= 0) overrides.decode_wide_max_batch = o.wide_max_batch;
+  if (o.narrow_max_batch >= 0) overrides.decode_narrow_max_batch = o.narrow_max_batch;
   if (o.fp8_chain >= 0) overrides.verify_fp8_chain_min_batch = o.fp8_chain;
   if (o.fp8_chain_mma >= 0) overrides.verify_fp8_chain_mma = o.fp8_chain_mma != 0;
   if (o.vlast_chain >= 0) overrides.verify_vlast_chain_min_batch = o.vlast_chain;

@@ -77,6 +77,10 @@ bench options:
                              (0: never), where it is built, instead of the library's choice
   --solo-min-batch N         A/B switch: fp32 K-last decode on one-warp CTAs from N sequences (0: never), instead
                              of the library's choice
+  --wide-max-batch N         A/B switch: 16-bit K-last decode on the wide tile up to N sequences (0: never), where
+                             its grid fits in prefetch mode, instead of the library's choice
+  --narrow-max-batch N       A/B switch: 16-bit K-last decode on the narrow tile up to N sequences (0: never), instead
+                             of the library's choice
   --prep-warpgroup N         A/B switch: prefill's prep warpgroup beside two state warpgroups, 0 none, 1 forming M,
                              2 forming the whole chunk prep (no chunk prep kernel), where the call allows it,
                              instead of the library's choice
@@ -232,6 +236,10 @@ Options parse_bench(int argc, char** argv, int first) {
       o.vlast_chain = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--solo-min-batch") {
       o.solo_min_batch = int_list(a, value(i), 0, 65536).front();
+    } else if (a == "--wide-max-batch") {
+      o.wide_max_batch = int_list(a, value(i), 0, 65536).front();
+    } else if (a == "--narrow-max-batch") {
+      o.narrow_max_batch = int_list(a, value(i), 0, 65536).front();
     } else if (a == "--prep-warpgroup") {
       o.prep_warpgroup = int_list(a, value(i), 0, 2).front();
     } else if (a == "--chunk-flags") {

@@ -125,6 +125,14 @@ TEST(RecurrentHeuristics, Bf16DecodeBySize) {
   }
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kFloat32, 1)), RecurrentKernel::kWarpRegular);
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat16, DType::kBFloat16, 64)), RecurrentKernel::kWarpSolo);
+  // One-warp CTAs from 400 heads (B HV): at HV = 8 (grids as qwen3-next's at B HV / 32) the regular tile up to B = 49.
+  for (DType state : {DType::kBFloat16, DType::kFloat16})
+    for (int64_t B : {32, 48, 49, 50, 56, 128}) {
+      RecurrentCall n = decode_call(state, DType::kBFloat16, B);
+      n.num_v_heads = 8;
+      const auto r = recurrent::choose_recurrent_kernel(n, h100_candidates(B / 4), {});
+      EXPECT_EQ(r.kernel, B >= 50 ? RecurrentKernel::kWarpSolo : RecurrentKernel::kWarpRegular) << "B=" << B;
+    }
 }
 
 TEST(RecurrentHeuristics, Fp32DecodePinsTheSlotInPrefetchMode) {

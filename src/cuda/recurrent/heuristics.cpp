@@ -8,7 +8,8 @@ namespace {
 constexpr int kChainMinTokens = 3;      // the chain kernel from T = 3 (T = 2 is faster on the warp kernel)
 constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefetch mode
 constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
-constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode
+constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode (fp32 pools)
+constexpr int64_t kSolo16MinHeads = 400;  // ... 16-bit pools from 400 heads, B HV (HV = 32: B = 13; HV = 8: B = 50)
 // The verify kernels' boundaries count value heads of the batch, B HV (their grids' size; H200, T = 4, set at HV = 32 and
 // measured again at HV = 8: docs/design/decode.md "How the kernel is chosen").
 constexpr int64_t kFp8ChainMinHeads = 48;  // fp8 chain verify on its kernel from 48 heads (HV = 32: B = 2; HV = 8: B = 6)
@@ -187,7 +188,8 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
       if (c.batch >= 2 && c.batch <= or_default(o.decode_wide_max_batch, kWideMaxBatch) &&
           prefetch_mode(k.wide, 1, o))
         return take(K::kWarpWide, k.wide);
-      if (solo) return RecurrentChoice{K::kWarpSolo, false};
+      if (o.decode_solo_min_batch >= 0 ? solo : c.batch * c.num_v_heads >= kSolo16MinHeads)
+        return RecurrentChoice{K::kWarpSolo, false};
       if (c.batch >= 3 && c.batch <= or_default(o.decode_narrow_max_batch, kNarrowMaxBatch) && !regular_prefetch &&
           k.narrow.grid_ctas > 0)
         return RecurrentChoice{K::kWarpNarrow, false};
