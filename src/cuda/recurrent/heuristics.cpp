@@ -1,5 +1,6 @@
 // The recurrent ops' kernel choice (heuristics.h). The thresholds are measurements on the qwen3-next heads (H100;
-// the fp8 decode widths H200); docs/design/decode.md gives them.
+// the fp8 kernels' H200), those that count the batch's value heads (B HV) checked at HV = 8 too;
+// docs/design/decode.md gives them.
 #include "cuda/recurrent/heuristics.h"
 
 namespace gdnkit::cuda::recurrent {
