@@ -71,7 +71,7 @@ struct Options {
   int fp8_chain = -1;            // A/B switch: fp8 chain verify on the fp8 chain kernel from this batch (0: never)
   int fp8_chain_mma = -1;        // A/B switch: fp8 chain verify without a cache on tensor cores (1) or CUDA cores (0)
   int vlast_chain = -1;          // A/B switch: V-last chain verify on its chain kernel from N sequences (0: never)
-  int solo_min_batch = -1;       // A/B switch: fp32 K-last decode in one-warp CTAs from this batch (0: never)
+  int solo_min_batch = -1;       // A/B switch: K-last decode in one-warp CTAs from this batch (0: never)
   int wide_max_batch = -1;       // A/B switch: 16-bit K-last decode on the wide tile up to this batch (0: never)
   int narrow_max_batch = -1;     // A/B switch: 16-bit K-last decode on the narrow tile up to this batch (0: never)
   int prep_warpgroup = -1;       // A/B switch: prefill's prep warpgroup (0 off, 1 M, 2 the whole prep)

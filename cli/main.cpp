@@ -75,8 +75,8 @@ bench options:
                              or its CUDA-core form (0), instead of the library's choice
   --vlast-chain N            A/B switch: verify of chains on V-last pools on their chain kernel from N sequences
                              (0: never), where it is built, instead of the library's choice
-  --solo-min-batch N         A/B switch: fp32 K-last decode on one-warp CTAs from N sequences (0: never), instead
-                             of the library's choice
+  --solo-min-batch N         A/B switch: K-last decode on one-warp CTAs from N sequences (0: never), instead of
+                             the library's choice
   --wide-max-batch N         A/B switch: 16-bit K-last decode on the wide tile up to N sequences (0: never), where
                              its grid fits in prefetch mode, instead of the library's choice
   --narrow-max-batch N       A/B switch: 16-bit K-last decode on the narrow tile up to N sequences (0: never), instead

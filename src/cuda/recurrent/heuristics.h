@@ -29,7 +29,8 @@ enum class RecurrentKernel {
   kMmaDecode,    // mma_decode_kernel: K-last 16-bit state (bf16: bf16 inputs; fp16: fp16 or bf16), tensor cores
   kMmaDecodeTf32,  // ... its tf32 steps: fp16 state with bf16 inputs
   kChainMma,     // chain_mma_kernel: K-last chains of bf16 inputs on tensor cores
-  kFp8Chain,     // fp8_chain_kernel: verify of chains on K-last float8_e4m3 pools, an fp8 cache (none: B = 2, override)
+  kFp8Chain,     // fp8_chain_kernel: verify of chains on K-last float8_e4m3 pools, an fp8 cache (none: below the
+                 // tensor-core form's batches, or where that form is off)
   kFp8ChainMma,  // fp8_chain_mma_kernel: ... without a cache, on tensor cores
   kVLastChain,   // vlast_chain_kernel: verify of chains on V-last pools, a cache of the state's dtype (fp32 too) or none
 };
