@@ -257,16 +257,18 @@ std::vector<Named> sanitize_cases() {
   return out;
 }
 
-// Verify on both backends from the same inputs; the CUDA outputs, cache and pool must match the reference's.
-void check_verify(const ProblemConfig& c) {
-  const Problem before(c);
+// Verify on both backends from the same inputs; the CUDA outputs, cache and pool must match the reference's. Returns
+// the CUDA run's problem.
+Problem check_verify(const Problem& before) {
   Problem ref = before, got = before;
   DeviceProblem dev(got);
   verify(ref.verify_params(), {Backend::kCPU, nullptr});
   verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
   dev.download(got);
   check_verify_results(before, got, ref);
+  return got;
 }
+void check_verify(const ProblemConfig& c) { check_verify(Problem(c)); }
 
 class VerifyTest : public ::testing::TestWithParam<Named> {};
 
@@ -381,12 +383,7 @@ TEST(VerifyGpu, Fp8ZeroBlocksUnderLargeScales) {
         cuda::Overrides o;
         o.verify_fp8_chain_min_batch = 1, o.verify_fp8_chain_mma = mma, o.verify_vlast_chain_min_batch = 1;
         const cuda::ScopedOverrides scoped(o);
-        Problem ref = p, got = p;
-        DeviceProblem dev(got);
-        verify(ref.verify_params(), {Backend::kCPU, nullptr});
-        verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
-        dev.download(got);
-        check_verify_results(p, got, ref);
+        const Problem got = check_verify(p);
         // The untouched zero blocks read back as zeros (not NaN) from the pool slots written.
         for (int64_t slot : p.written_pool_slots_verify()) {
           const std::vector<double> st = got.read_state("state", slot);
