@@ -64,8 +64,8 @@ std::vector<double> read_floats(const std::vector<uint8_t>& b, DType dt) {
 struct Fp8DecodeCase {
   int K;
   DType in;
-  int cols;                // K-last: columns per warp (Overrides::decode_fp8_columns; 0: the heuristic); V-last: columns
-                           // per CTA (Overrides::decode_vlast_fp8_columns)
+  int cols;                // K-last: columns per warp (Overrides::decode_fp8_columns; 0: the heuristic); V-last:
+                           // columns per CTA (Overrides::decode_vlast_fp8_columns)
   bool nonfinite = false;  // slot 3, head 1: a block of column 5 holds a NaN, one of column 9 an infinity
   bool tiny = false;       // some blocks of magnitude 2^-118 .. 2^-108 and v 64x larger: a factored update's
                            // (rk u / w) k would overflow for a finite state (kMinBlockFactor)
@@ -73,6 +73,11 @@ struct Fp8DecodeCase {
                            // block stays zero, whose store's factor w 2^127 overflows (zeros, not NaN codes, stored)
   StateLayout layout = StateLayout::kKLast;  // V-last: the same flat blocks are rows' (v-runs): "column" reads "row"
 };
+
+// V-last cases: K = V = 128, `cols` columns per CTA.
+Fp8DecodeCase vlast_case(DType in, int cols, bool nonfinite = false, bool tiny = false, bool zero = false) {
+  return {128, in, cols, nonfinite, tiny, zero, StateLayout::kVLast};
+}
 
 class Fp8DecodeGpu : public ::testing::TestWithParam<Fp8DecodeCase> {};
 
@@ -228,7 +233,7 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
         ASSERT_EQ(gscales[s0 + e0 / kFp8Block + 1], 0xffu) << "row " << row;
       }
     }
-    if (GetParam().nonfinite && s == 3 && !vlast) {  // the two NaN columns: every byte the NaN code, every scale the NaN scale
+    if (GetParam().nonfinite && s == 3 && !vlast) {  // the two NaN columns: NaN codes under NaN scales
       for (int col : {5, 9}) {
         const size_t e0 = size_t(head + col * K);
         for (size_t e = e0; e < e0 + size_t(K); ++e) {
@@ -263,14 +268,13 @@ INSTANTIATE_TEST_SUITE_P(Dims, Fp8DecodeGpu,
                                            Fp8DecodeCase{128, DType::kBFloat16, 32, false, false, true},
                                            Fp8DecodeCase{128, DType::kBFloat16, 16, false, false, true},
                                            Fp8DecodeCase{64, DType::kBFloat16, 8, false, false, true},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 128, false, false, false, StateLayout::kVLast},
-                                           Fp8DecodeCase{128, DType::kFloat32, 64, false, false, false, StateLayout::kVLast},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 128, true, false, false, StateLayout::kVLast},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 64, true, false, false, StateLayout::kVLast},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 128, false, true, false, StateLayout::kVLast},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 64, false, true, false, StateLayout::kVLast},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 128, false, false, true, StateLayout::kVLast},
-                                           Fp8DecodeCase{128, DType::kBFloat16, 64, false, false, true, StateLayout::kVLast}),
+                                           vlast_case(DType::kBFloat16, 128), vlast_case(DType::kFloat32, 64),
+                                           vlast_case(DType::kBFloat16, 128, true),
+                                           vlast_case(DType::kBFloat16, 64, true),
+                                           vlast_case(DType::kBFloat16, 128, false, true),
+                                           vlast_case(DType::kBFloat16, 64, false, true),
+                                           vlast_case(DType::kBFloat16, 128, false, false, true),
+                                           vlast_case(DType::kBFloat16, 64, false, false, true)),
                          [](const auto& info) {
                            return std::string(info.param.layout == StateLayout::kVLast ? "VLast_" : "") + "K" +
                                   std::to_string(info.param.K) +

@@ -362,7 +362,8 @@ TEST(VerifyGpu, Fp8ZeroBlocksUnderLargeScales) {
     for (bool cache : {true, false})
       for (bool mma : {true, false}) {
         if (mma && (cache || layout == StateLayout::kVLast)) continue;  // the tensor-core form: K-last, no cache
-        SCOPED_TRACE(std::string(layout_name(layout)) + (cache ? " cache" : " no cache") + (mma ? " tensor cores" : ""));
+        SCOPED_TRACE(std::string(layout_name(layout)) + (cache ? " cache" : " no cache") +
+                     (mma ? " tensor cores" : ""));
         ProblemConfig c = make(Shape::kChainUpdate, layout, DType::kFloat8E4M3, DType::kFloat8E4M3, 4, seed++);
         c.intermediate = cache, c.H = 4, c.HV = 8, c.batch = 12, c.padding_rows = 1;
         Problem p(c);
@@ -371,7 +372,8 @@ TEST(VerifyGpu, Fp8ZeroBlocksUnderLargeScales) {
         uint8_t* scales = p.as<uint8_t>("state_scales");
         for (int64_t s = 0; s < p.num_slots(); ++s)
           for (int64_t e = 0; e < c.HV * head; e += kFp8Block)
-            if ((e % head) % c.V == 0 && (e % head) / c.V % 3 == 0 && scales[(s * c.HV * head + e) / kFp8Block] != 255) {
+            if ((e % head) % c.V == 0 && (e % head) / c.V % 3 == 0 &&
+                scales[(s * c.HV * head + e) / kFp8Block] != 255) {
               std::fill_n(pool + s * stride + e, kFp8Block, uint8_t(0));
               scales[(s * c.HV * head + e) / kFp8Block] = 200;
             }
@@ -390,7 +392,8 @@ TEST(VerifyGpu, Fp8ZeroBlocksUnderLargeScales) {
           for (int h = 0; h < c.HV; ++h)
             for (int a = 0; a < 32; a += 3)
               for (int b = 0; b < kFp8Block; ++b) {  // S[h][k][v]: K-last column a block 0, V-last row a block 0
-                const int64_t at = h * head + (layout == StateLayout::kKLast ? int64_t(b) * c.V + a : int64_t(a) * c.V + b);
+                const int64_t at =
+                    h * head + (layout == StateLayout::kKLast ? int64_t(b) * c.V + a : int64_t(a) * c.V + b);
                 ASSERT_EQ(st[size_t(at)], 0.0) << "slot " << slot << " head " << h << " at " << at;
               }
         }

@@ -11,10 +11,10 @@ constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefet
 constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
 constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode (fp32 pools)
 constexpr int64_t kSolo16MinHeads = 400;  // ... 16-bit pools from 400 heads, B HV (HV = 32: B = 13; HV = 8: B = 50)
-// The verify kernels' boundaries count value heads of the batch, B HV (their grids' size; H200, T = 4, set at HV = 32 and
-// measured again at HV = 8: docs/design/decode.md "How the kernel is chosen").
-constexpr int64_t kFp8ChainMinHeads = 48;  // fp8 chain verify on its kernel from 48 heads (HV = 32: B = 2; HV = 8: B = 6)
-constexpr int kFp8ChainMmaMinBatch = 3;    // ... without a cache on tensor cores from B = 3, whatever HV (HV = 8 and 32 measured)
+// The verify kernels' boundaries count value heads of the batch, B HV (their grids' size; H200, T = 4, set at HV = 32
+// and measured again at HV = 8: docs/design/decode.md "How the kernel is chosen").
+constexpr int64_t kFp8ChainMinHeads = 48;  // fp8 chain verify on its kernel from 48 heads (HV = 32: B = 2, HV = 8: 6)
+constexpr int kFp8ChainMmaMinBatch = 3;    // ... without a cache on tensor cores from B = 3 (HV = 8 and 32 measured)
 // V-last chain verify on its kernel from these heads, by pool dtype, with a cache / without one (0: never;
 // docs/design/decode.md "Verify of chains on V-last pools"): fp8 192 / 1024 (HV = 32: B = 6 / 32), fp32 (an fp32 cache)
 // any / never, bf16 and fp16 (an fp32 cache) never / 512 (HV = 32: B = 16).
