@@ -36,8 +36,8 @@ bench options:
   --shape NAME[,NAME]|all    qwen3-next | qwen3.5-397b-tp8 | qwen3.5-27b | qwen3.5-397b
                              (default: qwen3-next; prefill also qwen3.5-397b-tp8)
   --state LIST               state dtypes, comma-separated: fp32, bf16, fp16, fp8 (float8_e4m3 with block
-                             scales: CUDA; K-last, and V-last outside prefill), both (= fp32,bf16), all (=
-                             fp32,bf16,fp16)
+                             scales: CUDA; V-last prefill on staged K-last fp32 copies), both (= fp32,bf16), all
+                             (= fp32,bf16,fp16)
                              (default: decode all, verify/prefill fp32)
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
   --input bf16|fp16|fp32     dtype of q, k, v, a, b and o (default bf16)
@@ -283,11 +283,7 @@ Options parse_bench(int argc, char** argv, int first) {
   }
   o.ops = op == "all" ? std::vector<std::string>{"decode", "verify", "prefill"} : std::vector<std::string>{op};
   const bool fp8 = std::find(o.states.begin(), o.states.end(), DType::kFloat8E4M3) != o.states.end();
-  for (const std::string& x : o.ops) {
-    const bool klast_only = layouts_for(o, x) == std::vector<StateLayout>{StateLayout::kKLast};
-    if (fp8 && (o.cpu || (x == "prefill" && !klast_only)))
-      usage_error("--state fp8: float8_e4m3 pools are benchmarked on CUDA, K-last (--layout klast) in prefill");
-  }
+  if (fp8 && o.cpu) usage_error("--state fp8: float8_e4m3 pools are benchmarked on CUDA");
   if (op == "prefill-split" && o.cpu) usage_error("prefill-split: the split over GPUs is benchmarked on CUDA (no --cpu)");
   if (!o.json_path.empty() && o.json_path == o.markdown_path)
     usage_error("--json and --markdown name the same file '" + o.json_path + "'");

@@ -21,14 +21,13 @@ void require_cuda() {
 }
 
 // The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools, intermediate caches and
-// checkpoints of K-last pools in decode, verify, commit and prefill (pools and checkpoints on the head state pass, bf16
-// or fp16 inputs, K <= 128, V in {64, 128}, and on the tiled pass at K >= 128), V-last float8_e4m3 pools and caches in
-// verify and commit (warp_tile.cuh) and pools in decode (K in {64, 128}, V in {128, 256}: vlast_decode.cuh), and
-// layout conversion either way; the CPU backend runs every op on float8_e4m3.
+// checkpoints in decode (V-last pools: K in {64, 128}, V in {128, 256}: vlast_decode.cuh), verify, commit, prefill
+// (in place where the passes take them, else on K-last fp32 copies: prefill/staged_states.h) and layout conversion,
+// and in a split prefill the pools and checkpoints prefill takes in place (K-last; the head state pass with bf16 or
+// fp16 inputs, K <= 128, V in {64, 128}, or the tiled pass at K >= 128); the CPU backend runs every op on them.
 constexpr const char* kFp8Cuda =
-    ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, verify, commit and "
-    "prefill, all K-last, V-last pools and caches in verify and commit, and V-last pools in decode with K in {64, 128} "
-    "and V in {128, 256}";
+    ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode (V-last pools with K in "
+    "{64, 128} and V in {128, 256}), verify, commit and prefill, and in split prefill K-last ones";
 // Refuses a float8_e4m3 buffer where no CUDA kernel takes it; got() (what the call has) is formed only then, so that
 // the calls that pass build no message.
 template <class Got>
@@ -37,7 +36,6 @@ void refuse_cuda_fp8(const char* name, const void* data, DType dtype, const Got&
     throw Error(ErrorCode::kNotImplemented,
                 std::string(name) + kFp8Cuda + got() + " (the CPU backend runs every op)");
 }
-const auto kGotVLast = [] { return std::string(", got V-last"); };
 void require_cuda_states(const DecodeParams& p) {
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   if (p.state.layout != StateLayout::kKLast && !((K == 64 || K == 128) && (V == 128 || V == 256)))
@@ -45,25 +43,20 @@ void require_cuda_states(const DecodeParams& p) {
                     [&] { return ", got V-last with K = " + std::to_string(K) + ", V = " + std::to_string(V); });
 }
 void require_cuda_states(const VerifyParams&) {}  // and CommitParams: every dtype, both layouts
-void require_cuda_states(const PrefillParams& p) {
-  // the head state pass (16-bit inputs, K <= 128, V in {64, 128}) or the tiled pass at K >= 128 (whole 32-row blocks
-  // a warp: state_pass_tiled.cuh)
-  const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) &&
-                         p.heads.head_dim_k <= 128 && (p.heads.head_dim_v == 64 || p.heads.head_dim_v == 128);
-  const bool takes = head_pass || p.heads.head_dim_k >= 128;
-  const auto head_pass_only = [&] {
-    return ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}, got " +
-           std::string(dtype_name(p.q.dtype)) + " inputs, V = " + std::to_string(p.heads.head_dim_v);
-  };
-  if (p.state.layout != StateLayout::kKLast) refuse_cuda_fp8("state", p.state.data, p.state.dtype, kGotVLast);
-  if (!takes) refuse_cuda_fp8("state", p.state.data, p.state.dtype, head_pass_only);
-  if (p.checkpoint_interval <= 0) return;
-  if (p.checkpoints.layout != StateLayout::kKLast)
-    refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, kGotVLast);
-  if (!takes) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, head_pass_only);
-}
+void require_cuda_states(const PrefillParams&) {}  // every dtype, both layouts
 void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
-void require_cuda_states(const SplitPrefillParams& p) { require_cuda_states(p.local); }
+void require_cuda_states(const SplitPrefillParams& sp) {
+  const PrefillParams& p = sp.local;
+  if (!cuda::chunked_prefill::states_staged(p)) return;
+  const auto got = [&] {
+    if (p.state.layout != StateLayout::kKLast) return std::string(", got V-last");
+    return ", got K-last with " + std::string(dtype_name(p.q.dtype)) + " inputs, K = " +
+           std::to_string(p.heads.head_dim_k) + ", V = " + std::to_string(p.heads.head_dim_v) +
+           " (the head state pass takes bf16 or fp16 inputs, K <= 128, V in {64, 128}; the tiled pass K >= 128)";
+  };
+  refuse_cuda_fp8("state", p.state.data, p.state.dtype, got);
+  if (p.checkpoint_interval > 0) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, got);
+}
 
 template <class Params, class CpuFn, class CudaFn>
 void run(const Params& p, const Context& ctx, CpuFn cpu_fn, CudaFn cuda_fn) {
@@ -143,7 +136,10 @@ PrefillPath prefill_path(const PrefillParams& p) {
 #else
     const int sms = 1;
 #endif
-    const auto choice = cuda::chunked_prefill::choose_prefill(p, sms, cuda::overrides());
+    // a call on staged states runs the passes on its K-last fp32 copies
+    const bool staged = cuda::chunked_prefill::states_staged(p);
+    const auto choice =
+        cuda::chunked_prefill::choose_prefill(staged ? cuda::chunked_prefill::staged_shape(p) : p, sms, cuda::overrides());
     path.short_max_len = choice.short_len;
     path.context_parallel_segment = choice.cp_segment_len;
   }

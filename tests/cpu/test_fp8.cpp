@@ -443,20 +443,20 @@ TEST(Fp8, LayoutScalesRules) {
             std::string::npos);
 }
 
-// The CUDA backend takes fp8 pools, intermediate caches and checkpoints of K-last pools (prefill: on the head state
-// pass, or the tiled pass at K >= 128), V-last fp8 pools and caches in verify and commit, V-last fp8 pools in decode
-// at K in {64, 128}, V in {128, 256}, and converts fp8 pools either way: the rest (V-last decode at other dims, V-last
-// prefill, K = 64 prefill off the head pass) is refused after validation and before any device work, whether or not
-// a GPU is present.
-TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
+// The CUDA backend takes fp8 pools, intermediate caches and checkpoints in every op (prefill on staged K-last fp32
+// copies where no pass takes them in place), V-last fp8 pools in decode at K in {64, 128}, V in {128, 256}, and in a
+// split prefill the K-last ones prefill takes in place: the rest (V-last decode at other dims, a split prefill's V-last
+// or K = 64 off-head-pass buffers) is refused after validation and before any device work, whether or not a GPU is
+// present.
+TEST(Fp8, CudaBackendRefusesFp8OutsideItsKernels) {
   Fp8States pool(2, 1, kStride, 19);
   const Fp8States pool0 = pool;
   Tokens tok(4, 20);
   const std::vector<int32_t> slots{0, 1};
   const Context cuda{Backend::kCUDA, nullptr};
-  const std::string tail = ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode, "
-                           "verify, commit and prefill, all K-last, V-last pools and caches in verify and commit, and "
-                           "V-last pools in decode with K in {64, 128} and V in {128, 256}";
+  const std::string tail = ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode "
+                           "(V-last pools with K in {64, 128} and V in {128, 256}), verify, commit and prefill, and in "
+                           "split prefill K-last ones";
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;
@@ -466,30 +466,34 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideKLastRecurrentOps) {
             "state" + tail + ", got V-last with K = 64, V = 64 (the CPU backend runs every op)");
   Fp8States pool32(2, 1, kStride, 22);  // an fp32 pool beside fp8 checkpoints (below)
   const std::vector<int32_t> cu{0, 4}, fin{0};
-  PrefillParams pf;
+  std::vector<float> exchange(size_t(1) << 16);
+  SplitPrefillParams sp;
+  PrefillParams& pf = sp.local;
   tok.into(pf, false);
   pf.num_seqs = 1, pf.total_tokens = 4, pf.cu_seqlens = cu.data();
   pf.state = pool.pool(StateLayout::kKLast);  // fp32 inputs at K = 64: neither the head pass nor the tiled pass's fp8
   pf.final_indices = fin.data();
-  const std::string head_pass =
-      ", in prefill at K = 64 only with bf16 or fp16 inputs and V in {64, 128}, got float32 inputs, V = 64 (the CPU "
-      "backend runs every op)";
-  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented), "state" + tail + head_pass);
-  EXPECT_EQ(error_of([&] { (void)prefill_path(pf); }, ErrorCode::kNotImplemented), "state" + tail + head_pass);
+  sp.exchange = exchange.data();
+  const std::string klast =
+      ", got K-last with float32 inputs, K = 64, V = 64 (the head state pass takes bf16 or fp16 inputs, K <= 128, V in "
+      "{64, 128}; the tiled pass K >= 128) (the CPU backend runs every op)";
+  const std::string vlast = ", got V-last (the CPU backend runs every op)";
+  // prefill takes them (on staged copies: its path is the staged call's)
+  EXPECT_EQ(prefill_path(pf).context_parallel_segment, 0);
+  EXPECT_EQ(error_of([&] { split_prefill_begin(sp, cuda); }, ErrorCode::kNotImplemented), "state" + tail + klast);
   pf.state = pool.pool(StateLayout::kVLast);
-  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
-            "state" + tail + ", got V-last (the CPU backend runs every op)");
+  EXPECT_EQ(prefill_path(pf).context_parallel_segment, 0);
+  EXPECT_EQ(error_of([&] { split_prefill_end(sp, cuda); }, ErrorCode::kNotImplemented), "state" + tail + vlast);
   // fp8 checkpoints beside an fp32 pool: K-last, and at K = 64 16-bit inputs with V in {64, 128} (the head pass).
   Fp8States ckpt(1, 1, HV * kHead, 26);
   const std::vector<int32_t> cps{0};
   pf.state = pool32.twin_pool(StateLayout::kKLast);
   pf.checkpoints = ckpt.cache(StateLayout::kKLast);
   pf.checkpoint_interval = 64, pf.checkpoint_indices = cps.data();
-  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented), "checkpoints" + tail + head_pass);
+  EXPECT_EQ(error_of([&] { split_prefill_begin(sp, cuda); }, ErrorCode::kNotImplemented), "checkpoints" + tail + klast);
   pf.state = pool32.twin_pool(StateLayout::kVLast);
   pf.checkpoints = ckpt.cache(StateLayout::kVLast);
-  EXPECT_EQ(error_of([&] { prefill(pf, cuda); }, ErrorCode::kNotImplemented),
-            "checkpoints" + tail + ", got V-last (the CPU backend runs every op)");
+  EXPECT_EQ(error_of([&] { split_prefill_begin(sp, cuda); }, ErrorCode::kNotImplemented), "checkpoints" + tail + vlast);
   EXPECT_TRUE(pool.untouched(pool0, 0) && pool.untouched(pool0, 1));
   for (float x : tok.o) EXPECT_TRUE(std::isnan(x)) << "o written";
 }

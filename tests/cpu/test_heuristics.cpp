@@ -736,6 +736,49 @@ TEST(PrefillHeuristics, Fp8PoolsOnTheHeadOrTiledPass) {
                               "only, not by value tile " + std::to_string(vtile64));
 }
 
+// Where no pass takes a float8_e4m3 pool or checkpoint buffer in place (V-last, or K-last at K = 64 off the head pass)
+// the call runs on staged K-last fp32 copies: a slot per sequence, a checkpoint entry every C tokens of the batch.
+TEST(PrefillHeuristics, Fp8StatesStagedWhereNoPassTakesThemInPlace) {
+  using chunked_prefill::staged_shape;
+  using chunked_prefill::states_staged;
+  int32_t dummy = 0;
+  PrefillCall call({8192, 100, 0});
+  call.p.state.dtype = DType::kFloat8E4M3;
+  EXPECT_FALSE(states_staged(call.p));  // K-last on the head pass
+  call.p.state.layout = StateLayout::kVLast;
+  EXPECT_TRUE(states_staged(call.p));
+  const PrefillParams s = staged_shape(call.p);
+  EXPECT_EQ(s.state.dtype, DType::kFloat32);
+  EXPECT_EQ(s.state.layout, StateLayout::kKLast);
+  EXPECT_EQ(s.state.num_slots, 3);
+  EXPECT_EQ(s.state.slot_stride, int64_t(32) * 128 * 128);
+  EXPECT_EQ(s.state.scales, nullptr);
+  EXPECT_FALSE(states_staged(s));
+  EXPECT_TRUE(chunked_prefill::is_head_tile(chunked_prefill::choose_prefill(s, kSms, {}).vtile));
+  // float8_e4m3 V-last checkpoints beside a bf16 V-last pool: both staged
+  call.p.state.dtype = DType::kBFloat16;
+  EXPECT_FALSE(states_staged(call.p));
+  StateCache ckpt;
+  ckpt.data = &dummy, ckpt.dtype = DType::kFloat8E4M3, ckpt.layout = StateLayout::kVLast;
+  ckpt.num_slots = 4, ckpt.num_steps = 8, ckpt.slot_stride = int64_t(8) * 32 * 128 * 128;
+  call.p.checkpoints = ckpt, call.p.checkpoint_interval = 1024, call.p.checkpoint_indices = &dummy;
+  EXPECT_TRUE(states_staged(call.p));
+  const PrefillParams c = staged_shape(call.p);
+  EXPECT_EQ(c.checkpoints.dtype, DType::kFloat32);
+  EXPECT_EQ(c.checkpoints.layout, StateLayout::kKLast);
+  EXPECT_EQ(c.checkpoints.num_slots, 8292 / 1024 + 1);  // sequence n's entry j at floor(cu[n] / C) + j
+  EXPECT_EQ(c.checkpoints.num_steps, 8);
+  EXPECT_EQ(c.checkpoints.slot_stride, int64_t(32) * 128 * 128);
+  // K-last float8_e4m3 at K = 64: in place on the head pass with bf16 inputs, staged with fp32 inputs or V = 256
+  for (DType input : {DType::kBFloat16, DType::kFloat32})
+    for (int V : {64, 256}) {
+      PrefillCall k64({8192}, 16, 32, input);
+      k64.p.heads.head_dim_k = 64, k64.p.heads.head_dim_v = V;
+      k64.p.state.dtype = DType::kFloat8E4M3;
+      EXPECT_EQ(states_staged(k64.p), input == DType::kFloat32 || V == 256) << dtype_name(input) << " V " << V;
+    }
+}
+
 // The head pass copies a pool's head slices in bulk where they are K-last and 16-byte aligned (base, slot stride and,
 // for float8_e4m3, the block scales); anything else keeps the per-thread loads and stores.
 TEST(PrefillHeuristics, StateBulkCopiesOnAlignedKLastPools) {

@@ -376,6 +376,37 @@ std::vector<Case> shape_cases() {
     c.same_slot = true;
     add(c, "f8tiled");
   }
+  // Staged states (staged_states.cu): float8_e4m3 V-last pools and checkpoints, and K-last ones past the passes'
+  // reach, through K-last fp32 copies: head dims, input dtypes, fp8 or 16-bit checkpoints beside an fp8 pool and fp8
+  // checkpoints beside a 16-bit pool, initial == final slot, sequences from zero and without a final slot, a strided
+  // pool, short-path sequences beside chunked ones.
+  for (auto [K, V] : std::vector<std::pair<int, int>>{{64, 64}, {128, 128}, {64, 128}, {128, 256}}) {
+    ProblemConfig c = base({300, 64, 127, 0, 256, 5}, 1, 2, K, V);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
+    add(c, "staged");
+  }
+  {
+    ProblemConfig c = base({200, 65, 0, 130, 3}, 2, 4);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;
+    c.in_dtype = DType::kFloat16, c.gate_mode = GateMode::kGiven, c.same_slot = true;
+    add(c, "staged");
+    c.in_dtype = DType::kFloat32, c.same_slot = false, c.zero_initial_rows = 2, c.no_final_rows = 1;
+    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
+    add(c, "staged");
+    c.cache_dtype = DType::kBFloat16, c.in_dtype = DType::kBFloat16, c.checkpoint_steps = 2;
+    add(c, "staged_fewsteps");
+    c.state_dtype = DType::kBFloat16, c.cache_dtype = DType::kFloat8E4M3, c.checkpoint_steps = 0;
+    c.checkpoint_interval = 128;
+    add(c, "staged");
+    // K-last float8_e4m3 off the passes' reach: fp32 inputs at K = 64, and V = 256 at K = 64
+    c = base({300, 64, 127, 0, 256}, 1, 2, 64, 64);
+    c.state_dtype = DType::kFloat8E4M3, c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
+    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
+    add(c, "staged");
+    c = base({200, 65, 0, 130}, 1, 2, 64, 256);
+    c.state_dtype = DType::kFloat8E4M3, c.same_slot = true;
+    add(c, "staged");
+  }
   // The persistent pass on one to three CTAs, so that each runs many items through its stages' ring: varlen batches
   // with empty sequences (items of no chunk), sequences from zero beside pool states (items with and without the
   // initial state's ring position), without a final slot, checkpoints at a last chunk beside the final state, fp32,
@@ -469,6 +500,16 @@ std::vector<Case> short_cases() {
   }
   // Initial == final slot, sequences without a final slot or from zero.
   add_slot_cases(add, {5, 64, 0, 20}, "short32", 32);
+  // float8_e4m3 V-last pools on staged K-last fp32 copies (staged_states.cu): short sequences only, and beside chunked
+  // ones by the library's routing.
+  {
+    ProblemConfig c = base({1, 7, 16, 0, 9, 3}, 2, 4);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;
+    add(c, "staged_short16", 16);
+    c = base({3, 200, 17, 0, 64, 9}, 2, 4);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.same_slot = true;
+    add(c, "staged_auto", -1);
+  }
   // The recurrent kernels alone (cuda::prefill_short, no chunked kernel launched), so that the outputs
   // and final states can only be theirs: the chain kernel (K-last, bf16 inputs) and the warp kernel.
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
@@ -638,6 +679,10 @@ std::vector<Case> cp_cases() {
     for (int aux : {0, 1}) add(c, "aux" + std::to_string(aux), 192, aux);
     c.checkpoint_interval = 0, c.same_slot = true;
     add(c, "", 256);
+    // ... and V-last ones on staged K-last fp32 copies (staged_states.cu), with fp8 checkpoints
+    c.layout = StateLayout::kVLast, c.same_slot = false;
+    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
+    add(c, "staged", 128);
   }
   return out;
 }
@@ -672,11 +717,15 @@ INSTANTIATE_TEST_SUITE_P(Sanitize, PrefillTest, ::testing::ValuesIn(sanitize_cas
 // library's choice (the short path takes 10 and 5), the chunked kernels alone, and the short path at 24
 // (the bad initial and checkpoint slots on its sequences, the bad final slot on a chunked one).
 TEST(PrefillGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
-  for (int short_len : {-1, 0, 24}) {
+  for (int short_len : {-1, 0, 24, -2}) {  // -2: the library's choice on staged float8_e4m3 V-last states
     SCOPED_TRACE("short_len " + std::to_string(short_len));
     ProblemConfig c = base({70, 10, 65, 5}, 1, 2, 64, 64);
     c.zero_initial_rows = 0;
     c.checkpoint_interval = 64;
+    if (short_len == -2) {
+      c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.cache_dtype = DType::kFloat8E4M3;
+      short_len = -1;
+    }
     Problem p(c);
     p.as<int32_t>("initial_indices")[1] = int32_t(p.num_slots());
     p.as<int32_t>("final_indices")[2] = int32_t(p.num_slots()) + 7;
@@ -954,8 +1003,9 @@ TEST(PrefillGpu, BadSpanWithShortPathSanitize) {
 // (cp -2: the persistent pass on two CTAs, whose item counter the graph zeroes on every replay)
 TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
   for (int cp : {-1, 128, -128, -2})  // -128: segments of 128 with the first one's final pass beside the local pass
-  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
-    SCOPED_TRACE("context-parallel segment " + std::to_string(cp));
+  for (int form : {0, 1, 2}) {  // K-last fp32, V-last fp32, V-last float8_e4m3 (staged states)
+    const StateLayout layout = form == 0 ? StateLayout::kKLast : StateLayout::kVLast;
+    SCOPED_TRACE("context-parallel segment " + std::to_string(cp) + ", form " + std::to_string(form));
     cuda::Overrides o;
     o.prefill_cp_segment_len = cp == -128 ? 128 : cp == -2 ? 0 : cp;
     o.prefill_cp_first_final = cp == -128 ? 1 : cp > 0 ? 0 : -1;
@@ -965,12 +1015,14 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     ProblemConfig c = base({300, 1, 64, 129}, 2, 4);
     c.layout = layout;
     c.checkpoint_interval = 64;
+    if (form == 2) c.state_dtype = DType::kFloat8E4M3, c.cache_dtype = DType::kFloat8E4M3;
     const Problem before(c);
     Problem eager = before, again = before, graphed = before, own_ws = before;
     DeviceProblem d_eager(eager), d_again(again), d_graph(graphed), d_ws(own_ws);
     if (cp == -2) {
       const PrefillParams probe = eager.prefill_params(PrefillAlgorithm::kAuto, d_eager.resolver());
-      EXPECT_TRUE(cuda::chunked_prefill::choose_prefill(probe, cuda::device_sms(), o).persistent_pass);
+      const PrefillParams shape = form == 2 ? cuda::chunked_prefill::staged_shape(probe) : probe;
+      EXPECT_TRUE(cuda::chunked_prefill::choose_prefill(shape, cuda::device_sms(), o).persistent_pass);
     }
     // The library's workspace is shared by the calls on every stream: each call completes before the next.
     prefill(eager.prefill_params(PrefillAlgorithm::kAuto, d_eager.resolver()), {Backend::kCUDA, d_eager.stream()});

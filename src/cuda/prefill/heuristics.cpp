@@ -86,6 +86,41 @@ bool short_path_supported(const PrefillParams& p) {
          slot_bytes % 16 == 0 && p.num_seqs > 0 && p.num_seqs <= kMaxGridY && p.heads.num_v_heads > 0;
 }
 
+bool fp8_states_in_place(const PrefillParams& p) {
+  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) && K <= 128 &&
+                         (V == 64 || V == 128);
+  return p.state.layout == StateLayout::kKLast && (head_pass || K >= 128);
+}
+
+bool states_staged(const PrefillParams& p) {
+  const bool pool = p.state.data != nullptr && p.state.dtype == DType::kFloat8E4M3;
+  const bool checkpoints = p.checkpoint_interval > 0 && p.checkpoints.data != nullptr &&
+                           p.checkpoints.dtype == DType::kFloat8E4M3;
+  // without a pool the checkpoints' layout is the call's (validate.cpp)
+  PrefillParams at = p;
+  if (p.state.data == nullptr) at.state.layout = p.checkpoints.layout;
+  return (pool || checkpoints) && !fp8_states_in_place(at);
+}
+
+PrefillParams staged_shape(const PrefillParams& p) {
+  PrefillParams s = p;
+  const int64_t head_state = int64_t(p.heads.num_v_heads) * p.heads.head_dim_k * p.heads.head_dim_v;
+  s.state.dtype = DType::kFloat32;
+  s.state.layout = StateLayout::kKLast;
+  s.state.num_slots = std::max<int64_t>(p.num_seqs, 1);
+  s.state.slot_stride = head_state;
+  s.state.scales = nullptr;
+  if (p.checkpoint_interval > 0 && p.checkpoints.data != nullptr) {
+    s.checkpoints.dtype = DType::kFloat32;
+    s.checkpoints.layout = StateLayout::kKLast;
+    s.checkpoints.num_slots = std::max<int64_t>(p.total_tokens, 0) / p.checkpoint_interval + 1;
+    s.checkpoints.slot_stride = head_state;  // entries of one sequence are consecutive slots
+    s.checkpoints.scales = nullptr;
+  }
+  return s;
+}
+
 bool head_tensor_maps_ok(const PrefillParams& p) {
   constexpr int64_t kMax = int64_t(1) << 31;  // TMA coordinates are signed 32-bit
   return p.num_seqs > 0 && p.total_tokens > 0 && p.total_tokens + kChunk < kMax;

@@ -161,6 +161,16 @@ bool checkpoint_bulk_copies(const PrefillParams& p);
 // The short-sequence path is built for this call: the head pass's conditions, K = V in {64, 128}, 16-byte
 // aligned state slots, and a grid of N rows.
 bool short_path_supported(const PrefillParams& p);
+// float8_e4m3 states the passes read and write in place: K-last, on the head pass (16-bit inputs, K <= 128, V in {64,
+// 128}) or the tiled pass (K >= 128).
+bool fp8_states_in_place(const PrefillParams& p);
+// The call runs on K-last fp32 copies of its states (staged_states.cu): a float8_e4m3 pool or checkpoint buffer that
+// fp8_states_in_place does not take (V-last, or K-last past the passes' reach).
+bool states_staged(const PrefillParams& p);
+// The call the passes run in its place: the pool N slots of K-last fp32 (slot n sequence n's), the checkpoints one
+// entry every C tokens of the batch (sequence n's entry j at floor(cu_seqlens[n] / C) + j: T_total / C + 1 of them);
+// the index and buffer pointers stay p's (staged_states.cu sets them).
+PrefillParams staged_shape(const PrefillParams& p);
 // The TMA maps of the wgmma build can be made: tokens, and coordinates below 2^31.
 bool head_tensor_maps_ok(const PrefillParams& p);
 // The wgmma build with `cols` value columns per CTA forms M itself (two warpgroups each form half of it

@@ -16,6 +16,7 @@
 #include "cuda/host/check.h"
 #include "cuda/prefill/item_order.cuh"
 #include "cuda/prefill/plan.h"
+#include "cuda/prefill/staged_states.h"
 
 namespace gdnkit::cuda {
 namespace chunked_prefill {
@@ -81,6 +82,7 @@ bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>
 // the size grows with the tokens and the sequences alone, and a buffer sized for the largest call serves
 // every smaller one, whose pass may read M (one or two sequences: the column split).
 size_t workspace_bytes(const PrefillParams& p) {
+  if (states_staged(p) && p.num_seqs > 0) return staged_bytes(p) + workspace_bytes(staged_shape(p));
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;
   return ready_offset(p) + ready_bytes(p);
 }
@@ -212,6 +214,13 @@ void* call_workspace(const PrefillParams& p, size_t need, const char* sizer, cud
 
 void run(const PrefillParams& p_in, cudaStream_t stream) {
   if (p_in.num_seqs <= 0) return;
+  if (states_staged(p_in)) {  // on K-last fp32 copies of the states (staged_states.h)
+    const size_t need = workspace_bytes(p_in);
+    const PrefillParams staged =
+        stage_states_in(p_in, call_workspace(p_in, need, "prefill_workspace_bytes", stream), need, stream);
+    run(staged, stream);
+    return stage_states_out(p_in, staged, stream);
+  }
   PrefillParams p = p_in;
   const PrefillChoice choice = choose_prefill(p, device_sms(), overrides());
   if (choice.only_short) return prefill_short(p, choice.short_len, reinterpret_cast<Stream>(stream));
