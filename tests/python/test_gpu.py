@@ -307,6 +307,49 @@ def test_fp8_pool_cuda_matches_cpu(op):
         assert torch.equal(s1[untouched], scales[untouched])
 
 
+@pytest.mark.parametrize("layout", ["k_last", "v_last"])
+def test_fp8_pool_prefill_cuda_matches_cpu(layout):
+    """Prefill on float8_e4m3fn pools with float8_e4m3fn checkpoints (V-last: on the CUDA backend's staged K-last fp32
+    copies), varlen, initial and final slots, a sequence from zero; untouched slots keep their bytes."""
+    g = gen("fp8-prefill-gpu", layout)
+    P, lens, C = 9, [130, 64, 1, 200], 64
+    x = (0.5 * randn(g, P, HV, V, K, device="cpu")).to(torch.float8_e4m3fn)
+    pool = x if layout == "k_last" else x.transpose(2, 3).contiguous()
+    scales = torch.randint(118, 126, (P, HV * V * K // 32), generator=g, dtype=torch.uint8)
+    T = sum(lens)
+    tok = tokens(g, T)
+    cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32)
+    init = torch.tensor([3, -1, 5, 0], dtype=torch.int32)
+    fin = torch.tensor([8, 1, 5, 2], dtype=torch.int32)
+    steps = max(lens) // C
+    ck_shape = (len(lens), steps, HV, V, K) if layout == "k_last" else (len(lens), steps, HV, K, V)
+    ck0 = torch.zeros(ck_shape, dtype=torch.float8_e4m3fn)
+    cks0 = torch.zeros((len(lens) * steps, HV * V * K // 32), dtype=torch.uint8)
+    cki = torch.tensor([0, 1, -1, 3], dtype=torch.int32)
+    results = {}
+    for dev in ("cpu", DEV):
+        p, s, ck, cks = pool.clone().to(dev), scales.clone().to(dev), ck0.clone().to(dev), cks0.clone().to(dev)
+        kw = {n: tok[n].to(dev) for n in ("a", "b", "A_log", "dt_bias")}
+        o = cuda_or_skip(lambda: gdnkit.prefill(
+            tok["q"].to(dev), tok["k"].to(dev), tok["v"].to(dev), cu.to(dev), state=p, initial_indices=init.to(dev),
+            final_indices=fin.to(dev), layout=layout, state_scales=s, checkpoints=ck, checkpoint_scales=cks,
+            checkpoint_interval=C, checkpoint_indices=cki.to(dev), **kw))
+        if dev == DEV:
+            torch.cuda.synchronize()
+        results[dev] = (cpu(o), cpu(p), cpu(s), cpu(ck), cpu(cks))
+    (o0, p0, s0, c0, cs0), (o1, p1, s1, c1, cs1) = results["cpu"], results[DEV]
+    assert rel(f64(o1), f64(o0)) < 1e-2
+    sc = lambda x, y: x.to(torch.float32).reshape(*y.shape, 32) * torch.pow(2.0, y.to(torch.float32) - 127)[..., None]
+    # the prefill's float8_e4m3 state tolerance (tests/support/compare.h): chunked against the recurrence, each
+    # rounded to e4m3 codes
+    assert rel(f64(sc(p1, s1)), f64(sc(p0, s0))) < 2e-2
+    assert rel(f64(sc(c1, cs1)), f64(sc(c0, cs0))) < 2e-2
+    for untouched in (3, 4, 6, 7):
+        assert torch.equal(p1[untouched].view(torch.uint8), pool[untouched].view(torch.uint8))
+        assert torch.equal(s1[untouched], scales[untouched])
+    assert torch.equal(c1[2].view(torch.uint8), ck0[2].view(torch.uint8))  # a slot no sequence names
+
+
 def test_distributed_prefill_over_nccl():
     """gdnkit.distributed.prefill over every GPU of the machine (torchrun, one process a GPU) against the whole
     prefill on one GPU: each rank's rows of o and every rank's final states."""
