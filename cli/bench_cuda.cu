@@ -365,14 +365,19 @@ double same_bytes_copy_us(const Device& d, double bytes) {
   const size_t arena = std::max<size_t>(4 * size_t(d.l2_bytes), 2 * half);
   const int64_t places = int64_t(arena / half);  // copies that fit the arena side by side
   const int calls = int(std::clamp<int64_t>(places, 8, 4096));
-  DevBuf src(arena), dst(arena);
+  std::unique_ptr<DevBuf> src, dst;
+  try {
+    src = std::make_unique<DevBuf>(arena), dst = std::make_unique<DevBuf>(arena);
+  } catch (const Error&) {
+    return -1;  // no room beside the row's buffers (--device-memory): the row stands without it
+  }
   const auto ms = time_graph(
       d,
       [&] {
         for (int j = 0; j < calls; ++j) {
           const size_t at = size_t(j % places) * half;
-          BENCH_CUDA_CHECK(cudaMemcpyAsync(dst.get<char>() + at, src.get<char>() + at, half, cudaMemcpyDeviceToDevice,
-                                           d.stream));
+          BENCH_CUDA_CHECK(cudaMemcpyAsync(dst->get<char>() + at, src->get<char>() + at, half,
+                                           cudaMemcpyDeviceToDevice, d.stream));
         }
       },
       10);

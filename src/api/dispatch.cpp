@@ -110,7 +110,7 @@ int64_t split_prefill_exchange_elems(const PrefillParams& p) {
 }
 
 size_t split_prefill_workspace_bytes(const SplitPrefillParams& p) {
-  require_cuda_states(p.local);
+  require_cuda_states(p);
 #ifdef GDNKIT_WITH_CUDA
   return cuda::split_prefill_workspace_bytes(p);
 #else

@@ -481,6 +481,8 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideItsKernels) {
   // prefill takes them (on staged copies: its path is the staged call's)
   EXPECT_EQ(prefill_path(pf).context_parallel_segment, 0);
   EXPECT_EQ(error_of([&] { split_prefill_begin(sp, cuda); }, ErrorCode::kNotImplemented), "state" + tail + klast);
+  EXPECT_EQ(error_of([&] { (void)split_prefill_workspace_bytes(sp); }, ErrorCode::kNotImplemented),
+            "state" + tail + klast);
   pf.state = pool.pool(StateLayout::kVLast);
   EXPECT_EQ(prefill_path(pf).context_parallel_segment, 0);
   EXPECT_EQ(error_of([&] { split_prefill_end(sp, cuda); }, ErrorCode::kNotImplemented), "state" + tail + vlast);

@@ -112,7 +112,10 @@ cuda::Overrides case_overrides(int vtile, int head_split, int short_len, int aux
 
 void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, int short_len = -1, int aux = -1,
              int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0, int pass_ctas = 0) {
-  const PrefillParams p = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+  const PrefillParams call = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
+  // what the passes run: the call, or its staged K-last fp32 copies (staged_states.h)
+  const PrefillParams p =
+      cuda::chunked_prefill::states_staged(call) ? cuda::chunked_prefill::staged_shape(call) : call;
   const cuda::Overrides o =
       case_overrides(vtile, head_split, short_len, aux, cp, flags, first_final, prep_parts, pass_ctas);
   // A case that asks for the persistent pass on few CTAs must get it.
@@ -146,11 +149,11 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
     EXPECT_EQ(choice.fused_prep, aux == 2) << "the fused prep would not run as asked";
   }
   if (vtile == kShortOnly) {
-    validate(p, Backend::kCUDA);
-    cuda::prefill_short(p, short_len, reinterpret_cast<Stream>(dev.stream()));
+    validate(call, Backend::kCUDA);
+    cuda::prefill_short(call, short_len, reinterpret_cast<Stream>(dev.stream()));
   } else {
     const cuda::ScopedOverrides scoped(o);
-    prefill(p, {Backend::kCUDA, dev.stream()});
+    prefill(call, {Backend::kCUDA, dev.stream()});
   }
   dev.download(got);
 }
@@ -406,6 +409,14 @@ std::vector<Case> shape_cases() {
     c = base({200, 65, 0, 130}, 1, 2, 64, 256);
     c.state_dtype = DType::kFloat8E4M3, c.same_slot = true;
     add(c, "staged");
+    // V-last K = V = 256 (the tiled pass on the copies), and a call of no tokens
+    c = base({130, 64, 0, 3}, 1, 2, 256, 256);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64;
+    c.cache_dtype = DType::kFloat8E4M3;
+    add(c, "staged");
+    c = base({0, 0}, 1, 2);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.zero_initial_rows = 0;
+    add(c, "staged_notokens");
   }
   // The persistent pass on one to three CTAs, so that each runs many items through its stages' ring: varlen batches
   // with empty sequences (items of no chunk), sequences from zero beside pool states (items with and without the
@@ -741,6 +752,37 @@ TEST(PrefillGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
     for (int32_t r = 1; r < 4; ++r)
       EXPECT_TRUE(AllZero("o of sequence " + std::to_string(r),
                           token_rows(o, int64_t(c.HV) * c.V, p.row_start(r), p.row_start(r) + p.row_len(r))));
+  }
+}
+
+// Staged float8_e4m3 V-last states come back as the CPU backend stores them: sequences of no tokens store their
+// initial state again (dequantized to fp32, requantized by block), byte for byte and scale for scale, K 64 and 128;
+// beside them a sequence of tokens, and all of it within the tolerances (check_prefill).
+TEST(PrefillGpu, StagedFp8StatesStoreTheCpuBackendsBytes) {
+  for (int K : {64, 128}) {
+    SCOPED_TRACE("K " + std::to_string(K));
+    ProblemConfig c = base({0, 0, 130, 0}, 1, 2, K, K);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.zero_initial_rows = 0;
+    c.seed = 4600 + K;
+    const Problem before(c);
+    check_prefill(before);
+    Problem ref = before, got = before;
+    prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+    {
+      DeviceProblem dev(got);
+      run_gpu(got, dev, 0);
+    }
+    const int64_t elems = before.state_elems(), blocks = elems / kFp8Block;
+    const int32_t* fin = before.as<int32_t>("final_indices");
+    for (int32_t n = 0; n < before.rows(); ++n) {
+      if (before.row_len(n) != 0 || fin[n] < 0) continue;
+      const int64_t at = fin[n] * before.slot_stride();
+      EXPECT_EQ(std::memcmp(got.as<uint8_t>("state") + at, ref.as<uint8_t>("state") + at, size_t(elems)), 0)
+          << "bytes of sequence " << n;
+      EXPECT_EQ(std::memcmp(got.as<uint8_t>("state_scales") + fin[n] * blocks,
+                            ref.as<uint8_t>("state_scales") + fin[n] * blocks, size_t(blocks)), 0)
+          << "scales of sequence " << n;
+    }
   }
 }
 

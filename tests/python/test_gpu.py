@@ -342,8 +342,10 @@ def test_fp8_pool_prefill_cuda_matches_cpu(layout):
     sc = lambda x, y: x.to(torch.float32).reshape(*y.shape, 32) * torch.pow(2.0, y.to(torch.float32) - 127)[..., None]
     # the prefill's float8_e4m3 state tolerance (tests/support/compare.h): chunked against the recurrence, each
     # rounded to e4m3 codes
-    assert rel(f64(sc(p1, s1)), f64(sc(p0, s0))) < 2e-2
-    assert rel(f64(sc(c1, cs1)), f64(sc(c0, cs0))) < 2e-2
+    w, cw = [8, 1, 5, 2], [0, 1, 3]  # the final slots, the checkpoint slots written
+    assert rel(f64(sc(p1[w], s1[w])), f64(sc(p0[w], s0[w]))) < 2e-2
+    cs1, cs0 = cs1.reshape(len(lens), steps, -1), cs0.reshape(len(lens), steps, -1)
+    assert rel(f64(sc(c1[cw], cs1[cw])), f64(sc(c0[cw], cs0[cw]))) < 2e-2
     for untouched in (3, 4, 6, 7):
         assert torch.equal(p1[untouched].view(torch.uint8), pool[untouched].view(torch.uint8))
         assert torch.equal(s1[untouched], scales[untouched])

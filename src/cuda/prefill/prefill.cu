@@ -80,7 +80,8 @@ bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>
 
 // T', M and the token factors, M's region also where the call's pass forms M (then it is not used): so
 // the size grows with the tokens and the sequences alone, and a buffer sized for the largest call serves
-// every smaller one, whose pass may read M (one or two sequences: the column split).
+// every smaller one, whose pass may read M (one or two sequences: the column split). Staged states add their
+// copies in front (staged_bytes: the sequences, and T / C checkpoint entries).
 size_t workspace_bytes(const PrefillParams& p) {
   if (states_staged(p) && p.num_seqs > 0) return staged_bytes(p) + workspace_bytes(staged_shape(p));
   if (p.num_seqs <= 0 || p.total_tokens <= 0) return 0;

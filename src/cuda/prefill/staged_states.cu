@@ -173,27 +173,40 @@ __global__ void __launch_bounds__(kTile* kTileRows)
   }
 }
 
-// Per (sequence, entry y, value head; tile blockIdx.y): y = 0 the final state, y = 1 + j checkpoint entry j.
+// The sequence whose staged checkpoint entries hold entry e: the last n with floor(cu_seqlens[n] / C) <= e (every later
+// sequence's entries start past its own; whether n holds e at all is the caller's check).
+__device__ __forceinline__ int64_t entry_owner(const PrefillParams& p, int64_t e) {
+  int64_t lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (load_cu(p, mid) / p.checkpoint_interval <= e) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Per value head and item (tile blockIdx.y): items 0 .. N-1 the sequences' final states, then the staged checkpoint
+// entries e (sequence n's entry j = e - floor(cu_seqlens[n] / C)).
 __global__ void __launch_bounds__(kTile* kTileRows)
-    stage_out_kernel(const PrefillParams p, const PrefillParams s, bool checkpoints, int entries) {
+    stage_out_kernel(const PrefillParams p, const PrefillParams s, bool checkpoints, int64_t entries) {
   __shared__ float t[kTile][kTile + 1];
   const int HV = p.heads.num_v_heads, K = p.heads.head_dim_k, V = p.heads.head_dim_v, tile = int(blockIdx.y);
-  const int64_t items = int64_t(p.num_seqs) * entries * HV;
+  const int64_t items = (int64_t(p.num_seqs) + entries) * HV;
   for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
-    int h, y;
-    const int64_t n = div_rem(div_rem(w, HV, h), entries, y);
-    const StagedSeq q = staged_seq(p, checkpoints, n);
-    if (q.skipped) continue;
-    if (y == 0) {
-      if (q.fslot >= 0)
-        copy_tile(pool_head(s.state, HV, n, h, K, V), pool_head(p.state, HV, q.fslot, h, K, V), K, V, tile, t);
+    int h;
+    const int64_t i = div_rem(w, HV, h);
+    if (i < p.num_seqs) {
+      const StagedSeq q = staged_seq(p, checkpoints, i);
+      if (!q.skipped && q.fslot >= 0)
+        copy_tile(pool_head(s.state, HV, i, h, K, V), pool_head(p.state, HV, q.fslot, h, K, V), K, V, tile, t);
       continue;
     }
-    const int j = y - 1;
-    const int64_t C = p.checkpoint_interval;
-    if (q.cslot < 0 || j >= q.len / C) continue;  // (j < entries - 1 <= the buffer's steps)
-    copy_tile(checkpoint_head(s.checkpoints, HV, q.start / C, j, h, K, V),
-              checkpoint_head(p.checkpoints, HV, q.cslot, j, h, K, V), K, V, tile, t);
+    const int64_t e = i - p.num_seqs, C = p.checkpoint_interval, n = entry_owner(p, e);
+    const StagedSeq q = staged_seq(p, checkpoints, n);
+    const int64_t j = e - q.start / C;
+    if (q.skipped || q.cslot < 0 || j < 0 || j >= q.len / C || j >= p.checkpoints.num_steps) continue;
+    copy_tile(checkpoint_head(s.checkpoints, HV, e, 0, h, K, V), checkpoint_head(p.checkpoints, HV, q.cslot, j, h, K, V),
+              K, V, tile, t);
   }
 }
 
@@ -245,11 +258,9 @@ PrefillParams stage_states_in(const PrefillParams& p, void* ws, size_t ws_bytes,
 
 void stage_states_out(const PrefillParams& p, const PrefillParams& staged, cudaStream_t stream) {
   const bool checkpoints = checkpoints_stored(p);
-  // the final state, then the checkpoint entries any sequence can hold
-  const int64_t steps = checkpoints ? std::min<int64_t>(p.checkpoints.num_steps, p.total_tokens / p.checkpoint_interval) : 0;
-  const int entries = 1 + int(steps);
+  const int64_t entries = checkpoints ? p.total_tokens / p.checkpoint_interval : 0;  // the staged entries written
   const dim3 block(kTile, kTileRows);
-  stage_out_kernel<<<grid_for(p, int64_t(p.num_seqs) * entries * p.heads.num_v_heads), block, 0, stream>>>(
+  stage_out_kernel<<<grid_for(p, (int64_t(p.num_seqs) + entries) * p.heads.num_v_heads), block, 0, stream>>>(
       p, staged, checkpoints, entries);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
