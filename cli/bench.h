@@ -127,8 +127,6 @@ struct Row {
   double bytes = -1;
   double tbps = -1;             // achieved, bytes / time
   double pct_copy = -1;         // tbps / copy ceiling * 100
-  double copy_us = -1;          // decode/verify on CUDA: a cold-L2 device copy of the same bytes (same_bytes_copy_us)
-  double pct_same_copy = -1;    // copy_us / time_us * 100
   // Prefill.
   double flops = -1, tflops = -1;   // nominal 4 * T_total * HV * K * V
   double floor_bytes = -1;      // q, k, v read once, o written once, gates, states

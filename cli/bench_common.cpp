@@ -298,7 +298,6 @@ void finish_row(Row& r, double ceiling) {
     r.tbps = r.bytes / sec / 1e12;
     if (ceiling > 0) r.pct_copy = 100.0 * r.tbps / ceiling;
   }
-  if (r.copy_us > 0) r.pct_same_copy = 100.0 * r.copy_us / r.time_us;
   if (r.flops > 0) r.tflops = r.flops / sec / 1e12;
   if (r.floor_bytes > 0 && ceiling > 0) {
     r.floor_us = r.floor_bytes / (ceiling * 1e12) * 1e6;
@@ -386,7 +385,6 @@ std::string row_json(const Row& r) {
       .integer("slot_sets", r.slot_sets, true).integer("pool_slots", r.pool_slots, true)
       .num("state_bytes_per_replay", r.state_bytes_per_replay);
   o.num("bytes", r.bytes).num("tbps", r.tbps).num("pct_copy_ceiling", r.pct_copy);
-  o.num("same_bytes_copy_us", r.copy_us).num("pct_same_bytes_copy", r.pct_same_copy);
   o.num("flops", r.flops).num("tflops", r.tflops).num("floor_bytes", r.floor_bytes).num("floor_us", r.floor_us)
       .num("pct_memory_floor", r.pct_floor);
   o.integer("ranks", r.ranks, true).num("efficiency", r.efficiency).num("exchange_us", r.exchange_us);

@@ -356,34 +356,6 @@ double copy_ceiling_tbps(const Device& d, double gib) {
   return 2.0 * double(bytes) / (median(ms) * 1e-3) / 1e12;
 }
 
-// A device-to-device copy of `bytes` bytes read + written (half each), cold in L2 as the op rows are: the copies
-// of one replay walk two arenas of at least 4x L2 each. Microseconds per copy: what memory allows at the row's own
-// size (a small copy does not reach the 1 GiB ceiling), Row::copy_us.
-double same_bytes_copy_us(const Device& d, double bytes) {
-  const size_t half = (size_t(bytes / 2) + 255) / 256 * 256;
-  if (half == 0) return -1;
-  const size_t arena = std::max<size_t>(4 * size_t(d.l2_bytes), 2 * half);
-  const int64_t places = int64_t(arena / half);  // copies that fit the arena side by side
-  const int calls = int(std::clamp<int64_t>(places, 8, 4096));
-  std::unique_ptr<DevBuf> src, dst;
-  try {
-    src = std::make_unique<DevBuf>(arena), dst = std::make_unique<DevBuf>(arena);
-  } catch (const Error&) {
-    return -1;  // no room beside the row's buffers (--device-memory): the row stands without it
-  }
-  const auto ms = time_graph(
-      d,
-      [&] {
-        for (int j = 0; j < calls; ++j) {
-          const size_t at = size_t(j % places) * half;
-          BENCH_CUDA_CHECK(cudaMemcpyAsync(dst->get<char>() + at, src->get<char>() + at, half,
-                                           cudaMemcpyDeviceToDevice, d.stream));
-        }
-      },
-      10);
-  return median(ms) * 1e3 / calls;
-}
-
 std::string nvidia_smi(const char* query) {
   std::string cmd = std::string("nvidia-smi --query-gpu=") + query + " --format=csv,noheader,nounits -i 0 2>/dev/null";
   FILE* f = popen(cmd.c_str(), "r");
@@ -525,7 +497,6 @@ Row bench_decode(const Device& d, const Options& o, const Shape& s, DType state,
   const auto ms = time_graph(d, [&] { for (int j = 0; j < calls; ++j) decode(params[size_t(j % sets)], ctx); },
                              o.replays);
   fill_timing(r, ms, calls);
-  r.copy_us = same_bytes_copy_us(d, r.bytes);
   r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, int64_t(sets) * B * s.HV * s.V, d.stream);
   r.error_flag = read_flag(flag);
   return r;
@@ -619,7 +590,6 @@ Row bench_verify(const Device& d, const Options& o, const Shape& s, DType state,
   const auto ms = time_graph(d, [&] { for (int j = 0; j < calls; ++j) one_call(params[size_t(j % sets)]); },
                              o.replays);
   fill_timing(r, ms, calls);
-  r.copy_us = same_bytes_copy_us(d, r.bytes);
   r.nonfinite_outputs = count_nonfinite(tok.o.get(), g_input, int64_t(sets) * B * T * s.HV * s.V, d.stream);
   r.error_flag = read_flag(flag);
   return r;
