@@ -150,45 +150,40 @@ __device__ __forceinline__ int64_t div_rem(int64_t w, int d, int& rem) {
   return w / d;
 }
 
-// Per (sequence, value head; tile blockIdx.y): the staged call's slots (the first tile of a sequence's head 0) and
-// the initial state's copy. A skipped sequence's initial slot becomes N, past the staged pool, so that the passes skip
-// and count it as they would have.
+// Per (sequence, value head; tile blockIdx.y): the staged call's slots and the owner of each staged checkpoint entry
+// the sequence stores (the first tile of its head 0), and the initial state's copy. A skipped sequence's initial slot
+// becomes N, past the staged pool, so that the passes skip and count it as they would have.
 __global__ void __launch_bounds__(kTile* kTileRows)
-    stage_in_kernel(const PrefillParams p, const PrefillParams s, int32_t* slots, bool checkpoints) {
+    stage_in_kernel(const PrefillParams p, const PrefillParams s, int32_t* slots, int32_t* owners, bool checkpoints) {
   __shared__ float t[kTile][kTile + 1];
   const int HV = p.heads.num_v_heads, K = p.heads.head_dim_k, V = p.heads.head_dim_v, tile = int(blockIdx.y);
   const int64_t items = int64_t(p.num_seqs) * HV;
+  const int tid = threadIdx.y * kTile + threadIdx.x;
   for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
     int h;
     const int64_t n = div_rem(w, HV, h);
     const StagedSeq q = staged_seq(p, checkpoints, n);
-    if (h == 0 && tile == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
-      slots[n] = q.skipped ? p.num_seqs : q.islot < 0 ? -1 : int32_t(n);  // s.initial_indices
-      slots[p.num_seqs + n] = q.skipped || q.fslot < 0 ? -1 : int32_t(n);  // s.final_indices
-      if (checkpoints)  // s.checkpoint_indices
-        slots[2 * int64_t(p.num_seqs) + n] = q.skipped || q.cslot < 0 ? -1 : int32_t(q.start / p.checkpoint_interval);
+    if (h == 0 && tile == 0) {
+      const bool stores = checkpoints && !q.skipped && q.cslot >= 0;
+      const int64_t C = p.checkpoint_interval, base = stores ? q.start / C : 0;
+      if (tid == 0) {
+        slots[n] = q.skipped ? p.num_seqs : q.islot < 0 ? -1 : int32_t(n);  // s.initial_indices
+        slots[p.num_seqs + n] = q.skipped || q.fslot < 0 ? -1 : int32_t(n);  // s.final_indices
+        if (checkpoints) slots[2 * int64_t(p.num_seqs) + n] = stores ? int32_t(base) : -1;  // s.checkpoint_indices
+      }
+      const int64_t stored = stores ? min(q.len / C, p.checkpoints.num_steps) : 0;
+      for (int64_t j = tid; j < stored; j += kTile * kTileRows) owners[base + j] = int32_t(n);
     }
     if (!q.skipped && q.islot >= 0)
       copy_tile(pool_head(p.state, HV, q.islot, h, K, V), pool_head(s.state, HV, n, h, K, V), K, V, tile, t);
   }
 }
 
-// The sequence whose staged checkpoint entries hold entry e: the last n with floor(cu_seqlens[n] / C) <= e (every later
-// sequence's entries start past its own; whether n holds e at all is the caller's check).
-__device__ __forceinline__ int64_t entry_owner(const PrefillParams& p, int64_t e) {
-  int64_t lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (load_cu(p, mid) / p.checkpoint_interval <= e) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 // Per value head and item (tile blockIdx.y): items 0 .. N-1 the sequences' final states, then the staged checkpoint
-// entries e (sequence n's entry j = e - floor(cu_seqlens[n] / C)).
+// entries e, each of its owner n (stage_in_kernel; none: -1) as entry j = e - floor(cu_seqlens[n] / C).
 __global__ void __launch_bounds__(kTile* kTileRows)
-    stage_out_kernel(const PrefillParams p, const PrefillParams s, bool checkpoints, int64_t entries) {
+    stage_out_kernel(const PrefillParams p, const PrefillParams s, const int32_t* owners, bool checkpoints,
+                     int64_t entries) {
   __shared__ float t[kTile][kTile + 1];
   const int HV = p.heads.num_v_heads, K = p.heads.head_dim_k, V = p.heads.head_dim_v, tile = int(blockIdx.y);
   const int64_t items = (int64_t(p.num_seqs) + entries) * HV;
@@ -201,10 +196,10 @@ __global__ void __launch_bounds__(kTile* kTileRows)
         copy_tile(pool_head(s.state, HV, i, h, K, V), pool_head(p.state, HV, q.fslot, h, K, V), K, V, tile, t);
       continue;
     }
-    const int64_t e = i - p.num_seqs, C = p.checkpoint_interval, n = entry_owner(p, e);
+    const int64_t e = i - p.num_seqs, C = p.checkpoint_interval, n = owners[e];
+    if (n < 0) continue;
     const StagedSeq q = staged_seq(p, checkpoints, n);
     const int64_t j = e - q.start / C;
-    if (q.skipped || q.cslot < 0 || j < 0 || j >= q.len / C || j >= p.checkpoints.num_steps) continue;
     copy_tile(checkpoint_head(s.checkpoints, HV, e, 0, h, K, V), checkpoint_head(p.checkpoints, HV, q.cslot, j, h, K, V),
               K, V, tile, t);
   }
@@ -220,6 +215,11 @@ size_t pool_copy_bytes(const PrefillParams& p) { return round_up(size_t(std::max
 size_t checkpoint_copy_bytes(const PrefillParams& p) {
   return checkpoints_stored(p) ? round_up(size_t(staged_shape(p).checkpoints.num_slots) * head_state_bytes(p)) : 0;
 }
+size_t slots_bytes(const PrefillParams& p) { return round_up(size_t(3) * std::max(p.num_seqs, 0) * sizeof(int32_t)); }
+int64_t staged_entries(const PrefillParams& p) {  // the staged checkpoint entries a call can write
+  return checkpoints_stored(p) ? std::max<int64_t>(p.total_tokens, 0) / p.checkpoint_interval : 0;
+}
+size_t owners_bytes(const PrefillParams& p) { return round_up(size_t(staged_entries(p)) * sizeof(int32_t)); }
 // The grid: a tile of the heads each blockIdx.y, their (sequence, entry, value head) items walked along x.
 dim3 grid_for(const PrefillParams& p, int64_t items) {
   const int tiles = (p.heads.head_dim_k / kTile) * (p.heads.head_dim_v / kTile);
@@ -231,7 +231,7 @@ dim3 grid_for(const PrefillParams& p, int64_t items) {
 
 size_t staged_bytes(const PrefillParams& p) {
   if (!states_staged(p) || p.num_seqs <= 0) return 0;
-  return pool_copy_bytes(p) + checkpoint_copy_bytes(p) + round_up(size_t(3) * p.num_seqs * sizeof(int32_t));
+  return pool_copy_bytes(p) + checkpoint_copy_bytes(p) + slots_bytes(p) + owners_bytes(p);
 }
 
 PrefillParams stage_states_in(const PrefillParams& p, void* ws, size_t ws_bytes, cudaStream_t stream) {
@@ -243,6 +243,9 @@ PrefillParams stage_states_in(const PrefillParams& p, void* ws, size_t ws_bytes,
   if (checkpoints) s.checkpoints.data = at;
   at += checkpoint_copy_bytes(p);
   int32_t* slots = reinterpret_cast<int32_t*>(at);
+  int32_t* owners = reinterpret_cast<int32_t*>(at + slots_bytes(p));
+  if (staged_entries(p) > 0)  // entries no sequence stores keep -1
+    GDNKIT_CUDA_CHECK(cudaMemsetAsync(owners, 0xff, size_t(staged_entries(p)) * sizeof(int32_t), stream));
   s.initial_indices = slots;
   s.final_indices = slots + p.num_seqs;
   s.checkpoint_indices = checkpoints ? slots + 2 * p.num_seqs : nullptr;
@@ -250,7 +253,7 @@ PrefillParams stage_states_in(const PrefillParams& p, void* ws, size_t ws_bytes,
   s.workspace = static_cast<char*>(ws) + used;
   s.workspace_bytes = ws_bytes - used;
   const dim3 block(kTile, kTileRows);
-  stage_in_kernel<<<grid_for(p, int64_t(p.num_seqs) * p.heads.num_v_heads), block, 0, stream>>>(p, s, slots,
+  stage_in_kernel<<<grid_for(p, int64_t(p.num_seqs) * p.heads.num_v_heads), block, 0, stream>>>(p, s, slots, owners,
                                                                                                  checkpoints);
   GDNKIT_CUDA_CHECK_LAUNCH();
   return s;
@@ -258,10 +261,11 @@ PrefillParams stage_states_in(const PrefillParams& p, void* ws, size_t ws_bytes,
 
 void stage_states_out(const PrefillParams& p, const PrefillParams& staged, cudaStream_t stream) {
   const bool checkpoints = checkpoints_stored(p);
-  const int64_t entries = checkpoints ? p.total_tokens / p.checkpoint_interval : 0;  // the staged entries written
+  const int64_t entries = staged_entries(p);
+  const int32_t* owners = staged.initial_indices + slots_bytes(p) / sizeof(int32_t);  // after the slots
   const dim3 block(kTile, kTileRows);
   stage_out_kernel<<<grid_for(p, (int64_t(p.num_seqs) + entries) * p.heads.num_v_heads), block, 0, stream>>>(
-      p, staged, checkpoints, entries);
+      p, staged, owners, checkpoints, entries);
   GDNKIT_CUDA_CHECK_LAUNCH();
 }
 
