@@ -41,7 +41,8 @@ size_t prefill_workspace_bytes(const PrefillParams& params);
 // all-gather, writes o, the checkpoints and the final states. Both take the same params and, on CUDA, the same
 // workspace (local.workspace, or the library's own for the device): no other prefill may use it in between.
 int64_t split_prefill_exchange_elems(const PrefillParams& local);  // fp32 elements of one rank's block: N HV K (K + V)
-size_t split_prefill_workspace_bytes(const SplitPrefillParams& params);  // 0 on the CPU backend
+// 0 on the CPU backend; refuses (kNotImplemented) the float8_e4m3 buffers split_prefill_begin refuses on CUDA
+size_t split_prefill_workspace_bytes(const SplitPrefillParams& params);
 void split_prefill_begin(const SplitPrefillParams& params, const Context& ctx);
 void split_prefill_end(const SplitPrefillParams& params, const Context& ctx);
 void validate(const SplitPrefillParams& params, Backend backend);

@@ -137,9 +137,8 @@ PrefillPath prefill_path(const PrefillParams& p) {
     const int sms = 1;
 #endif
     // a call on staged states runs the passes on its K-last fp32 copies
-    const bool staged = cuda::chunked_prefill::states_staged(p);
-    const auto choice =
-        cuda::chunked_prefill::choose_prefill(staged ? cuda::chunked_prefill::staged_shape(p) : p, sms, cuda::overrides());
+    namespace cp = cuda::chunked_prefill;
+    const auto choice = cp::choose_prefill(cp::states_staged(p) ? cp::staged_shape(p) : p, sms, cuda::overrides());
     path.short_max_len = choice.short_len;
     path.context_parallel_segment = choice.cp_segment_len;
   }

@@ -417,6 +417,11 @@ std::vector<Case> shape_cases() {
     c = base({0, 0}, 1, 2);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.zero_initial_rows = 0;
     add(c, "staged_notokens");
+    // checkpoints asked of a call shorter than their interval: no entry to stage
+    c = base({20, 30}, 1, 2);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64;
+    c.checkpoint_steps = 1, c.cache_dtype = DType::kFloat8E4M3;
+    add(c, "staged_shortckpt");
   }
   // The persistent pass on one to three CTAs, so that each runs many items through its stages' ring: varlen batches
   // with empty sequences (items of no chunk), sequences from zero beside pool states (items with and without the

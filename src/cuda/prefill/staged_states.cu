@@ -200,8 +200,8 @@ __global__ void __launch_bounds__(kTile* kTileRows)
     if (n < 0) continue;
     const StagedSeq q = staged_seq(p, checkpoints, n);
     const int64_t j = e - q.start / C;
-    copy_tile(checkpoint_head(s.checkpoints, HV, e, 0, h, K, V), checkpoint_head(p.checkpoints, HV, q.cslot, j, h, K, V),
-              K, V, tile, t);
+    copy_tile(checkpoint_head(s.checkpoints, HV, e, 0, h, K, V),
+              checkpoint_head(p.checkpoints, HV, q.cslot, j, h, K, V), K, V, tile, t);
   }
 }
 
@@ -211,11 +211,15 @@ bool checkpoints_stored(const PrefillParams& p) {
 size_t head_state_bytes(const PrefillParams& p) {
   return size_t(p.heads.num_v_heads) * p.heads.head_dim_k * p.heads.head_dim_v * sizeof(float);
 }
-size_t pool_copy_bytes(const PrefillParams& p) { return round_up(size_t(std::max(p.num_seqs, 0)) * head_state_bytes(p)); }
+size_t pool_copy_bytes(const PrefillParams& p) {
+  return round_up(size_t(std::max(p.num_seqs, 0)) * head_state_bytes(p));
+}
 size_t checkpoint_copy_bytes(const PrefillParams& p) {
   return checkpoints_stored(p) ? round_up(size_t(staged_shape(p).checkpoints.num_slots) * head_state_bytes(p)) : 0;
 }
-size_t slots_bytes(const PrefillParams& p) { return round_up(size_t(3) * std::max(p.num_seqs, 0) * sizeof(int32_t)); }
+size_t slots_bytes(const PrefillParams& p) {  // initial, final and checkpoint slots of the staged call
+  return round_up(size_t(3) * std::max(p.num_seqs, 0) * sizeof(int32_t));
+}
 int64_t staged_entries(const PrefillParams& p) {  // the staged checkpoint entries a call can write
   return checkpoints_stored(p) ? std::max<int64_t>(p.total_tokens, 0) / p.checkpoint_interval : 0;
 }
