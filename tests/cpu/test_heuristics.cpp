@@ -353,20 +353,29 @@ TEST(RecurrentHeuristics, Fp8VerifyChainsOnTheirKernel) {
 TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {
   const Overrides o;
   // By heads, B HV: at K = 128 32 columns from 384 (HV = 32: B = 12; HV = 8: B = 48).
-  EXPECT_EQ(recurrent::fp8_decode_columns(1, 32, 128, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(11, 32, 128, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(12, 32, 128, o), 32);
-  EXPECT_EQ(recurrent::fp8_decode_columns(47, 8, 128, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(48, 8, 128, o), 32);
-  EXPECT_EQ(recurrent::fp8_decode_columns(1, 32, 64, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(8, 32, 64, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(9, 32, 64, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(32, 8, 64, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(33, 8, 64, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(2, 32, 256, o), 8);
-  EXPECT_EQ(recurrent::fp8_decode_columns(3, 32, 256, o), 16);
-  EXPECT_EQ(recurrent::fp8_decode_columns(512, 32, 64, o), 16);  // 32 columns built at K = 128 only
-  EXPECT_EQ(recurrent::fp8_decode_columns(512, 32, 256, o), 16);
+  struct Case {
+    int64_t batch;
+    int heads, K, columns;
+  };
+  const Case cases[] = {
+      {1, 32, 128, 16},
+      {11, 32, 128, 16},
+      {12, 32, 128, 32},
+      {47, 8, 128, 16},
+      {48, 8, 128, 32},
+      {1, 32, 64, 8},
+      {8, 32, 64, 8},
+      {9, 32, 64, 16},
+      {32, 8, 64, 8},
+      {33, 8, 64, 16},
+      {2, 32, 256, 8},
+      {3, 32, 256, 16},
+      {512, 32, 64, 16},  // 32 columns built at K = 128 only
+      {512, 32, 256, 16},
+  };
+  for (const Case& x : cases)
+    EXPECT_EQ(recurrent::fp8_decode_columns(x.batch, x.heads, x.K, o), x.columns)
+        << "B " << x.batch << ", HV " << x.heads << ", K " << x.K;
   Overrides forced;
   forced.decode_fp8_columns = 16;
   EXPECT_EQ(recurrent::fp8_decode_columns(1, 32, 128, forced), 16);
