@@ -137,8 +137,8 @@ PrefillPath prefill_path(const PrefillParams& p) {
     const int sms = 1;
 #endif
     // a call on staged states runs the passes on its K-last fp32 copies
-    namespace cp = cuda::chunked_prefill;
-    const auto choice = cp::choose_prefill(cp::states_staged(p) ? cp::staged_shape(p) : p, sms, cuda::overrides());
+    const auto choice =
+        cuda::chunked_prefill::choose_prefill(cuda::chunked_prefill::pass_params(p), sms, cuda::overrides());
     path.short_max_len = choice.short_len;
     path.context_parallel_segment = choice.cp_segment_len;
   }

@@ -114,8 +114,7 @@ void run_gpu(Problem& got, DeviceProblem& dev, int vtile, int head_split = 0, in
              int cp = -1, int flags = -1, int first_final = -1, int prep_parts = 0, int pass_ctas = 0) {
   const PrefillParams call = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   // what the passes run: the call, or its staged K-last fp32 copies (staged_states.h)
-  const PrefillParams p =
-      cuda::chunked_prefill::states_staged(call) ? cuda::chunked_prefill::staged_shape(call) : call;
+  const PrefillParams p = cuda::chunked_prefill::pass_params(call);
   const cuda::Overrides o =
       case_overrides(vtile, head_split, short_len, aux, cp, flags, first_final, prep_parts, pass_ctas);
   // A case that asks for the persistent pass on few CTAs must get it.
@@ -1068,7 +1067,7 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     DeviceProblem d_eager(eager), d_again(again), d_graph(graphed), d_ws(own_ws);
     if (cp == -2) {
       const PrefillParams probe = eager.prefill_params(PrefillAlgorithm::kAuto, d_eager.resolver());
-      const PrefillParams shape = form == 2 ? cuda::chunked_prefill::staged_shape(probe) : probe;
+      const PrefillParams shape = cuda::chunked_prefill::pass_params(probe);
       EXPECT_TRUE(cuda::chunked_prefill::choose_prefill(shape, cuda::device_sms(), o).persistent_pass);
     }
     // The library's workspace is shared by the calls on every stream: each call completes before the next.

@@ -121,6 +121,8 @@ PrefillParams staged_shape(const PrefillParams& p) {
   return s;
 }
 
+PrefillParams pass_params(const PrefillParams& p) { return states_staged(p) ? staged_shape(p) : p; }
+
 bool head_tensor_maps_ok(const PrefillParams& p) {
   constexpr int64_t kMax = int64_t(1) << 31;  // TMA coordinates are signed 32-bit
   return p.num_seqs > 0 && p.total_tokens > 0 && p.total_tokens + kChunk < kMax;

@@ -19,6 +19,9 @@ constexpr int kChunk = 64;  // tokens per chunk (the WY block)
 // host sizes it without reading cu_seqlens, and the chunk prep maps slot -> (n, c) from cu_seqlens (chunk_of_slot).
 inline int64_t num_chunk_slots(const PrefillParams& p) { return p.total_tokens / kChunk + p.num_seqs + 1; }
 
+// Workspace regions start 256 bytes apart.
+inline size_t workspace_round_up(size_t x) { return (x + 255) / 256 * 256; }
+
 // The value "tiles" of the state pass. The head pass (state_pass_head_kernel) has one CTA per (sequence,
 // value head) (or two: the head split) over all V columns, on wgmma where the CTA owns a multiple of 64
 // value columns (kVTileHead), else on warp mma.sync (kVTileHeadWarp). The positive tiles (16, 32, 64) run
@@ -171,6 +174,8 @@ bool states_staged(const PrefillParams& p);
 // entry every C tokens of the batch (sequence n's entry j at floor(cu_seqlens[n] / C) + j: T_total / C + 1 of them);
 // the index and buffer pointers stay p's (staged_states.cu sets them).
 PrefillParams staged_shape(const PrefillParams& p);
+// The call the passes run: staged_shape(p) where states_staged(p), else p.
+PrefillParams pass_params(const PrefillParams& p);
 // The TMA maps of the wgmma build can be made: tokens, and coordinates below 2^31.
 bool head_tensor_maps_ok(const PrefillParams& p);
 // The wgmma build with `cols` value columns per CTA forms M itself (two warpgroups each form half of it

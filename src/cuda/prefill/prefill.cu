@@ -22,18 +22,18 @@ namespace gdnkit::cuda {
 namespace chunked_prefill {
 namespace {
 
-constexpr size_t kAlign = 256;
-size_t round_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 size_t t_bytes(const PrefillParams& p) {
-  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * kChunk * 2);
+  return workspace_round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kChunk * kChunk * 2);
 }
 size_t f_bytes(const PrefillParams& p) {
-  return round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRowsMax * kChunk * 4);
+  return workspace_round_up(size_t(num_chunk_slots(p)) * size_t(p.heads.num_v_heads) * kFactorRowsMax * kChunk * 4);
 }
 // A count per chunk slot: the chunk prep's CTAs that finished (H prep_parts of them; Plan::chunk_ready), then the
 // persistent pass's item counter (Plan::pass_ticket), then the head pass's order of the sequences (Plan::pass_order).
-size_t ready_bytes(const PrefillParams& p) { return round_up(size_t(num_chunk_slots(p) + 1 + p.num_seqs) * 4); }
+size_t ready_bytes(const PrefillParams& p) {
+  return workspace_round_up(size_t(num_chunk_slots(p) + 1 + p.num_seqs) * 4);
+}
 // The regions in order: T', M, the factors, the context-parallel part (cp_workspace_bytes), the counts.
 size_t cp_offset(const PrefillParams& p) { return 2 * t_bytes(p) + f_bytes(p); }
 size_t ready_offset(const PrefillParams& p) { return cp_offset(p) + cp_workspace_bytes(p, overrides()); }

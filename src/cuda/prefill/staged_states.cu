@@ -22,8 +22,6 @@ constexpr int kTile = 32;      // a tile row is one float8_e4m3 block
 constexpr int kTileRows = 8;   // a CTA is kTile x kTileRows threads
 constexpr int kCtasPerSm = 8;  // the grid: CTAs per SM, walking the items
 
-constexpr size_t kAlign = 256;
-size_t round_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 // One head's K x V block: element (k, v) at `elems` + its layout offset; float8_e4m3: the block scale of element i at
 // scales[i / 32].
@@ -212,18 +210,19 @@ size_t head_state_bytes(const PrefillParams& p) {
   return size_t(p.heads.num_v_heads) * p.heads.head_dim_k * p.heads.head_dim_v * sizeof(float);
 }
 size_t pool_copy_bytes(const PrefillParams& p) {
-  return round_up(size_t(std::max(p.num_seqs, 0)) * head_state_bytes(p));
+  return workspace_round_up(size_t(std::max(p.num_seqs, 0)) * head_state_bytes(p));
 }
 size_t checkpoint_copy_bytes(const PrefillParams& p) {
-  return checkpoints_stored(p) ? round_up(size_t(staged_shape(p).checkpoints.num_slots) * head_state_bytes(p)) : 0;
+  if (!checkpoints_stored(p)) return 0;
+  return workspace_round_up(size_t(staged_shape(p).checkpoints.num_slots) * head_state_bytes(p));
 }
 size_t slots_bytes(const PrefillParams& p) {  // initial, final and checkpoint slots of the staged call
-  return round_up(size_t(3) * std::max(p.num_seqs, 0) * sizeof(int32_t));
+  return workspace_round_up(size_t(3) * std::max(p.num_seqs, 0) * sizeof(int32_t));
 }
 int64_t staged_entries(const PrefillParams& p) {  // the staged checkpoint entries a call can write
   return checkpoints_stored(p) ? std::max<int64_t>(p.total_tokens, 0) / p.checkpoint_interval : 0;
 }
-size_t owners_bytes(const PrefillParams& p) { return round_up(size_t(staged_entries(p)) * sizeof(int32_t)); }
+size_t owners_bytes(const PrefillParams& p) { return workspace_round_up(size_t(staged_entries(p)) * sizeof(int32_t)); }
 // The grid: a tile of the heads each blockIdx.y, their (sequence, entry, value head) items walked along x.
 dim3 grid_for(const PrefillParams& p, int64_t items) {
   const int tiles = (p.heads.head_dim_k / kTile) * (p.heads.head_dim_v / kTile);

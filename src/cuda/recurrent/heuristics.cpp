@@ -162,9 +162,8 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
   if (fp8_chain_built(c) && k.fp8_chain.grid_ctas > 0) {
     const bool mma = !c.caches_states && o.verify_fp8_chain_mma && k.fp8_chain_mma.grid_ctas > 0 &&
                      c.batch >= kFp8ChainMmaMinBatch;
-    const bool chain = o.verify_fp8_chain_min_batch >= 0
-                           ? from_batch_or_heads(o.verify_fp8_chain_min_batch, 0, c)
-                           : from_batch_or_heads(-1, kFp8ChainMinHeads, c) || mma;
+    const bool chain = from_batch_or_heads(o.verify_fp8_chain_min_batch, kFp8ChainMinHeads, c) ||
+                       (o.verify_fp8_chain_min_batch < 0 && mma);
     if (chain) return RecurrentChoice{mma ? K::kFp8ChainMma : K::kFp8Chain, false};
   }
   // Verify of chains on V-last pools on their chain kernel (whole 16-byte row pieces a lane, one barrier a token; the
@@ -189,7 +188,7 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
       if (c.batch >= 2 && c.batch <= or_default(o.decode_wide_max_batch, kWideMaxBatch) &&
           prefetch_mode(k.wide, 1, o))
         return take(K::kWarpWide, k.wide);
-      if (o.decode_solo_min_batch >= 0 ? solo : c.batch * c.num_v_heads >= kSolo16MinHeads)
+      if (from_batch_or_heads(o.decode_solo_min_batch, kSolo16MinHeads, c))
         return RecurrentChoice{K::kWarpSolo, false};
       if (c.batch >= 3 && c.batch <= or_default(o.decode_narrow_max_batch, kNarrowMaxBatch) && !regular_prefetch &&
           k.narrow.grid_ctas > 0)
