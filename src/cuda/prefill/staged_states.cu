@@ -85,22 +85,38 @@ __device__ __forceinline__ void store_tile(const HeadBlock& b, int k0, int v0, i
   }
 }
 
-// Tile `tile` of src -> dst (both K x V: tiles (k0, v0) of 32 x 32, V / 32 a row) by the CTA, through t[k][v].
-__device__ void copy_tile(const HeadBlock& src, const HeadBlock& dst, int K, int V, int tile,
-                          float (&t)[kTile][kTile + 1]) {
+// One item's tile to copy (on: there is one).
+struct TileCopy {
+  HeadBlock src, dst;
+  bool on = false;
+};
+constexpr int kPair = 2;  // items a CTA copies at once: both tiles' loads in flight before the first barrier
+
+// Tile `tile` (tiles (k0, v0) of 32 x 32, V / 32 a row) of each item's src -> dst (both K x V) by the CTA, through
+// t[i][k][v].
+__device__ void copy_tiles(const TileCopy (&c)[kPair], int K, int V, int tile,
+                           float (&t)[kPair][kTile][kTile + 1]) {
   const int k0 = (tile / (V / kTile)) * kTile, v0 = (tile % (V / kTile)) * kTile;
-  switch (src.dtype) {
-    case DType::kFloat8E4M3: load_tile<uint8_t>(src, k0, v0, K, V, t); break;
-    case DType::kBFloat16: load_tile<__nv_bfloat16>(src, k0, v0, K, V, t); break;
-    case DType::kFloat16: load_tile<__half>(src, k0, v0, K, V, t); break;
-    default: load_tile<float>(src, k0, v0, K, V, t);
+#pragma unroll
+  for (int i = 0; i < kPair; ++i) {
+    if (!c[i].on) continue;
+    switch (c[i].src.dtype) {
+      case DType::kFloat8E4M3: load_tile<uint8_t>(c[i].src, k0, v0, K, V, t[i]); break;
+      case DType::kBFloat16: load_tile<__nv_bfloat16>(c[i].src, k0, v0, K, V, t[i]); break;
+      case DType::kFloat16: load_tile<__half>(c[i].src, k0, v0, K, V, t[i]); break;
+      default: load_tile<float>(c[i].src, k0, v0, K, V, t[i]);
+    }
   }
   __syncthreads();
-  switch (dst.dtype) {
-    case DType::kFloat8E4M3: store_tile<uint8_t>(dst, k0, v0, K, V, t); break;
-    case DType::kBFloat16: store_tile<__nv_bfloat16>(dst, k0, v0, K, V, t); break;
-    case DType::kFloat16: store_tile<__half>(dst, k0, v0, K, V, t); break;
-    default: store_tile<float>(dst, k0, v0, K, V, t);
+#pragma unroll
+  for (int i = 0; i < kPair; ++i) {
+    if (!c[i].on) continue;
+    switch (c[i].dst.dtype) {
+      case DType::kFloat8E4M3: store_tile<uint8_t>(c[i].dst, k0, v0, K, V, t[i]); break;
+      case DType::kBFloat16: store_tile<__nv_bfloat16>(c[i].dst, k0, v0, K, V, t[i]); break;
+      case DType::kFloat16: store_tile<__half>(c[i].dst, k0, v0, K, V, t[i]); break;
+      default: store_tile<float>(c[i].dst, k0, v0, K, V, t[i]);
+    }
   }
   __syncthreads();
 }
@@ -148,58 +164,84 @@ __device__ __forceinline__ int64_t div_rem(int64_t w, int d, int& rem) {
   return w / d;
 }
 
-// Per (sequence, value head; tile blockIdx.y): the staged call's slots and the owner of each staged checkpoint entry
-// the sequence stores (the first tile of its head 0), and the initial state's copy. A skipped sequence's initial slot
-// becomes N, past the staged pool, so that the passes skip and count it as they would have.
+// Item w = (sequence, value head) of the copy in: the staged call's slots and the owner of each staged checkpoint entry
+// the sequence stores (by the first tile of its head 0), and the initial state's copy. A skipped sequence's initial
+// slot becomes N, past the staged pool, so that the passes skip and count it as they would have.
+__device__ __forceinline__ TileCopy stage_in_item(const PrefillParams& p, const PrefillParams& s, int32_t* slots,
+                                                  int32_t* owners, bool checkpoints, int64_t w, int tile) {
+  const int HV = p.heads.num_v_heads, K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  TileCopy c;
+  if (w >= int64_t(p.num_seqs) * HV) return c;
+  int h;
+  const int64_t n = div_rem(w, HV, h);
+  const StagedSeq q = staged_seq(p, checkpoints, n);
+  if (h == 0 && tile == 0) {
+    const int tid = threadIdx.y * kTile + threadIdx.x;
+    const bool stores = checkpoints && !q.skipped && q.cslot >= 0;
+    const int64_t C = p.checkpoint_interval, base = stores ? q.start / C : 0;
+    if (tid == 0) {
+      slots[n] = q.skipped ? p.num_seqs : q.islot < 0 ? -1 : int32_t(n);  // s.initial_indices
+      slots[p.num_seqs + n] = q.skipped || q.fslot < 0 ? -1 : int32_t(n);  // s.final_indices
+      if (checkpoints) slots[2 * int64_t(p.num_seqs) + n] = stores ? int32_t(base) : -1;  // s.checkpoint_indices
+    }
+    const int64_t stored = stores ? min(q.len / C, p.checkpoints.num_steps) : 0;
+    for (int64_t j = tid; j < stored; j += kTile * kTileRows) owners[base + j] = int32_t(n);
+  }
+  if (!q.skipped && q.islot >= 0)
+    c = {pool_head(p.state, HV, q.islot, h, K, V), pool_head(s.state, HV, n, h, K, V), true};
+  return c;
+}
+
+// Per tile (blockIdx.y), the items of the copy in, kPair at a time.
 __global__ void __launch_bounds__(kTile* kTileRows)
     stage_in_kernel(const PrefillParams p, const PrefillParams s, int32_t* slots, int32_t* owners, bool checkpoints) {
-  __shared__ float t[kTile][kTile + 1];
-  const int HV = p.heads.num_v_heads, K = p.heads.head_dim_k, V = p.heads.head_dim_v, tile = int(blockIdx.y);
-  const int64_t items = int64_t(p.num_seqs) * HV;
-  const int tid = threadIdx.y * kTile + threadIdx.x;
-  for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
-    int h;
-    const int64_t n = div_rem(w, HV, h);
-    const StagedSeq q = staged_seq(p, checkpoints, n);
-    if (h == 0 && tile == 0) {
-      const bool stores = checkpoints && !q.skipped && q.cslot >= 0;
-      const int64_t C = p.checkpoint_interval, base = stores ? q.start / C : 0;
-      if (tid == 0) {
-        slots[n] = q.skipped ? p.num_seqs : q.islot < 0 ? -1 : int32_t(n);  // s.initial_indices
-        slots[p.num_seqs + n] = q.skipped || q.fslot < 0 ? -1 : int32_t(n);  // s.final_indices
-        if (checkpoints) slots[2 * int64_t(p.num_seqs) + n] = stores ? int32_t(base) : -1;  // s.checkpoint_indices
-      }
-      const int64_t stored = stores ? min(q.len / C, p.checkpoints.num_steps) : 0;
-      for (int64_t j = tid; j < stored; j += kTile * kTileRows) owners[base + j] = int32_t(n);
-    }
-    if (!q.skipped && q.islot >= 0)
-      copy_tile(pool_head(p.state, HV, q.islot, h, K, V), pool_head(s.state, HV, n, h, K, V), K, V, tile, t);
+  __shared__ float t[kPair][kTile][kTile + 1];
+  const int tile = int(blockIdx.y);
+  const int64_t items = int64_t(p.num_seqs) * p.heads.num_v_heads;
+  for (int64_t w = blockIdx.x; w < items; w += kPair * int64_t(gridDim.x)) {
+    TileCopy c[kPair];
+#pragma unroll
+    for (int i = 0; i < kPair; ++i) c[i] = stage_in_item(p, s, slots, owners, checkpoints, w + i * gridDim.x, tile);
+    copy_tiles(c, p.heads.head_dim_k, p.heads.head_dim_v, tile, t);
   }
 }
 
-// Per value head and item (tile blockIdx.y): items 0 .. N-1 the sequences' final states, then the staged checkpoint
-// entries e, each of its owner n (stage_in_kernel; none: -1) as entry j = e - floor(cu_seqlens[n] / C).
+// Item w = (i, value head) of the copy out: i < N sequence i's final state, then the staged checkpoint entries e =
+// i - N, each of its owner n (stage_in_item; none: -1) as entry j = e - floor(cu_seqlens[n] / C).
+__device__ __forceinline__ TileCopy stage_out_item(const PrefillParams& p, const PrefillParams& s,
+                                                   const int32_t* owners, bool checkpoints, int64_t entries,
+                                                   int64_t w) {
+  const int HV = p.heads.num_v_heads, K = p.heads.head_dim_k, V = p.heads.head_dim_v;
+  TileCopy c;
+  if (w >= (int64_t(p.num_seqs) + entries) * HV) return c;
+  int h;
+  const int64_t i = div_rem(w, HV, h);
+  if (i < p.num_seqs) {
+    const StagedSeq q = staged_seq(p, checkpoints, i);
+    if (!q.skipped && q.fslot >= 0)
+      c = {pool_head(s.state, HV, i, h, K, V), pool_head(p.state, HV, q.fslot, h, K, V), true};
+    return c;
+  }
+  const int64_t e = i - p.num_seqs, C = p.checkpoint_interval, n = owners[e];
+  if (n < 0) return c;
+  const StagedSeq q = staged_seq(p, checkpoints, n);
+  const int64_t j = e - q.start / C;
+  return {checkpoint_head(s.checkpoints, HV, e, 0, h, K, V), checkpoint_head(p.checkpoints, HV, q.cslot, j, h, K, V),
+          true};
+}
+
+// Per tile (blockIdx.y), the items of the copy out, kPair at a time.
 __global__ void __launch_bounds__(kTile* kTileRows)
     stage_out_kernel(const PrefillParams p, const PrefillParams s, const int32_t* owners, bool checkpoints,
                      int64_t entries) {
-  __shared__ float t[kTile][kTile + 1];
-  const int HV = p.heads.num_v_heads, K = p.heads.head_dim_k, V = p.heads.head_dim_v, tile = int(blockIdx.y);
-  const int64_t items = (int64_t(p.num_seqs) + entries) * HV;
-  for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
-    int h;
-    const int64_t i = div_rem(w, HV, h);
-    if (i < p.num_seqs) {
-      const StagedSeq q = staged_seq(p, checkpoints, i);
-      if (!q.skipped && q.fslot >= 0)
-        copy_tile(pool_head(s.state, HV, i, h, K, V), pool_head(p.state, HV, q.fslot, h, K, V), K, V, tile, t);
-      continue;
-    }
-    const int64_t e = i - p.num_seqs, C = p.checkpoint_interval, n = owners[e];
-    if (n < 0) continue;
-    const StagedSeq q = staged_seq(p, checkpoints, n);
-    const int64_t j = e - q.start / C;
-    copy_tile(checkpoint_head(s.checkpoints, HV, e, 0, h, K, V),
-              checkpoint_head(p.checkpoints, HV, q.cslot, j, h, K, V), K, V, tile, t);
+  __shared__ float t[kPair][kTile][kTile + 1];
+  const int tile = int(blockIdx.y);
+  const int64_t items = (int64_t(p.num_seqs) + entries) * p.heads.num_v_heads;
+  for (int64_t w = blockIdx.x; w < items; w += kPair * int64_t(gridDim.x)) {
+    TileCopy c[kPair];
+#pragma unroll
+    for (int i = 0; i < kPair; ++i) c[i] = stage_out_item(p, s, owners, checkpoints, entries, w + i * gridDim.x);
+    copy_tiles(c, p.heads.head_dim_k, p.heads.head_dim_v, tile, t);
   }
 }
 
