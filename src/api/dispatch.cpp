@@ -47,7 +47,8 @@ void require_cuda_states(const PrefillParams&) {}  // every dtype, both layouts
 void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
 void require_cuda_states(const SplitPrefillParams& sp) {
   const PrefillParams& p = sp.local;
-  if (!cuda::chunked_prefill::states_staged(p)) return;
+  // the ranks' scan stores K-last blocks (context_parallel.cuh)
+  if (!cuda::chunked_prefill::states_staged(p) && p.state.layout == StateLayout::kKLast) return;
   const auto got = [&] {
     if (p.state.layout != StateLayout::kKLast) return std::string(", got V-last");
     return ", got K-last with " + std::string(dtype_name(p.q.dtype)) + " inputs, K = " +

@@ -738,22 +738,36 @@ TEST(PrefillHeuristics, Fp8PoolsOnTheHeadOrTiledPass) {
   EXPECT_FALSE(chunked_prefill::is_head_tile(vtile));
   tiled.p.heads.head_dim_k = tiled.p.heads.head_dim_v = 64;  // a warp's 16 rows: half a block
   const int vtile64 = chunked_prefill::choose_vtile(tiled.p, kSms);
-  EXPECT_EQ(refusal(tiled.p), "checkpoints: float8_e4m3 checkpoints are stored by the head state pass or at K >= 128 "
-                              "only, not by value tile " + std::to_string(vtile64));
+  EXPECT_EQ(refusal(tiled.p), "checkpoints: float8_e4m3 checkpoints are stored by the head state pass or, K-last, at "
+                              "K >= 128 only, not by value tile " + std::to_string(vtile64));
   tiled.p.checkpoint_interval = 0;
-  EXPECT_EQ(refusal(tiled.p), "state: float8_e4m3 pools are read and written by the head state pass or at K >= 128 "
-                              "only, not by value tile " + std::to_string(vtile64));
+  EXPECT_EQ(refusal(tiled.p), "state: float8_e4m3 pools are read and written by the head state pass or, K-last, at "
+                              "K >= 128 only, not by value tile " + std::to_string(vtile64));
+  // V-last: the head pass only (its warp pairs hold whole 32-column blocks), at K = 128 too
+  tiled.p.heads.head_dim_k = tiled.p.heads.head_dim_v = 128;
+  tiled.p.state.layout = StateLayout::kVLast;
+  EXPECT_EQ(refusal(tiled.p), "state: float8_e4m3 pools are read and written by the head state pass or, K-last, at "
+                              "K >= 128 only, not by value tile " + std::to_string(vtile));
+  head.p.state.layout = StateLayout::kVLast;
+  EXPECT_TRUE(chunked_prefill::is_head_tile(chunked_prefill::choose_prefill(head.p, kSms, {}).vtile));
 }
 
-// Where no pass takes a float8_e4m3 pool or checkpoint buffer in place (V-last, or K-last at K = 64 off the head pass)
+// Where no pass takes a float8_e4m3 pool or checkpoint buffer in place (off the head pass: V-last, or K-last at K = 64)
 // the call runs on staged K-last fp32 copies: a slot per sequence, a checkpoint entry every C tokens of the batch.
 TEST(PrefillHeuristics, Fp8StatesStagedWhereNoPassTakesThemInPlace) {
   using chunked_prefill::staged_shape;
   using chunked_prefill::states_staged;
   int32_t dummy = 0;
-  PrefillCall call({8192, 100, 0});
+  PrefillCall head({8192, 100, 0});
+  head.p.state.dtype = DType::kFloat8E4M3;
+  EXPECT_FALSE(states_staged(head.p));  // K-last on the head pass
+  head.p.state.layout = StateLayout::kVLast;
+  EXPECT_FALSE(states_staged(head.p));  // V-last on the head pass
+  head.p.v.token_stride += 4;  // 8-byte rows: off the head pass
+  EXPECT_TRUE(states_staged(head.p));
+  PrefillCall call({8192, 100, 0}, 16, 32, DType::kFloat32);  // fp32 inputs: the tiled pass
   call.p.state.dtype = DType::kFloat8E4M3;
-  EXPECT_FALSE(states_staged(call.p));  // K-last on the head pass
+  EXPECT_FALSE(states_staged(call.p));  // K-last at K = 128: the tiled pass's
   call.p.state.layout = StateLayout::kVLast;
   EXPECT_TRUE(states_staged(call.p));
   const PrefillParams s = staged_shape(call.p);
@@ -763,8 +777,8 @@ TEST(PrefillHeuristics, Fp8StatesStagedWhereNoPassTakesThemInPlace) {
   EXPECT_EQ(s.state.slot_stride, int64_t(32) * 128 * 128);
   EXPECT_EQ(s.state.scales, nullptr);
   EXPECT_FALSE(states_staged(s));
-  EXPECT_TRUE(chunked_prefill::is_head_tile(chunked_prefill::choose_prefill(s, kSms, {}).vtile));
-  // float8_e4m3 V-last checkpoints beside a bf16 V-last pool: both staged
+  EXPECT_FALSE(chunked_prefill::is_head_tile(chunked_prefill::choose_prefill(s, kSms, {}).vtile));
+  // float8_e4m3 V-last checkpoints beside a bf16 V-last pool: both staged off the head pass, in place on it
   call.p.state.dtype = DType::kBFloat16;
   EXPECT_FALSE(states_staged(call.p));
   StateCache ckpt;
@@ -772,6 +786,10 @@ TEST(PrefillHeuristics, Fp8StatesStagedWhereNoPassTakesThemInPlace) {
   ckpt.num_slots = 4, ckpt.num_steps = 8, ckpt.slot_stride = int64_t(8) * 32 * 128 * 128;
   call.p.checkpoints = ckpt, call.p.checkpoint_interval = 1024, call.p.checkpoint_indices = &dummy;
   EXPECT_TRUE(states_staged(call.p));
+  head.p.v.token_stride -= 4;
+  head.p.state.dtype = DType::kBFloat16;
+  head.p.checkpoints = ckpt, head.p.checkpoint_interval = 1024, head.p.checkpoint_indices = &dummy;
+  EXPECT_FALSE(states_staged(head.p));
   const PrefillParams c = staged_shape(call.p);
   EXPECT_EQ(c.checkpoints.dtype, DType::kFloat32);
   EXPECT_EQ(c.checkpoints.layout, StateLayout::kKLast);
@@ -788,57 +806,63 @@ TEST(PrefillHeuristics, Fp8StatesStagedWhereNoPassTakesThemInPlace) {
     }
 }
 
-// The head pass copies a pool's head slices in bulk where they are K-last and 16-byte aligned (base, slot stride and,
-// for float8_e4m3, the block scales); anything else keeps the per-thread loads and stores.
-TEST(PrefillHeuristics, StateBulkCopiesOnAlignedKLastPools) {
+// The head pass copies a pool's head slices in bulk where they are 16-byte aligned (base, slot stride and, for
+// float8_e4m3, the block scales) and a CTA's share is contiguous (K-last, or V-last with the head on one CTA); anything
+// else keeps the per-thread loads and stores.
+TEST(PrefillHeuristics, StateBulkCopiesOnAlignedPools) {
   PrefillCall call({8192});
   StatePool& s = call.p.state;
-  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p));  // fp32, 16-byte aligned
+  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p, 1));  // fp32, 16-byte aligned
+  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p, 2));  // a CTA's value rows
   s.layout = StateLayout::kVLast;
-  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p, 1));  // the head's rows
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p, 2));  // half of each row
   s.layout = StateLayout::kKLast;
   s.data = static_cast<char*>(s.data) + 8;
-  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p, 1));
   s.data = static_cast<char*>(s.data) - 8;
   s.slot_stride += 2;  // 8 bytes: fp32 slots 8-byte aligned
-  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p, 1));
   s.dtype = DType::kBFloat16;
-  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));  // 4 bytes
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p, 1));  // 4 bytes
   s.slot_stride += 6;  // 16 bytes more than a whole slot of bf16
-  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p));
+  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p, 1));
   s.dtype = DType::kFloat8E4M3;
   s.slot_stride -= 8;
   s.scales = reinterpret_cast<uint8_t*>(uintptr_t(1) << 21);
-  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p));
+  EXPECT_TRUE(chunked_prefill::state_bulk_copies(call.p, 1));
   s.scales += 4;
-  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p));
+  EXPECT_FALSE(chunked_prefill::state_bulk_copies(call.p, 1));
 }
 
-// The same rule for the checkpoint buffer, whose entries the kernels lay out as the pool: a K-last pool too.
-TEST(PrefillHeuristics, CheckpointBulkCopiesOnAlignedKLastBuffers) {
+// The same rule for the checkpoint buffer, whose entries the kernels lay out as the pool: the pool's layout too.
+TEST(PrefillHeuristics, CheckpointBulkCopiesOnAlignedBuffers) {
   PrefillCall call({8192});
   alignas(16) static float buffer[4];
   StateCache& c = call.p.checkpoints;
-  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));  // no buffer
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));  // no buffer
   c.data = buffer, c.dtype = DType::kFloat32, c.num_slots = 1, c.num_steps = 8;
   c.slot_stride = int64_t(8) * 32 * 128 * 128;
-  EXPECT_TRUE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  EXPECT_TRUE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));
   call.p.state.layout = StateLayout::kVLast;
   c.layout = StateLayout::kVLast;
-  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  EXPECT_TRUE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p, 2));
+  call.p.state.layout = StateLayout::kKLast;
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));  // not the pool's layout
   call.p.state.layout = c.layout = StateLayout::kKLast;
   c.data = reinterpret_cast<char*>(buffer) + 8;
-  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));
   c.data = buffer;
   c.slot_stride += 2;  // 8 bytes
-  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));
   c.dtype = DType::kFloat8E4M3;  // 2 bytes
-  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));
   c.slot_stride += 14;
   c.scales = reinterpret_cast<uint8_t*>(buffer);
-  EXPECT_TRUE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  EXPECT_TRUE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));
   c.scales += 8;
-  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p));
+  EXPECT_FALSE(chunked_prefill::checkpoint_bulk_copies(call.p, 1));
 }
 
 // The head pass's checkpoint clock against the rule it replaces in the chunk loop: after chunk c of a run from chunk

@@ -378,24 +378,65 @@ std::vector<Case> shape_cases() {
     c.same_slot = true;
     add(c, "f8tiled");
   }
-  // Staged states (staged_states.cu): float8_e4m3 V-last pools and checkpoints, and K-last ones past the passes'
-  // reach, through K-last fp32 copies: head dims, input dtypes, fp8 or 16-bit checkpoints beside an fp8 pool and fp8
-  // checkpoints beside a 16-bit pool, initial == final slot, sequences from zero and without a final slot, a strided
-  // pool, short-path sequences beside chunked ones.
+  // float8_e4m3 V-last pools and checkpoints in place on the head pass (head_state_io.cuh store_head_state_vlast_e4m3,
+  // load_head_state_vlast_e4m3): every build and head split at K, V in {64, 128}, with and without the prep warpgroup;
+  // fp16 inputs with initial == final slot; sequences from zero and without a final slot; fp8 or 16-bit checkpoints
+  // beside an fp8 pool and fp8 checkpoints beside a 16-bit pool; a call of no tokens; checkpoints asked of a call
+  // shorter than their interval.
+  for (int vt : {cuda::chunked_prefill::kVTileHead, cuda::chunked_prefill::kVTileHeadWarp})
+    for (int K : {64, 128})
+      for (int V : {64, 128})
+        for (int split : {1, 2}) {
+          if (!cuda::chunked_prefill::head_split_supported(V, split)) continue;
+          ProblemConfig c = base({300, 64, 127, 0, 256, 5}, 1, 2, K, V);
+          c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
+          c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
+          const bool two_wg = vt == cuda::chunked_prefill::kVTileHead && split == 1 && V == 128;
+          const std::string kind = vt == cuda::chunked_prefill::kVTileHead ? "head" : "headwarp";
+          for (int aux : two_wg ? std::vector<int>{0, 1, 2} : std::vector<int>{-1})
+            add(c, "f8vlast_" + kind + std::to_string(split) + (aux >= 0 ? "_aux" + std::to_string(aux) : ""), vt,
+                split, aux);
+        }
+  {
+    ProblemConfig c = base({200, 65, 0, 130, 3}, 2, 4);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;
+    c.in_dtype = DType::kFloat16, c.gate_mode = GateMode::kGiven, c.same_slot = true;
+    add(c, "f8vlast");
+    c.in_dtype = DType::kBFloat16, c.same_slot = false, c.zero_initial_rows = 2, c.no_final_rows = 1;
+    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
+    add(c, "f8vlast");
+    c.cache_dtype = DType::kBFloat16, c.checkpoint_steps = 2;
+    add(c, "f8vlast_fewsteps");
+    c.state_dtype = DType::kBFloat16, c.cache_dtype = DType::kFloat8E4M3, c.checkpoint_steps = 0;
+    c.checkpoint_interval = 128;
+    add(c, "f8vlast");
+    c = base({0, 0}, 1, 2);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.zero_initial_rows = 0;
+    add(c, "f8vlast_notokens");
+    c = base({20, 30}, 1, 2);
+    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64;
+    c.checkpoint_steps = 1, c.cache_dtype = DType::kFloat8E4M3;
+    add(c, "f8vlast_shortckpt");
+  }
+  // Staged states (staged_states.cu): float8_e4m3 V-last pools and checkpoints off the head pass (fp32 inputs, V = 256,
+  // K = V = 256), and K-last ones past the passes' reach, through K-last fp32 copies: head dims, fp8 or 16-bit
+  // checkpoints beside an fp8 pool and fp8 checkpoints beside a 16-bit pool, initial == final slot, sequences from zero
+  // and without a final slot, a strided pool.
   for (auto [K, V] : std::vector<std::pair<int, int>>{{64, 64}, {128, 128}, {64, 128}, {128, 256}}) {
     ProblemConfig c = base({300, 64, 127, 0, 256, 5}, 1, 2, K, V);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
+    if (V <= 128) c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
     add(c, "staged");
   }
   {
     ProblemConfig c = base({200, 65, 0, 130, 3}, 2, 4);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;
-    c.in_dtype = DType::kFloat16, c.gate_mode = GateMode::kGiven, c.same_slot = true;
+    c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven, c.same_slot = true;
     add(c, "staged");
-    c.in_dtype = DType::kFloat32, c.same_slot = false, c.zero_initial_rows = 2, c.no_final_rows = 1;
+    c.same_slot = false, c.zero_initial_rows = 2, c.no_final_rows = 1;
     c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
     add(c, "staged");
-    c.cache_dtype = DType::kBFloat16, c.in_dtype = DType::kBFloat16, c.checkpoint_steps = 2;
+    c.cache_dtype = DType::kBFloat16, c.checkpoint_steps = 2;
     add(c, "staged_fewsteps");
     c.state_dtype = DType::kBFloat16, c.cache_dtype = DType::kFloat8E4M3, c.checkpoint_steps = 0;
     c.checkpoint_interval = 128;
@@ -415,11 +456,13 @@ std::vector<Case> shape_cases() {
     add(c, "staged");
     c = base({0, 0}, 1, 2);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.zero_initial_rows = 0;
+    c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
     add(c, "staged_notokens");
     // checkpoints asked of a call shorter than their interval: no entry to stage
     c = base({20, 30}, 1, 2);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64;
     c.checkpoint_steps = 1, c.cache_dtype = DType::kFloat8E4M3;
+    c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
     add(c, "staged_shortckpt");
   }
   // The persistent pass on one to three CTAs, so that each runs many items through its stages' ring: varlen batches
@@ -515,15 +558,14 @@ std::vector<Case> short_cases() {
   }
   // Initial == final slot, sequences without a final slot or from zero.
   add_slot_cases(add, {5, 64, 0, 20}, "short32", 32);
-  // float8_e4m3 V-last pools on staged K-last fp32 copies (staged_states.cu): short sequences only, and beside chunked
-  // ones by the library's routing.
+  // float8_e4m3 V-last pools in place: short sequences only, and beside chunked ones by the library's routing.
   {
     ProblemConfig c = base({1, 7, 16, 0, 9, 3}, 2, 4);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;
-    add(c, "staged_short16", 16);
+    add(c, "f8vlast_short16", 16);
     c = base({3, 200, 17, 0, 64, 9}, 2, 4);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.same_slot = true;
-    add(c, "staged_auto", -1);
+    add(c, "f8vlast_auto", -1);
   }
   // The recurrent kernels alone (cuda::prefill_short, no chunked kernel launched), so that the outputs
   // and final states can only be theirs: the chain kernel (K-last, bf16 inputs) and the warp kernel.
@@ -694,10 +736,11 @@ std::vector<Case> cp_cases() {
     for (int aux : {0, 1}) add(c, "aux" + std::to_string(aux), 192, aux);
     c.checkpoint_interval = 0, c.same_slot = true;
     add(c, "", 256);
-    // ... and V-last ones on staged K-last fp32 copies (staged_states.cu), with fp8 checkpoints
+    // ... and V-last ones (the final pass's warp pairs store the blocks), with fp8 checkpoints
     c.layout = StateLayout::kVLast, c.same_slot = false;
     c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
-    add(c, "staged", 128);
+    add(c, "f8vlast", 128);
+    for (int aux : {0, 1}) add(c, "f8vlast_aux" + std::to_string(aux), 192, aux);
   }
   return out;
 }
@@ -732,7 +775,7 @@ INSTANTIATE_TEST_SUITE_P(Sanitize, PrefillTest, ::testing::ValuesIn(sanitize_cas
 // library's choice (the short path takes 10 and 5), the chunked kernels alone, and the short path at 24
 // (the bad initial and checkpoint slots on its sequences, the bad final slot on a chunked one).
 TEST(PrefillGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
-  for (int short_len : {-1, 0, 24, -2}) {  // -2: the library's choice on staged float8_e4m3 V-last states
+  for (int short_len : {-1, 0, 24, -2}) {  // -2: the library's choice on float8_e4m3 V-last states
     SCOPED_TRACE("short_len " + std::to_string(short_len));
     ProblemConfig c = base({70, 10, 65, 5}, 1, 2, 64, 64);
     c.zero_initial_rows = 0;
@@ -759,14 +802,16 @@ TEST(PrefillGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
   }
 }
 
-// Staged float8_e4m3 V-last states come back as the CPU backend stores them: sequences of no tokens store their
-// initial state again (dequantized to fp32, requantized by block), byte for byte and scale for scale, K 64 and 128;
-// beside them a sequence of tokens, and all of it within the tolerances (check_prefill).
-TEST(PrefillGpu, StagedFp8StatesStoreTheCpuBackendsBytes) {
+// float8_e4m3 V-last states come back as the CPU backend stores them, in place (bf16 inputs) and staged (fp32 inputs):
+// sequences of no tokens store their initial state again (dequantized to fp32, requantized by block), byte for byte
+// and scale for scale, K 64 and 128; beside them a sequence of tokens, and all of it within the tolerances.
+TEST(PrefillGpu, Fp8VLastStatesStoreTheCpuBackendsBytes) {
+  for (DType input : {DType::kBFloat16, DType::kFloat32})
   for (int K : {64, 128}) {
-    SCOPED_TRACE("K " + std::to_string(K));
+    SCOPED_TRACE("K " + std::to_string(K) + ", " + dtype_name(input) + " inputs");
     ProblemConfig c = base({0, 0, 130, 0}, 1, 2, K, K);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.zero_initial_rows = 0;
+    c.in_dtype = input;
     c.seed = 4600 + K;
     const Problem before(c);
     check_prefill(before);
@@ -1049,7 +1094,8 @@ TEST(PrefillGpu, BadSpanWithShortPathSanitize) {
 // (cp -2: the persistent pass on two CTAs, whose item counter the graph zeroes on every replay)
 TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
   for (int cp : {-1, 128, -128, -2})  // -128: segments of 128 with the first one's final pass beside the local pass
-  for (int form : {0, 1, 2}) {  // K-last fp32, V-last fp32, V-last float8_e4m3 (staged states)
+  for (int form : {0, 1, 2, 3}) {  // K-last fp32, V-last fp32, V-last float8_e4m3 in place and (fp32 inputs) staged
+    if (form == 3 && cp != -1) continue;  // context parallelism takes 16-bit inputs
     const StateLayout layout = form == 0 ? StateLayout::kKLast : StateLayout::kVLast;
     SCOPED_TRACE("context-parallel segment " + std::to_string(cp) + ", form " + std::to_string(form));
     cuda::Overrides o;
@@ -1061,7 +1107,8 @@ TEST(PrefillGpu, GraphReplayRepeatAndCallerWorkspaceBitwiseEqualEager) {
     ProblemConfig c = base({300, 1, 64, 129}, 2, 4);
     c.layout = layout;
     c.checkpoint_interval = 64;
-    if (form == 2) c.state_dtype = DType::kFloat8E4M3, c.cache_dtype = DType::kFloat8E4M3;
+    if (form >= 2) c.state_dtype = DType::kFloat8E4M3, c.cache_dtype = DType::kFloat8E4M3;
+    if (form == 3) c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
     const Problem before(c);
     Problem eager = before, again = before, graphed = before, own_ws = before;
     DeviceProblem d_eager(eager), d_again(again), d_graph(graphed), d_ws(own_ws);

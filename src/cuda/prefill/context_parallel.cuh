@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
     if (p_cols) return k == v0 + c ? 1.0f : 0.0f;
     if (islot < 0 || !ok || (kRole != ScanRole::kSegments && rank != 0)) return 0.0f;
     const int64_t off = offset(k, c);
-    if (p.state.dtype == DType::kFloat8E4M3)  // K-last (api/dispatch.cpp refuses the rest)
+    if (p.state.dtype == DType::kFloat8E4M3)  // either layout: 32 elements in memory order a block
       return e4m3_to_float(static_cast<const uint8_t*>(p.state.data)[int64_t(islot) * p.state.slot_stride + off],
                            e8m0_scale(p.state.scales[(int64_t(islot) * per_segment + off) / kFp8Block]));
     return load_state_elem(p.state.data, p.state.dtype, int64_t(islot) * p.state.slot_stride + off);

@@ -62,16 +62,21 @@ constexpr int kPqTurnBarrier = 5;  // + the warpgroup that waits
 constexpr int kPrepBarrier = 2, kOStoreBarrier = 3, kCheckpointBarrier = 7, kZeroRowsBarrier = 8;
 // Beside the fused prep the two state warpgroups meet on kMFormedBarrier once both stored their halves of M.
 constexpr int kMFormedBarrier = 9;
+// The state warps 2 i, 2 i + 1 (value rows 32 i .. 32 i + 31 of the CTA) meet on kVLastPairBarrier + i to exchange
+// their halves of float8_e4m3 V-last scale blocks (head_state_io.cuh store_head_state_vlast_e4m3): 10 .. 13.
+constexpr int kVLastPairBarrier = 10;
 
 // One build of the head pass: kSplit CTAs per (sequence, value head), V / kSplit value columns each; kWgmma the
 // wgmma build; kMWarpgroup a prep and a producer warpgroup beside two state warpgroups (prep_warpgroup.cuh); kCpMode
 // 0 whole sequences, 1 the context-parallel local pass, 2 its final pass (context_parallel.cuh); kFusedPrep the prep
 // warpgroup forms the chunk prep but M, which the state warpgroups form (Plan::fused_prep); kPersistent one CTA per SM
-// taking (sequence, value head) items in turn (Plan::pass_ticket; state_pass_head.cuh head_pass_persistent_cta).
+// taking (sequence, value head) items in turn (Plan::pass_ticket; state_pass_head.cuh head_pass_persistent_cta);
+// kLayout the layout of the pool, the checkpoints and the context-parallel states (head_state_io.cuh).
 template <int K_, int V_, int kSplit_, class Op_, bool kWgmma_, bool kMWarpgroup_, int kCpMode_ = 0,
-          bool kFusedPrep_ = false, bool kPersistent_ = false>
+          bool kFusedPrep_ = false, bool kPersistent_ = false, StateLayout kLayout_ = StateLayout::kKLast>
 struct HeadPass {
   static constexpr int K = K_, V = V_, kSplit = kSplit_, kCpMode = kCpMode_;
+  static constexpr StateLayout kLayout = kLayout_;
   using Op = Op_;
   static constexpr bool kWgmma = kWgmma_, kMWarpgroup = kMWarpgroup_, kFusedPrep = kFusedPrep_;
   static constexpr bool kPersistent = kPersistent_;

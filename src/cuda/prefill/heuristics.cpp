@@ -53,22 +53,24 @@ bool head_split_supported(int V, int split) { return split == 1 || (split == 2 &
 bool qkv_vectorized(const PrefillParams& p) { return vec_ok(p.q) && vec_ok(p.k) && vec_ok(p.v); }
 
 namespace {
-// A K-last state buffer whose head slices (and float8_e4m3 block scales) start on 16-byte boundaries.
-bool bulk_buffer(StateLayout layout, const void* data, int64_t slot_stride, DType dt, const uint8_t* scales) {
-  return layout == StateLayout::kKLast && aligned(data, 16) && slot_stride * dtype_size(dt) % 16 == 0 &&
-         (dt != DType::kFloat8E4M3 || aligned(scales, 16));
+// A state buffer whose head slices (and float8_e4m3 block scales) start on 16-byte boundaries, and whose pieces a CTA
+// holds are contiguous: a K-last CTA's value rows, a V-last CTA's rows only where it holds every column.
+bool bulk_buffer(StateLayout layout, const void* data, int64_t slot_stride, DType dt, const uint8_t* scales,
+                 int head_split) {
+  return (layout == StateLayout::kKLast || head_split == 1) && aligned(data, 16) &&
+         slot_stride * dtype_size(dt) % 16 == 0 && (dt != DType::kFloat8E4M3 || aligned(scales, 16));
 }
 }  // namespace
 
-bool state_bulk_copies(const PrefillParams& p) {
+bool state_bulk_copies(const PrefillParams& p, int head_split) {
   const StatePool& s = p.state;
-  return bulk_buffer(s.layout, s.data, s.slot_stride, s.dtype, s.scales);
+  return bulk_buffer(s.layout, s.data, s.slot_stride, s.dtype, s.scales, head_split);
 }
 
-bool checkpoint_bulk_copies(const PrefillParams& p) {
+bool checkpoint_bulk_copies(const PrefillParams& p, int head_split) {
   const StateCache& c = p.checkpoints;
-  return c.data != nullptr && p.state.layout == StateLayout::kKLast &&
-         bulk_buffer(c.layout, c.data, c.slot_stride, c.dtype, c.scales);
+  return c.data != nullptr && c.layout == p.state.layout &&
+         bulk_buffer(c.layout, c.data, c.slot_stride, c.dtype, c.scales, head_split);
 }
 
 bool head_pass_ok(const PrefillParams& p) {
@@ -87,6 +89,8 @@ bool short_path_supported(const PrefillParams& p) {
 }
 
 bool fp8_states_in_place(const PrefillParams& p) {
+  // V-last: the head pass's warp pairs hold whole 32-column blocks (head_state_io.cuh store_head_state_vlast_e4m3)
+  if (p.state.layout == StateLayout::kVLast) return head_pass_ok(p);
   const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
   const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) && K <= 128 &&
                          (V == 64 || V == 128);
@@ -402,16 +406,16 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
     throw Error(ErrorCode::kInvalidArgument, "prefill: value tile " + std::to_string(c.vtile) +
                                                  " is not supported for K=" + std::to_string(K) +
                                                  ", V=" + std::to_string(V));
-  // float8_e4m3 pools and checkpoints: the head pass (head_state_io.cuh) or the tiled pass at K >= 128, whose warps
-  // hold whole 32-row scale blocks (state_pass_tiled.cuh); api/dispatch.cpp's rule admits no other.
-  const bool fp8_pass = is_head_tile(c.vtile) || K >= 128;
+  // float8_e4m3 pools and checkpoints: the head pass (head_state_io.cuh) or, K-last, the tiled pass at K >= 128, whose
+  // warps hold whole 32-row scale blocks (state_pass_tiled.cuh); fp8_states_in_place admits no other.
+  const bool fp8_pass = is_head_tile(c.vtile) || (K >= 128 && p.state.layout == StateLayout::kKLast);
   if (p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoints.dtype == DType::kFloat8E4M3 &&
       !fp8_pass)
     throw Error(ErrorCode::kNotImplemented, "checkpoints: float8_e4m3 checkpoints are stored by the head state pass "
-                                            "or at K >= 128 only, not by value tile " + std::to_string(c.vtile));
+                                            "or, K-last, at K >= 128 only, not by value tile " + std::to_string(c.vtile));
   if (p.state.dtype == DType::kFloat8E4M3 && !fp8_pass)
     throw Error(ErrorCode::kNotImplemented, "state: float8_e4m3 pools are read and written by the head state pass "
-                                            "or at K >= 128 only, not by value tile " + std::to_string(c.vtile));
+                                            "or, K-last, at K >= 128 only, not by value tile " + std::to_string(c.vtile));
   c.wgmma_pass = c.vtile == kVTileHead && K <= 128 && (V / c.head_split) % 64 == 0 && head_tensor_maps_ok(p);
   const bool m_warpgroup_possible = c.wgmma_pass && c.head_split == 1 && V == 128 && K % 64 == 0;
   if (m_warpgroup_possible) c.m_warpgroup = m_warpgroup_wanted(o);

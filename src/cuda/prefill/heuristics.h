@@ -155,12 +155,11 @@ bool head_split_supported(int V, int split);
 bool head_pass_ok(const PrefillParams& p);
 // q, k and v allow 16-byte loads of 8 contiguous elements.
 bool qkv_vectorized(const PrefillParams& p);
-// The pool's head slices (and a float8_e4m3 pool's block scales) allow bulk copies: K-last, 16-byte aligned base and
-// slot stride (Plan::state_bulk).
-bool state_bulk_copies(const PrefillParams& p);
-// The same for the checkpoint buffer (Plan::checkpoint_bulk; the pool K-last too: the kernels lay checkpoints out as
-// the pool).
-bool checkpoint_bulk_copies(const PrefillParams& p);
+// The pool's head slices (and a float8_e4m3 pool's block scales) allow bulk copies (Plan::state_bulk): 16-byte
+// aligned base and slot stride, and K-last, or V-last with a head on one CTA (head_split 1: its columns are whole rows).
+bool state_bulk_copies(const PrefillParams& p, int head_split);
+// The same for the checkpoint buffer (Plan::checkpoint_bulk).
+bool checkpoint_bulk_copies(const PrefillParams& p, int head_split);
 // The short-sequence path is built for this call: the head pass's conditions, K = V in {64, 128}, 16-byte
 // aligned state slots, and a grid of N rows.
 bool short_path_supported(const PrefillParams& p);

@@ -80,8 +80,9 @@ struct Plan {
   // persistent pass's items, or the CTAs of one per item in launch order), after the item counter; else null
   int32_t* pass_order = nullptr;
   bool state_pairs = false;     // K-last pool aligned to 2 elements (base, slot stride): paired state I/O
-  // K-last pool with 16-byte aligned slots (and block scales): the wgmma build's final states (beside a prep
-  // warpgroup the initial ones too) move by bulk copies through shared memory (state_pass_head.cuh)
+  // A pool with 16-byte aligned slots (and block scales), K-last or V-last with whole rows a CTA
+  // (heuristics.h state_bulk_copies): the wgmma build's final states (beside a prep warpgroup the initial ones too)
+  // move by bulk copies through shared memory (state_pass_head.cuh)
   bool state_bulk = false;
   bool checkpoint_pairs = false;  // the same for the checkpoint buffer
   bool checkpoint_bulk = false;

@@ -174,15 +174,17 @@ Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   plan.o_pair = aligned(p.o.data, size_t(2 * oes)) && p.o.token_stride % 2 == 0 && p.o.head_stride % 2 == 0;
   // Without checkpoint indices no checkpoint is stored: interval 0 tells the kernel so.
   if (p.checkpoint_indices == nullptr || p.checkpoints.data == nullptr) p.checkpoint_interval = 0;
+  // Without a pool the checkpoints' layout is the call's (api/validate.cpp), which the kernels read from the pool's.
+  if (p.state.data == nullptr && p.checkpoints.data != nullptr) p.state.layout = p.checkpoints.layout;
   // Pairs (k, k+1) of a K-last state are adjacent; every offset the kernels form is even when the
   // slot stride is (heads and value rows are K elements apart, K even).
   const bool klast = p.state.layout == StateLayout::kKLast;
   plan.state_pairs = klast && aligned(p.state.data, 2 * dtype_size(p.state.dtype)) && p.state.slot_stride % 2 == 0;
-  plan.state_bulk = state_bulk_copies(p);
+  plan.state_bulk = state_bulk_copies(p, choice.head_split);
   plan.checkpoint_pairs = klast && p.checkpoints.data != nullptr &&
                           aligned(p.checkpoints.data, 2 * dtype_size(p.checkpoints.dtype)) &&
                           p.checkpoints.slot_stride % 2 == 0;
-  plan.checkpoint_bulk = checkpoint_bulk_copies(p);
+  plan.checkpoint_bulk = checkpoint_bulk_copies(p, choice.head_split);
   plan.num_slots = p.total_tokens > 0 ? num_chunk_slots(p) : 0;
   plan.head_split = choice.head_split;
   plan.wgmma_pass = choice.wgmma_pass;

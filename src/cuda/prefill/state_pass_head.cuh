@@ -322,16 +322,21 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
   // this grid never completes before the prep's (whatever the stream's next launch assumes about PDL)
   if (chunk_flags) asm volatile("griddepcontrol.wait;" ::: "memory");
 
-  // The state at `offset` of a buffer of dtype dt (float8_e4m3: the slot's block scales at `scales`). The wgmma build,
-  // K-last: each state warpgroup's 64 value rows by bulk copies (head_state_io.cuh store_head_rows_bulk) through the
-  // k, q rows of a stage that no thread reads any more: beside a producer warpgroup, warpgroup g's is the stage of
-  // chunk nchunks - kStages + g (not the last chunk's, which the other warpgroup may still read), once every state
-  // thread released that chunk; without one (no loads left) stage g, once the state warps met.
+  // The state at `offset` of a buffer of dtype dt in the pool's layout (float8_e4m3: the slot's block scales at
+  // `scales`). The wgmma build, K-last: each state warpgroup's 64 value rows by bulk copies (head_state_io.cuh
+  // store_head_rows_bulk) through the k, q rows of a stage that no thread reads any more: beside a producer warpgroup,
+  // warpgroup g's is the stage of chunk nchunks - kStages + g (not the last chunk's, which the other warpgroup may
+  // still read), once every state thread released that chunk; without one (no loads left) stage g, once the state
+  // warps met. V-last (the CTA's columns are the head's): the head's rows through stage 0, once the state warps met
+  // (no loads are left, and the producer's o stores read the v rows).
+  constexpr StateLayout layout = S::kLayout;
   const auto store_state = [&](void* base, uint8_t* scales, DType dt, int64_t offset, bool pairs,
                                [[maybe_unused]] bool bulk) {
     const int64_t head = int64_t(at.h) * K * V;
     if constexpr (kWgmma) {
-      if (bulk) {
+      if constexpr (layout == StateLayout::kVLast) {
+        if (bulk) return store_head_state_through<S>(s, at, stage[0], base, scales, dt, offset);
+      } else if (bulk) {
         const int wg = at.tid / kThreads;
         const int64_t first = head + int64_t(at.v0 + 64 * wg) * K;
         Stage* buf = &stage[wg];
@@ -349,14 +354,14 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
       }
     }
     if (dt == DType::kFloat8E4M3)
-      store_head_state_e4m3<S>(s, at, static_cast<uint8_t*>(base) + offset + head, scales + head / kFp8Block);
+      store_head_e4m3<S>(s, at, static_cast<uint8_t*>(base) + offset + head, scales + head / kFp8Block);
     else
       store_head_state<S>(s, p, at, base, dt, offset, pairs);
   };
-  const bool klast = p.state.layout == StateLayout::kKLast;
+  constexpr bool klast = layout == StateLayout::kKLast;
   if constexpr (kCpMode == 1 || kFirstFinal) {  // the segment's local state or transition, fp32, for the scan
     float* dst = transition ? plan.cp_transition : plan.cp_local;
-    store_state(dst, nullptr, DType::kFloat32, cp_offset, klast, klast);
+    store_state(dst, nullptr, DType::kFloat32, cp_offset, klast, klast || S::kCols == V);
   } else if (sq.fslot >= 0 && (kCpMode == 0 || cp_stores_final(plan, at.n))) {
     uint8_t* const scales = p.state.dtype == DType::kFloat8E4M3
                                 ? p.state.scales + int64_t(sq.fslot) * at.HV * (K * V / kFp8Block)
@@ -492,17 +497,17 @@ __device__ __forceinline__ void head_pass_persistent_cta(const PrefillParams& p,
 // 1 its transition; the first segment's y = 0 CTA runs its final pass there where Plan::cp_first_final).
 // kFusedPrep (with kMWarpgroup, whole sequences): the prep warpgroup forms the chunk prep but M (fused_prep_warpgroup)
 // after the gate kernel, with the norms from the producer's last two warps; the state warpgroups form M.
-// kPersistent: one CTA per SM over the items (head_pass_persistent_cta).
-template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode = 0, bool kFusedPrep = false,
-          bool kPersistent = false>
+// kPersistent: one CTA per SM over the items (head_pass_persistent_cta). kLayout: the states' (HeadPass).
+template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup, int kCpMode, bool kFusedPrep,
+          bool kPersistent, StateLayout kLayout>
 __global__ void __launch_bounds__(
-    HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>::kCtaThreads, 1)
+    HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent, kLayout>::kCtaThreads, 1)
     state_pass_head_kernel(const PrefillParams p, const Plan plan, const __grid_constant__ HeadTensorMaps maps) {
-  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>;
+  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent, kLayout>;
   if constexpr (kPersistent) {
     return head_pass_persistent_cta<S>(p, plan, maps);
   } else if constexpr (kCpMode == 1) {
-    using Final = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, 2, kFusedPrep>;
+    using Final = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, 2, kFusedPrep, false, kLayout>;
     static_assert(Final::kCtaThreads == S::kCtaThreads && sizeof(typename Final::Stage) == sizeof(typename S::Stage),
                   "the local pass's grid runs the final pass's build in the same CTA shape");
     if (plan.cp_first_final && blockIdx.y == 0) {
@@ -514,14 +519,14 @@ __global__ void __launch_bounds__(
 }
 
 // after_prep: the chunk prep (or the fused prep's gate kernel) is the previous kernel of the stream (launch_op), so
-// the pass may launch early, with programmatic dependent launch, and wait for the prep inside.
-template <int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = false, int kCpMode = 0,
+// the pass may launch early, with programmatic dependent launch, and wait for the prep inside. L: the states' layout.
+template <StateLayout L, int K, int V, int kSplit, class Op, bool kWgmma, bool kMWarpgroup = false, int kCpMode = 0,
           bool kFusedPrep = false, bool kPersistent = false>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWgmma, kMWarpgroup, kFusedPrep>();
-  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>;
-  allow_dynamic_smem<state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>>(
-      smem);
+  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent, L>;
+  allow_dynamic_smem<
+      state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent, L>>(smem);
   const HeadTensorMaps maps = kWgmma ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
   cudaLaunchConfig_t cfg = {};
   const unsigned rows = kCpMode == 1   ? unsigned(plan.cp_max_states)
@@ -539,56 +544,77 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
 
 // The context-parallel passes and scan (context_parallel.cuh) on the wgmma build, K = V, one CTA per segment and
 // value head (with the prep warpgroup where the plan says so).
-template <int K, class Op, bool kMWarpgroup>
+template <StateLayout L, int K, class Op, bool kMWarpgroup>
 void launch_cp_build(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
-  launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 1>(p, plan, after_prep, stream);
+  launch_state_pass_head<L, K, K, 1, Op, true, kMWarpgroup, 1>(p, plan, after_prep, stream);
   launch_cp_scan<K>(p, plan, stream);
-  launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 2>(p, plan, false, stream);
+  launch_state_pass_head<L, K, K, 1, Op, true, kMWarpgroup, 2>(p, plan, false, stream);
 }
 // A split call's halves (split_prefill_begin / _end) on the same passes: the local pass and the piece summaries, then
 // after the exchange the fold and the final pass. A rank without tokens runs the scans alone.
-template <int K, class Op, bool kMWarpgroup>
+template <StateLayout L, int K, class Op, bool kMWarpgroup>
 void launch_split_build(const PrefillParams& p, const Plan& plan, bool begin, bool after_prep, cudaStream_t stream) {
   const bool tokens = p.total_tokens > 0;
   if (begin) {
-    if (tokens) launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 1>(p, plan, after_prep, stream);
+    if (tokens) launch_state_pass_head<L, K, K, 1, Op, true, kMWarpgroup, 1>(p, plan, after_prep, stream);
     launch_cp_scan<K, ScanRole::kCompose>(p, plan, stream);
   } else {
     launch_cp_scan<K, ScanRole::kFold>(p, plan, stream);
-    if (tokens) launch_state_pass_head<K, K, 1, Op, true, kMWarpgroup, 2>(p, plan, false, stream);
+    if (tokens) launch_state_pass_head<L, K, K, 1, Op, true, kMWarpgroup, 2>(p, plan, false, stream);
   }
+}
+template <StateLayout L, int K, class Op>
+void launch_split_passes_of(const PrefillParams& p, const Plan& plan, bool begin, bool after_prep,
+                            cudaStream_t stream) {
+  if constexpr (K == 128)
+    if (plan.m_warpgroup) return launch_split_build<L, K, Op, true>(p, plan, begin, after_prep, stream);
+  launch_split_build<L, K, Op, false>(p, plan, begin, after_prep, stream);
 }
 template <int K, class Op>
 void launch_split_passes(const PrefillParams& p, const Plan& plan, bool begin, bool after_prep, cudaStream_t stream) {
+  if (p.state.layout == StateLayout::kVLast)
+    return launch_split_passes_of<StateLayout::kVLast, K, Op>(p, plan, begin, after_prep, stream);
+  launch_split_passes_of<StateLayout::kKLast, K, Op>(p, plan, begin, after_prep, stream);
+}
+template <StateLayout L, int K, class Op>
+void launch_cp_passes_of(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   if constexpr (K == 128)
-    if (plan.m_warpgroup) return launch_split_build<K, Op, true>(p, plan, begin, after_prep, stream);
-  launch_split_build<K, Op, false>(p, plan, begin, after_prep, stream);
+    if (plan.m_warpgroup) return launch_cp_build<L, K, Op, true>(p, plan, after_prep, stream);
+  launch_cp_build<L, K, Op, false>(p, plan, after_prep, stream);
 }
 template <int K, class Op>
 void launch_cp_passes(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
-  if constexpr (K == 128)
-    if (plan.m_warpgroup) return launch_cp_build<K, Op, true>(p, plan, after_prep, stream);
-  launch_cp_build<K, Op, false>(p, plan, after_prep, stream);
+  if (p.state.layout == StateLayout::kVLast)
+    return launch_cp_passes_of<StateLayout::kVLast, K, Op>(p, plan, after_prep, stream);
+  launch_cp_passes_of<StateLayout::kKLast, K, Op>(p, plan, after_prep, stream);
 }
 
 // The wgmma build where the plan says so (Plan::wgmma_pass: the CTA owns whole warpgroups and the TMA
 // coordinates fit), with the prep warpgroup where Plan::m_warpgroup says so, else the mma.sync build.
-template <int K, int V, class Op>
-void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
+template <StateLayout L, int K, int V, class Op>
+void launch_state_pass_head_of(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   if (plan.head_split == 2) {
     if constexpr (V / 2 % 64 == 0)
-      if (plan.wgmma_pass) return launch_state_pass_head<K, V, 2, Op, true>(p, plan, after_prep, stream);
-    launch_state_pass_head<K, V, 2, Op, false>(p, plan, after_prep, stream);
+      if (plan.wgmma_pass) return launch_state_pass_head<L, K, V, 2, Op, true>(p, plan, after_prep, stream);
+    launch_state_pass_head<L, K, V, 2, Op, false>(p, plan, after_prep, stream);
   } else {
     if constexpr (V == 128 && K % 64 == 0) {
-      if (plan.fused_prep) return launch_state_pass_head<K, V, 1, Op, true, true, 0, true>(p, plan, after_prep, stream);
+      if (plan.fused_prep)
+        return launch_state_pass_head<L, K, V, 1, Op, true, true, 0, true>(p, plan, after_prep, stream);
       if (plan.m_warpgroup && plan.pass_ticket != nullptr)
-        return launch_state_pass_head<K, V, 1, Op, true, true, 0, false, true>(p, plan, after_prep, stream);
-      if (plan.m_warpgroup) return launch_state_pass_head<K, V, 1, Op, true, true>(p, plan, after_prep, stream);
+        return launch_state_pass_head<L, K, V, 1, Op, true, true, 0, false, true>(p, plan, after_prep, stream);
+      if (plan.m_warpgroup) return launch_state_pass_head<L, K, V, 1, Op, true, true>(p, plan, after_prep, stream);
     }
-    if (plan.wgmma_pass) return launch_state_pass_head<K, V, 1, Op, true>(p, plan, after_prep, stream);
-    launch_state_pass_head<K, V, 1, Op, false>(p, plan, after_prep, stream);
+    if (plan.wgmma_pass) return launch_state_pass_head<L, K, V, 1, Op, true>(p, plan, after_prep, stream);
+    launch_state_pass_head<L, K, V, 1, Op, false>(p, plan, after_prep, stream);
   }
+}
+// ... by the states' layout: each build holds one layout's state I/O
+template <int K, int V, class Op>
+void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
+  if (p.state.layout == StateLayout::kVLast)
+    return launch_state_pass_head_of<StateLayout::kVLast, K, V, Op>(p, plan, after_prep, stream);
+  launch_state_pass_head_of<StateLayout::kKLast, K, V, Op>(p, plan, after_prep, stream);
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -102,9 +102,8 @@ void by_layout(const RecurrentParams& p, bool write_state, Stream stream) {
   switch (p.state.layout) {
     case StateLayout::kKLast:  // float8_e4m3 pools: all but decode (launch_fp8_decode)
       return by_state<OpLauncher<StateLayout::kKLast, kOp>, kOp != RecurrentOp::kDecode>(p, write_state, stream);
-    case StateLayout::kVLast:  // float8_e4m3 pools: verify and commit (decode: launch_vlast_fp8_decode)
-      return by_state<OpLauncher<StateLayout::kVLast, kOp>,
-                      kOp == RecurrentOp::kVerify || kOp == RecurrentOp::kRecompute>(p, write_state, stream);
+    case StateLayout::kVLast:  // float8_e4m3 pools: all but decode too (launch_vlast_fp8_decode)
+      return by_state<OpLauncher<StateLayout::kVLast, kOp>, kOp != RecurrentOp::kDecode>(p, write_state, stream);
     default: invalid("state: unknown layout " + std::to_string(int(p.state.layout)));
   }
 }

@@ -128,8 +128,7 @@ __global__ void __launch_bounds__(WarpTile<kLayout, TState, K, V, kWidth>::kCtaW
   constexpr bool kDecode = kOp == RecurrentOp::kDecode, kRecompute = kOp == RecurrentOp::kRecompute;
   constexpr bool kPrefill = kOp == RecurrentOp::kPrefill;
   constexpr bool kFp8State = std::is_same_v<TState, uint8_t>;
-  static_assert(!kFp8State || (!kDecode && (kLayout == StateLayout::kKLast || !kPrefill)),
-                "float8_e4m3 pools: verify, recompute and K-last prefill (decode: fp8_decode.cuh, vlast_decode.cuh)");
+  static_assert(!kFp8State || !kDecode, "float8_e4m3 pools: all but decode (fp8_decode.cuh, vlast_decode.cuh)");
   constexpr int kColBlocks = V / kRows;  // column blocks per head
   constexpr int kCtaWarps = Tile::kCtaWarps;
   __shared__ typename Tile::Stage stage;
