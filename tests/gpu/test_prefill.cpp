@@ -397,20 +397,25 @@ std::vector<Case> shape_cases() {
             add(c, "f8vlast_" + kind + std::to_string(split) + (aux >= 0 ? "_aux" + std::to_string(aux) : ""), vt,
                 split, aux);
         }
-  {
+  // A V-last float8_e4m3 pool's cases with checkpoints, on inputs of dtype `first` then `rest`: initial == final slot,
+  // sequences from zero and without a final slot, fp8 or 16-bit checkpoints beside an fp8 pool, fp8 beside a 16-bit one.
+  const auto add_fp8_vlast_cases = [&](DType first, DType rest, const std::string& name) {
     ProblemConfig c = base({200, 65, 0, 130, 3}, 2, 4);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;
-    c.in_dtype = DType::kFloat16, c.gate_mode = GateMode::kGiven, c.same_slot = true;
-    add(c, "f8vlast");
-    c.in_dtype = DType::kBFloat16, c.same_slot = false, c.zero_initial_rows = 2, c.no_final_rows = 1;
+    c.in_dtype = first, c.gate_mode = GateMode::kGiven, c.same_slot = true;
+    add(c, name);
+    c.in_dtype = rest, c.same_slot = false, c.zero_initial_rows = 2, c.no_final_rows = 1;
     c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
-    add(c, "f8vlast");
+    add(c, name);
     c.cache_dtype = DType::kBFloat16, c.checkpoint_steps = 2;
-    add(c, "f8vlast_fewsteps");
+    add(c, name + "_fewsteps");
     c.state_dtype = DType::kBFloat16, c.cache_dtype = DType::kFloat8E4M3, c.checkpoint_steps = 0;
     c.checkpoint_interval = 128;
-    add(c, "f8vlast");
-    c = base({0, 0}, 1, 2);
+    add(c, name);
+  };
+  add_fp8_vlast_cases(DType::kFloat16, DType::kBFloat16, "f8vlast");
+  {
+    ProblemConfig c = base({0, 0}, 1, 2);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.zero_initial_rows = 0;
     add(c, "f8vlast_notokens");
     c = base({20, 30}, 1, 2);
@@ -428,21 +433,10 @@ std::vector<Case> shape_cases() {
     if (V <= 128) c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
     add(c, "staged");
   }
+  add_fp8_vlast_cases(DType::kFloat32, DType::kFloat32, "staged");
   {
-    ProblemConfig c = base({200, 65, 0, 130, 3}, 2, 4);
-    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;
-    c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven, c.same_slot = true;
-    add(c, "staged");
-    c.same_slot = false, c.zero_initial_rows = 2, c.no_final_rows = 1;
-    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
-    add(c, "staged");
-    c.cache_dtype = DType::kBFloat16, c.checkpoint_steps = 2;
-    add(c, "staged_fewsteps");
-    c.state_dtype = DType::kBFloat16, c.cache_dtype = DType::kFloat8E4M3, c.checkpoint_steps = 0;
-    c.checkpoint_interval = 128;
-    add(c, "staged");
     // K-last float8_e4m3 off the passes' reach: fp32 inputs at K = 64, and V = 256 at K = 64
-    c = base({300, 64, 127, 0, 256}, 1, 2, 64, 64);
+    ProblemConfig c = base({300, 64, 127, 0, 256}, 1, 2, 64, 64);
     c.state_dtype = DType::kFloat8E4M3, c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
     c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3, c.slot_pad = 32;
     add(c, "staged");
