@@ -47,10 +47,11 @@ void require_cuda_states(const PrefillParams&) {}  // every dtype, both layouts
 void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
 void require_cuda_states(const SplitPrefillParams& sp) {
   const PrefillParams& p = sp.local;
-  // the ranks' scan stores K-last blocks (context_parallel.cuh)
-  if (!cuda::chunked_prefill::states_staged(p) && p.state.layout == StateLayout::kKLast) return;
+  // float8_e4m3 in place and K-last only: the ranks' scan stores K-last blocks (context_parallel.cuh)
+  const StateLayout layout = cuda::chunked_prefill::states_layout(p);
+  if (!cuda::chunked_prefill::states_staged(p) && layout == StateLayout::kKLast) return;
   const auto got = [&] {
-    if (p.state.layout != StateLayout::kKLast) return std::string(", got V-last");
+    if (layout != StateLayout::kKLast) return std::string(", got V-last");
     return ", got K-last with " + std::string(dtype_name(p.q.dtype)) + " inputs, K = " +
            std::to_string(p.heads.head_dim_k) + ", V = " + std::to_string(p.heads.head_dim_v) +
            " (the head state pass takes bf16 or fp16 inputs, K <= 128, V in {64, 128}; the tiled pass K >= 128)";

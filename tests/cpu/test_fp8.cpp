@@ -496,6 +496,9 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideItsKernels) {
   pf.state = pool32.twin_pool(StateLayout::kVLast);
   pf.checkpoints = ckpt.cache(StateLayout::kVLast);
   EXPECT_EQ(error_of([&] { split_prefill_begin(sp, cuda); }, ErrorCode::kNotImplemented), "checkpoints" + tail + vlast);
+  // without a pool the checkpoints' layout is the call's
+  pf.state = StatePool{}, pf.final_indices = nullptr;
+  EXPECT_EQ(error_of([&] { split_prefill_begin(sp, cuda); }, ErrorCode::kNotImplemented), "checkpoints" + tail + vlast);
   EXPECT_TRUE(pool.untouched(pool0, 0) && pool.untouched(pool0, 1));
   for (float x : tok.o) EXPECT_TRUE(std::isnan(x)) << "o written";
 }

@@ -750,6 +750,21 @@ TEST(PrefillHeuristics, Fp8PoolsOnTheHeadOrTiledPass) {
                               "K >= 128 only, not by value tile " + std::to_string(vtile));
   head.p.state.layout = StateLayout::kVLast;
   EXPECT_TRUE(chunked_prefill::is_head_tile(chunked_prefill::choose_prefill(head.p, kSms, {}).vtile));
+  // without a pool the checkpoints' layout rules: V-last ones on a forced tiled pass are refused, K-last ones taken
+  head.p.state.data = nullptr, head.p.state.layout = StateLayout::kKLast;
+  head.p.checkpoints.layout = StateLayout::kVLast;
+  Overrides tile64;
+  tile64.prefill_vtile = 64;
+  try {
+    (void)chunked_prefill::choose_prefill(head.p, kSms, tile64);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "checkpoints: float8_e4m3 checkpoints are stored by the head state pass or, K-last, at K >= 128 only, "
+              "not by value tile 64");
+  }
+  head.p.checkpoints.layout = StateLayout::kKLast;
+  EXPECT_EQ(chunked_prefill::choose_prefill(head.p, kSms, tile64).vtile, 64);
 }
 
 // Where no pass takes a float8_e4m3 pool or checkpoint buffer in place (off the head pass: V-last, or K-last at K = 64)
@@ -804,6 +819,19 @@ TEST(PrefillHeuristics, Fp8StatesStagedWhereNoPassTakesThemInPlace) {
       k64.p.state.dtype = DType::kFloat8E4M3;
       EXPECT_EQ(states_staged(k64.p), input == DType::kFloat32 || V == 256) << dtype_name(input) << " V " << V;
     }
+  // K-last rows off the head pass's 16-byte loads: staged at K = 64, the tiled pass's at K = 128
+  PrefillCall rows({8192});
+  rows.p.state.dtype = DType::kFloat8E4M3;
+  rows.p.v.token_stride += 4;
+  EXPECT_FALSE(states_staged(rows.p));
+  rows.p.heads.head_dim_k = 64;
+  EXPECT_TRUE(states_staged(rows.p));
+  // without a pool, the checkpoints' layout: V-last float8_e4m3 checkpoints on the tiled pass are staged
+  call.p.state.data = nullptr, call.p.state.layout = StateLayout::kKLast;
+  EXPECT_EQ(chunked_prefill::states_layout(call.p), StateLayout::kVLast);
+  EXPECT_TRUE(states_staged(call.p));
+  call.p.checkpoints.layout = StateLayout::kKLast;
+  EXPECT_FALSE(states_staged(call.p));
 }
 
 // The head pass copies a pool's head slices in bulk where they are 16-byte aligned (base, slot stride and, for

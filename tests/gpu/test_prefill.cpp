@@ -397,8 +397,9 @@ std::vector<Case> shape_cases() {
             add(c, "f8vlast_" + kind + std::to_string(split) + (aux >= 0 ? "_aux" + std::to_string(aux) : ""), vt,
                 split, aux);
         }
-  // A V-last float8_e4m3 pool's cases with checkpoints, on inputs of dtype `first` then `rest`: initial == final slot,
-  // sequences from zero and without a final slot, fp8 or 16-bit checkpoints beside an fp8 pool, fp8 beside a 16-bit one.
+  // A V-last float8_e4m3 pool's cases with checkpoints, on inputs of dtype `first` then `rest`: initial == final
+  // slot, sequences from zero and without a final slot, fp8 or 16-bit checkpoints beside an fp8 pool, fp8 beside a
+  // 16-bit one.
   const auto add_fp8_vlast_cases = [&](DType first, DType rest, const std::string& name) {
     ProblemConfig c = base({200, 65, 0, 130, 3}, 2, 4);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;

@@ -72,8 +72,8 @@ constexpr int kVLastPairBarrier = 10;
 // warpgroup forms the chunk prep but M, which the state warpgroups form (Plan::fused_prep); kPersistent one CTA per SM
 // taking (sequence, value head) items in turn (Plan::pass_ticket; state_pass_head.cuh head_pass_persistent_cta);
 // kLayout the layout of the pool, the checkpoints and the context-parallel states (head_state_io.cuh).
-template <int K_, int V_, int kSplit_, class Op_, bool kWgmma_, bool kMWarpgroup_, int kCpMode_ = 0,
-          bool kFusedPrep_ = false, bool kPersistent_ = false, StateLayout kLayout_ = StateLayout::kKLast>
+template <int K_, int V_, int kSplit_, class Op_, bool kWgmma_, bool kMWarpgroup_, int kCpMode_, bool kFusedPrep_,
+          bool kPersistent_, StateLayout kLayout_>
 struct HeadPass {
   static constexpr int K = K_, V = V_, kSplit = kSplit_, kCpMode = kCpMode_;
   static constexpr StateLayout kLayout = kLayout_;

@@ -20,24 +20,23 @@ namespace gdnkit::cuda::chunked_prefill {
 
 // Element offset in a state slot of this thread's s[j][e] = S[k][v], k = 8j + q2 + (e & 1), v = vw + r + 8 (e >> 1).
 template <class S>
-__device__ __forceinline__ int64_t head_state_offset(const PrefillParams& p, const HeadCoords& at, int j, int e) {
+__device__ __forceinline__ int64_t head_state_offset(const HeadCoords& at, int j, int e) {
   return state_offset(S::kLayout, at.h, 8 * j + at.q2 + (e & 1), at.vw + at.r + 8 * (e >> 1), S::K, S::V);
 }
 
 // S to the slot at `offset` of a state buffer (the pool or the checkpoints) of dtype dt.
 template <class S>
-__device__ __forceinline__ void store_head_state(const float (&s)[S::KT][4], const PrefillParams& p,
-                                                 const HeadCoords& at, void* base, DType dt, int64_t offset,
-                                                 bool pairs) {
+__device__ __forceinline__ void store_head_state(const float (&s)[S::KT][4], const HeadCoords& at, void* base,
+                                                 DType dt, int64_t offset, bool pairs) {
 #pragma unroll
   for (int j = 0; j < S::KT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
       if (pairs) {
-        store_state_pair(base, dt, offset + head_state_offset<S>(p, at, j, e), s[j][e], s[j][e + 1]);
+        store_state_pair(base, dt, offset + head_state_offset<S>(at, j, e), s[j][e], s[j][e + 1]);
       } else {
-        store_state_elem(base, dt, offset + head_state_offset<S>(p, at, j, e), s[j][e]);
-        store_state_elem(base, dt, offset + head_state_offset<S>(p, at, j, e + 1), s[j][e + 1]);
+        store_state_elem(base, dt, offset + head_state_offset<S>(at, j, e), s[j][e]);
+        store_state_elem(base, dt, offset + head_state_offset<S>(at, j, e + 1), s[j][e + 1]);
       }
     }
 }
@@ -83,7 +82,8 @@ __device__ __forceinline__ void load_head_state_e4m3(float (&s)[S::KT][4], const
   for (int hh = 0; hh < 2; ++hh) {
     const int v = at.vw + at.r + 8 * hh;
 #pragma unroll
-    for (int j = 0; j < S::KT; ++j) raw[j][hh] = *reinterpret_cast<const uint16_t*>(head + int64_t(v) * K + 8 * j + at.q2);
+    for (int j = 0; j < S::KT; ++j)
+      raw[j][hh] = *reinterpret_cast<const uint16_t*>(head + int64_t(v) * K + 8 * j + at.q2);
 #pragma unroll
     for (int b = 0; b < kBlocks; ++b) sbyte[b][hh] = scales[v * kBlocks + b];
   }
@@ -329,12 +329,13 @@ __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4]
     store_head_e4m3<S>(s, at, static_cast<uint8_t*>(p.checkpoints.data) + entry + int64_t(at.h) * S::K * S::V,
                        head_checkpoint_scales<S>(p, sq, at.HV, j) + int64_t(at.h) * (S::K * S::V / kFp8Block));
   } else {
-    store_head_state<S>(s, p, at, p.checkpoints.data, p.checkpoints.dtype, entry, plan.checkpoint_pairs);
+    store_head_state<S>(s, at, p.checkpoints.data, p.checkpoints.dtype, entry, plan.checkpoint_pairs);
   }
 }
 
-// The wgmma build: S of head at.h to the state at element offset `offset` of `base` (dtype dt; float8_e4m3: the slot's block scales at `scales`) by bulk copies through the k and q rows of stage b, the chunk's
-// that every state thread has just finished (the builds issue its next loads only after the copies read it: beside a
+// The wgmma build: S of head at.h to the state at element offset `offset` of `base` (dtype dt; float8_e4m3: the slot's
+// block scales at `scales`) by bulk copies through the k and q rows of stage b, the chunk's that every state thread has
+// just finished (the builds issue its next loads only after the copies read it: beside a
 // producer the caller releases the stage after this). The state warpgroups meet first. K-last: two take the k rows
 // (warpgroup 0) and the q rows (1), in rounds; one takes both. V-last (a CTA's columns are the head's): the rows of
 // the head through both.
@@ -378,9 +379,9 @@ __device__ __forceinline__ void load_head_state_regs(float (&s)[S::KT][4], const
                                                      const HeadCoords& at, const SeqSlots& sq) {
   constexpr int K = S::K, V = S::V;
   if (sq.islot >= 0 && p.state.dtype == DType::kFloat8E4M3) {
-    load_head_e4m3<S>(
-        s, at, static_cast<const uint8_t*>(p.state.data) + int64_t(sq.islot) * p.state.slot_stride + int64_t(at.h) * K * V,
-        p.state.scales + (int64_t(sq.islot) * at.HV + at.h) * (K * V / kFp8Block));
+    const uint8_t* const slot = static_cast<const uint8_t*>(p.state.data) + int64_t(sq.islot) * p.state.slot_stride;
+    load_head_e4m3<S>(s, at, slot + int64_t(at.h) * K * V,
+                      p.state.scales + (int64_t(sq.islot) * at.HV + at.h) * (K * V / kFp8Block));
     return;
   }
   const int64_t base = int64_t(sq.islot) * p.state.slot_stride;
@@ -390,10 +391,10 @@ __device__ __forceinline__ void load_head_state_regs(float (&s)[S::KT][4], const
     for (int e = 0; e < 4; e += 2) {
       float2 x = make_float2(0.0f, 0.0f);
       if (sq.islot >= 0 && plan.state_pairs) {
-        x = load_state_pair(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e));
+        x = load_state_pair(p.state.data, p.state.dtype, base + head_state_offset<S>(at, j, e));
       } else if (sq.islot >= 0) {
-        x.x = load_state_elem(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e));
-        x.y = load_state_elem(p.state.data, p.state.dtype, base + head_state_offset<S>(p, at, j, e + 1));
+        x.x = load_state_elem(p.state.data, p.state.dtype, base + head_state_offset<S>(at, j, e));
+        x.y = load_state_elem(p.state.data, p.state.dtype, base + head_state_offset<S>(at, j, e + 1));
       }
       s[j][e] = x.x;
       s[j][e + 1] = x.y;
@@ -410,7 +411,7 @@ __device__ __forceinline__ void store_head_state_regs(const float (&s)[S::KT][4]
     store_head_e4m3<S>(s, at, static_cast<uint8_t*>(p.state.data) + offset + head,
                        p.state.scales + int64_t(fslot) * at.HV * (K * V / kFp8Block) + head / kFp8Block);
   else
-    store_head_state<S>(s, p, at, p.state.data, p.state.dtype, offset, plan.state_pairs);
+    store_head_state<S>(s, at, p.state.data, p.state.dtype, offset, plan.state_pairs);
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

@@ -88,23 +88,21 @@ bool short_path_supported(const PrefillParams& p) {
          slot_bytes % 16 == 0 && p.num_seqs > 0 && p.num_seqs <= kMaxGridY && p.heads.num_v_heads > 0;
 }
 
+StateLayout states_layout(const PrefillParams& p) {
+  return p.state.data != nullptr ? p.state.layout : p.checkpoints.layout;
+}
+
 bool fp8_states_in_place(const PrefillParams& p) {
-  // V-last: the head pass's warp pairs hold whole 32-column blocks (head_state_io.cuh store_head_state_vlast_e4m3)
-  if (p.state.layout == StateLayout::kVLast) return head_pass_ok(p);
-  const int K = p.heads.head_dim_k, V = p.heads.head_dim_v;
-  const bool head_pass = (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) && K <= 128 &&
-                         (V == 64 || V == 128);
-  return p.state.layout == StateLayout::kKLast && (head_pass || K >= 128);
+  // the head pass's fragments hold whole 32-element blocks, a thread's (K-last) or a warp pair's (V-last:
+  // head_state_io.cuh store_head_state_vlast_e4m3); K-last, the tiled pass's warps hold whole blocks at K >= 128
+  return head_pass_ok(p) || (states_layout(p) == StateLayout::kKLast && p.heads.head_dim_k >= 128);
 }
 
 bool states_staged(const PrefillParams& p) {
   const bool pool = p.state.data != nullptr && p.state.dtype == DType::kFloat8E4M3;
   const bool checkpoints = p.checkpoint_interval > 0 && p.checkpoints.data != nullptr &&
                            p.checkpoints.dtype == DType::kFloat8E4M3;
-  // without a pool the checkpoints' layout is the call's (validate.cpp)
-  PrefillParams at = p;
-  if (p.state.data == nullptr) at.state.layout = p.checkpoints.layout;
-  return (pool || checkpoints) && !fp8_states_in_place(at);
+  return (pool || checkpoints) && !fp8_states_in_place(p);
 }
 
 PrefillParams staged_shape(const PrefillParams& p) {
@@ -408,14 +406,16 @@ PrefillChoice choose_prefill(const PrefillParams& p, int num_sms, const Override
                                                  ", V=" + std::to_string(V));
   // float8_e4m3 pools and checkpoints: the head pass (head_state_io.cuh) or, K-last, the tiled pass at K >= 128, whose
   // warps hold whole 32-row scale blocks (state_pass_tiled.cuh); fp8_states_in_place admits no other.
-  const bool fp8_pass = is_head_tile(c.vtile) || (K >= 128 && p.state.layout == StateLayout::kKLast);
+  const bool fp8_pass = is_head_tile(c.vtile) || (K >= 128 && states_layout(p) == StateLayout::kKLast);
   if (p.checkpoint_interval > 0 && p.checkpoints.data != nullptr && p.checkpoints.dtype == DType::kFloat8E4M3 &&
       !fp8_pass)
-    throw Error(ErrorCode::kNotImplemented, "checkpoints: float8_e4m3 checkpoints are stored by the head state pass "
-                                            "or, K-last, at K >= 128 only, not by value tile " + std::to_string(c.vtile));
-  if (p.state.dtype == DType::kFloat8E4M3 && !fp8_pass)
-    throw Error(ErrorCode::kNotImplemented, "state: float8_e4m3 pools are read and written by the head state pass "
-                                            "or, K-last, at K >= 128 only, not by value tile " + std::to_string(c.vtile));
+    throw Error(ErrorCode::kNotImplemented,
+                "checkpoints: float8_e4m3 checkpoints are stored by the head state pass or, K-last, at K >= 128 only, "
+                "not by value tile " + std::to_string(c.vtile));
+  if (p.state.data != nullptr && p.state.dtype == DType::kFloat8E4M3 && !fp8_pass)
+    throw Error(ErrorCode::kNotImplemented,
+                "state: float8_e4m3 pools are read and written by the head state pass or, K-last, at K >= 128 only, "
+                "not by value tile " + std::to_string(c.vtile));
   c.wgmma_pass = c.vtile == kVTileHead && K <= 128 && (V / c.head_split) % 64 == 0 && head_tensor_maps_ok(p);
   const bool m_warpgroup_possible = c.wgmma_pass && c.head_split == 1 && V == 128 && K % 64 == 0;
   if (m_warpgroup_possible) c.m_warpgroup = m_warpgroup_wanted(o);

@@ -163,11 +163,14 @@ bool checkpoint_bulk_copies(const PrefillParams& p, int head_split);
 // The short-sequence path is built for this call: the head pass's conditions, K = V in {64, 128}, 16-byte
 // aligned state slots, and a grid of N rows.
 bool short_path_supported(const PrefillParams& p);
-// float8_e4m3 states the passes read and write in place: K-last, on the head pass (16-bit inputs, K <= 128, V in {64,
-// 128}) or the tiled pass (K >= 128).
+// The layout the passes lay the call's states out in: the pool's, or without a pool the checkpoints'
+// (api/validate.cpp).
+StateLayout states_layout(const PrefillParams& p);
+// float8_e4m3 states the passes read and write in place: on the head pass (head_pass_ok) in either layout, or K-last on
+// the tiled pass at K >= 128.
 bool fp8_states_in_place(const PrefillParams& p);
 // The call runs on K-last fp32 copies of its states (staged_states.cu): a float8_e4m3 pool or checkpoint buffer that
-// fp8_states_in_place does not take (V-last, or K-last past the passes' reach).
+// fp8_states_in_place does not take (off the head pass: V-last, or K-last at K = 64).
 bool states_staged(const PrefillParams& p);
 // The call the passes run in its place: the pool N slots of K-last fp32 (slot n sequence n's), the checkpoints one
 // entry every C tokens of the batch (sequence n's entry j at floor(cu_seqlens[n] / C) + j: T_total / C + 1 of them);

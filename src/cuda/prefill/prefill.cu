@@ -174,8 +174,8 @@ Plan make_plan(PrefillParams& p, const PrefillChoice& choice) {
   plan.o_pair = aligned(p.o.data, size_t(2 * oes)) && p.o.token_stride % 2 == 0 && p.o.head_stride % 2 == 0;
   // Without checkpoint indices no checkpoint is stored: interval 0 tells the kernel so.
   if (p.checkpoint_indices == nullptr || p.checkpoints.data == nullptr) p.checkpoint_interval = 0;
-  // Without a pool the checkpoints' layout is the call's (api/validate.cpp), which the kernels read from the pool's.
-  if (p.state.data == nullptr && p.checkpoints.data != nullptr) p.state.layout = p.checkpoints.layout;
+  // The kernels read the states' layout from the pool's (states_layout: the checkpoints' without a pool).
+  p.state.layout = states_layout(p);
   // Pairs (k, k+1) of a K-last state are adjacent; every offset the kernels form is even when the
   // slot stride is (heads and value rows are K elements apart, K even).
   const bool klast = p.state.layout == StateLayout::kKLast;

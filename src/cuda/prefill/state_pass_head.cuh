@@ -257,7 +257,7 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
 #pragma unroll
     for (int j = 0; j < S::KT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = plan.cp_initial[cp_offset + head_state_offset<S>(p, at, j, e)];
+      for (int e = 0; e < 4; ++e) s[j][e] = plan.cp_initial[cp_offset + head_state_offset<S>(at, j, e)];
   } else if (bulk_in) {
     mbarrier_wait(&prep_bars[S::kStateIn], 0);
     load_head_state_slice<S>(s, at, &stage[kStages - 1], p.state.dtype);
@@ -273,8 +273,9 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
     clock = head_checkpoint_clock(p, plan, sq, kCpMode == 2 ? seg.first_chunk : 0, kCpMode == 2 ? seg.seq : -1);
   // Checkpoints by bulk copies (Plan::checkpoint_bulk) in the wgmma builds of one state warpgroup or beside a prep
   // warpgroup; the other two-warpgroup build (only by the override) keeps per-thread stores: ptxas spills its loop
-  // with the bulk path.
-  constexpr bool kCheckpointBulk = kWgmma && (kMWarpgroup || S::kWarps == 4);
+  // with the bulk path. V-last rows are whole only where the CTA holds every column.
+  constexpr bool kCheckpointBulk =
+      kWgmma && (kMWarpgroup || S::kWarps == 4) && (S::kLayout == StateLayout::kKLast || S::kCols == V);
   const HeadLoader<S> loader(p, plan, maps, at, start, len, slot0, bars, !transition);
   // beside the fused prep, M's norms are the producer's (FusedPrepSmem: rk of every stage, then rq)
   float* const m_norms = kFusedPrep ? reinterpret_cast<FusedPrepSmem*>(stage + kStages)->rk[0] : s_rq;
@@ -335,7 +336,8 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
     const int64_t head = int64_t(at.h) * K * V;
     if constexpr (kWgmma) {
       if constexpr (layout == StateLayout::kVLast) {
-        if (bulk) return store_head_state_through<S>(s, at, stage[0], base, scales, dt, offset);
+        if constexpr (S::kCols == V)
+          if (bulk) return store_head_state_through<S>(s, at, stage[0], base, scales, dt, offset);
       } else if (bulk) {
         const int wg = at.tid / kThreads;
         const int64_t first = head + int64_t(at.v0 + 64 * wg) * K;
@@ -356,7 +358,7 @@ __device__ __forceinline__ void head_pass_cta(const PrefillParams& p, const Plan
     if (dt == DType::kFloat8E4M3)
       store_head_e4m3<S>(s, at, static_cast<uint8_t*>(base) + offset + head, scales + head / kFp8Block);
     else
-      store_head_state<S>(s, p, at, base, dt, offset, pairs);
+      store_head_state<S>(s, at, base, dt, offset, pairs);
   };
   constexpr bool klast = layout == StateLayout::kKLast;
   if constexpr (kCpMode == 1 || kFirstFinal) {  // the segment's local state or transition, fp32, for the scan
@@ -524,7 +526,9 @@ template <StateLayout L, int K, int V, int kSplit, class Op, bool kWgmma, bool k
           bool kFusedPrep = false, bool kPersistent = false>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
   constexpr size_t smem = head_smem_bytes<K, V / kSplit, Op, kWgmma, kMWarpgroup, kFusedPrep>();
-  const auto kernel = state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent, L>;
+  using S = HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent, L>;
+  const auto kernel =
+      state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent, L>;
   allow_dynamic_smem<
       state_pass_head_kernel<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent, L>>(smem);
   const HeadTensorMaps maps = kWgmma ? make_head_tensor_maps(p, plan) : HeadTensorMaps{};
@@ -534,7 +538,7 @@ void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after
                                        : unsigned(p.num_seqs);
   const unsigned items = rows * unsigned(p.heads.num_v_heads) * kSplit;
   cfg.gridDim = dim3(kPersistent ? unsigned(plan.pass_ctas) : items, kCpMode == 1 ? 2 : 1);
-  cfg.blockDim = dim3(HeadPass<K, V, kSplit, Op, kWgmma, kMWarpgroup, kCpMode, kFusedPrep, kPersistent>::kCtaThreads);
+  cfg.blockDim = dim3(S::kCtaThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute pdl;
@@ -563,30 +567,29 @@ void launch_split_build(const PrefillParams& p, const Plan& plan, bool begin, bo
     if (tokens) launch_state_pass_head<L, K, K, 1, Op, true, kMWarpgroup, 2>(p, plan, false, stream);
   }
 }
-template <StateLayout L, int K, class Op>
-void launch_split_passes_of(const PrefillParams& p, const Plan& plan, bool begin, bool after_prep,
-                            cudaStream_t stream) {
-  if constexpr (K == 128)
-    if (plan.m_warpgroup) return launch_split_build<L, K, Op, true>(p, plan, begin, after_prep, stream);
-  launch_split_build<L, K, Op, false>(p, plan, begin, after_prep, stream);
+// f(std::integral_constant<StateLayout, L>()) for the states' layout L: each build holds one layout's state I/O.
+template <class F>
+void with_states_layout(const PrefillParams& p, F&& f) {
+  if (p.state.layout == StateLayout::kVLast) return f(std::integral_constant<StateLayout, StateLayout::kVLast>());
+  f(std::integral_constant<StateLayout, StateLayout::kKLast>());
 }
 template <int K, class Op>
 void launch_split_passes(const PrefillParams& p, const Plan& plan, bool begin, bool after_prep, cudaStream_t stream) {
-  if (p.state.layout == StateLayout::kVLast)
-    return launch_split_passes_of<StateLayout::kVLast, K, Op>(p, plan, begin, after_prep, stream);
-  launch_split_passes_of<StateLayout::kKLast, K, Op>(p, plan, begin, after_prep, stream);
-}
-template <StateLayout L, int K, class Op>
-void launch_cp_passes_of(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
-  if constexpr (K == 128)
-    if (plan.m_warpgroup) return launch_cp_build<L, K, Op, true>(p, plan, after_prep, stream);
-  launch_cp_build<L, K, Op, false>(p, plan, after_prep, stream);
+  with_states_layout(p, [&](auto layout) {
+    constexpr StateLayout L = decltype(layout)::value;
+    if constexpr (K == 128)
+      if (plan.m_warpgroup) return launch_split_build<L, K, Op, true>(p, plan, begin, after_prep, stream);
+    launch_split_build<L, K, Op, false>(p, plan, begin, after_prep, stream);
+  });
 }
 template <int K, class Op>
 void launch_cp_passes(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
-  if (p.state.layout == StateLayout::kVLast)
-    return launch_cp_passes_of<StateLayout::kVLast, K, Op>(p, plan, after_prep, stream);
-  launch_cp_passes_of<StateLayout::kKLast, K, Op>(p, plan, after_prep, stream);
+  with_states_layout(p, [&](auto layout) {
+    constexpr StateLayout L = decltype(layout)::value;
+    if constexpr (K == 128)
+      if (plan.m_warpgroup) return launch_cp_build<L, K, Op, true>(p, plan, after_prep, stream);
+    launch_cp_build<L, K, Op, false>(p, plan, after_prep, stream);
+  });
 }
 
 // The wgmma build where the plan says so (Plan::wgmma_pass: the CTA owns whole warpgroups and the TMA
@@ -609,12 +612,11 @@ void launch_state_pass_head_of(const PrefillParams& p, const Plan& plan, bool af
     launch_state_pass_head<L, K, V, 1, Op, false>(p, plan, after_prep, stream);
   }
 }
-// ... by the states' layout: each build holds one layout's state I/O
 template <int K, int V, class Op>
 void launch_state_pass_head(const PrefillParams& p, const Plan& plan, bool after_prep, cudaStream_t stream) {
-  if (p.state.layout == StateLayout::kVLast)
-    return launch_state_pass_head_of<StateLayout::kVLast, K, V, Op>(p, plan, after_prep, stream);
-  launch_state_pass_head_of<StateLayout::kKLast, K, V, Op>(p, plan, after_prep, stream);
+  with_states_layout(p, [&](auto layout) {
+    launch_state_pass_head_of<decltype(layout)::value, K, V, Op>(p, plan, after_prep, stream);
+  });
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

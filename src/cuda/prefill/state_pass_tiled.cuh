@@ -149,10 +149,10 @@ struct TiledStatePass {
           store_state_elem(base, dt, offset + state_offset(p.state.layout, h, k, v, K, V), s[mt][nt][e]);
         }
   }
-  // float8_e4m3 K-last entries (docs/semantics.md "float8_e4m3 states"; api/dispatch.cpp takes them here for K >= 128):
-  // a warp's K / 4 rows are whole 32-row blocks, block bb its tiles mt = 2 bb, 2 bb + 1 over the 8 lanes r of one q2,
-  // so a block's amax is a thread's four values of one column and three shuffles; a thread's rows k and k + 8 of a
-  // tile share the block. S to the entry at element `offset` of base, its block scales at `scales` (its first block).
+  // float8_e4m3 K-last entries (docs/semantics.md "float8_e4m3 states"; heuristics.cpp fp8_states_in_place takes
+  // them here for K >= 128): a warp's K / 4 rows are whole 32-row blocks, block bb its tiles mt = 2 bb, 2 bb + 1 over
+  // the 8 lanes r of one q2, so a block's amax is a thread's four values of one column and three shuffles; a thread's
+  // rows k and k + 8 of a tile share the block. S to the entry at element `offset` of base, its block scales at `scales` (its first block).
   __device__ __forceinline__ void store_state_e4m3(const float (&s)[MT][NT][4], uint8_t* base, uint8_t* scales,
                                                    int64_t offset) const {
     static_assert(K >= 128 && MT % 2 == 0, "whole blocks a warp");
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(kThreads) state_pass_kernel(const PrefillParam
   float s[MT][NT][4];
   const int64_t ibase = int64_t(islot) * p.state.slot_stride;
   const Pass pass{p, plan, sm, HV, V, h, hk, v0, tid, warp, lane, r, q2, krow0, start, len};
-  // float8_e4m3 pools and checkpoints: K-last, K >= 128 (api/dispatch.cpp)
+  // float8_e4m3 pools and checkpoints: K-last, K >= 128 (heuristics.cpp fp8_states_in_place)
   constexpr bool kFp8Built = K >= 128;
   const int64_t slot_blocks = int64_t(HV) * K * V / kFp8Block;
   if (kFp8Built && islot >= 0 && p.state.dtype == DType::kFloat8E4M3) {
