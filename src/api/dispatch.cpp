@@ -54,7 +54,8 @@ void require_cuda_states(const SplitPrefillParams& sp) {
     if (layout != StateLayout::kKLast) return std::string(", got V-last");
     return ", got K-last with " + std::string(dtype_name(p.q.dtype)) + " inputs, K = " +
            std::to_string(p.heads.head_dim_k) + ", V = " + std::to_string(p.heads.head_dim_v) +
-           " (the head state pass takes bf16 or fp16 inputs, K <= 128, V in {64, 128}; the tiled pass K >= 128)";
+           " (the head state pass takes bf16 or fp16 inputs in 16-byte aligned rows, K <= 128, V in {64, 128}; the tiled "
+           "pass K >= 128)";
   };
   refuse_cuda_fp8("state", p.state.data, p.state.dtype, got);
   if (p.checkpoint_interval > 0) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, got);

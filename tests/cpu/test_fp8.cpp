@@ -475,8 +475,8 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideItsKernels) {
   pf.final_indices = fin.data();
   sp.exchange = exchange.data();
   const std::string klast =
-      ", got K-last with float32 inputs, K = 64, V = 64 (the head state pass takes bf16 or fp16 inputs, K <= 128, V in "
-      "{64, 128}; the tiled pass K >= 128) (the CPU backend runs every op)";
+      ", got K-last with float32 inputs, K = 64, V = 64 (the head state pass takes bf16 or fp16 inputs in 16-byte aligned "
+      "rows, K <= 128, V in {64, 128}; the tiled pass K >= 128) (the CPU backend runs every op)";
   const std::string vlast = ", got V-last (the CPU backend runs every op)";
   // prefill takes them (on staged copies: its path is the staged call's)
   EXPECT_EQ(prefill_path(pf).context_parallel_segment, 0);
