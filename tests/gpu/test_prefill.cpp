@@ -497,6 +497,8 @@ std::vector<Case> shape_cases() {
     c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
     c.slot_pad = 32;
     persistent(c, "f8", 2);
+    c.layout = StateLayout::kVLast;
+    persistent(c, "f8vlast", 2);
     c = base({130, 64, 1, 0, 257, 40}, 1, 4);
     c.layout = StateLayout::kVLast, c.zero_initial_rows = 2;
     persistent(c, "vlast", 2);
