@@ -444,15 +444,6 @@ std::vector<Case> shape_cases() {
     c = base({200, 65, 0, 130}, 1, 2, 64, 256);
     c.state_dtype = DType::kFloat8E4M3, c.same_slot = true;
     add(c, "staged");
-    // 8-byte token rows, off the head pass's 16-byte loads: K-last staged at K = 64, V-last staged at K = 128
-    c = base({300, 64, 127, 0, 256}, 1, 2, 64, 64);
-    c.state_dtype = DType::kFloat8E4M3, c.token_pad = 4;
-    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
-    add(c, "staged_rows8");
-    c = base({300, 64, 127, 0, 256}, 1, 2);
-    c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.token_pad = 4;
-    c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
-    add(c, "staged_rows8");
     // V-last K = V = 256 (the tiled pass on the copies), and a call of no tokens
     c = base({130, 64, 0, 3}, 1, 2, 256, 256);
     c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3, c.checkpoint_interval = 64;
