@@ -335,10 +335,9 @@ __device__ __forceinline__ void store_head_checkpoint(const float (&s)[S::KT][4]
 
 // The wgmma build: S of head at.h to the state at element offset `offset` of `base` (dtype dt; float8_e4m3: the slot's
 // block scales at `scales`) by bulk copies through the k and q rows of stage b, the chunk's that every state thread has
-// just finished (the builds issue its next loads only after the copies read it: beside a
-// producer the caller releases the stage after this). The state warpgroups meet first. K-last: two take the k rows
-// (warpgroup 0) and the q rows (1), in rounds; one takes both. V-last (a CTA's columns are the head's): the rows of
-// the head through both.
+// just finished (the builds issue its next loads only after the copies read it: beside a producer the caller releases
+// the stage after this). The state warpgroups meet first. K-last: two take the k rows (warpgroup 0) and the q rows
+// (1), in rounds; one takes both. V-last (a CTA's columns are the head's): the rows of the head through both.
 template <class S>
 __device__ __forceinline__ void store_head_state_through(const float (&s)[S::KT][4], const HeadCoords& at,
                                                          typename S::Stage& b, void* base, uint8_t* scales, DType dt,
