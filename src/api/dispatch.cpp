@@ -23,11 +23,11 @@ void require_cuda() {
 // The CUDA kernels take float32, bfloat16 and float16 states everywhere; float8_e4m3 pools, intermediate caches and
 // checkpoints in decode (V-last pools: K in {64, 128}, V in {128, 256}: vlast_decode.cuh), verify, commit, prefill
 // (in place where the passes take them, else on K-last fp32 copies: prefill/staged_states.h) and layout conversion,
-// and in a split prefill the pools and checkpoints prefill takes in place (K-last; the head state pass with bf16 or
-// fp16 inputs, K <= 128, V in {64, 128}, or the tiled pass at K >= 128); the CPU backend runs every op on them.
+// and in a split prefill the pools and checkpoints prefill takes in place (the head state pass with bf16 or fp16
+// inputs, K <= 128, V in {64, 128}, or K-last the tiled pass at K >= 128); the CPU backend runs every op on them.
 constexpr const char* kFp8Cuda =
     ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode (V-last pools with K in "
-    "{64, 128} and V in {128, 256}), verify, commit and prefill, and in split prefill K-last ones";
+    "{64, 128} and V in {128, 256}), verify, commit and prefill, and in split prefill those prefill takes in place";
 // Refuses a float8_e4m3 buffer where no CUDA kernel takes it; got() (what the call has) is formed only then, so that
 // the calls that pass build no message.
 template <class Got>
@@ -47,11 +47,13 @@ void require_cuda_states(const PrefillParams&) {}  // every dtype, both layouts
 void require_cuda_states(const LayoutParams&) {}  // every dtype, float8_e4m3 both ways
 void require_cuda_states(const SplitPrefillParams& sp) {
   const PrefillParams& p = sp.local;
-  // float8_e4m3 in place and K-last only: the ranks' scan stores K-last blocks (context_parallel.cuh)
-  const StateLayout layout = cuda::chunked_prefill::states_layout(p);
-  if (!cuda::chunked_prefill::states_staged(p) && layout == StateLayout::kKLast) return;
+  // the ranks run the context-parallel passes on the call's own buffers: no staged copies
+  if (!cuda::chunked_prefill::states_staged(p)) return;
   const auto got = [&] {
-    if (layout != StateLayout::kKLast) return std::string(", got V-last");
+    if (cuda::chunked_prefill::states_layout(p) != StateLayout::kKLast)
+      return ", got V-last with " + std::string(dtype_name(p.q.dtype)) + " inputs, K = " +
+             std::to_string(p.heads.head_dim_k) + ", V = " + std::to_string(p.heads.head_dim_v) +
+             " (the head state pass takes bf16 or fp16 inputs in 16-byte aligned rows, K <= 128, V in {64, 128})";
     return ", got K-last with " + std::string(dtype_name(p.q.dtype)) + " inputs, K = " +
            std::to_string(p.heads.head_dim_k) + ", V = " + std::to_string(p.heads.head_dim_v) +
            " (the head state pass takes bf16 or fp16 inputs in 16-byte aligned rows, K <= 128, V in {64, 128}; the tiled "

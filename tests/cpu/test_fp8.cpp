@@ -445,9 +445,9 @@ TEST(Fp8, LayoutScalesRules) {
 
 // The CUDA backend takes fp8 pools, intermediate caches and checkpoints in every op (prefill on staged K-last fp32
 // copies where no pass takes them in place), V-last fp8 pools in decode at K in {64, 128}, V in {128, 256}, and in a
-// split prefill the K-last ones prefill takes in place: the rest (V-last decode at other dims, a split prefill's V-last
-// or K = 64 off-head-pass buffers) is refused after validation and before any device work, whether or not a GPU is
-// present.
+// split prefill the ones prefill takes in place: the rest (V-last decode at other dims, a split prefill's buffers off
+// the head pass: V-last, or K-last at K = 64) is refused after validation and before any device work, whether or not a
+// GPU is present.
 TEST(Fp8, CudaBackendRefusesFp8OutsideItsKernels) {
   Fp8States pool(2, 1, kStride, 19);
   const Fp8States pool0 = pool;
@@ -456,7 +456,7 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideItsKernels) {
   const Context cuda{Backend::kCUDA, nullptr};
   const std::string tail = ": the CUDA backend takes float8_e4m3 pools, intermediate caches and checkpoints in decode "
                            "(V-last pools with K in {64, 128} and V in {128, 256}), verify, commit and prefill, and in "
-                           "split prefill K-last ones";
+                           "split prefill those prefill takes in place";
   DecodeParams d;
   tok.into(d, false);
   d.batch = 2;
@@ -477,7 +477,9 @@ TEST(Fp8, CudaBackendRefusesFp8OutsideItsKernels) {
   const std::string klast =
       ", got K-last with float32 inputs, K = 64, V = 64 (the head state pass takes bf16 or fp16 inputs in 16-byte aligned "
       "rows, K <= 128, V in {64, 128}; the tiled pass K >= 128) (the CPU backend runs every op)";
-  const std::string vlast = ", got V-last (the CPU backend runs every op)";
+  const std::string vlast =
+      ", got V-last with float32 inputs, K = 64, V = 64 (the head state pass takes bf16 or fp16 inputs in 16-byte "
+      "aligned rows, K <= 128, V in {64, 128}) (the CPU backend runs every op)";
   // prefill takes them (on staged copies: its path is the staged call's)
   EXPECT_EQ(prefill_path(pf).context_parallel_segment, 0);
   EXPECT_EQ(error_of([&] { split_prefill_begin(sp, cuda); }, ErrorCode::kNotImplemented), "state" + tail + klast);

@@ -530,6 +530,16 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   EXPECT_EQ(chunked_prefill::choose_prefill(next_16k.p, kSms, narrow).cp_scan_cols, 8);
   narrow.prefill_cp_scan_cols = 16;
   EXPECT_THROW(chunked_prefill::choose_prefill(next_16k.p, kSms, narrow), Error);
+  // a split's fold stores a V-last float8_e4m3 pool's 32-column blocks whole: 32 columns a CTA, 8 refused
+  EXPECT_EQ(chunked_prefill::choose_split(tp8.p, kSms, {}).cp_scan_cols, 8);
+  tp8.p.state.dtype = DType::kFloat8E4M3;
+  EXPECT_EQ(chunked_prefill::choose_split(tp8.p, kSms, {}).cp_scan_cols, 8);  // K-last: a column's 32 rows
+  tp8.p.state.layout = StateLayout::kVLast;
+  EXPECT_EQ(chunked_prefill::choose_split(tp8.p, kSms, {}).cp_scan_cols, 32);
+  EXPECT_EQ(chunked_prefill::choose_prefill(tp8.p, kSms, {}).cp_scan_cols, 8);  // the final pass stores them
+  EXPECT_THROW(chunked_prefill::choose_split(tp8.p, kSms, narrow), Error);
+  narrow.prefill_cp_scan_cols = 8;
+  EXPECT_THROW(chunked_prefill::choose_split(tp8.p, kSms, narrow), Error);
   Overrides after_scan;
   after_scan.prefill_cp_first_final = 0;  // the first segment's final pass after the scan: one wave of 4 segments
   const auto e = chunked_prefill::choose_prefill(next_16k.p, kSms, after_scan);

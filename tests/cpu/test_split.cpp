@@ -105,6 +105,18 @@ TEST(SplitPrefill, CheckpointsOnEveryRank) {
   run_split_case(c, {0, 128, 256, 550}, false);
 }
 
+TEST(SplitPrefill, Fp8PoolAndCheckpointsBothLayouts) {
+  // Each rank's own float8_e4m3 pool and checkpoint buffer with their scales; a checkpoint every 64 tokens on every rank.
+  for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast}) {
+    ProblemConfig c = split_config({400, 150}, 32 + int(layout));
+    c.layout = layout;
+    c.state_dtype = DType::kFloat8E4M3, c.cache_dtype = DType::kFloat8E4M3;
+    c.checkpoint_interval = 64;
+    SCOPED_TRACE(layout_name(layout));
+    run_split_case(c, {0, 128, 256, 550}, false);
+  }
+}
+
 // split_prefill_begin refuses sp with a message that starts with `what`, and writes nothing.
 void expect_split_error(const Problem& p, const SplitPrefillParams& sp, const std::string& what) {
   const Problem snapshot = p;

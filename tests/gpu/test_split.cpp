@@ -55,7 +55,7 @@ class RankMirror {
       if (n == "state") at.state = d;
       if (n == "state_scales") at.state_scales = static_cast<uint8_t*>(d);
       if (n == "checkpoints") at.checkpoints = d;
-      if (n == "checkpoint_scales") at.checkpoint_scales = static_cast<uint8_t*>(d);
+      if (n == "checkpoints_scales") at.checkpoint_scales = static_cast<uint8_t*>(d);
     }
     return at;
   }
@@ -190,6 +190,22 @@ TEST(SplitPrefillGpu, CheckpointsOnEveryRankAndSegments) {
     SCOPED_TRACE("segments " + std::to_string(seg));
     run_case(c, {0, 1024, 2112, 5900}, true, seg);
   }
+}
+
+// A V-last float8_e4m3 pool and checkpoints: the final pass stores the checkpoints in place, the last rank's fold its
+// final states (a 32-column block a CTA's 8 lanes: the scan on 32 columns a CTA), beside the library's segments and
+// segments of 256 tokens.
+TEST(SplitPrefillGpu, VLastFp8PoolAndCheckpoints) {
+  ProblemConfig c = split_config({5000, 900}, 128, 23);
+  c.layout = StateLayout::kVLast, c.state_dtype = DType::kFloat8E4M3;
+  c.checkpoint_interval = 512, c.cache_dtype = DType::kFloat8E4M3;
+  for (int64_t seg : {int64_t(-1), int64_t(256)}) {
+    SCOPED_TRACE("segments " + std::to_string(seg));
+    run_case(c, {0, 1024, 2112, 5900}, true, seg);
+  }
+  ProblemConfig k64 = split_config({1500, 700}, 64, 24);
+  k64.layout = StateLayout::kVLast, k64.state_dtype = DType::kFloat8E4M3, k64.same_slot = true;
+  run_case(k64, {0, 900, 1800, 2200}, false);
 }
 
 TEST(SplitPrefillGpu, LongSequenceTwoRanks) {

@@ -23,7 +23,7 @@ Buffer vector_buffer(const std::string& name, const std::vector<T>& values, bool
   return b;
 }
 
-const char* const kCopied[] = {"state", "state_scales", "checkpoints", "checkpoint_scales"};
+const char* const kCopied[] = {"state", "state_scales", "checkpoints", "checkpoints_scales"};
 
 // A view moved `tokens` rows on.
 template <class View>
@@ -77,7 +77,7 @@ RankPointers SplitRanks::host_pointers(int r) {
     if (b.name == "state") at.state = b.bytes.data();
     if (b.name == "state_scales") at.state_scales = b.as<uint8_t>();
     if (b.name == "checkpoints") at.checkpoints = b.bytes.data();
-    if (b.name == "checkpoint_scales") at.checkpoint_scales = b.as<uint8_t>();
+    if (b.name == "checkpoints_scales") at.checkpoint_scales = b.as<uint8_t>();
   }
   return at;
 }
@@ -115,7 +115,7 @@ void SplitRanks::collect(Problem& got, int state_rank) const {
   for (const char* name : {"state", "state_scales"})
     if (got.has(name)) got.buffer(name).bytes = buffer(state_rank, name).bytes;
   for (const Buffer& orig : before_) {
-    if (orig.name != "checkpoints" && orig.name != "checkpoint_scales") continue;
+    if (orig.name != "checkpoints" && orig.name != "checkpoints_scales") continue;
     Buffer& merged = got.buffer(orig.name);
     merged.bytes = orig.bytes;
     for (int r = 0; r < ranks(); ++r) {

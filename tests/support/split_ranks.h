@@ -31,7 +31,7 @@ class SplitRanks {
   int ranks() const { return int(cuts_.size()) - 1; }
   const std::vector<int64_t>& cuts() const { return cuts_; }
 
-  // Rank r's own buffers (names: cu_seqlens, piece_offsets, state, state_scales, checkpoints, checkpoint_scales,
+  // Rank r's own buffers (names: cu_seqlens, piece_offsets, state, state_scales, checkpoints, checkpoints_scales,
   // error_flag; the scales where the problem has them).
   std::vector<Buffer>& buffers(int r) { return ranks_[size_t(r)]; }
   const Buffer& buffer(int r, const std::string& name) const;

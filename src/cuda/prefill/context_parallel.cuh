@@ -436,7 +436,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
       quad(q, k, c);
       const int64_t off = offset(k, c);
       if (p.state.dtype == DType::kFloat8E4M3) {
-        // K-last: the 8 lanes of quads k .. k + 31 of a column hold one 32-row block, their max its scale.
+        // The 8 lanes of quads k .. k + 31 of a column (K-last), or of a row's 32 columns (V-last, where the scan takes
+        // 32 columns a CTA: cp_scan_cols), hold one block, their max its scale.
         uint32_t m = 0;
 #pragma unroll
         for (int e = 0; e < 4; ++e) m = max(m, abs_bits(cols_at(k, c, e)));
@@ -446,7 +447,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) cp_scan_kernel(const PrefillP
         uint8_t* const out = static_cast<uint8_t*>(p.state.data) + base + off;
 #pragma unroll
         for (int e = 0; e < 4; ++e) out[e] = uint8_t(e4m3x1(cols_at(k, c, e), sc));
-        if (k % kFp8Block == 0) p.state.scales[(int64_t(fslot) * per_segment + off) / kFp8Block] = uint8_t(sc.byte);
+        if ((klast ? k : c) % kFp8Block == 0)
+          p.state.scales[(int64_t(fslot) * per_segment + off) / kFp8Block] = uint8_t(sc.byte);
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e)

@@ -494,6 +494,14 @@ PrefillChoice choose_split(const PrefillParams& p, int num_sms, const Overrides&
   c.stages = kStagesAll;
   c.cp_segment_len = split_segment_len(p, num_sms, o);
   c.cp_scan_cols = cp_scan_cols(p, num_sms, o);
+  // The fold stores the last rank's final states, a V-last float8_e4m3 block (32 columns of one k) by one CTA
+  // (context_parallel.cuh).
+  if (p.state.data != nullptr && p.state.dtype == DType::kFloat8E4M3 && p.state.layout == StateLayout::kVLast) {
+    if (o.prefill_cp_scan_cols == 8)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "prefill split: a V-last float8_e4m3 pool needs the scan's 32 columns per CTA, not 8");
+    c.cp_scan_cols = 32;
+  }
   c.vtile = kVTileHead;
   c.head_split = 1;
   c.wgmma_pass = true;

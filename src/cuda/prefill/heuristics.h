@@ -141,8 +141,8 @@ bool split_supported(const PrefillParams& p);
 // length; 0 there: each piece in one segment). Every piece holds per-segment states, so the workspace holds
 // cp_max_segments of them.
 int64_t split_segment_len(const PrefillParams& p, int num_sms, const Overrides& o);
-// The choice for a split call (context-parallel passes, no short path); throws kNotImplemented where
-// split_supported is false.
+// The choice for a split call (context-parallel passes, no short path; the scan 32 columns a CTA beside a V-last
+// float8_e4m3 pool); throws kNotImplemented where split_supported is false.
 PrefillChoice choose_split(const PrefillParams& p, int num_sms, const Overrides& o);
 // Workspace bytes of a split call: the chunk prep's factors and the per-segment states of every piece.
 size_t split_cp_workspace_bytes(const PrefillParams& p, int num_sms, const Overrides& o);
