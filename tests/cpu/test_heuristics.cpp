@@ -403,13 +403,13 @@ TEST(RecurrentHeuristics, Fp8DecodePrefetchSmallGridsOnly) {
 
 TEST(RecurrentHeuristics, VLastFp8DecodeColumnsBySize) {
   const Overrides o;
-  // qwen3-next (HV = 32, V = 128) on 132 SMs: half-line CTAs up to 4 line CTAs per SM (B = 16)
+  // qwen3-next (HV = 32, V = 128) on 132 SMs: half-line CTAs up to 2 line CTAs per SM (B = 8)
   EXPECT_EQ(recurrent::vlast_fp8_decode_columns(1, 32, 128, 132, o), 64);
-  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(16, 32, 128, 132, o), 64);
-  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(17, 32, 128, 132, o), 128);
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(8, 32, 128, 132, o), 64);
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(9, 32, 128, 132, o), 128);
   EXPECT_EQ(recurrent::vlast_fp8_decode_columns(512, 32, 128, 132, o), 128);
-  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(8, 32, 256, 132, o), 64);  // two line CTAs a head
-  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(9, 32, 256, 132, o), 128);
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(4, 32, 256, 132, o), 64);  // two line CTAs a head
+  EXPECT_EQ(recurrent::vlast_fp8_decode_columns(5, 32, 256, 132, o), 128);
   Overrides forced;
   forced.decode_vlast_fp8_columns = 128;
   EXPECT_EQ(recurrent::vlast_fp8_decode_columns(1, 32, 128, 132, forced), 128);

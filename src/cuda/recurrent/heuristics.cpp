@@ -80,7 +80,7 @@ bool fp8_decode_prefetch(int64_t grid_ctas, int64_t resident_ctas, const Overrid
 }
 
 // V-last fp8 decode in half-line CTAs up to this many line CTAs per SM (docs/design/decode.md "V-last decode").
-constexpr int64_t kVLastFp8HalfMaxCtasPerSm = 4;
+constexpr int64_t kVLastFp8HalfMaxCtasPerSm = 2;
 
 int vlast_fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_v, int num_sms, const Overrides& o) {
   if (o.decode_vlast_fp8_columns == 64 || o.decode_vlast_fp8_columns == 128) return o.decode_vlast_fp8_columns;

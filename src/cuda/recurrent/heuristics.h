@@ -48,7 +48,7 @@ int fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_k, const Ove
 bool fp8_decode_prefetch(int64_t grid_ctas, int64_t resident_ctas, const Overrides& o);
 
 // Columns per CTA of V-last fp8 decode (vlast_decode.cuh: 128, a line of each row, or 64, half of one) for a call
-// of `batch` sequences: 64 where the 128-column grid is at most 4 CTAs per SM (each CTA's walk over its rows is the
+// of `batch` sequences: 64 where the 128-column grid is at most 2 CTAs per SM (each CTA's walk over its rows is the
 // time there), else 128 (more bytes in flight per SM).
 int vlast_fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_v, int num_sms, const Overrides& o);
 

@@ -17,7 +17,8 @@
 // float8_e4m3 pools (TState = uint8_t): a lane's 16 bytes of a row are half of a 32-column scale block, whose other
 // half is lane l ^ kPhases's (the next column group); the block's power of two scales the row's k and q entries for the sums and the decay for
 // the update (fp8_decode.cuh's exact rewrites), and the new block is quantized over the two lanes
-// (docs/semantics.md "float8_e4m3 states").
+// (docs/semantics.md "float8_e4m3 states"). In line pieces the update reads each row piece again (from L1) rather than
+// holding the bytes across the CTA's sums and barrier.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -43,11 +44,18 @@ struct VLastRows {
   static constexpr int kRowsPerLane = kRowsPerWarp / kPhases;  // 8 (kGroups 8: 32 registers as loaded) or 4
   static constexpr int kWarps = K / kRowsPerWarp;
   static_assert(K % kRowsPerWarp == 0 && kWarps >= 1 && kWarps <= 4, "V-last decode: K = 64 or 128");
-  // resident CTAs per SM: 24, 20 or 12 warps for fp32, bf16 or fp8 state (vlast_decode_kernel); fp8 half-line
-  // pieces 16
-  static constexpr int kCtasPerSm =
-      (sizeof(TState) == 4 ? 24 : sizeof(TState) == 2 ? 20 : kGroups == 8 ? 12 : 16) / kWarps;
+  // fp8 line pieces read each row again for the update instead of holding it across the CTA's sums (vlast_decode_kernel)
+  static constexpr bool kRowsReadAgain = sizeof(TState) == 1 && kGroups == 8;
+  // resident CTAs per SM: 24, 20 or 16 warps for fp32, bf16 or fp8 state (vlast_decode_kernel)
+  static constexpr int kCtasPerSm = (sizeof(TState) == 4 ? 24 : sizeof(TState) == 2 ? 20 : 16) / kWarps;
 };
+
+// 16 bytes read again from global memory (L1): an asm load, so that the compiler keeps no earlier read of them alive.
+__device__ __forceinline__ uint4 load_again(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
 
 // N values over aligned groups of kLanes consecutive lanes (N >= kLanes, powers of two; dtype.cuh's
 // transpose_group_sum covers N <= kLanes, and one function for both makes ptxas branch here): halving
@@ -110,8 +118,9 @@ __device__ __forceinline__ void column_u_and_o(const float (&part)[2][kWarps][kC
 }
 
 // Resident warps per SM: fp32 state 24 (80 registers; at 64 ptxas spills and decode runs slower), bf16
-// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills), fp8 state 12 (168 registers; half-line
-// pieces 16: 128 registers, at 96 ptxas spills). docs/design/decode.md "V-last decode".
+// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills), fp8 state 16 (128 registers: line pieces
+// read each row again for the update, holding them took 168; half-line pieces at 96 spill). docs/design/decode.md
+// "V-last decode".
 template <class TState, class TInput, int K, int V, int kGroups = 8>
 __global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VLastRows<TState, K, kGroups>::kCtasPerSm)
     vlast_decode_kernel(const RecurrentParams p, const bool prefetch) {
@@ -254,9 +263,13 @@ __global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VL
 #pragma unroll
   for (int i = 0; i < kRowsPerLane; ++i) {
     float si[kVec];
-    s[i].opaque();  // converted again here: the fp32 values of the sums above are not kept alive
     if constexpr (kFp8) {
-      unpack_e4m3x16(s[i].w[0], si);
+      if constexpr (R::kRowsReadAgain) {
+        unpack_e4m3x16(load_again(t + int64_t(kPhases * i) * V), si);
+      } else {
+        s[i].opaque();  // converted again here: the fp32 values of the sums above are not kept alive
+        unpack_e4m3x16(s[i].w[0], si);
+      }
       const float ds = decay * e8m0_scale(sbyte[i]);  // decay (S / scale) scale = (decay scale) (S / scale)
 #pragma unroll
       for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, ds * si[c]);
@@ -266,6 +279,7 @@ __global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VL
         p.state.scales[(int64_t(slot) * p.heads.num_v_heads + hv) * kHeadBlocks +
                        int64_t(row0 + kPhases * i) * (V / kFp8Block) + col / kFp8Block] = uint8_t(new_scale);
     } else {
+      s[i].opaque();
       s[i].to_floats(si);
 #pragma unroll
       for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, decay * si[c]);
