@@ -537,9 +537,17 @@ TEST(PrefillHeuristics, ContextParallelSegmentsForLongSequencesAndFewHeads) {
   tp8.p.state.layout = StateLayout::kVLast;
   EXPECT_EQ(chunked_prefill::choose_split(tp8.p, kSms, {}).cp_scan_cols, 32);
   EXPECT_EQ(chunked_prefill::choose_prefill(tp8.p, kSms, {}).cp_scan_cols, 8);  // the final pass stores them
-  EXPECT_THROW(chunked_prefill::choose_split(tp8.p, kSms, narrow), Error);
+  Overrides wide_scan;
+  wide_scan.prefill_cp_scan_cols = 32;
+  EXPECT_EQ(chunked_prefill::choose_split(tp8.p, kSms, wide_scan).cp_scan_cols, 32);
   narrow.prefill_cp_scan_cols = 8;
   EXPECT_THROW(chunked_prefill::choose_split(tp8.p, kSms, narrow), Error);
+  // without a pool the fold stores no state: V-last float8_e4m3 checkpoints (the final pass's) leave the scan at 8
+  tp8.p.checkpoints = {tp8.p.state.data, DType::kFloat8E4M3, StateLayout::kVLast, 8, 8, 8LL * 8 * 128 * 128};
+  tp8.p.checkpoint_interval = 1024;
+  tp8.p.state.data = nullptr;
+  EXPECT_EQ(chunked_prefill::choose_split(tp8.p, kSms, {}).cp_scan_cols, 8);
+  EXPECT_EQ(chunked_prefill::choose_split(tp8.p, kSms, narrow).cp_scan_cols, 8);
   Overrides after_scan;
   after_scan.prefill_cp_first_final = 0;  // the first segment's final pass after the scan: one wave of 4 segments
   const auto e = chunked_prefill::choose_prefill(next_16k.p, kSms, after_scan);

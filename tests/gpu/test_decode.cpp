@@ -305,7 +305,8 @@ TEST(DecodeForcedKernels, VLastFp8PiecesMatchCpuReference) {
   };
   int seed = 760;
   for (const Piece& piece : {Piece{"64 columns", 64, true}, Piece{"128 columns", 128, true},
-                             Piece{"64 columns, no prefetch", 64, false}})
+                             Piece{"64 columns, no prefetch", 64, false},
+                             Piece{"128 columns, no prefetch", 128, false}})
     for (int K : {64, 128})
       for (int V : {128, 256})
         for (int batch : {1, 9, 40}) {

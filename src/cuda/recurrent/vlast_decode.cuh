@@ -44,7 +44,8 @@ struct VLastRows {
   static constexpr int kRowsPerLane = kRowsPerWarp / kPhases;  // 8 (kGroups 8: 32 registers as loaded) or 4
   static constexpr int kWarps = K / kRowsPerWarp;
   static_assert(K % kRowsPerWarp == 0 && kWarps >= 1 && kWarps <= 4, "V-last decode: K = 64 or 128");
-  // fp8 line pieces read each row again for the update instead of holding it across the CTA's sums (vlast_decode_kernel)
+  // fp8 line pieces read each row again for the update: held across the CTA's sums they took 168 registers (12 warps
+  // per SM, with spill), read again at most 128 (16 warps)
   static constexpr bool kRowsReadAgain = sizeof(TState) == 1 && kGroups == 8;
   // resident CTAs per SM: 24, 20 or 16 warps for fp32, bf16 or fp8 state (vlast_decode_kernel)
   static constexpr int kCtasPerSm = (sizeof(TState) == 4 ? 24 : sizeof(TState) == 2 ? 20 : 16) / kWarps;
@@ -118,8 +119,8 @@ __device__ __forceinline__ void column_u_and_o(const float (&part)[2][kWarps][kC
 }
 
 // Resident warps per SM: fp32 state 24 (80 registers; at 64 ptxas spills and decode runs slower), bf16
-// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills), fp8 state 16 (128 registers: line pieces
-// read each row again for the update, holding them took 168; half-line pieces at 96 spill). docs/design/decode.md
+// state 20 (96 registers: A_log and dt_bias load early; at 80 ptxas spills), fp8 state 16 (at most 128 registers: line
+// pieces read each row again for the update, holding them took 168; half-line pieces at 96 spill). docs/design/decode.md
 // "V-last decode".
 template <class TState, class TInput, int K, int V, int kGroups = 8>
 __global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VLastRows<TState, K, kGroups>::kCtasPerSm)
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VL
         p.state.scales[(int64_t(slot) * p.heads.num_v_heads + hv) * kHeadBlocks +
                        int64_t(row0 + kPhases * i) * (V / kFp8Block) + col / kFp8Block] = uint8_t(new_scale);
     } else {
-      s[i].opaque();
+      s[i].opaque();  // converted again here: the fp32 values of the sums above are not kept alive
       s[i].to_floats(si);
 #pragma unroll
       for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, decay * si[c]);
