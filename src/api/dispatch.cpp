@@ -50,14 +50,11 @@ void require_cuda_states(const SplitPrefillParams& sp) {
   // the ranks run the context-parallel passes on the call's own buffers: no staged copies
   if (!cuda::chunked_prefill::states_staged(p)) return;
   const auto got = [&] {
-    if (cuda::chunked_prefill::states_layout(p) != StateLayout::kKLast)
-      return ", got V-last with " + std::string(dtype_name(p.q.dtype)) + " inputs, K = " +
-             std::to_string(p.heads.head_dim_k) + ", V = " + std::to_string(p.heads.head_dim_v) +
-             " (the head state pass takes bf16 or fp16 inputs in 16-byte aligned rows, K <= 128, V in {64, 128})";
-    return ", got K-last with " + std::string(dtype_name(p.q.dtype)) + " inputs, K = " +
+    const bool klast = cuda::chunked_prefill::states_layout(p) == StateLayout::kKLast;
+    return std::string(klast ? ", got K-last" : ", got V-last") + " with " + dtype_name(p.q.dtype) + " inputs, K = " +
            std::to_string(p.heads.head_dim_k) + ", V = " + std::to_string(p.heads.head_dim_v) +
-           " (the head state pass takes bf16 or fp16 inputs in 16-byte aligned rows, K <= 128, V in {64, 128}; the tiled "
-           "pass K >= 128)";
+           " (the head state pass takes bf16 or fp16 inputs in 16-byte aligned rows, K <= 128, V in {64, 128}" +
+           (klast ? "; the tiled pass K >= 128)" : ")");
   };
   refuse_cuda_fp8("state", p.state.data, p.state.dtype, got);
   if (p.checkpoint_interval > 0) refuse_cuda_fp8("checkpoints", p.checkpoints.data, p.checkpoints.dtype, got);

@@ -264,13 +264,11 @@ __global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VL
 #pragma unroll
   for (int i = 0; i < kRowsPerLane; ++i) {
     float si[kVec];
+    // converted again here: the fp32 values of the sums above are not kept alive
+    if constexpr (!R::kRowsReadAgain) s[i].opaque();
     if constexpr (kFp8) {
-      if constexpr (R::kRowsReadAgain) {
-        unpack_e4m3x16(load_again(t + int64_t(kPhases * i) * V), si);
-      } else {
-        s[i].opaque();  // converted again here: the fp32 values of the sums above are not kept alive
-        unpack_e4m3x16(s[i].w[0], si);
-      }
+      if constexpr (R::kRowsReadAgain) unpack_e4m3x16(load_again(t + int64_t(kPhases * i) * V), si);
+      else unpack_e4m3x16(s[i].w[0], si);
       const float ds = decay * e8m0_scale(sbyte[i]);  // decay (S / scale) scale = (decay scale) (S / scale)
 #pragma unroll
       for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, ds * si[c]);
@@ -280,7 +278,6 @@ __global__ void __launch_bounds__(VLastRows<TState, K, kGroups>::kWarps * 32, VL
         p.state.scales[(int64_t(slot) * p.heads.num_v_heads + hv) * kHeadBlocks +
                        int64_t(row0 + kPhases * i) * (V / kFp8Block) + col / kFp8Block] = uint8_t(new_scale);
     } else {
-      s[i].opaque();  // converted again here: the fp32 values of the sums above are not kept alive
       s[i].to_floats(si);
 #pragma unroll
       for (int c = 0; c < kVec; ++c) si[c] = fmaf(kr[i], u[c] * rk, decay * si[c]);
