@@ -330,17 +330,19 @@ TEST(DecodeForcedKernels, VLastFp8PiecesMatchCpuReference) {
 // prefetch mode) and qwen3-next heads at B = 16 (a grid too large for it: the state is asked of L2 only
 // after the index is read, recurrent/launch.cuh) with both state dtypes. (It checks the loads and stores of
 // that path; an L2 prefetch outside the pool neither faults nor shows in memcheck on the H100.) float8_e4m3 pools
-// on their own kernels, both layouts.
+// on their own kernels, both layouts; B = 40 for V-last fp8's line CTAs outside prefetch mode (B = 16 fits it).
 TEST(DecodeGpu, OutOfRangeSlotsSkippedAndCountedSanitize) {
   // small fp32 B = 4, qwen3-next fp32 B = 16, bf16 B = 16, bf16 B = 4 (K-last: the wide tile, prefetch mode), fp8
-  // B = 16 and B = 4
+  // B = 16, B = 4 and B = 40
   static const char* const kWhich[] = {"small heads, B = 4, fp32", "qwen3-next, B = 16, fp32",
                                        "qwen3-next, B = 16, bf16", "qwen3-next, B = 4, bf16",
-                                       "qwen3-next, B = 16, fp8",  "qwen3-next, B = 4, fp8"};
+                                       "qwen3-next, B = 16, fp8",  "qwen3-next, B = 4, fp8",
+                                       "qwen3-next, B = 40, fp8"};
   for (StateLayout layout : {StateLayout::kKLast, StateLayout::kVLast})
-    for (int which = 0; which < 6; ++which) {
+    for (int which = 0; which < 7; ++which) {
       const DType state = which >= 4 ? DType::kFloat8E4M3 : which >= 2 ? DType::kBFloat16 : DType::kFloat32;
-      ProblemConfig c = qwen_decode(layout, state, which == 1 || which == 2 || which == 4 ? 16 : 4);
+      const int batch = which == 6 ? 40 : which == 1 || which == 2 || which == 4 ? 16 : 4;
+      ProblemConfig c = qwen_decode(layout, state, batch);
       if (which == 0) c.H = 2, c.HV = 4, c.K = 64, c.V = 64;
       SCOPED_TRACE(kWhich[which]);
       Problem p(c);
