@@ -35,6 +35,13 @@ struct DeviceMemory {
   DeviceMemory& operator=(const DeviceMemory&) = delete;
 };
 
+// All-ones bytes (fp32 NaN), finished before any stream's later work (the legacy stream's fill, then a sync).
+void poison(void* ptr, size_t bytes) {
+  if (ptr == nullptr) return;
+  cudaMemset(ptr, 0xff, bytes);
+  cudaDeviceSynchronize();
+}
+
 // Device copies of one rank's own buffers (SplitRanks::buffers), and its workspace.
 class RankMirror {
  public:
@@ -63,8 +70,12 @@ class RankMirror {
     for (size_t i = 0; i < host_.size(); ++i)
       cudaMemcpy(host_[i].bytes.data(), mem_[i]->ptr, host_[i].bytes.size(), cudaMemcpyDeviceToHost);
   }
+  // NaN-filled when allocated, so that a scan reading a transition or local state no pass wrote fails the test.
   void* workspace(size_t bytes) {
-    if (bytes > ws_bytes_) ws_ = std::make_unique<DeviceMemory>(bytes), ws_bytes_ = bytes;
+    if (bytes > ws_bytes_) {
+      ws_ = std::make_unique<DeviceMemory>(bytes), ws_bytes_ = bytes;
+      poison(ws_->ptr, bytes);
+    }
     return ws_ ? ws_->ptr : nullptr;
   }
   size_t workspace_bytes() const { return ws_bytes_; }
@@ -84,6 +95,7 @@ struct SimulatedRanks {
   SimulatedRanks(Problem& got, const std::vector<int64_t>& cuts, const PrefillParams& full) : ranks(got, cuts) {
     for (int r = 0; r < ranks.ranks(); ++r) mirrors.push_back(std::make_unique<RankMirror>(ranks.buffers(r)));
     exchange = std::make_unique<DeviceMemory>(size_t(ranks.exchange_elems(full)) * 4);
+    poison(exchange->ptr, size_t(ranks.exchange_elems(full)) * 4);  // each summary read must have been written
   }
   std::vector<SplitPrefillParams> params(const PrefillParams& full, bool every_rank) {
     std::vector<SplitPrefillParams> out;
