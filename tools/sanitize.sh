@@ -29,7 +29,10 @@ random_cases=${GDNKIT_SANITIZE_RANDOM_CASES:-300}
 export GDNKIT_SOAK_REPLAYS=${GDNKIT_SOAK_REPLAYS:-200}
 
 # Options per tool: racecheck looks at shared memory hazards; initcheck reports reads of uninitialized device
-# memory. No leak check: the prefill's library-owned workspace lives as long as the process (docs/api.md).
+# memory, but does not see stores by bulk copies (cp.async.bulk from shared memory: the head pass's states, o and
+# the context-parallel local pass's states and transitions), so reads of those, e.g. by the context-parallel scan, are
+# reported; the tests that fill their workspaces with NaN bytes check those reads instead. No leak check: the
+# prefill's library-owned workspace lives as long as the process (docs/api.md).
 opts() {
   case $1 in
     memcheck) echo "--tool memcheck" ;;
