@@ -172,10 +172,8 @@ int64_t count_nonfinite(const void* p, DType dtype, int64_t n, cudaStream_t st) 
 
 // The rows' device memory: one cudaMalloc at the first use (the free memory less 2 GiB, for the library and
 // the runtime), handed out as a stack; a row's buffers are released in reverse order when it returns, and
-// every use is ordered on the bench's stream. With a cudaMalloc / cudaFree per buffer, a row that followed
-// a row of larger footprint measured up to 9% slower (prefill 8x8192 1.41 ms right after 8192x32, 1.28-1.29
-// after smaller sets or alone: results/H100/prefill_bench_order12.txt); serving engines allocate their
-// state pools and workspaces once.
+// every use is ordered on the bench's stream. Serving engines allocate their pools and workspaces once, and with a
+// cudaMalloc / cudaFree per buffer a row read up to 9% slower after a row of larger footprint (docs/benchmarks.md).
 class Arena {
  public:
   static Arena& get() {
