@@ -264,14 +264,23 @@ def test_softplus_gate_matches_torch():
         assert torch.allclose(got.double(), -torch.exp(A_log.double()) * sp, rtol=1e-6)
 
 
-def test_helpers_reference_agrees_with_itself():
-    """ref() with keep_states: the last state equals S_final."""
+def test_helpers_reference_agrees_with_the_rule_written_out():
+    """ref() against the delta rule written out token by token here (fp64, GVA: both value heads read q/k head 0),
+    and with keep_states its last state is S_final."""
     g = gen("ref")
     q, k, v = randn(g, 3, 1, 64), randn(g, 3, 1, 64), randn(g, 3, 2, 64)
     gg, bb = -torch.rand(3, 2, generator=g), torch.rand(3, 2, generator=g)
     o, S, states = ref(None, q, k, v, gg, bb)
     assert o.shape == (3, 2, 64) and np.array_equal(states[-1], S)
-    assert rel(o, o) == 0.0
+    qn, kn = f64(q[:, 0]), f64(k[:, 0])
+    qn, kn = (x / np.sqrt(np.sum(x * x, axis=1, keepdims=True) + 1e-6) for x in (qn, kn))  # eps inside the root
+    for h in range(2):
+        Sh = np.zeros((64, 64))
+        for t in range(3):
+            Sh = np.exp(float(gg[t, h])) * Sh
+            Sh = Sh + np.outer(kn[t], float(bb[t, h]) * (f64(v[t, h]) - Sh.T @ kn[t]))
+            assert rel(o[t, h], Sh.T @ qn[t] * 64 ** -0.5) < 1e-12
+        assert rel(S[h], Sh) < 1e-12
 
 
 # ---- torch.compile: the adapters trace into the custom ops --------------------------------------------

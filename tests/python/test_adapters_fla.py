@@ -105,8 +105,10 @@ def test_fla_keyword_options():
         adapter.chunk_gated_delta_rule(p["q"], p["k"], p["v"], p["g"], p["beta"], head_first=False)
     with pytest.raises(ValueError, match="chunk_size"):
         adapter.chunk_gated_delta_rule(p["q"], p["k"], p["v"], p["g"], p["beta"], chunk_size=128)
-    for cs in (16, 32, 64):
-        adapter.chunk_gated_delta_rule(p["q"], p["k"], p["v"], p["g"], p["beta"], chunk_size=cs)
+    # FLA's chunk sizes are accepted and change nothing here (gdnkit's chunk is its own)
+    outs = [adapter.chunk_gated_delta_rule(p["q"], p["k"], p["v"], p["g"], p["beta"], chunk_size=cs)[0]
+            for cs in (16, 32, 64)]
+    assert all(torch.equal(o, outs[-1]) for o in outs) and torch.isfinite(outs[-1]).all()
     h0 = 0.1 * randn(gen("fla-kw-h0"), 1, 4, 128, 64)
     with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
         o1, s1 = call("recurrent", p, initial_state=h0, output_final_state=True, transpose_state_layout=True)
@@ -261,8 +263,9 @@ def test_errors():
         adapter.chunk_gated_delta_rule(p["q"], p["k"], p["v"], p["g"], torch.rand(1, 2, 4, 128))
     with pytest.raises(NotImplementedError, match="autograd"):
         adapter.chunk_gated_delta_rule(p["q"].clone().requires_grad_(), p["k"], p["v"], p["g"], p["beta"])
-    with torch.no_grad():
-        adapter.chunk_gated_delta_rule(p["q"].clone().requires_grad_(), p["k"], p["v"], p["g"], p["beta"])
+    with torch.no_grad():  # under no_grad a tensor that requires grad is only read
+        o_ng = adapter.chunk_gated_delta_rule(p["q"].clone().requires_grad_(), p["k"], p["v"], p["g"], p["beta"])[0]
+    assert torch.equal(o_ng, adapter.chunk_gated_delta_rule(p["q"], p["k"], p["v"], p["g"], p["beta"])[0])
     with pytest.raises(ValueError, match="allow_neg_eigval=True` requires"):
         adapter.chunk_gated_delta_rule(p["q"], p["k"], p["v"], p["g"], p["beta"], allow_neg_eigval=True)
     with pytest.raises(ValueError, match="batch size is expected to be 1"):

@@ -20,7 +20,7 @@ import gdnkit.torch_ops  # noqa: E402,F401
 from gdnkit.adapters import _common as C  # noqa: E402
 from gdnkit.adapters import flashinfer as fi  # noqa: E402
 from reference import TOLERANCES, fused_gates, rel, run_tokens  # noqa: E402
-from test_adapters_common import CopyCounter, assert_signature, strided  # noqa: E402
+from test_adapters_common import CopyCounter, assert_signature, bits_equal, strided  # noqa: E402
 
 HAVE_CUDA = torch.cuda.is_available() and gdnkit.cuda_compiled()
 DEVICES = ["cpu"] + (["cuda"] if HAVE_CUDA else [])
@@ -568,6 +568,7 @@ def test_decode_kmajor(device):
 def test_decode_errors():
     g = gen("decode-errors")
     p, pool = decode_problem(g, "cpu", 2, 1, 4, nan_pool=False)
+    before = pool.clone()
     idx = torch.tensor([0, 1], dtype=torch.int32)
     d = fi.gated_delta_rule_decode_pretranspose
     with pytest.raises(TypeError, match="use_gate_in_kernel"):
@@ -587,7 +588,9 @@ def test_decode_errors():
         d(**p, state=pool[:2], backend="triton")
     with pytest.raises(NotImplementedError, match="uGPU"):
         d(**p, state=None, initial_state=pool.view(4, HV, 2, V // 2, K), initial_state_indices=idx)
+    assert bits_equal(pool, before), "the pool written by a refused call"
     p2, pool2 = decode_problem(g, "cpu", 2, 2, 4, nan_pool=False)
+    before2 = pool2.clone()
     m = fi.gated_delta_rule_mtp
     args = (p2["q"], p2["k"], p2["v"], pool2, idx, p2["A_log"], p2["a"], p2["dt_bias"], p2["b"])
     with pytest.raises(NotImplementedError, match="cache_replayssm"):
@@ -606,6 +609,7 @@ def test_decode_errors():
         fi.gated_delta_rule_decode(**p2, state=torch.zeros(2, HV, K, V))
     with pytest.raises(NotImplementedError, match="autograd"):
         d(**dict(p, q=p["q"].clone().requires_grad_()), state=pool[:2])
+    assert bits_equal(pool, before) and bits_equal(pool2, before2), "a pool written by a refused call"
 
 
 # ---- against FlashInfer itself (GPU machine, where it loads) ------------------------------------

@@ -309,6 +309,7 @@ def test_errors():
     g = gen("sg-errors")
     p = problem(g, 1, 2)
     idx = torch.tensor([0], dtype=torch.int32)
+    before = p["pool"].clone()
     with pytest.raises(NotImplementedError, match="is_kda"):
         run(p, idx, is_kda=True)
     with pytest.raises(ValueError, match="match_cutedsl_decode"):
@@ -325,6 +326,7 @@ def test_errors():
         run(p, idx, pool=p["pool"].half())
     with pytest.raises(ValueError, match="scale must be positive"):
         run(p, idx, scale=-1.0)
+    assert bits_equal(p["pool"], before), "the pool written by a refused call"
 
 
 # ---- CUDA: against SGLang's own function --------------------------------------------------------------

@@ -314,6 +314,7 @@ def test_per_token_final_states(gating, form):
 def test_recurrent_errors():
     g = gen("v-errors")
     p = problem(g, 2, 3)
+    before = p["pool"].clone()
     with pytest.raises(ValueError, match="initial_state is required"):
         adapter.fused_recurrent_gated_delta_rule(p["q"], p["k"], p["v"], p["g"], p["beta"])
     with pytest.raises(ValueError, match="needs ssm_state_indices"):
@@ -334,6 +335,7 @@ def test_recurrent_errors():
         call(p, pool=p["pool"].half(), ssm_state_indices=torch.tensor([[1, 2, 3], [4, 5, 6]]))
     with pytest.raises(NotImplementedError, match="autograd"):
         call(p, q=p["q"].clone().requires_grad_(), ssm_state_indices=torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    assert bits_equal(p["pool"], before), "the pool written by a refused call"
 
 
 # ---- chunk ---------------------------------------------------------------------------------------------

@@ -68,8 +68,10 @@ def test_unsupported_head_dim():
     p = Problem(rng, 2, H=1, HV=1, K=64, V=64)
     q = rng.standard_normal((2, 1, 32)).astype(np.float32)
     pool = random_pool(rng, 2, 1, 32, 64, "k_last")
+    before, o = pool.copy(), poison(p.v.shape)
     with pytest.raises(gdnkit.GdnkitError, match=r"^q: head dim K=32 is not supported \(expected 64, 128 or 256\)$"):
-        gdnkit.decode(q, q.copy(), p.v, pool, np.array([0, 1], np.int32), **p.gate_kwargs())
+        gdnkit.decode(q, q.copy(), p.v, pool, np.array([0, 1], np.int32), o=o, **p.gate_kwargs())
+    assert bits_equal(pool, before) and np.all(np.isnan(o))
 
 
 def test_q_dtype_names_tensor():
@@ -94,10 +96,12 @@ def test_state_shape_vs_layout():
     rng = np.random.default_rng(3)
     p = Problem(rng, 2, H=1, HV=2, K=64, V=128)
     pool = random_pool(rng, 3, 2, 64, 128, "k_last")  # [P, HV, V, K]
+    before, o = pool.copy(), poison(p.v.shape)
     with pytest.raises(gdnkit.GdnkitError) as info:
-        gdnkit.decode(p.q, p.k, p.v, pool, np.array([0, 1], np.int32), layout="v_last", **p.gate_kwargs())
+        gdnkit.decode(p.q, p.k, p.v, pool, np.array([0, 1], np.int32), layout="v_last", o=o, **p.gate_kwargs())
     assert str(info.value) == ("state: expected shape [P, 2, 64, 128] (v_last: [.., HV, K, V] with HV=2, K=64, "
                                "V=128), got [3, 2, 128, 64]")
+    assert bits_equal(pool, before) and np.all(np.isnan(o))
 
 
 def test_bad_layout_name():
@@ -162,9 +166,11 @@ def test_verify_update_state_with_tree():
     p = Problem(rng, 4, H=1, HV=2, K=64, V=64)
     pool = random_pool(rng, 2, 2, 64, 64, "k_last")
     parent = np.array([[-1, 0], [-1, -1]], np.int32)
+    before, o = pool.copy(), poison(p.v.shape)
     with pytest.raises(gdnkit.GdnkitError, match="^update_state: only for chain drafts"):
-        gdnkit.verify(p.q, p.k, p.v, pool, np.array([0, 1], np.int32), parent=parent, update_state=True,
+        gdnkit.verify(p.q, p.k, p.v, pool, np.array([0, 1], np.int32), parent=parent, update_state=True, o=o,
                       **p.gate_kwargs())
+    assert bits_equal(pool, before) and np.all(np.isnan(o))
 
 
 def test_prefill_checkpoint_interval():
@@ -175,6 +181,7 @@ def test_prefill_checkpoint_interval():
         gdnkit.prefill(p.q, p.k, p.v, np.array([0, 8], np.int32), checkpoints=ck, checkpoint_interval=48,
                        checkpoint_indices=np.zeros(1, np.int32), **p.gate_kwargs())
     assert str(info.value) == "checkpoint_interval: expected 0 or a multiple of 64 (the chunk), got 48"
+    assert np.all(np.isnan(ck)), "checkpoints written although validation failed"
 
 
 def test_unmergeable_batch_axes():
@@ -183,27 +190,33 @@ def test_unmergeable_batch_axes():
     k = np.ascontiguousarray(q).reshape(4, 1, 64)
     v = rng.standard_normal((4, 2, 64)).astype(np.float32)
     pool = random_pool(rng, 4, 2, 64, 64, "k_last")
+    before = pool.copy()
     with pytest.raises(gdnkit.GdnkitError, match=r"^q: the batch and token axes of shape \[2, 2, 1, 64\] cannot"):
         gdnkit.decode(q, k, v, pool, np.arange(4, dtype=np.int32), g=np.zeros((4, 2), np.float32),
                       beta=np.zeros((4, 2), np.float32))
+    assert bits_equal(pool, before)
 
 
 def test_commit_needs_cache():
     rng = np.random.default_rng(4)
     p = Problem(rng, 4, H=1, HV=2, K=64, V=64)
     pool = random_pool(rng, 2, 2, 64, 64, "k_last")
+    before = pool.copy()
     with pytest.raises(gdnkit.GdnkitError, match=r"^intermediate: required pointer is null"):
         gdnkit.commit(p.k, p.v, pool, np.array([0, 1], np.int32), np.array([1, 2], np.int32), source="cache",
                       **p.gate_kwargs())
+    assert bits_equal(pool, before)
 
 
 def test_commit_bad_source():
     rng = np.random.default_rng(4)
     p = Problem(rng, 4, H=1, HV=2, K=64, V=64)
     pool = random_pool(rng, 2, 2, 64, 64, "k_last")
+    before = pool.copy()
     with pytest.raises(gdnkit.GdnkitError, match=r"^source: expected 'cache' or 'recompute', got 'x'$"):
         gdnkit.commit(p.k, p.v, pool, np.array([0, 1], np.int32), np.array([1, 2], np.int32), source="x",
                       **p.gate_kwargs())
+    assert bits_equal(pool, before)
 
 
 def test_no_cuda_reported_as_runtime_error_or_skips():
@@ -261,9 +274,15 @@ def test_scalar_of_wrong_type(kw, message):
 
 
 def test_numpy_scalars():
-    args = decode_case(scale=np.float32(0.125), stream=np.int64(0))
+    # NumPy scalars act as the Python ones (scale 0.25, not K = 64's default 1/8, so that it must be applied)
+    args = decode_case(scale=np.float32(0.25), stream=np.int64(0))
     call_decode(args)
-    assert np.all(np.isfinite(args["o"]))
+    same = decode_case(scale=0.25, stream=0)
+    call_decode(same)
+    assert bits_equal(args["o"], same["o"]) and bits_equal(args["state"], same["state"])
+    default = decode_case()
+    call_decode(default)
+    assert np.all(np.isfinite(args["o"])) and not bits_equal(args["o"], default["o"])
     args = decode_case(use_qk_l2norm=np.bool_(True))
     with pytest.raises(TypeError, match=r"^use_qk_l2norm: expected a bool, got numpy\.bool_?$"):
         call_decode(args)

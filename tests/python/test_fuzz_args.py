@@ -192,8 +192,18 @@ def names(message, candidates):
     return any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(c)}(?![A-Za-z0-9_])", message) for c in candidates)
 
 
+def host_array(x):
+    """x as a NumPy array over the same memory (NumPy arrays, CPU torch tensors), else None."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "numpy") and str(getattr(x, "device", "")) == "cpu":
+        return x.numpy()
+    return None
+
+
 def snapshot(args):
-    return {n: np.array(args[n], copy=True) for n in WRITTEN if isinstance(args.get(n), np.ndarray)}
+    views = {n: host_array(args.get(n)) for n in WRITTEN}
+    return {n: np.array(v, copy=True) for n, v in views.items() if v is not None}
 
 
 def check_one(rng, seed, make, module=gdnkit, convert=None):
@@ -211,7 +221,7 @@ def check_one(rng, seed, make, module=gdnkit, convert=None):
     except LIBRARY_ERRORS as e:
         assert names(str(e), allowed), f"{where}: {type(e).__name__} does not name the argument: {e}"
         for n, b in before.items():
-            assert bits_equal(np.asarray(args[n]), b), f"{where}: {n} written although the call raised: {e}"
+            assert bits_equal(host_array(args[n]), b), f"{where}: {n} written although the call raised: {e}"
         return 1
     except Exception as e:  # noqa: BLE001 - any other exception is the failure being looked for
         pytest.fail(f"{where}: raised {type(e).__name__} (not a library error): {e}")
@@ -283,7 +293,7 @@ def test_random_mutations_torch():
         seed = SEED * 1000 + 500000 + i
         rng = np.random.default_rng(seed)
         count += check_one(rng, seed, CALLS[i % len(CALLS)], convert=to_torch)
-    assert count > 0
+    assert count > ITERATIONS // 4
 
 
 def test_meta_and_wrong_device_tensors_are_named():

@@ -88,10 +88,13 @@ def test_requires_grad_inputs_are_read():
     g = gen("grad")
     q = randn(g, 2, 1, 64).requires_grad_()
     k, v = randn(g, 2, 1, 64), randn(g, 2, 1, 64)
-    pool = torch.zeros(2, 1, 64, 64)
-    o = gdnkit.decode(q, k, v, pool, torch.tensor([0, 1], dtype=torch.int32), g=torch.zeros(2, 1),
-                      beta=torch.ones(2, 1))
-    assert torch.isfinite(o).all() and not o.requires_grad
+    pool = 0.1 * randn(g, 2, 1, 64, 64)
+    pool_plain = pool.clone()
+    slots, gates = torch.tensor([0, 1], dtype=torch.int32), dict(g=-0.1 * torch.ones(2, 1), beta=0.5 * torch.ones(2, 1))
+    o = gdnkit.decode(q, k, v, pool, slots, **gates)
+    o_plain = gdnkit.decode(q.detach().clone(), k, v, pool_plain, slots, **gates)  # the same values, no grad
+    assert not o.requires_grad
+    assert torch.equal(o, o_plain) and torch.equal(pool, pool_plain) and torch.isfinite(o).all()
 
 
 def test_cuda_tensor_mixed_with_cpu_is_named():
