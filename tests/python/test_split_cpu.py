@@ -88,20 +88,22 @@ def test_split_errors_name_the_argument():
     rng = np.random.default_rng(3)
     p = Problem(rng, 100, H=1, HV=2, K=64, V=64)
     cu = np.array([0, 100], np.int32)
-    o = np.empty_like(p.v)
+    o = poison(p.v.shape)
     with pytest.raises(gdnkit.GdnkitError, match="exchange: expected a contiguous float32 array of 32768"):
-        gd.split_prefill_begin(p.q, p.k, p.v, o, cu, rank=0, num_ranks=2, exchange=np.zeros(10, np.float32),
+        gd.split_prefill_begin(p.q, p.k, p.v, o, cu, rank=0, num_ranks=2, exchange=poison((10,)),
                                **p.gate_kwargs())
-    ex = np.zeros(2 * gd.exchange_elems(1, 2, 64, 64), np.float32)
+    ex = poison((2 * gd.exchange_elems(1, 2, 64, 64),))
     with pytest.raises(gdnkit.GdnkitError, match="rank: expected 0..1, got 2"):
         gd.split_prefill_begin(p.q, p.k, p.v, o, cu, rank=2, num_ranks=2, exchange=ex, **p.gate_kwargs())
+    ck = poison((1, 2) + pool_shape(1, 2, 64, 64, "k_last")[1:])
     with pytest.raises(gdnkit.GdnkitError, match="piece_offsets_cpu: sequence 0's piece starts 10 tokens"):
-        gd.split_prefill_begin(p.q, p.k, p.v, o, cu, rank=1, num_ranks=2, exchange=ex,
-                               checkpoints=poison((1, 2) + pool_shape(1, 2, 64, 64, "k_last")[1:]),
+        gd.split_prefill_begin(p.q, p.k, p.v, o, cu, rank=1, num_ranks=2, exchange=ex, checkpoints=ck,
                                checkpoint_interval=64, checkpoint_indices=np.zeros(1, np.int32),
                                piece_offsets=np.array([10]), piece_offsets_cpu=np.array([10]), **p.gate_kwargs())
     with pytest.raises(TypeError, match="unexpected keyword argument 'groupp'"):
         gd.split_prefill_begin(p.q, p.k, p.v, o, cu, rank=0, num_ranks=1, exchange=ex[:ex.size // 2], groupp=1)
+    # nothing written by the refused calls: o, the exchange and the checkpoints all still NaN
+    assert np.all(np.isnan(o)) and np.all(np.isnan(ex)) and np.all(np.isnan(ck))
 
 
 def test_prefill_without_process_group_is_one_rank():
