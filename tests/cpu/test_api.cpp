@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gdnkit/gdnkit.h"
@@ -86,6 +87,9 @@ struct SmallDecode {
 
   SmallDecode() {
     for (size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * float(i % 97) - 0.4f;
+    // Row 2's k points the other way and each row has its own beta, so rows read in each other's place show.
+    std::fill(k.begin() + 2 * H * K, k.begin() + 3 * H * K, 0.3f);
+    for (int row = 0; row < B; ++row) std::fill(b.begin() + row * HV, b.begin() + (row + 1) * HV, 1.0f + 0.5f * row);
     pool.assign(size_t(P) * kSlot, NAN);
     for (int s : {4, 1}) std::fill(pool.begin() + s * kSlot, pool.begin() + (s + 1) * kSlot, 0.0f);
   }
@@ -113,25 +117,28 @@ TEST(Api, DecodeStepThroughThePublicEntry) {
   const std::vector<float> before = d.pool;
   decode(d.params(), Context{Backend::kCPU, nullptr});
 
-  const double beta = 1.0 / (1.0 + std::exp(-1.0));
+  const auto beta = [](int row) { return 1.0 / (1.0 + std::exp(-(1.0 + 0.5 * row))); };
+  const auto k_sign = [](int row) { return row == 2 ? 1.0 : -1.0; };  // after the norm k = sign / sqrt(K)
   const double inv_sqrt_k = 1.0 / std::sqrt(double(SmallDecode::K));
   for (int row = 0; row < SmallDecode::B; ++row)
     for (int h = 0; h < SmallDecode::HV; ++h)
       for (int j = 0; j < SmallDecode::V; ++j) {
         const size_t i = (size_t(row) * SmallDecode::HV + h) * SmallDecode::V + j;
-        // Rows 1 (padding) and 3 (slot >= P, skipped) give o = 0. k.q = -1 here (k < 0 < q).
-        const double want = (row == 1 || row == 3) ? 0.0 : -beta * d.v[i] * inv_sqrt_k;
+        // Rows 1 (padding) and 3 (slot >= P, skipped) give o = 0; else o = beta (k.q) v / sqrt(K), k.q = sign.
+        const double want = (row == 1 || row == 3) ? 0.0 : k_sign(row) * beta(row) * d.v[i] * inv_sqrt_k;
         ASSERT_NEAR(d.o[i], want, 1e-5) << "row " << row << " head " << h << " j " << j;
       }
   EXPECT_EQ(d.error_flag[0], 1) << "one slot >= P must be counted";
-  // Slot 4 (row 0, K-last [V, K]): S^T[j][i] = k_i * u_j with k = -1/sqrt(K) after the norm.
-  for (int h = 0; h < SmallDecode::HV; ++h)
-    for (int j = 0; j < SmallDecode::V; ++j)
-      for (int i = 0; i < SmallDecode::K; i += 13) {
-        const double u = beta * d.v[(size_t(0) * SmallDecode::HV + h) * SmallDecode::V + j];
-        const size_t at = 4 * SmallDecode::kSlot + (size_t(h) * SmallDecode::V + j) * SmallDecode::K + i;
-        ASSERT_NEAR(d.pool[at], -inv_sqrt_k * u, 1e-6) << "h " << h << " j " << j << " i " << i;
-      }
+  // Slots 4 (row 0) and 1 (row 2), K-last [V, K], from S = 0: S^T[j][i] = k_i u_j, u_j = beta v_j.
+  for (const auto [row, slot] : {std::pair{0, 4}, std::pair{2, 1}})
+    for (int h = 0; h < SmallDecode::HV; ++h)
+      for (int j = 0; j < SmallDecode::V; ++j)
+        for (int i = 0; i < SmallDecode::K; ++i) {
+          const double u = beta(row) * d.v[(size_t(row) * SmallDecode::HV + h) * SmallDecode::V + j];
+          const size_t at = size_t(slot) * SmallDecode::kSlot + (size_t(h) * SmallDecode::V + j) * SmallDecode::K + i;
+          ASSERT_NEAR(d.pool[at], k_sign(row) * inv_sqrt_k * u, 1e-6)
+              << "slot " << slot << " h " << h << " j " << j << " i " << i;
+        }
   // Slots no row names stay bit-identical (NaN).
   for (int s : {0, 2, 3, 5})
     EXPECT_EQ(std::memcmp(d.pool.data() + s * SmallDecode::kSlot, before.data() + s * SmallDecode::kSlot,
@@ -143,6 +150,7 @@ TEST(Api, DecodeStepThroughThePublicEntry) {
 TEST(Api, CudaBackendWithoutDeviceReportsNoDevice) {
   if (cuda_available()) GTEST_SKIP() << "a usable GPU is present; this checks the no-GPU path";
   SmallDecode d;
+  const SmallDecode before;
   try {
     decode(d.params(), Context{Backend::kCUDA, nullptr});
     ADD_FAILURE() << "decode on the CUDA backend without a device did not throw";
@@ -150,7 +158,10 @@ TEST(Api, CudaBackendWithoutDeviceReportsNoDevice) {
     EXPECT_EQ(e.code(), ErrorCode::kNoDevice) << e.what();
     EXPECT_NE(std::string(e.what()).find("backend cuda"), std::string::npos) << e.what();
   }
-  EXPECT_TRUE(std::isnan(d.o[0])) << "nothing may be written";
+  // nothing written: o, the pool and the error flag as they were (bit for bit: NaN included)
+  EXPECT_EQ(std::memcmp(d.o.data(), before.o.data(), d.o.size() * sizeof(float)), 0) << "o written";
+  EXPECT_EQ(std::memcmp(d.pool.data(), before.pool.data(), d.pool.size() * sizeof(float)), 0) << "pool written";
+  EXPECT_EQ(d.error_flag, before.error_flag);
 }
 
 }  // namespace
