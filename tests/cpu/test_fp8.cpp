@@ -372,7 +372,7 @@ std::string error_of(Fn fn, ErrorCode code) {
 
 TEST(Fp8, MissingScalesRejectedAndNothingWritten) {
   Fp8States pool(2, 1, kStride, 13), ckpt(1, 1, HV * kHead, 14);
-  const Fp8States pool0 = pool;
+  const Fp8States pool0 = pool, ckpt0 = ckpt;
   Tokens tok(2, 15);
   const std::vector<int32_t> slots{0, 1};
   DecodeParams d;
@@ -398,7 +398,8 @@ TEST(Fp8, MissingScalesRejectedAndNothingWritten) {
   p.checkpoint_interval = 64, p.checkpoint_indices = cps.data();
   EXPECT_EQ(error_of([&] { prefill(p, kCpu); }, ErrorCode::kInvalidArgument),
             "checkpoints: float8_e4m3 states need their scales (one byte per 32 elements), got a null pointer");
-  EXPECT_TRUE(pool.untouched(pool0, 0));
+  EXPECT_TRUE(pool.untouched(pool0, 0) && pool.untouched(pool0, 1) && ckpt.untouched(ckpt0, 0));
+  for (float x : tok.o) EXPECT_TRUE(std::isnan(x)) << "o written";
 
   Fp8States cache(2, 2, 2 * HV * kHead, 23);
   const Fp8States cache0 = cache;
@@ -415,6 +416,7 @@ TEST(Fp8, MissingScalesRejectedAndNothingWritten) {
             "intermediate: float8_e4m3 states need their scales (one byte per 32 elements), got a null pointer");
   EXPECT_TRUE(pool.untouched(pool0, 0) && pool.untouched(pool0, 1));
   EXPECT_TRUE(cache.untouched(cache0, 0) && cache.untouched(cache0, 1));
+  for (float x : tok.o) EXPECT_TRUE(std::isnan(x)) << "o written";
 }
 
 TEST(Fp8, LayoutScalesRules) {
