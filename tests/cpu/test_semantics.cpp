@@ -563,6 +563,17 @@ TEST(SemViews, StridedViewsAndSlotPaddingGiveIdenticalResults) {
       EXPECT_TRUE(UntouchedSlotsEqual(
           before, strided, "state",
           op == OpKind::kDecode ? strided.written_pool_slots_decode() : strided.written_pool_slots_prefill()));
+    } else {
+      // verify (a tree: no update_state) writes the intermediate cache, not the pool
+      EXPECT_TRUE(BitwiseEqual("state", strided.buffer("state"), before.buffer("state")));
+      const auto entries = dense.written_intermediate();
+      ASSERT_FALSE(entries.empty());
+      for (const auto& [slot, step] : entries) {
+        const std::string what = "intermediate " + std::to_string(slot) + "/" + std::to_string(step);
+        EXPECT_TRUE(Identical(what, strided.read_cache("intermediate", slot, step),
+                              dense.read_cache("intermediate", slot, step)));
+      }
+      EXPECT_EQ(strided.first_changed_cache_byte(before, "intermediate", strided.written_intermediate()), -1);
     }
   }
 }
