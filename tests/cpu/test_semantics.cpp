@@ -589,7 +589,7 @@ TEST(SemGates, GivenGatesEqualFusedFormula) {
   cpu::verify(fused.verify_params());
   cpu::verify(given.verify_params());
   // Given g is the fused value rounded to fp32 and beta rounded to bf16: close, not equal.
-  EXPECT_TRUE(RelClose("o", given.read_tokens("o"), fused.read_tokens("o"), 1e-2));
+  EXPECT_TRUE(RelClose("o", given.read_tokens("o"), fused.read_tokens("o"), 4e-3));  // bf16 beta: 2^-9 a token
   EXPECT_FALSE(Identical("o", given.read_tokens("o"), fused.read_tokens("o")));
 }
 

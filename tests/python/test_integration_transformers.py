@@ -457,8 +457,8 @@ def test_rules_varlen():
     o_ref, s_ref = fp64_rule(q, k, v, **kw)
     o, s = gt.chunk_gated_delta_rule(q, k, v, **kw)
     assert s.shape == (len(lens), 2, 64, 64)
-    assert float((o.double() - o_ref.double()).norm() / o_ref.double().norm()) < 1e-2
-    assert float((s.double() - s_ref).norm() / s_ref.norm()) < 1e-2
+    assert float((o.double() - o_ref.double()).norm() / o_ref.double().norm()) < TOLERANCES[("prefill", "o", "bf16")]
+    assert float((s.double() - s_ref).norm() / s_ref.norm()) < TOLERANCES[("prefill", "state", "fp32")]
     with pytest.raises(gdnkit.GdnkitError):
         gt.chunk_gated_delta_rule(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
                                   g=g.expand(2, -1, -1), beta=beta.expand(2, -1, -1), cu_seqlens=cu)
