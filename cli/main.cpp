@@ -34,9 +34,9 @@ commands:
 
 bench options:
   --shape NAME[,NAME]|all    qwen3-next | qwen3.5-397b-tp8 | qwen3.5-27b | qwen3.5-397b
-                             (default: qwen3-next; prefill also qwen3.5-397b-tp8)
+                             (default: qwen3-next; prefill all four, qwen3-next with --quick)
   --state LIST               state dtypes, comma-separated: fp32, bf16, fp16, fp8 (float8_e4m3 with block
-                             scales: CUDA; V-last prefill on staged K-last fp32 copies), both (= fp32,bf16), all
+                             scales; prefill off the head pass on staged K-last fp32 copies), both (= fp32,bf16), all
                              (= fp32,bf16,fp16)
                              (default: decode all, verify/prefill fp32)
   --layout klast|vlast|both  state layout (default: decode both, verify/prefill klast)
@@ -49,7 +49,7 @@ bench options:
   --draft 2,3,...            verify draft tokens T (default: 2,3,4,8)
   --seqs SET[,SET]           prefill sequence sets: NxL = N sequences of L tokens, A+B = lengths A and B, and
                              terms of both in order: 64x100+6144 = 64 sequences of 100 tokens, then one of 6144
-                             (default: the 10 standard sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
+                             (default: the 12 standard sets, plus 4x2048, 8x1024, 8x8192, 32x8192)
   --gpus 1,2,4               prefill-split GPU counts (default: 1, 2, 4, ... up to the machine's; sets
                              1x262144, 1x1048576 on qwen3-next and qwen3.5-397b-tp8)
   --checkpoint C             prefill: also store every sequence's state after each C of its tokens (prefix-cache
@@ -415,16 +415,18 @@ int info() {
 #endif
   std::printf(
       "\nsupported configurations (docs/semantics.md):\n"
-      "  ops:         decode; verify (chain or tree parents, fixed T or varlen, fp32/bf16 intermediate cache,\n"
-      "               update_state); commit (from cache or by recompute); prefill (chunk 64, cu_seqlens int32/int64,\n"
-      "               checkpoints every C tokens, C a multiple of 64); convert_layout (K-last <-> V-last)\n"
+      "  ops:         decode; verify (chain or tree parents, fixed T or varlen, an intermediate cache of float32,\n"
+      "               bfloat16, float16 or float8_e4m3, update_state); commit (from cache or by recompute); prefill\n"
+      "               (chunk 64, cu_seqlens int32/int64, checkpoints every C tokens, C a multiple of 64);\n"
+      "               convert_layout (K-last <-> V-last)\n"
       "  heads:       H q/k heads, HV value heads, HV %% H == 0\n"
       "  head dims:   K, V in {64, 128, 256} (128 is the tuned path)\n"
       "  inputs:      q, k, v, a, b: bfloat16, float16, float32; o has v's dtype; A_log, dt_bias, g: float32;\n"
       "               beta: float32, bfloat16, float16\n"
       "  gating:      fused (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)) or given (g, beta)\n"
-      "  state:       float32 or bfloat16, accumulated in float32; layouts K-last [V,K] and V-last [K,V];\n"
-      "               pool-indexed by int32 slots (negative = padding), int64 slot stride\n"
+      "  state:       float32, bfloat16, float16 or float8_e4m3 (block scales), accumulated in float32; layouts\n"
+      "               K-last [V,K] and V-last [K,V]; pool-indexed by int32 slots (negative = padding), int64 slot\n"
+      "               stride\n"
       "  backends:    cpu (reference, always), cuda (sm_90a%s)\n",
       cuda_compiled() ? "" : ", not in this build");
   std::printf("\nbench shapes (d = K = V):\n");

@@ -14,7 +14,7 @@ all arrays of one call must be on one device.
   copies. q, k and v share one dtype: float32, bfloat16 or float16.
 - Per-head gates are ``[T_total, HV]`` (or ``[B, T, HV]``), any strides.
 - State pools are ``[P, HV, V, K]`` (``layout="k_last"``) or ``[P, HV, K, V]`` (``layout="v_last"``),
-  float32, bfloat16 or float16, updated in place. The last three dims are contiguous; the slot stride may be
+  float32, bfloat16, float16 or float8_e4m3fn (with its block scales), updated in place. The last three dims are contiguous; the slot stride may be
   larger than ``HV*K*V`` (strided views).
 - Index arrays are int32 (prefill's ``cu_seqlens`` may be int64) on the device of the data.
 
