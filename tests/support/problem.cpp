@@ -717,8 +717,12 @@ std::vector<int64_t> Problem::written_pool_slots_decode() const {
 std::vector<int64_t> Problem::written_pool_slots_verify() const {
   std::vector<int64_t> out;
   if (!cfg_.update_state || cfg_.tree) return out;
+  // a row whose cache slot is >= Q is skipped whole (docs/semantics.md "Padding, out-of-range slots and the error
+  // flag"): its pool slot keeps its state
+  const int32_t* islots = has("intermediate") ? as<int32_t>("intermediate_indices") : nullptr;
   for (int32_t r = 0; r < rows_; ++r)
-    if (lens_[r] > 0) push_valid(out, as<int32_t>("state_indices")[r], pool_slots_);
+    if (lens_[r] > 0 && !(islots && islots[r] >= cache_slots_))
+      push_valid(out, as<int32_t>("state_indices")[r], pool_slots_);
   return out;
 }
 
