@@ -89,6 +89,7 @@ TEST_F(NonFinite, DecodeNaNInK) {
       cfg.layout = layout;
       cfg.state_dtype = state;
       Problem clean(cfg), bad = clean;
+      const Problem before = clean;
       const int32_t row = 5;
       poison_k(bad, row, 2, 17);
       for (Problem* p : {&clean, &bad}) {
@@ -96,6 +97,9 @@ TEST_F(NonFinite, DecodeNaNInK) {
         decode(p->decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
         dev.download(*p);
       }
+      Problem ref = before;  // the clean run is right (so that "bad equals clean" means something)
+      decode(ref.decode_params(), {Backend::kCPU, nullptr});
+      check_decode_results(before, clean, ref);
       expect_poisoned(clean, bad, row, row, row, group_of(cfg, 2), clean.as<int32_t>("state_indices")[row],
                       std::string("decode ") + layout_name(layout) + " " + dtype_name(state));
     }
@@ -112,6 +116,7 @@ TEST_F(NonFinite, VerifyNaNInK) {
     cfg.H = 2, cfg.HV = 4, cfg.K = 128, cfg.V = 128;
     cfg.update_state = true;
     Problem clean(cfg), bad = clean;
+    const Problem before = clean;
     const int32_t row = 3;
     const int64_t tok = clean.row_start(row) + T / 2;
     poison_k(bad, tok, 1, 0);
@@ -120,6 +125,9 @@ TEST_F(NonFinite, VerifyNaNInK) {
       verify(p->verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
       dev.download(*p);
     }
+    Problem ref = before;  // the clean run is right
+    verify(ref.verify_params(), {Backend::kCPU, nullptr});
+    check_verify_results(before, clean, ref);
     expect_poisoned(clean, bad, row, tok, clean.row_start(row), group_of(cfg, 1),
                     clean.as<int32_t>("state_indices")[row], "verify T=" + std::to_string(T));
     // The other sequences' cached states are bit-identical.
@@ -141,6 +149,7 @@ TEST_F(NonFinite, PrefillNaNInK) {
   cfg.H = 2, cfg.HV = 4, cfg.K = 128, cfg.V = 128;
   cfg.checkpoint_interval = 64;
   Problem clean(cfg), bad = clean;
+  const Problem before = clean;
   const int32_t row = 2;
   const int64_t tok = clean.row_start(row) + 150;
   poison_k(bad, tok, 0, 5);
@@ -149,6 +158,9 @@ TEST_F(NonFinite, PrefillNaNInK) {
     prefill(p->prefill_params(PrefillAlgorithm::kAuto, dev.resolver()), {Backend::kCUDA, dev.stream()});
     dev.download(*p);
   }
+  Problem ref = before;  // the clean run is right
+  prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+  check_prefill_results(before, clean, ref);
   const int64_t chunk_start = clean.row_start(row) + 128;
   expect_poisoned(clean, bad, row, tok, chunk_start, group_of(cfg, 0), clean.as<int32_t>("final_indices")[row],
                   "prefill");

@@ -565,6 +565,10 @@ TEST(VerifyGpu, GraphReplayBitwiseEqualEager) {
     cudaGraphDestroy(graph);
     for (const char* name : {"o", "state", "intermediate", "error_flag"})
       if (before.has(name)) EXPECT_TRUE(BitwiseEqual(name, graphed.buffer(name), eager.buffer(name)));
+    // and the eager run is right
+    Problem ref = before;
+    verify(ref.verify_params(), {Backend::kCPU, nullptr});
+    check_verify_results(before, eager, ref);
   }
 }
 
