@@ -417,6 +417,14 @@ void check_commit(const Problem& before, CommitSource source) {
   commit(got.commit_params(source, dev.resolver()), {Backend::kCUDA, dev.stream()});
   dev.download(got);
   check_commit_results(before, got, ref, source);
+  // What commit only reads, o and the intermediate cache (and its scales), as verify alone leaves them.
+  Problem verified = before;
+  DeviceProblem dev_v(verified);
+  verify(verified.verify_params(dev_v.resolver()), {Backend::kCUDA, dev_v.stream()});
+  dev_v.download(verified);
+  for (const char* name : {"o", "intermediate", "intermediate_scales"})
+    if (before.has(name)) EXPECT_TRUE(BitwiseEqual(std::string(name) + " (written by commit)", got.buffer(name),
+                                                   verified.buffer(name)));
 }
 
 std::vector<CommitCase> commit_cases() {
