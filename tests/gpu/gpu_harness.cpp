@@ -92,6 +92,7 @@ void check_decode_results(const Problem& before, const Problem& got, const Probl
   const ProblemConfig& cfg = before.config();
   const std::vector<int64_t> written = before.written_pool_slots_decode();
   EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, cfg.in_dtype)));
+  EXPECT_TRUE(OutputPaddingUntouched(before, got));
   EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kStep, cfg.state_dtype)));
   EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
   EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
@@ -107,6 +108,7 @@ void check_decode_results(const Problem& before, const Problem& got, const Probl
 void check_verify_results(const Problem& before, const Problem& got, const Problem& ref) {
   const ProblemConfig& cfg = before.config();
   EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, cfg.in_dtype)));
+  EXPECT_TRUE(OutputPaddingUntouched(before, got));
   const std::vector<int64_t> written = before.written_pool_slots_verify();
   EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kStep, cfg.state_dtype)));
   EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
@@ -142,6 +144,7 @@ void check_prefill_results(const Problem& before, const Problem& got, const Prob
   // still fails it by orders of magnitude.
   const double widen = cfg.correlated_keys ? 3.0 : 1.0;
   EXPECT_TRUE(OutputsClose(got, ref, widen * output_tolerance(OpFamily::kPrefill, cfg.in_dtype)));
+  EXPECT_TRUE(OutputPaddingUntouched(before, got));
   EXPECT_TRUE(SlotsClose(got, ref, written, widen * state_tolerance(OpFamily::kPrefill, cfg.state_dtype)));
   EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
   const auto checkpoints = before.written_checkpoints();

@@ -95,6 +95,24 @@ ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& 
   return ::testing::AssertionSuccess();
 }
 
+::testing::AssertionResult OutputPaddingUntouched(const Problem& before, const Problem& after) {
+  const Buffer& a = after.buffer("o");
+  const Buffer& b = before.buffer("o");
+  if (a.bytes.size() != b.bytes.size())
+    return ::testing::AssertionFailure() << "o: " << a.bytes.size() << " bytes vs " << b.bytes.size();
+  const ProblemConfig& c = before.config();
+  const int64_t esize = dtype_size(c.in_dtype), ts = before.token_stride("o"), hs = before.head_stride("o");
+  const int64_t logical_end = before.total_tokens() * ts * esize;
+  for (int64_t i = 0; i < int64_t(a.bytes.size()); ++i) {
+    const int64_t e = i / esize % ts;
+    const bool logical = i < logical_end && e < c.HV * hs && e % hs < c.V;
+    if (!logical && a.bytes[size_t(i)] != b.bytes[size_t(i)])
+      return ::testing::AssertionFailure() << "o: padding written at token " << i / esize / ts << ", element " << e
+                                           << " of its row (byte " << i << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
 ::testing::AssertionResult UntouchedSlotsEqual(const Problem& before, const Problem& after, const std::string& name,
                                                const std::vector<int64_t>& written) {
   const Buffer& a = after.buffer(name);

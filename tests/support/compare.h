@@ -64,6 +64,9 @@ ErrorStats error_stats(const std::vector<double>& x, const std::vector<double>& 
 ::testing::AssertionResult UntouchedSlotsEqual(const Problem& before, const Problem& after, const std::string& name,
                                                const std::vector<int64_t>& written);
 
+// o's padding (the elements between heads and past the last head of each token row, and past the last row) equals
+// `before` bit for bit: a store past V or between heads shows.
+::testing::AssertionResult OutputPaddingUntouched(const Problem& before, const Problem& after);
 // Token rows of a [T_total][heads][dim] read (Problem::read_tokens) belonging to rows [t0, t1).
 std::vector<double> token_rows(const std::vector<double>& x, int64_t row_elems, int64_t t0, int64_t t1);
 
