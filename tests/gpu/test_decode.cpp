@@ -6,7 +6,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -421,6 +423,7 @@ TEST(DecodeGpu, PoolOffsetsPast2Pow31Elements) {
       cudaGetLastError();
       GTEST_SKIP() << "cannot allocate " << bytes << " bytes";
     }
+    GDNKIT_TEST_CUDA(cudaMemset(big, 0xff, bytes));  // NaN bf16: where a truncated offset would write shows
     DeviceProblem dev(got);
     // problem slot s -> big slot big_slot + s
     uint16_t* slot_data = static_cast<uint16_t*>(big) + big_slot * big_stride;
@@ -439,7 +442,17 @@ TEST(DecodeGpu, PoolOffsetsPast2Pow31Elements) {
     for (int s = 0; s < batch; ++s)
       GDNKIT_TEST_CUDA(cudaMemcpy(got.buffer("state").bytes.data() + s * stride * 2, slot_data + s * big_stride,
                                   size_t(elems) * 2, cudaMemcpyDeviceToHost));
+    // An offset wrapped at 2^31 elements lands at the buffer's start; the bytes just below slot 2 are its neighbours':
+    // both still 0xff.
+    std::vector<uint8_t> probe(size_t(64) << 20);
+    for (const uint8_t* at : {static_cast<const uint8_t*>(big),
+                              reinterpret_cast<const uint8_t*>(slot_data) - probe.size()}) {
+      GDNKIT_TEST_CUDA(cudaMemcpy(probe.data(), at, probe.size(), cudaMemcpyDeviceToHost));
+      EXPECT_TRUE(std::all_of(probe.begin(), probe.end(), [](uint8_t x) { return x == 0xff; }))
+          << "written outside the slots at byte " << (at - static_cast<const uint8_t*>(big));
+    }
     cudaFree(big);
+    EXPECT_EQ(got.as<int32_t>("error_flag")[0], 0);
     EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, c.in_dtype)));
     std::vector<int64_t> all(batch);
     for (int s = 0; s < batch; ++s) all[size_t(s)] = s;

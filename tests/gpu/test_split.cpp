@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <thread>
@@ -298,13 +299,33 @@ TEST(SplitPrefillGpu, UnsupportedCallsAreRefused) {
   const PrefillParams full = p.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   SimulatedRanks sim(p, {0, 100, 300}, full);
   const auto ps = sim.params(full, false);
-  try {
-    split_prefill_begin(ps[0], {Backend::kCUDA, dev.stream()});
-    ADD_FAILURE() << "expected kNotImplemented";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kNotImplemented);
-    EXPECT_NE(std::string(e.what()).find("bf16 or fp16 q, k, v and o"), std::string::npos) << e.what();
+  const Problem before = p;
+  std::vector<std::vector<Buffer>> ranks_before;
+  for (int r = 0; r < sim.ranks.ranks(); ++r) ranks_before.push_back(sim.ranks.buffers(r));
+  for (const bool begin : {true, false}) {
+    try {
+      if (begin)
+        split_prefill_begin(ps[0], {Backend::kCUDA, dev.stream()});
+      else
+        split_prefill_end(ps[0], {Backend::kCUDA, dev.stream()});
+      ADD_FAILURE() << "expected kNotImplemented";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kNotImplemented);
+      EXPECT_NE(std::string(e.what()).find("bf16 or fp16 q, k, v and o"), std::string::npos) << e.what();
+    }
   }
+  // nothing written: o, every rank's pool, checkpoints and flag, the NaN-filled exchange
+  dev.download(p);
+  sim.download();
+  for (const char* name : {"o", "state", "error_flag"})
+    EXPECT_TRUE(BitwiseEqual(name, p.buffer(name), before.buffer(name)));
+  for (int r = 0; r < sim.ranks.ranks(); ++r)
+    for (size_t i = 0; i < ranks_before[size_t(r)].size(); ++i)
+      EXPECT_TRUE(BitwiseEqual("rank " + std::to_string(r) + " " + ranks_before[size_t(r)][i].name,
+                               sim.ranks.buffers(r)[i], ranks_before[size_t(r)][i]));
+  std::vector<uint8_t> exchange(size_t(sim.ranks.exchange_elems(full)) * 4);
+  GDNKIT_TEST_CUDA(cudaMemcpy(exchange.data(), sim.exchange->ptr, exchange.size(), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(std::all_of(exchange.begin(), exchange.end(), [](uint8_t x) { return x == 0xff; })) << "exchange written";
 }
 
 #ifdef GDNKIT_WITH_NCCL
