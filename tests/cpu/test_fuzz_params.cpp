@@ -1790,12 +1790,13 @@ TEST(FuzzNonFinite, DecodeNaNPoolSlotAndInfValue) {
     decode(bad.decode_params(), {Backend::kCPU, nullptr});
     // Only column 0 of row 0's head 3 holds the Inf, in o and in that row's slot: every other element of o and of
     // the pool as the clean run wrote it.
+    const auto same = [](double x, double y) { return x == y || (std::isnan(x) && std::isnan(y)); };
     const auto ob = bad.read_tokens("o"), oc = c.read_tokens("o");
     for (size_t at = 0; at < ob.size(); ++at) {
       if (at == (size_t(0) * 4 + 3) * 64) {
         EXPECT_FALSE(std::isfinite(ob[at]));
       } else {
-        EXPECT_TRUE(ob[at] == oc[at] || (std::isnan(ob[at]) && std::isnan(oc[at]))) << "v Inf leaked into o " << at;
+        EXPECT_TRUE(same(ob[at], oc[at])) << "v Inf leaked into o " << at;
       }
     }
     for (int64_t slot = 0; slot < clean.num_slots(); ++slot) {
@@ -1803,8 +1804,7 @@ TEST(FuzzNonFinite, DecodeNaNPoolSlotAndInfValue) {
       for (size_t e = 0; e < sb.size(); ++e) {
         const bool column = slot == si[0] && e / (64 * 64) == 3 && e % 64 == 0;  // S[3][k][0]
         if (!column)
-          EXPECT_TRUE(sb[e] == sc[e] || (std::isnan(sb[e]) && std::isnan(sc[e])))
-              << "v Inf leaked into slot " << slot << " element " << e;
+          EXPECT_TRUE(same(sb[e], sc[e])) << "v Inf leaked into slot " << slot << " element " << e;
       }
     }
   }

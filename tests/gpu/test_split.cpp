@@ -300,8 +300,7 @@ TEST(SplitPrefillGpu, UnsupportedCallsAreRefused) {
   SimulatedRanks sim(p, {0, 100, 300}, full);
   const auto ps = sim.params(full, false);
   const Problem before = p;
-  std::vector<std::vector<Buffer>> ranks_before;
-  for (int r = 0; r < sim.ranks.ranks(); ++r) ranks_before.push_back(sim.ranks.buffers(r));
+  const auto ranks_before = sim.ranks.snapshot();
   for (const bool begin : {true, false}) {
     try {
       if (begin)
@@ -319,10 +318,7 @@ TEST(SplitPrefillGpu, UnsupportedCallsAreRefused) {
   sim.download();
   for (const char* name : {"o", "state", "error_flag"})
     EXPECT_TRUE(BitwiseEqual(name, p.buffer(name), before.buffer(name)));
-  for (int r = 0; r < sim.ranks.ranks(); ++r)
-    for (size_t i = 0; i < ranks_before[size_t(r)].size(); ++i)
-      EXPECT_TRUE(BitwiseEqual("rank " + std::to_string(r) + " " + ranks_before[size_t(r)][i].name,
-                               sim.ranks.buffers(r)[i], ranks_before[size_t(r)][i]));
+  EXPECT_TRUE(sim.ranks.unchanged_since(ranks_before));
   std::vector<uint8_t> exchange(size_t(sim.ranks.exchange_elems(full)) * 4);
   GDNKIT_TEST_CUDA(cudaMemcpy(exchange.data(), sim.exchange->ptr, exchange.size(), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(std::all_of(exchange.begin(), exchange.end(), [](uint8_t x) { return x == 0xff; })) << "exchange written";

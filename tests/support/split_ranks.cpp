@@ -107,6 +107,14 @@ SplitPrefillParams SplitRanks::params(const PrefillParams& full, int r, const Ra
   return sp;
 }
 
+::testing::AssertionResult SplitRanks::unchanged_since(const std::vector<std::vector<Buffer>>& snapshot) const {
+  for (size_t r = 0; r < ranks_.size(); ++r)
+    for (size_t i = 0; i < ranks_[r].size(); ++i)
+      if (ranks_[r][i].bytes != snapshot[r][i].bytes)
+        return ::testing::AssertionFailure() << "rank " << r << "'s " << ranks_[r][i].name << " written";
+  return ::testing::AssertionSuccess();
+}
+
 int64_t SplitRanks::exchange_elems(const PrefillParams& full) const {
   return int64_t(ranks()) * split_prefill_exchange_elems(full);
 }

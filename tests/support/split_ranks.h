@@ -5,6 +5,8 @@
 // flag, kept here as host buffers (a GPU test mirrors them).
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -35,6 +37,9 @@ class SplitRanks {
   // error_flag; the scales where the problem has them).
   std::vector<Buffer>& buffers(int r) { return ranks_[size_t(r)]; }
   const Buffer& buffer(int r, const std::string& name) const;
+  // Every rank's buffers as they are now, and whether they still are, bit for bit (a refused call writes nothing).
+  std::vector<std::vector<Buffer>> snapshot() const { return ranks_; }
+  ::testing::AssertionResult unchanged_since(const std::vector<std::vector<Buffer>>& snapshot) const;
   RankPointers host_pointers(int r);
 
   // Rank r's params: `full` is the whole problem's (host or device pointers); its token views are moved to the
