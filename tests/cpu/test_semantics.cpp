@@ -50,7 +50,8 @@ TEST(SemPadding, DecodeVerifyCommitSkipPaddingRows) {
 
   const Problem after_verify = p;
   cpu::commit(p.commit_params(CommitSource::kRecompute));
-  EXPECT_TRUE(UntouchedSlotsEqual(after_verify, p, "state", p.written_pool_slots_commit()));
+  EXPECT_TRUE(
+      UntouchedSlotsEqual(after_verify, p, "state", p.written_pool_slots_commit(CommitSource::kRecompute)));
   EXPECT_EQ(p.as<int32_t>("error_flag")[0], 0);
 
   cpu::decode(d.decode_params());
@@ -200,7 +201,7 @@ TEST(SemOutOfRange, CommitBadAcceptedPathOrCacheSlot) {
       const Problem before = p;
       cpu::commit(p.commit_params(src));
       EXPECT_EQ(p.as<int32_t>("error_flag")[0], 1) << br.what;
-      std::vector<int64_t> written = before.written_pool_slots_commit();
+      std::vector<int64_t> written = before.written_pool_slots_commit(src);
       written.erase(std::remove(written.begin(), written.end(), int64_t(index_at(p, "state_indices", r))),
                     written.end());
       EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state", written)) << br.what;
@@ -220,10 +221,32 @@ TEST(SemOutOfRange, CommitCachedStepBeyondTheCache) {
   cp.intermediate.num_steps = 3;  // steps 0..2 exist; row 1 needs step 3
   cpu::commit(cp);
   EXPECT_EQ(p.as<int32_t>("error_flag")[0], 1);
-  std::vector<int64_t> written = before.written_pool_slots_commit();
+  std::vector<int64_t> written = before.written_pool_slots_commit(CommitSource::kCache);
   written.erase(std::remove(written.begin(), written.end(), int64_t(index_at(p, "state_indices", 1))), written.end());
   EXPECT_EQ(written.size(), 3u);
   EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state", written));
+}
+
+TEST(SemOutOfRange, CommitRowWithCacheSlotPastTheCache) {
+  // From the cache the row is skipped whole and counted, its pool slot held bit-identical; by recompute the cache
+  // slot is not read and the row commits.
+  for (CommitSource src : {CommitSource::kCache, CommitSource::kRecompute}) {
+    ProblemConfig c = verify_config();
+    c.update_state = false;
+    c.out_of_range_cache_rows = 1;  // row 0's cache slot is Q
+    Problem p(c);
+    ASSERT_EQ(index_at(p, "intermediate_indices", 0), p.cache_slots());
+    index_at(p, "accepted", 0) = 2;
+    cpu::verify(p.verify_params());
+    const Problem before = p;
+    cpu::commit(p.commit_params(src));
+    const bool from_cache = src == CommitSource::kCache;
+    EXPECT_EQ(p.as<int32_t>("error_flag")[0], before.as<int32_t>("error_flag")[0] + (from_cache ? 1 : 0));
+    const std::vector<int64_t> written = before.written_pool_slots_commit(src);
+    const int64_t slot0 = index_at(p, "state_indices", 0);
+    EXPECT_EQ(std::count(written.begin(), written.end(), slot0), from_cache ? 0 : 1);
+    EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state", written));
+  }
 }
 
 ProblemConfig prefill_config() {

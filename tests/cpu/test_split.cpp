@@ -3,8 +3,10 @@
 // the whole prefill's on the same problem; untouched slots and entries stay bit-identical.
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,17 +53,25 @@ void check_split(const Problem& before, const Problem& got, const Problem& ref) 
   EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
 }
 
+// Every rank's pool past rank 0 NaN (the initial states are read from rank 0's alone); the pools of the ranks that
+// store final states checked against the whole prefill, every other rank's bit-identical to what it was.
 void run_split_case(const ProblemConfig& cfg, const std::vector<int64_t>& cuts, bool every_rank) {
   const Problem before(cfg);
   Problem ref = before, got = before;
   cpu::prefill_recurrent(ref.prefill_params());
   SplitRanks ranks(got, cuts);
+  ranks.poison_pools_past_rank0();
   ranks.run_cpu(got, every_rank);
-  for (int r = every_rank ? 0 : ranks.ranks() - 1; r < ranks.ranks(); ++r) {
+  const int last = ranks.ranks() - 1;
+  for (int r = 0; r <= last; ++r) {
     SCOPED_TRACE("pool of rank " + std::to_string(r));
+    if (!every_rank && r < last) {
+      EXPECT_TRUE(ranks.pool_unchanged(r));
+      continue;
+    }
     Problem collected = got;
-    ranks.collect(collected, r);
-    check_split(before, collected, ref);
+    EXPECT_TRUE(ranks.collect(collected, r, every_rank));
+    check_split(ranks.with_pool_before(before, r), collected, ref);
   }
 }
 
@@ -117,6 +127,55 @@ TEST(SplitPrefill, Fp8PoolAndCheckpointsBothLayouts) {
     SCOPED_TRACE(layout_name(layout));
     run_split_case(c, {0, 128, 256, 550}, false);
   }
+}
+
+TEST(SplitPrefill, CollectTakesEachCheckpointFromTheRankThatStoresIt) {
+  // The check itself: a rank's bytes in an entry another rank stores (even that rank's own bytes), in an entry no rank
+  // stores, or in an entry's scales fail collect, which names the rank, the entry and the sequence.
+  ProblemConfig c = split_config({400, 150}, 35);
+  c.cache_dtype = DType::kFloat8E4M3;  // a byte an element, and the scales
+  c.checkpoint_interval = 64;
+  Problem got(c);
+  SplitRanks ranks(got, {0, 128, 256, 550});  // sequence 0's entries 0-1 on rank 0, 2-3 on rank 1, 4-5 on rank 2
+  ranks.run_cpu(got, false);
+  {
+    Problem collected = got;
+    ASSERT_TRUE(ranks.collect(collected, 2, false));
+  }
+  const auto own = [&](int r, const std::string& name) -> Buffer& {
+    for (Buffer& b : ranks.buffers(r))
+      if (b.name == name) return b;
+    throw std::out_of_range(name);
+  };
+  const int64_t elems = got.state_elems(), blocks = elems / kFp8Block;
+  const auto first_byte = [&](int32_t seq, int64_t step) {
+    return got.as<int32_t>("checkpoint_indices")[seq] * got.cache_slot_stride() + step * elems;
+  };
+  const auto first_block = [&](int32_t seq, int64_t step) {
+    return (got.as<int32_t>("checkpoint_indices")[seq] * got.cache_steps() + step) * blocks;
+  };
+  // Rank r's copy of `name` with bytes [begin, begin + n) from rank `from`'s (or flipped, from < 0): collect fails
+  // naming the rank, the buffer and `entry`; then restored.
+  const auto expect_refused = [&](int r, const std::string& name, int64_t begin, int64_t n, int from,
+                                  const std::string& entry) {
+    Buffer& mine = own(r, name);
+    const std::vector<std::byte> kept = mine.bytes;
+    for (int64_t i = begin; i < begin + n; ++i)
+      mine.bytes[size_t(i)] = from >= 0 ? own(from, name).bytes[size_t(i)] : ~mine.bytes[size_t(i)];
+    Problem collected = got;
+    const ::testing::AssertionResult result = ranks.collect(collected, 2, false);
+    const std::string message = result.message();
+    EXPECT_FALSE(result) << entry;
+    EXPECT_NE(message.find("rank " + std::to_string(r) + " wrote " + name + " byte"), std::string::npos) << message;
+    EXPECT_NE(message.find(entry), std::string::npos) << message;
+    mine.bytes = kept;
+  };
+  expect_refused(0, "checkpoints", first_byte(0, 2), elems, 1, "(sequence 0's entry 2, stored by rank 1)");
+  expect_refused(2, "checkpoints", first_byte(0, 0), elems, 0, "(sequence 0's entry 0, stored by rank 0)");
+  expect_refused(1, "checkpoints_scales", first_block(1, 1), 1, -1, "(sequence 1's entry 1, stored by rank 2)");
+  expect_refused(2, "checkpoints", first_byte(1, 2), 1, -1, "(sequence 1's entry 2, stored by no rank)");
+  Problem collected = got;
+  EXPECT_TRUE(ranks.collect(collected, 2, false));
 }
 
 // A NaN-filled exchange buffer for `ranks` (what a rank reads of it must have been written).
@@ -185,46 +244,57 @@ TEST(SplitPrefill, MisalignedPieceWithCheckpointsIsCounted) {
   // rank 1 stored none of its checkpoints (entries 1..3), rank 0 its first
   EXPECT_NE(ranks.buffer(0, "checkpoints").bytes, before.buffer("checkpoints").bytes);
   Problem collected = p;
-  ranks.collect(collected, 1);
+  EXPECT_TRUE(ranks.collect(collected, 1, false));
   EXPECT_EQ(collected.first_changed_cache_byte(before, "checkpoints", {{0, 0}}), -1);
 }
 
-// Sequences {120, 80} with sequence 1's final slot past the pool, split at `cuts` over two ranks: the last rank
-// (which stores the final states) skips and counts that sequence once, as the whole prefill does; sequence 0 is
-// unaffected and the slots the bad one would name stay untouched. Returns the run's o and the whole prefill's.
-std::pair<std::vector<double>, std::vector<double>> bad_final_slot_case(std::vector<int64_t> cuts, uint64_t seed) {
-  ProblemConfig c = split_config({120, 80}, seed);
-  Problem before(c);
-  before.as<int32_t>("final_indices")[1] = int32_t(before.num_slots()) + 3;
-  Problem ref = before, got = before;
-  cpu::prefill_recurrent(ref.prefill_params());
+// Sequences {120, 80} with sequence 1's final slot past the pool.
+Problem bad_final_slot_problem(uint64_t seed) {
+  Problem p(split_config({120, 80}, seed));
+  p.as<int32_t>("final_indices")[1] = int32_t(p.num_slots()) + 3;
+  return p;
+}
+
+// `before` (bad_final_slot_problem) split at `cuts` over two ranks: only the last rank reads the final slots, so it
+// skips and counts its piece of sequence 1 there, once, and every other piece runs. The result (o of each sequence,
+// sequence 0's final slot, every other slot untouched on both ranks, the error count) must be `ref`'s; returns it.
+Problem check_bad_final_slot(const Problem& before, std::vector<int64_t> cuts, const Problem& ref) {
+  Problem got = before;
   SplitRanks ranks(got, std::move(cuts));
+  ranks.poison_pools_past_rank0();
   ranks.run_cpu(got, false);
   EXPECT_EQ(*ranks.buffer(1, "error_flag").as<int32_t>(), 1);
   EXPECT_EQ(*ranks.buffer(0, "error_flag").as<int32_t>(), 0);
-  ranks.collect(got, 1);
-  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", before.written_final_slots()));
+  EXPECT_TRUE(ranks.pool_unchanged(0));
+  EXPECT_TRUE(ranks.collect(got, 1, false));
+  check_split(ranks.with_pool_before(before, 1), got, ref);
   const int64_t row = 2 * 64;  // HV * V per token
   EXPECT_TRUE(RelClose("o of sequence 0", token_rows(got.read_tokens("o"), row, 0, 120),
                        token_rows(ref.read_tokens("o"), row, 0, 120), 2e-3));
-  return {token_rows(got.read_tokens("o"), row, 120, 200), token_rows(ref.read_tokens("o"), row, 120, 200)};
+  return got;
 }
 
 TEST(SplitPrefill, BadSlotOnOneRank) {
-  // Sequence 1 lives on the last rank alone: its o rows are zero, as in the whole prefill.
-  const auto [got, ref] = bad_final_slot_case({0, 60, 200}, 51);
-  EXPECT_TRUE(AllZero("o of the skipped sequence", got));
+  // Sequence 1 lives on the last rank alone: skipped there whole (its o rows zero), as the whole prefill skips it.
+  const Problem before = bad_final_slot_problem(51);
+  Problem ref = before;
+  cpu::prefill_recurrent(ref.prefill_params());
+  const Problem got = check_bad_final_slot(before, {0, 60, 200}, ref);
+  EXPECT_TRUE(AllZero("o of the skipped sequence", token_rows(got.read_tokens("o"), 2 * 64, 120, 200)));
 }
 
 TEST(SplitPrefill, BadSlotOnARankWithoutTokens) {
-  // The last rank holds no tokens but stores the final states: it counts the bad slot (rank 0 ran both sequences,
-  // its rows of o written).
-  const auto [got, ref] = bad_final_slot_case({0, 200, 200}, 52);
-  // Those rows as the whole prefill computes them where the final slot is good (o does not depend on it).
-  Problem good(split_config({120, 80}, 52));
-  cpu::prefill_recurrent(good.prefill_params());
-  EXPECT_TRUE(
-      RelClose("o of sequence 1, run on rank 0", got, token_rows(good.read_tokens("o"), 2 * 64, 120, 200), 2e-3));
+  // The last rank holds no tokens but stores the final states: it counts the bad slot. Rank 0 ran both sequences
+  // whole, so the result is the whole prefill in which sequence 1 stores no final state (o does not depend on it),
+  // with the one error more.
+  const Problem before = bad_final_slot_problem(52);
+  Problem ref = before;
+  ref.as<int32_t>("final_indices")[1] = -1;
+  cpu::prefill_recurrent(ref.prefill_params());
+  ref.as<int32_t>("error_flag")[0] += 1;
+  const Problem got = check_bad_final_slot(before, {0, 200, 200}, ref);
+  EXPECT_TRUE(RelClose("o of sequence 1, run on rank 0", token_rows(got.read_tokens("o"), 2 * 64, 120, 200),
+                       token_rows(ref.read_tokens("o"), 2 * 64, 120, 200), 2e-3));
 }
 
 TEST(SplitPrefill, Validation) {

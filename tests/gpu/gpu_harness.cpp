@@ -124,7 +124,7 @@ void check_verify_results(const Problem& before, const Problem& got, const Probl
 
 void check_commit_results(const Problem& before, const Problem& got, const Problem& ref, CommitSource source) {
   const ProblemConfig& cfg = before.config();
-  const std::vector<int64_t> written = before.written_pool_slots_commit();
+  const std::vector<int64_t> written = before.written_pool_slots_commit(source);
   // From a bf16 cache the pool gets bf16-rounded states whatever its own dtype.
   const double tol = std::max(state_tolerance(OpFamily::kStep, cfg.state_dtype),
                               source == CommitSource::kCache ? state_tolerance(OpFamily::kStep, cfg.cache_dtype) : 0.0);

@@ -84,7 +84,7 @@ void expect_row0_skipped(const Problem& before, const Problem& got, const Proble
   EXPECT_TRUE(Identical("row 0's slot (skipped)", got.read_state("state", slot0), before.read_state("state", slot0)))
       << name;
   std::vector<int64_t> others;
-  for (int64_t s : before.written_pool_slots_commit())
+  for (int64_t s : before.written_pool_slots_commit(src))
     if (s != slot0) others.push_back(s);
   EXPECT_TRUE(SlotsClose(got, ref, others, state_tolerance(OpFamily::kStep, before.config().state_dtype))) << name;
 }

@@ -67,6 +67,12 @@ class RankMirror {
     }
     return at;
   }
+  // The host buffers again, finished before any stream's later work.
+  void upload() {
+    for (size_t i = 0; i < host_.size(); ++i)
+      cudaMemcpy(mem_[i]->ptr, host_[i].bytes.data(), host_[i].bytes.size(), cudaMemcpyHostToDevice);
+    cudaDeviceSynchronize();
+  }
   void download() {
     for (size_t i = 0; i < host_.size(); ++i)
       cudaMemcpy(host_[i].bytes.data(), mem_[i]->ptr, host_[i].bytes.size(), cudaMemcpyDeviceToHost);
@@ -114,6 +120,11 @@ struct SimulatedRanks {
     for (const auto& sp : ps) split_prefill_begin(sp, {Backend::kCUDA, stream});
     for (const auto& sp : ps) split_prefill_end(sp, {Backend::kCUDA, stream});
   }
+  // Every rank's pool past rank 0 NaN, on the host and the device (initial states are read from rank 0's alone).
+  void poison_pools_past_rank0() {
+    ranks.poison_pools_past_rank0();
+    for (auto& m : mirrors) m->upload();
+  }
   void download() {
     for (auto& m : mirrors) m->download();
   }
@@ -130,7 +141,7 @@ ProblemConfig split_config(std::vector<int32_t> lens, int K, uint64_t seed) {
 }
 
 // The split run on the GPU against the fp64 recurrence of the whole prefill, with the pool of every rank that stores
-// final states.
+// final states; every other rank's pool bit-identical to what it was, every pool past rank 0 NaN before the run.
 void run_case(const ProblemConfig& cfg, const std::vector<int64_t>& cuts, bool every_rank,
               int64_t segment_len = -1, int scan_cols = 0) {
   cuda::Overrides o;
@@ -143,14 +154,20 @@ void run_case(const ProblemConfig& cfg, const std::vector<int64_t>& cuts, bool e
   DeviceProblem dev(got);
   const PrefillParams full = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   SimulatedRanks sim(got, cuts, full);
+  sim.poison_pools_past_rank0();
   SimulatedRanks::run(sim.params(full, every_rank), dev.stream());
   dev.download(got);
   sim.download();
-  for (int r = every_rank ? 0 : sim.ranks.ranks() - 1; r < sim.ranks.ranks(); ++r) {
+  const int last = sim.ranks.ranks() - 1;
+  for (int r = 0; r <= last; ++r) {
     SCOPED_TRACE("pool of rank " + std::to_string(r));
+    if (!every_rank && r < last) {
+      EXPECT_TRUE(sim.ranks.pool_unchanged(r));
+      continue;
+    }
     Problem collected = got;
-    sim.ranks.collect(collected, r);
-    check_prefill_results(before, collected, ref);
+    EXPECT_TRUE(sim.ranks.collect(collected, r, every_rank));
+    check_prefill_results(sim.ranks.with_pool_before(before, r), collected, ref);
   }
 }
 
@@ -231,25 +248,34 @@ TEST(SplitPrefillGpu, LongSequenceTwoRanks) {
 
 TEST(SplitPrefillGpu, BadSlotOnARankWithoutTokens) {
   // The last rank holds no tokens but stores the final states: its bad final slot is counted there, once (no final
-  // pass runs on it), as the CPU backend counts it; rank 0's outputs and the untouched slots as they should be.
+  // pass runs on it), as the CPU backend counts it. Rank 0 runs both sequences whole, so the result is the whole
+  // prefill in which sequence 1 stores no final state (o does not depend on it), with the one error more.
   ProblemConfig c = split_config({1200, 300}, 128, 71);
   Problem before(c);
   before.as<int32_t>("final_indices")[1] = int32_t(before.num_slots()) + 3;
   Problem ref = before, got = before;
+  ref.as<int32_t>("final_indices")[1] = -1;
   cpu::prefill_recurrent(ref.prefill_params());
+  ref.as<int32_t>("error_flag")[0] += 1;
   DeviceProblem dev(got);
   const PrefillParams full = got.prefill_params(PrefillAlgorithm::kAuto, dev.resolver());
   SimulatedRanks sim(got, {0, 1500, 1500}, full);
+  sim.poison_pools_past_rank0();
   SimulatedRanks::run(sim.params(full, false), dev.stream());
   dev.download(got);
   sim.download();
   EXPECT_EQ(*sim.ranks.buffer(1, "error_flag").as<int32_t>(), 1);
   EXPECT_EQ(*sim.ranks.buffer(0, "error_flag").as<int32_t>(), 0);
+  EXPECT_TRUE(sim.ranks.pool_unchanged(0));
   const int64_t row = int64_t(c.HV) * c.V;
-  EXPECT_TRUE(RelClose("o of sequence 0", token_rows(got.read_tokens("o"), row, 0, 1200),
-                       token_rows(ref.read_tokens("o"), row, 0, 1200), output_tolerance(OpFamily::kPrefill, c.in_dtype)));
-  sim.ranks.collect(got, 1);
-  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", before.written_final_slots()));
+  const double tol = output_tolerance(OpFamily::kPrefill, c.in_dtype);
+  const std::vector<double> o = got.read_tokens("o"), o_ref = ref.read_tokens("o");
+  EXPECT_TRUE(RelClose("o of sequence 0", token_rows(o, row, 0, 1200), token_rows(o_ref, row, 0, 1200), tol));
+  EXPECT_TRUE(RelClose("o of sequence 1, run on rank 0", token_rows(o, row, 1200, 1500),
+                       token_rows(o_ref, row, 1200, 1500), tol));
+  // sequence 0's final slot on the last rank, every other slot untouched, the flags summed
+  EXPECT_TRUE(sim.ranks.collect(got, 1, false));
+  check_prefill_results(sim.ranks.with_pool_before(before, 1), got, ref);
 }
 
 TEST(SplitPrefillGpu, GraphReplayAndRepeatBitwiseEqualEager) {
@@ -283,7 +309,7 @@ TEST(SplitPrefillGpu, GraphReplayAndRepeatBitwiseEqualEager) {
   for (int i = 0; i < 3; ++i) {
     dev[size_t(i)]->download(got[size_t(i)]);
     sim[size_t(i)]->download();
-    sim[size_t(i)]->ranks.collect(got[size_t(i)], 1);
+    EXPECT_TRUE(sim[size_t(i)]->ranks.collect(got[size_t(i)], 1, false));
   }
   for (const char* name : {"o", "state", "checkpoints"}) {
     EXPECT_TRUE(BitwiseEqual(std::string(name) + " (repeat)", got[1].buffer(name), got[0].buffer(name)));
@@ -379,7 +405,7 @@ TEST(SplitPrefillNccl, EveryGpuOfTheMachine) {
         std::copy(got[size_t(q)].buffer("o").bytes.begin() + ptrdiff_t(row * size_t(cuts[size_t(q)])),
                   got[size_t(q)].buffer("o").bytes.begin() + ptrdiff_t(row * size_t(cuts[size_t(q) + 1])),
                   o.begin() + ptrdiff_t(row * size_t(cuts[size_t(q)])));
-      ranks.collect(collected, r);
+      EXPECT_TRUE(ranks.collect(collected, r, true));
       check_prefill_results(before, collected, ref);
     }
   }

@@ -726,10 +726,16 @@ std::vector<int64_t> Problem::written_pool_slots_verify() const {
   return out;
 }
 
-std::vector<int64_t> Problem::written_pool_slots_commit() const {
+std::vector<int64_t> Problem::written_pool_slots_commit(CommitSource source) const {
   std::vector<int64_t> out;
+  // from the cache, a row whose cache slot is negative stores nothing, and one whose cache slot is >= Q is skipped
+  // whole (docs/semantics.md "commit", "Padding, out-of-range slots and the error flag"): its pool slot keeps its state
+  const bool from_cache = source == CommitSource::kCache;
+  if (from_cache && !has("intermediate")) return out;  // refused: there is no cache to commit from
+  const int32_t* islots = from_cache ? as<int32_t>("intermediate_indices") : nullptr;
   for (int32_t r = 0; r < rows_; ++r)
-    if (as<int32_t>("accepted")[r] > 0) push_valid(out, as<int32_t>("state_indices")[r], pool_slots_);
+    if (as<int32_t>("accepted")[r] > 0 && !(islots && (islots[r] < 0 || islots[r] >= cache_slots_)))
+      push_valid(out, as<int32_t>("state_indices")[r], pool_slots_);
   return out;
 }
 

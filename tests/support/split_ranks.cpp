@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -24,6 +25,16 @@ Buffer vector_buffer(const std::string& name, const std::vector<T>& values, bool
 }
 
 const char* const kCopied[] = {"state", "state_scales", "checkpoints", "checkpoints_scales"};
+
+bool is_pool(const std::string& name) { return name == "state" || name == "state_scales"; }
+
+// A rank's pool and its scales (copies).
+std::vector<Buffer> pool_of(const std::vector<Buffer>& own) {
+  std::vector<Buffer> out;
+  for (const Buffer& b : own)
+    if (is_pool(b.name)) out.push_back(b);
+  return out;
+}
 
 // A view moved `tokens` rows on.
 template <class View>
@@ -59,6 +70,7 @@ SplitRanks::SplitRanks(const Problem& full, std::vector<int64_t> cuts) : cuts_(s
     own.push_back(vector_buffer("error_flag", std::vector<int32_t>{0}, true));
     for (const Buffer& b : before_) own.push_back(b);
     ranks_.push_back(std::move(own));
+    pools_before_.push_back(pool_of(ranks_.back()));
   }
 }
 
@@ -119,22 +131,109 @@ int64_t SplitRanks::exchange_elems(const PrefillParams& full) const {
   return int64_t(ranks()) * split_prefill_exchange_elems(full);
 }
 
-void SplitRanks::collect(Problem& got, int state_rank) const {
+void SplitRanks::poison_pools_past_rank0() {
+  for (int r = 1; r < ranks(); ++r) {
+    for (Buffer& b : ranks_[size_t(r)])
+      if (is_pool(b.name)) std::fill(b.bytes.begin(), b.bytes.end(), std::byte{0xff});
+    pools_before_[size_t(r)] = pool_of(ranks_[size_t(r)]);
+  }
+}
+
+Problem SplitRanks::with_pool_before(Problem before, int r) const {
+  for (const Buffer& b : pools_before_[size_t(r)]) before.buffer(b.name).bytes = b.bytes;
+  return before;
+}
+
+::testing::AssertionResult SplitRanks::pool_unchanged(int r) const {
+  for (const Buffer& was : pools_before_[size_t(r)]) {
+    const Buffer& now = buffer(r, was.name);
+    const auto diff = std::mismatch(now.bytes.begin(), now.bytes.end(), was.bytes.begin());
+    if (diff.first != now.bytes.end())
+      return ::testing::AssertionFailure() << "rank " << r << "'s " << was.name << " written at byte "
+                                           << diff.first - now.bytes.begin();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult SplitRanks::collect(Problem& got, int state_rank, bool final_on_every_rank) const {
   for (const char* name : {"state", "state_scales"})
     if (got.has(name)) got.buffer(name).bytes = buffer(state_rank, name).bytes;
-  for (const Buffer& orig : before_) {
-    if (orig.name != "checkpoints" && orig.name != "checkpoints_scales") continue;
-    Buffer& merged = got.buffer(orig.name);
-    merged.bytes = orig.bytes;
-    for (int r = 0; r < ranks(); ++r) {
-      const Buffer& mine = buffer(r, orig.name);
-      for (size_t i = 0; i < orig.bytes.size(); ++i)
-        if (mine.bytes[i] != orig.bytes[i]) merged.bytes[i] = mine.bytes[i];
-    }
-  }
   int32_t errors = 0;
   for (int r = 0; r < ranks(); ++r) errors += *buffer(r, "error_flag").as<int32_t>();
   *got.as<int32_t>("error_flag") = errors;
+  if (!got.has("checkpoints")) return ::testing::AssertionSuccess();
+
+  // owner[slot * S + step]: the rank that stores the entry (-1: none); named[slot]: the sequence that names the slot
+  const int64_t Q = got.cache_slots(), S = got.cache_steps(), C = got.config().checkpoint_interval;
+  const int64_t P = got.num_slots();
+  std::vector<int> owner(size_t(Q * S), -1);
+  std::vector<int32_t> named(size_t(Q), -1);
+  const int32_t* ck = got.as<int32_t>("checkpoint_indices");
+  const int32_t* ini = got.as<int32_t>("initial_indices");
+  const int32_t* fin = got.as<int32_t>("final_indices");
+  for (int32_t n = 0; n < got.rows(); ++n) {
+    const int64_t slot = ck[n];
+    if (slot < 0 || slot >= Q) continue;  // negative: stores none; past the buffer: the piece is bad on every rank
+    if (named[size_t(slot)] < 0) named[size_t(slot)] = n;
+    for (int r = 0; r < ranks(); ++r) {
+      const int32_t* cu = buffer(r, "cu_seqlens").as<int32_t>();
+      const int64_t start = cu[n], end = cu[n + 1], offset = buffer(r, "piece_offsets").as<int64_t>()[n];
+      const bool stores_final = final_on_every_rank || r == ranks() - 1;
+      const bool bad = start < 0 || end < start || end > cuts_[size_t(r) + 1] - cuts_[size_t(r)] ||
+                       (r == 0 && ini[n] >= P) || (stores_final && fin[n] >= P);
+      if (bad || offset < 0 || offset % 64 != 0) continue;  // such a piece stores none of its checkpoints
+      for (int64_t j = 0; j < S; ++j)
+        if (offset < (j + 1) * C && (j + 1) * C <= offset + (end - start)) owner[size_t(slot * S + j)] = r;
+    }
+  }
+
+  std::ostringstream wrong;
+  // Buffer `name` merged from its owners into `got`; entry_of(byte): the entry (slot * S + step) or -1 (padding).
+  const auto merge = [&](const std::string& name, const auto& entry_of) {
+    const Buffer* orig = nullptr;
+    for (const Buffer& b : before_)
+      if (b.name == name) orig = &b;
+    Buffer& merged = got.buffer(name);
+    merged.bytes = orig->bytes;
+    for (int r = 0; r < ranks(); ++r) {
+      const Buffer& mine = buffer(r, name);
+      bool reported = false;  // the first stray byte of each rank is enough
+      for (size_t i = 0; i < orig->bytes.size(); ++i) {
+        const int64_t e = entry_of(int64_t(i));
+        const int own = e >= 0 ? owner[size_t(e)] : -1;
+        if (own == r) merged.bytes[i] = mine.bytes[i];
+        if (own == r || reported || mine.bytes[i] == orig->bytes[i]) continue;
+        reported = true;
+        wrong << "\n  rank " << r << " wrote " << name << " byte " << i;
+        if (e < 0) {
+          wrong << " (slot padding)";
+          continue;
+        }
+        const int64_t slot = e / S, step = e % S;
+        wrong << " of slot " << slot << " step " << step;
+        if (named[size_t(slot)] < 0)
+          wrong << " (a slot no sequence names)";
+        else
+          wrong << " (sequence " << named[size_t(slot)] << "'s entry " << step << ", stored by "
+                << (own < 0 ? std::string("no rank") : "rank " + std::to_string(own)) << ")";
+      }
+    }
+  };
+  const int64_t elems = got.state_elems(), stride = got.cache_slot_stride();
+  const int64_t esize = dtype_size(got.config().cache_dtype);
+  merge("checkpoints", [&](int64_t byte) -> int64_t {
+    const int64_t elem = byte / esize, slot = elem / stride, step = elem % stride / elems;
+    return slot < Q && step < S ? slot * S + step : -1;
+  });
+  if (got.has("checkpoints_scales"))
+    merge("checkpoints_scales", [&](int64_t byte) -> int64_t {
+      const int64_t e = byte / (elems / kFp8Block);
+      return e < Q * S ? e : -1;
+    });
+  if (!wrong.str().empty())
+    return ::testing::AssertionFailure() << "checkpoint bytes written by a rank that does not store them:"
+                                         << wrong.str();
+  return ::testing::AssertionSuccess();
 }
 
 void SplitRanks::run_cpu(Problem& full, bool final_on_every_rank) {

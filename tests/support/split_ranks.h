@@ -49,9 +49,22 @@ class SplitRanks {
   // fp32 elements of the exchange: ranks x split_prefill_exchange_elems.
   int64_t exchange_elems(const PrefillParams& full) const;
 
-  // Into `got` (a copy of the problem before the run, whose o rows the ranks wrote): the pool of `state_rank`, the
-  // checkpoint entries each rank wrote (every other byte as before the run), the error flags summed.
-  void collect(Problem& got, int state_rank) const;
+  // Every rank's pool past rank 0 (and its scales) all-ones bytes, NaN in every state dtype: initial states are read
+  // from rank 0's pool alone (docs/semantics.md "split prefill"), so a rank that reads its own shows.
+  void poison_pools_past_rank0();
+  // `before` with rank r's pool and its scales as they were before the run.
+  Problem with_pool_before(Problem before, int r) const;
+  // Rank r's pool and its scales bit-identical to what they were before the run.
+  ::testing::AssertionResult pool_unchanged(int r) const;
+
+  // Into `got` (a copy of the problem before the run, whose o rows the ranks wrote): the pool of `state_rank`, each
+  // checkpoint entry (and its scales) from the rank that stores it, the error flags summed. Entry j of sequence n is
+  // stored by the rank whose piece holds token (j + 1) * C of the sequence, unless that piece is bad (a bad span, the
+  // initial slot on rank 0 or a final slot on a rank that stores finals past the pool), misaligned or at a negative
+  // offset; a negative or out-of-range checkpoint slot stores none. Fails, naming rank, slot, step and sequence, where
+  // a rank's checkpoint buffer differs from the original outside the entries it stores. final_on_every_rank: the
+  // run's (which ranks read the final slots).
+  [[nodiscard]] ::testing::AssertionResult collect(Problem& got, int state_rank, bool final_on_every_rank) const;
 
   // Runs every rank's begin, then every rank's end, on the CPU backend (the exchange shared: an all-gather in place).
   void run_cpu(Problem& full, bool final_on_every_rank);
@@ -61,6 +74,7 @@ class SplitRanks {
   std::vector<std::vector<Buffer>> ranks_;
   std::vector<std::vector<int64_t>> cu_host_;  // each rank's cu_seqlens as PrefillParams::cu_seqlens_host
   std::vector<Buffer> before_;  // the problem's pool, checkpoints and their scales before the run
+  std::vector<std::vector<Buffer>> pools_before_;  // each rank's pool and its scales before the run
   std::vector<float> exchange_;
 };
 
