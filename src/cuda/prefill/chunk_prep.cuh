@@ -56,57 +56,34 @@ __device__ __forceinline__ bool chunk_of_slot(const PrefillParams& p, const Plan
   return true;
 }
 
-// G = k k^T and Mq = q k^T (kM) of warp W's rows, lower blocks only (columns 0..16W+15; the two products share
-// the k fragments), then rk of its rows. Built once per warp index (a compile-time W): the warp's block count is
-// then a constant, so ptxas can issue the next fragments' loads ahead of the products instead of behind a
-// per-block branch.
-template <int W, int K, class Op, bool kM>
-__device__ __forceinline__ void gram_row_block(const PrefillParams& p, const Op* Ks, const Op* Qs, float* s_rk,
-                                               int lane, float (&acc)[8][4], float (&accm)[8][4]) {
-  constexpr int LDK = K + 8;
-#pragma unroll 1
-  for (int kk = 0; kk < K; kk += 16) {
-    uint32_t a[4];
-    [[maybe_unused]] uint32_t aq[4];
-    ldmatrix_x4(a, a_frag_ptr<LDK>(Ks, W * 16, kk, lane));
-    if constexpr (kM) ldmatrix_x4(aq, a_frag_ptr<LDK>(Qs, W * 16, kk, lane));
-#pragma unroll
-    for (int np = 0; np <= W; ++np) {
-      uint32_t b[4];
-      ldmatrix_x4(b, bn_frag_ptr<LDK>(Ks, np * 16, kk, lane));
-      mma<Op>(acc[2 * np], a, b[0], b[1]);
-      mma<Op>(acc[2 * np + 1], a, b[2], b[3]);
-      if constexpr (kM) {
-        mma<Op>(accm[2 * np], aq, b[0], b[1]);
-        mma<Op>(accm[2 * np + 1], aq, b[2], b[3]);
-      }
-    }
-  }
+// G = k k^T and (kM) Mq = q k^T on wgmma from the swizzled rows, all 64 x 64 (the upper blocks too: the tensor cores
+// are idle here, and the four warps' shares come out equal, where a warp's lower blocks alone on mma.sync made warp 3's
+// four times warp 0's, each warp loading its B fragments by ldmatrix), then rk of this warp's rows. Warp w holds rows
+// 16 w .. 16 w + 15 in the mma.sync C layout of 8 n8 tiles (wgmma.cuh).
+template <int K, class Op, bool kM>
+__device__ __forceinline__ void gram_products(const PrefillParams& p, const Op* Ks, const Op* Qs, float* s_rk,
+                                              int warp, int lane, float (&acc)[8][4], float (&accm)[8][4]) {
+  const uint64_t dk = sw128_desc(smem_addr(Ks), 16, 1024);
+  issue_qk_products<K, Op, kM>(acc, dk, accm, kM ? sw128_desc(smem_addr(Qs), 16, 1024) : 0, dk);
+  wgmma_wait<0>();
+  wgmma_pin(acc);
+  if constexpr (kM) wgmma_pin(accm);
   // rk_i = 1 / |k_i| from G_ii (fp32 sums of the exact products of the operand rows: what a pass over the
-  // rows would sum, in another order). Row 16 W + d of the warp's diagonal block sits in tile 2 W + d / 8,
+  // rows would sum, in another order). Row 16 w + d of the warp's diagonal block sits in tile 2 w + d / 8,
   // element 2 (d / 8) + d % 2 of the lane with r = d % 8 and (lane & 3) = r / 2: lanes 0, 4, 9, 13, 18, 22,
   // 27, 31 hold two each (rows r and r + 8). Rows past L are zero: rk = 1 / sqrt(eps) there.
   const int r = lane >> 2;
   if ((lane >> 3) == (lane & 3)) {
+    float d0 = 0.0f, d1 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w)  // constant tile indices: no local-memory indexing
+      if (w == warp) {
+        d0 = r & 1 ? acc[2 * w][1] : acc[2 * w][0];
+        d1 = r & 1 ? acc[2 * w + 1][3] : acc[2 * w + 1][2];
+      }
     const bool norm = p.heads.use_qk_l2norm;
-    const float d0 = r & 1 ? acc[2 * W][1] : acc[2 * W][0], d1 = r & 1 ? acc[2 * W + 1][3] : acc[2 * W + 1][2];
-    s_rk[W * 16 + r] = norm ? rsqrtf(d0 + 1e-6f) : 1.0f;
-    s_rk[W * 16 + r + 8] = norm ? rsqrtf(d1 + 1e-6f) : 1.0f;
-  }
-}
-
-template <int K, class Op, bool kM>
-__device__ __forceinline__ void gram_products(const PrefillParams& p, const Op* Ks, const Op* Qs, float* s_rk,
-                                              int warp, int lane, float (&acc)[8][4], float (&accm)[8][4]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[i][e] = accm[i][e] = 0.0f;
-  switch (warp) {
-    case 0: gram_row_block<0, K, Op, kM>(p, Ks, Qs, s_rk, lane, acc, accm); break;
-    case 1: gram_row_block<1, K, Op, kM>(p, Ks, Qs, s_rk, lane, acc, accm); break;
-    case 2: gram_row_block<2, K, Op, kM>(p, Ks, Qs, s_rk, lane, acc, accm); break;
-    default: gram_row_block<3, K, Op, kM>(p, Ks, Qs, s_rk, lane, acc, accm); break;
+    s_rk[warp * 16 + r] = norm ? rsqrtf(d0 + 1e-6f) : 1.0f;
+    s_rk[warp * 16 + r + 8] = norm ? rsqrtf(d1 + 1e-6f) : 1.0f;
   }
 }
 
@@ -209,7 +186,6 @@ __device__ __forceinline__ void masked_decay_pass(const float* gc, const float* 
 template <int K, class Op, bool kM>
 __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm(K, kM))
     chunk_prep_kernel(const PrefillParams p, const Plan plan) {
-  constexpr int LDK = K + 8;  // +16 bytes per row: ldmatrix rows hit distinct banks
   constexpr int LDA = kSolveLd;  // fp32 A rows (solve.cuh)
   extern __shared__ __align__(16) unsigned char smem[];
   // gcum and beta per value head, double-buffered by head parity: warp 0 writes the next head's
@@ -219,8 +195,9 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm(K, kM))
   __shared__ __align__(16) float s_rk[kChunk];
   __shared__ __align__(16) float s_rq[kM ? kChunk : 1];
   __shared__ float s_head[2][kHeadParams];
-  Op* Ks = reinterpret_cast<Op*>(smem);  // [64][LDK] raw k rows
-  Op* Qs = Ks + kChunk * LDK;            // [64][LDK] raw q rows (kM only)
+  // raw k (and, kM, q) rows, 128B-swizzled wgmma operands on a 1024-byte boundary (prep_smem_bytes has the slack)
+  Op* Ks = reinterpret_cast<Op*>(smem + ((1024 - (smem_addr(smem) & 1023)) & 1023));
+  Op* Qs = Ks + kChunk * K;
   // After Ks, Qs are consumed:
   float* Af = reinterpret_cast<float*>(smem);              // [64][LDA] A, lower blocks
   float4* Gacc = reinterpret_cast<float4*>(Af + kChunk * LDA);  // k k^T accumulators (prep_tile)
@@ -259,15 +236,15 @@ __global__ void __launch_bounds__(kThreads, prep_ctas_per_sm(K, kM))
   // q's rows and norms serve only M (kM).
   if constexpr (kM)
     load_rows_with_norm<K, Op>(Qs, s_rq, p.q, hk, t0, L, p.heads.use_qk_l2norm, plan.scale, plan.qkv_vec);
+  fence_proxy_async();  // the rows' shared stores, before the tensor cores read them
   __syncthreads();
 
   // G = k k^T and Mq = q k^T, reused by every value head of the group.
   {
     float acc[8][4], accm[8][4];
     gram_products<K, Op, kM>(p, Ks, Qs, s_rk, warp, lane, acc, accm);
-    // Warp 0, whose rows have the fewest products, turns the first head's gate loads into gcum and beta
-    // here rather than before the barrier above (the other warps waited for it there; nothing reads them
-    // before the M / A pass).
+    // Warp 0 turns the first head's gate loads into gcum and beta here rather than before the barrier above (the
+    // other warps would wait for it there; nothing reads them before the M / A pass).
     if (warp == 0) store_gates(p, gates, head_params(h0), L, lane, s_gc[h0 & 1], s_beta[h0 & 1]);
     __syncthreads();  // Ks (and Qs) are dead from here on: the accumulators, A and T reuse their bytes
     park_gram<kM>(acc, accm, s_rk, Gacc, Macc, warp, lane);

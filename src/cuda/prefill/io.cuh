@@ -88,7 +88,8 @@ __device__ __forceinline__ float sumsq8(const uint4& x) {
   return s;
 }
 
-// Loads the 64 rows [t0, t0+L) of one q/k head into dst [64][K+8] (Op; rows >= L are zero) and
+// Loads the 64 rows [t0, t0+L) of one q/k head into dst (Op; 1024-byte aligned, 128B-swizzled as wgmma's K-major
+// operand, sw128_offset<kChunk>; rows >= L are zero) and
 // writes mult / ||row|| (use_l2norm; eps 1e-6 inside the root, as docs/semantics.md) or mult per row
 // (kNorm; else rnorm is not touched).
 // Rows stay un-normalized in shared memory: the norm is a per-token factor applied to the mma
@@ -125,7 +126,7 @@ __device__ __forceinline__ void load_rows_with_norm(Op* dst, float* rnorm, const
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u)
-      *reinterpret_cast<uint4*>(dst + (row0 + (u0 + u) * kRowStep) * (K + 8) + cv * 8) = x[u];
+      *reinterpret_cast<uint4*>(dst + sw128_offset<kChunk>(row0 + (u0 + u) * kRowStep, cv * 8)) = x[u];
     if constexpr (kNorm) {
       // The batch's sums of squares reduced together over each row's kVecPerRow lanes (kBatch - 1 +
       // log2(kVecPerRow / kBatch) shuffles instead of kBatch log2(kVecPerRow)); lane cv ends with the sum

@@ -1,8 +1,10 @@
 // The prefill kernels' block products on tensor cores, over the mma.sync primitives and fragment layouts
-// of cuda/arch/mma_sync.cuh.
+// of cuda/arch/mma_sync.cuh and the wgmma ones of cuda/arch/wgmma.cuh.
 #pragma once
 
 #include "cuda/arch/mma_sync.cuh"
+#include "cuda/arch/wgmma.cuh"
+#include "cuda/prefill/heuristics.h"
 
 namespace gdnkit::cuda::chunked_prefill {
 
@@ -79,6 +81,36 @@ __device__ __forceinline__ void causal_cols_mma(float (&acc)[8][4], const uint32
       mma<Op>(acc[2 * np], a[ks], b[0], b[1]);
       mma<Op>(acc[2 * np + 1], a[ks], b[2], b[3]);
     }
+}
+
+// acc = q k^T (64 x 64, fp32) of a chunk's rows (descriptors dq, dk: 128B-swizzled, sw128_offset<kChunk>), and with
+// kTwo acc2 = q2 k^T beside it, asynchronous (one committed group; both accumulators zeroed before the first issue, so
+// that ptxas waits for neither product before the other); k k^T with dq = dk.
+template <int K, class Op, bool kTwo>
+__device__ __forceinline__ void issue_qk_products(float (&acc)[8][4], uint64_t dq, float (&acc2)[8][4], uint64_t dq2,
+                                                  uint64_t dk) {
+  constexpr uint32_t kBlock = kChunk * 128;  // a 64-column block of the k / q rows
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc[nt][e] = 0.0f;
+      if constexpr (kTwo) acc2[nt][e] = 0.0f;
+    }
+  wgmma_pin(acc);
+  if constexpr (kTwo) wgmma_pin(acc2);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
+    wgmma_ss<Op, 64, 0>(acc, desc_add(dq, koff), desc_add(dk, koff));
+    if constexpr (kTwo) wgmma_ss<Op, 64, 0>(acc2, desc_add(dq2, koff), desc_add(dk, koff));
+  }
+  wgmma_commit();
+}
+template <int K, class Op>
+__device__ __forceinline__ void issue_qk_product(float (&acc)[8][4], uint64_t dq, uint64_t dk) {
+  issue_qk_products<K, Op, false>(acc, dq, acc, 0, dk);
 }
 
 }  // namespace gdnkit::cuda::chunked_prefill

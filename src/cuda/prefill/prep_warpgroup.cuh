@@ -78,24 +78,6 @@ __device__ __forceinline__ void masked_decayed_tile(const float (&acc)[4], const
   }
 }
 
-// acc = q k^T (64 x 64, fp32) of the stage's rows (descriptors dq, dk), asynchronous; k k^T with dq = dk.
-template <int K, class Op>
-__device__ __forceinline__ void issue_qk_product(float (&acc)[8][4], uint64_t dq, uint64_t dk) {
-  constexpr uint32_t kBlock = kChunk * 128;  // a 64-column block of the k / q rows
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
-  wgmma_pin(acc);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-    const uint32_t koff = (kk / 4) * kBlock + (kk % 4) * 32;
-    wgmma_ss<Op, 64, 0>(acc, desc_add(dq, koff), desc_add(dk, koff));
-  }
-  wgmma_commit();
-}
-
 // rq of the chunk's tokens to rq[], on the FMA pipe while q k^T runs (on mma.sync these products would queue behind
 // the state warpgroups' wgmma): half a q row per thread, rows 16 w .. 16 w + 15 in warp w, the thread pair of a row
 // taking the two 32-column halves of each 64-column block (so that a quarter warp's 16-byte loads, 4 rows of the
