@@ -61,8 +61,17 @@ void DeviceProblem::download(Problem& host, const std::string& name) const {
 }
 
 void DeviceProblem::download(Problem& host) const {
+  check(cudaStreamSynchronize(stream_), "kernel (sync before download)");
   for (const Mirror& m : mirrors_)
     if (host.buffer(m.name).is_output) download(host, m.name);
+  // The ops only read their inputs: each must come back as the host holds it (what was uploaded).
+  for (const Mirror& m : mirrors_) {
+    const Buffer& b = host.buffer(m.name);
+    if (b.is_output) continue;
+    Buffer now{m.name, std::vector<std::byte>(m.bytes), false};
+    check(cudaMemcpy(now.bytes.data(), m.data, m.bytes, cudaMemcpyDeviceToHost), "download");
+    EXPECT_TRUE(BitwiseEqual("input " + m.name + " after the call (read only)", now, b));
+  }
 }
 
 ::testing::AssertionResult OutputsClose(const Problem& got, const Problem& ref, double tol) {

@@ -5,7 +5,7 @@
 //   DeviceProblem dev(got);                                   // every buffer copied to the device
 //   gdnkit::cpu::decode(ref.decode_params());                 // (or the public API with kCPU)
 //   gdnkit::decode(got.decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
-//   dev.download(got);                                        // outputs back (syncs the stream)
+//   dev.download(got);                                        // outputs back (syncs the stream), inputs checked
 //   EXPECT_TRUE(RelClose("o", got.read_tokens("o"), ref.read_tokens("o"), tol));
 #pragma once
 
@@ -42,7 +42,9 @@ class DeviceProblem {
   cudaStream_t stream() const { return stream_; }
   void upload(const Problem& host);                // every buffer host -> device (syncs)
   void upload(const Problem& host, const std::string& name);
-  // Syncs the stream, then copies the buffers the op may write (is_output) device -> host.
+  // Syncs the stream, then copies the buffers the op may write (is_output) device -> host, and expects every other
+  // buffer (the inputs) on the device bit-identical to host's: a test that writes an input on the device writes
+  // host's copy too (then upload(host, name)).
   void download(Problem& host) const;
   void download(Problem& host, const std::string& name) const;
 

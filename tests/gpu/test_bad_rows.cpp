@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "support/compare.h"
@@ -48,7 +49,8 @@ TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
     Problem ref = before, got = before;
     DeviceProblem dev(got);
     verify(ref.verify_params(), {Backend::kCPU, nullptr});
-    GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("cu_seqlens"), cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+    std::copy(cu.begin(), cu.end(), got.as<int32_t>("cu_seqlens"));
+    dev.upload(got, "cu_seqlens");
     verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
     dev.download(got);
     const std::string what = "cu_seqlens {" + std::to_string(cu[1]) + ", " + std::to_string(cu[2]) + ", " +
@@ -64,11 +66,24 @@ TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
         EXPECT_TRUE(Identical("row " + std::to_string(r) + "'s slot (skipped)", got.read_state("state", slots[r]),
                               before.read_state("state", slots[r])))
             << what;
-    if (slots[0] >= 0)
-      EXPECT_TRUE(SlotsClose(got, ref, {slots[0]}, state_tolerance(OpFamily::kStep, before.config().state_dtype)));
+    const std::vector<int64_t> written = slots[0] >= 0 ? std::vector<int64_t>{slots[0]} : std::vector<int64_t>{};
+    EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kStep, before.config().state_dtype))) << what;
+    EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written)) << what;
     // Only row 0's tokens were written: the NaN-poisoned rows past them are untouched.
     const std::vector<double> rest = token_rows(got, "o", 2, before.total_tokens());
     EXPECT_EQ(std::count_if(rest.begin(), rest.end(), [](double x) { return !std::isnan(x); }), 0) << what;
+    EXPECT_TRUE(OutputPaddingUntouched(before, got)) << what;
+    // The cache: row 0's two states stored as the reference's, every other entry untouched.
+    const int64_t islot0 = before.as<int32_t>("intermediate_indices")[0];
+    std::vector<std::pair<int64_t, int64_t>> stored;
+    if (slots[0] >= 0) stored = {{islot0, 0}, {islot0, 1}};
+    for (auto [q, t] : stored)
+      EXPECT_TRUE(RelClose("row 0's intermediate step " + std::to_string(t), got.read_cache("intermediate", q, t),
+                           ref.read_cache("intermediate", q, t),
+                           state_tolerance(OpFamily::kStep, before.config().cache_dtype),
+                           storage_floor(before.config().cache_dtype)))
+          << what;
+    EXPECT_TRUE(CacheUntouched(before, got, "intermediate", stored)) << what;
   }
 }
 
@@ -87,6 +102,18 @@ void expect_row0_skipped(const Problem& before, const Problem& got, const Proble
   for (int64_t s : before.written_pool_slots_commit(src))
     if (s != slot0) others.push_back(s);
   EXPECT_TRUE(SlotsClose(got, ref, others, state_tolerance(OpFamily::kStep, before.config().state_dtype))) << name;
+  EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", others)) << name;
+  // What the verify before it wrote, which commit only reads: o and the cache as the reference's verify left them.
+  const ProblemConfig& c = before.config();
+  EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, c.in_dtype))) << name;
+  EXPECT_TRUE(OutputPaddingUntouched(before, got)) << name;
+  const auto stored = before.written_intermediate();
+  for (auto [q, t] : stored)
+    EXPECT_TRUE(RelClose("intermediate[" + std::to_string(q) + ", " + std::to_string(t) + "]",
+                         got.read_cache("intermediate", q, t), ref.read_cache("intermediate", q, t),
+                         state_tolerance(OpFamily::kStep, c.cache_dtype), storage_floor(c.cache_dtype)))
+        << name;
+  EXPECT_TRUE(CacheUntouched(before, got, "intermediate", stored)) << name;
 }
 
 // A tree commit whose path for row 0 is made of valid token indices that do not follow parent[]: on the
@@ -108,8 +135,8 @@ TEST(CommitGpu, TreePathThatIsNotAPathSkippedAndCountedSanitize) {
     verify(ref.verify_params(), {Backend::kCPU, nullptr});
     commit(ref.commit_params(src), {Backend::kCPU, nullptr});
     verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
-    const int32_t bad_path[2] = {2, 1};
-    GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("accepted_path"), bad_path, sizeof(bad_path), cudaMemcpyHostToDevice));
+    got.as<int32_t>("accepted_path")[0] = 2, got.as<int32_t>("accepted_path")[1] = 1;
+    dev.upload(got, "accepted_path");
     commit(got.commit_params(src, dev.resolver()), {Backend::kCUDA, dev.stream()});
     dev.download(got);
     expect_row0_skipped(p, got, ref, src, state);

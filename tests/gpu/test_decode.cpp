@@ -430,9 +430,8 @@ TEST(DecodeGpu, PoolOffsetsPast2Pow31Elements) {
     for (int s = 0; s < batch; ++s)
       GDNKIT_TEST_CUDA(cudaMemcpy(slot_data + s * big_stride, before.buffer("state").bytes.data() + s * stride * 2,
                                   size_t(elems) * 2, cudaMemcpyHostToDevice));
-    std::vector<int32_t> idx(before.as<int32_t>("state_indices"), before.as<int32_t>("state_indices") + batch);
-    for (int32_t& i : idx) i += int32_t(big_slot);
-    GDNKIT_TEST_CUDA(cudaMemcpy(dev.device("state_indices"), idx.data(), 4 * batch, cudaMemcpyHostToDevice));
+    for (int s = 0; s < batch; ++s) got.as<int32_t>("state_indices")[s] += int32_t(big_slot);
+    dev.upload(got, "state_indices");
     DecodeParams p = got.decode_params(dev.resolver());
     p.state.data = big;
     p.state.num_slots = big_slot + batch;

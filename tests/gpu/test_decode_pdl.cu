@@ -72,6 +72,8 @@ TEST(DecodeGpu, IndicesRewrittenByThePreviousKernelUnderPdl) {
                                                           200000ull);
         GDNKIT_TEST_CUDA(cudaGetLastError());
         decode(got.decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
+        // the indices as the rewrite left them on the device, which download() expects
+        for (int32_t r = 0; r < B; ++r) got.as<int32_t>("state_indices")[r] = rotated[size_t(r)];
         dev.download(got);
         GDNKIT_TEST_CUDA(cudaFree(d_next));
 

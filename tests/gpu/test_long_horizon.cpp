@@ -1,5 +1,6 @@
 // The long horizon on the CUDA backend (support/long_horizon.h): a prefill, then decode steps on one slot, with
-// bf16 and fp16 pools against the fp32 pool; buffers in managed memory, so that the host reads the same bytes.
+// bf16 and fp16 pools against the fp32 pool, that pool's run and every run's prefill o against the fp64 recurrence
+// (o and the pool NaN before the run); buffers in managed memory, so that the host reads the same bytes.
 // GDNKIT_LONG_HORIZON="T,D" sets the prefill and decode lengths (default 32768 and 4096).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

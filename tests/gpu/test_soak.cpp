@@ -65,6 +65,11 @@ class IndexPlan {
     }
     return cudaSuccess;
   }
+  // Replay r's indices into host's buffers, as the device holds them after that replay's upload.
+  void copy_to(int r, Problem& host) {
+    for (const IndexSet& s : sets_)
+      std::memcpy(host.buffer(s.name).bytes.data(), at(r, s.name), s.count * sizeof(int32_t));
+  }
   const std::vector<IndexSet>& sets() const { return sets_; }
 
  private:
@@ -207,9 +212,11 @@ TEST(SoakGpu, GraphReplaysOnTwoStreamsEqualEagerWithNewIndicesEachReplay) {
     if ((r + 1) % check_every != 0 && r + 1 != replays) continue;
     GDNKIT_TEST_CUDA(cudaDeviceSynchronize());
     const std::string at = " after replay " + std::to_string(r + 1);
-    for (auto [got, d_got, want, d_want] :
-         {std::tuple{&dec_g, &ddg, &dec_e, &dde}, std::tuple{&ver_g, &dvg, &ver_e, &dve},
-          std::tuple{&pre_g, &dpg, &pre_e, &dpe}}) {
+    for (auto [got, d_got, want, d_want, plan] :
+         {std::tuple{&dec_g, &ddg, &dec_e, &dde, &dec_idx}, std::tuple{&ver_g, &dvg, &ver_e, &dve, &ver_idx},
+          std::tuple{&pre_g, &dpg, &pre_e, &dpe, &pre_idx}}) {
+      plan->copy_to(r, *got);  // the inputs download() expects on the device
+      plan->copy_to(r, *want);
       d_got->download(*got);
       d_want->download(*want);
       for (const char* name : {"o", "state", "intermediate", "checkpoints", "error_flag"})

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cpu/backend.h"
@@ -73,9 +74,16 @@ class RankMirror {
       cudaMemcpy(mem_[i]->ptr, host_[i].bytes.data(), host_[i].bytes.size(), cudaMemcpyHostToDevice);
     cudaDeviceSynchronize();
   }
+  // The outputs back; the inputs (cu_seqlens, piece_offsets), which the calls only read, expected as uploaded.
   void download() {
-    for (size_t i = 0; i < host_.size(); ++i)
-      cudaMemcpy(host_[i].bytes.data(), mem_[i]->ptr, host_[i].bytes.size(), cudaMemcpyDeviceToHost);
+    for (size_t i = 0; i < host_.size(); ++i) {
+      Buffer now{host_[i].name, std::vector<std::byte>(host_[i].bytes.size()), false};
+      cudaMemcpy(now.bytes.data(), mem_[i]->ptr, now.bytes.size(), cudaMemcpyDeviceToHost);
+      if (host_[i].is_output)
+        host_[i].bytes = std::move(now.bytes);
+      else
+        EXPECT_TRUE(BitwiseEqual("rank input " + host_[i].name + " after the calls (read only)", now, host_[i]));
+    }
   }
   // NaN-filled when allocated, so that a scan reading a transition or local state no pass wrote fails the test.
   void* workspace(size_t bytes) {
@@ -290,6 +298,7 @@ TEST(SplitPrefillGpu, GraphReplayAndRepeatBitwiseEqualEager) {
     dev.push_back(std::make_unique<DeviceProblem>(got[size_t(i)]));
     const PrefillParams full = got[size_t(i)].prefill_params(PrefillAlgorithm::kAuto, dev.back()->resolver());
     sim.push_back(std::make_unique<SimulatedRanks>(got[size_t(i)], cuts, full));
+    sim.back()->poison_pools_past_rank0();
     const auto ps = sim.back()->params(full, false);
     if (i < 2) {  // eager, twice
       SimulatedRanks::run(ps, dev.back()->stream());
@@ -315,6 +324,10 @@ TEST(SplitPrefillGpu, GraphReplayAndRepeatBitwiseEqualEager) {
     EXPECT_TRUE(BitwiseEqual(std::string(name) + " (repeat)", got[1].buffer(name), got[0].buffer(name)));
     EXPECT_TRUE(BitwiseEqual(std::string(name) + " (graph)", got[2].buffer(name), got[0].buffer(name)));
   }
+  // and the eager run is right: the fp64 recurrence of the whole prefill, the last rank's pool untouched elsewhere
+  Problem ref = before;
+  cpu::prefill_recurrent(ref.prefill_params());
+  check_prefill_results(sim[0]->ranks.with_pool_before(before, 1), got[0], ref);
 }
 
 TEST(SplitPrefillGpu, UnsupportedCallsAreRefused) {

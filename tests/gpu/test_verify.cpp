@@ -538,8 +538,8 @@ TEST(CommitGpu, BadRowsSkippedAndCountedSanitize) {
     verify(ref.verify_params(), {Backend::kCPU, nullptr});
     commit(ref.commit_params(src), {Backend::kCPU, nullptr});
     verify(got.verify_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
-    const int32_t too_many = T + 1;
-    GDNKIT_TEST_CUDA(cudaMemcpy(static_cast<int32_t*>(dev.device("accepted")) + 2, &too_many, 4, cudaMemcpyHostToDevice));
+    got.as<int32_t>("accepted")[2] = T + 1;
+    dev.upload(got, "accepted");
     commit(got.commit_params(src, dev.resolver()), {Backend::kCUDA, dev.stream()});
     dev.download(got);
     // Reference error count: row 0 in verify and in commit. The device adds one for row 2.
@@ -547,6 +547,13 @@ TEST(CommitGpu, BadRowsSkippedAndCountedSanitize) {
     const int64_t slot1 = p.as<int32_t>("state_indices")[1], slot2 = p.as<int32_t>("state_indices")[2];
     EXPECT_TRUE(SlotsClose(got, ref, {slot1}, state_tolerance(OpFamily::kStep, c.state_dtype)));
     EXPECT_TRUE(Identical("row 2's slot (skipped)", got.read_state("state", slot2), p.read_state("state", slot2)));
+    // every slot the commit stores (the reference's less row 2's) as the reference's, all the others untouched
+    std::vector<int64_t> written;
+    for (int64_t s : p.written_pool_slots_commit(src))
+      if (s != slot2) written.push_back(s);
+    EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kStep, c.state_dtype)));
+    EXPECT_TRUE(UntouchedSlotsEqual(p, got, "state", written));
+    EXPECT_TRUE(CacheUntouched(p, got, "intermediate", p.written_intermediate()));
     }
   }
 }

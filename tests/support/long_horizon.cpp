@@ -7,9 +7,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
+#include <string>
 
 #include "gdnkit/host_dtype.h"
+#include "support/compare.h"
+#include "support/problem.h"
 
 namespace gdnkit::test {
 namespace {
@@ -59,13 +63,18 @@ LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tok
   const float* g = place(mem, owned, in.g.data(), T);
   const float* beta = place(mem, owned, in.beta.data(), T);
   float* o = place(mem, owned, nullptr, T * V);
+  // o and the pool NaN: a row or state no call writes shows as NaN
+  std::fill_n(o, T * V, std::numeric_limits<float>::quiet_NaN());
   void* pool = mem.alloc(size_t(K) * V * size_t(dtype_size(pool_dtype)));
   owned.push_back(pool);
+  fill_nan(pool, pool_dtype, int64_t(K) * V);
   auto* scales = static_cast<uint8_t*>(mem.alloc(size_t(K) * V / kFp8Block));  // float8_e4m3 pools
   owned.push_back(scales);
+  std::fill_n(scales, size_t(K) * V / kFp8Block, uint8_t(0xff));  // the NaN scale
   auto* ints = static_cast<int32_t*>(mem.alloc(4 * sizeof(int32_t)));
   owned.push_back(ints);
-  ints[0] = 0, ints[1] = int32_t(prefill_tokens), ints[2] = 0 /* slot */, ints[3] = -1 /* from S = 0 */;
+  const int32_t ints_before[4] = {0, int32_t(prefill_tokens), 0 /* slot */, -1 /* from S = 0 */};
+  std::copy_n(ints_before, 4, ints);
   const StatePool sp{pool, pool_dtype, StateLayout::kKLast, 1, int64_t(K) * V, scales};
   const auto gates = [&](int64_t t0) {
     Gating gate;
@@ -114,6 +123,13 @@ LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tok
   mem.sync();
 
   LongHorizonRun r;
+  r.inputs_unchanged = std::memcmp(q, in.q.data(), T * K * sizeof(float)) == 0 &&
+                       std::memcmp(k, in.k.data(), T * K * sizeof(float)) == 0 &&
+                       std::memcmp(v, in.v.data(), T * V * sizeof(float)) == 0 &&
+                       std::memcmp(g, in.g.data(), T * sizeof(float)) == 0 &&
+                       std::memcmp(beta, in.beta.data(), T * sizeof(float)) == 0 &&
+                       std::memcmp(ints, ints_before, sizeof(ints_before)) == 0;
+  r.prefill_o.assign(o, o + prefill_tokens * V);
   r.o.assign(o + prefill_tokens * V, o + T * V);
   r.state.resize(size_t(K) * V);
   for (int64_t i = 0; i < K * V; ++i)
@@ -122,6 +138,42 @@ LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tok
                      : float(host::load(pool, pool_dtype, i));
   for (void* x : owned) mem.release(x);
   return r;
+}
+
+LongHorizonExact long_horizon_fp64(const LongHorizonInputs& in) {
+  LongHorizonExact out;
+  out.o.resize(size_t(in.tokens) * V);
+  std::vector<double> S(size_t(K) * V, 0.0), q(K), k(K), kS(V), w(V);  // S[k][v]
+  const auto normalized = [](const float* x, double scale, std::vector<double>& y) {
+    double ss = 0;
+    for (int i = 0; i < K; ++i) ss += double(x[i]) * x[i];
+    const double f = scale / std::sqrt(ss + 1e-6);
+    for (int i = 0; i < K; ++i) y[size_t(i)] = x[i] * f;
+  };
+  for (int64_t t = 0; t < in.tokens; ++t) {
+    normalized(&in.q[size_t(t) * K], 1.0 / std::sqrt(double(K)), q);
+    normalized(&in.k[size_t(t) * K], 1.0, k);
+    const float* vt = &in.v[size_t(t) * V];
+    const double decay = std::exp(double(in.g[size_t(t)])), b = in.beta[size_t(t)];
+    std::fill(kS.begin(), kS.end(), 0.0);
+    for (int i = 0; i < K; ++i)
+      for (int j = 0; j < V; ++j) kS[size_t(j)] += k[size_t(i)] * S[size_t(i) * V + j];
+    // S' = decay (S - b k (k^T S)) + b k v^T = decay S + k w^T, w = b (v - decay k^T S); o = S'^T q
+    for (int j = 0; j < V; ++j) w[size_t(j)] = b * (vt[j] - decay * kS[size_t(j)]);
+    double* o = &out.o[size_t(t) * V];
+    std::fill_n(o, V, 0.0);
+    for (int i = 0; i < K; ++i) {
+      double* row = &S[size_t(i) * V];
+      for (int j = 0; j < V; ++j) {
+        row[j] = decay * row[j] + k[size_t(i)] * w[size_t(j)];
+        o[j] += q[size_t(i)] * row[j];
+      }
+    }
+  }
+  out.state.resize(S.size());
+  for (int i = 0; i < K; ++i)
+    for (int j = 0; j < V; ++j) out.state[size_t(j) * K + i] = S[size_t(i) * V + j];
+  return out;
 }
 
 double long_horizon_rel(const std::vector<float>& x, const std::vector<float>& ref) {
@@ -147,14 +199,34 @@ struct LongHorizonError {
 };
 using ErrorOf = std::function<LongHorizonError(DType pool_dtype, bool fp8_once)>;
 
+std::vector<double> widened(const std::vector<float>& x) { return std::vector<double>(x.begin(), x.end()); }
+
+// Every run: its prefill's o within the prefill's output tolerance of the fp64 recurrence, its inputs unchanged.
+void expect_prefill_exact(const LongHorizonRun& r, const LongHorizonExact& exact, const std::string& what) {
+  EXPECT_TRUE(r.inputs_unchanged) << what << ": an input changed";
+  const std::vector<double> want(exact.o.begin(), exact.o.begin() + ptrdiff_t(r.prefill_o.size()));
+  EXPECT_TRUE(RelClose(what + ", prefill o against fp64", widened(r.prefill_o), want,
+                       output_tolerance(OpFamily::kPrefill, DType::kFloat32)));
+}
+
 // Both regimes: their inputs and the fp32 pool's run, then body(regime, errors of a pool dtype on those inputs).
 void for_each_regime(const Context& ctx, const LongHorizonMemory& mem, int64_t prefill_tokens, int64_t decode_steps,
                      const std::function<void(const char*, const ErrorOf&)>& body) {
   for (bool mixed : {false, true}) {
+    const char* regime = mixed ? "mixed" : "long memory";
     const LongHorizonInputs in = long_horizon_inputs(prefill_tokens + decode_steps, mixed, mixed ? 12 : 11);
+    const LongHorizonExact exact = long_horizon_fp64(in);
     const LongHorizonRun ref = long_horizon_run(in, prefill_tokens, DType::kFloat32, ctx, mem);
-    body(mixed ? "mixed" : "long memory", [&](DType dt, bool once) {
+    expect_prefill_exact(ref, exact, std::string(regime) + ", fp32 pool");
+    // the decode steps continue from the prefill's state, so they are held to its tolerance
+    const double tol = state_tolerance(OpFamily::kPrefill, DType::kFloat32);
+    EXPECT_TRUE(RelClose(std::string(regime) + ", fp32 pool, decode o against fp64", widened(ref.o),
+                         std::vector<double>(exact.o.begin() + prefill_tokens * V, exact.o.end()), tol));
+    EXPECT_TRUE(RelClose(std::string(regime) + ", fp32 pool, final state against fp64", widened(ref.state),
+                         exact.state, tol));
+    body(regime, [&](DType dt, bool once) {
       const LongHorizonRun r = long_horizon_run(in, prefill_tokens, dt, ctx, mem, once);
+      expect_prefill_exact(r, exact, std::string(regime) + ", " + dtype_name(dt) + " pool" + (once ? " (once)" : ""));
       return LongHorizonError{long_horizon_rel(r.o, ref.o), long_horizon_rel(r.state, ref.state)};
     });
   }
