@@ -18,6 +18,7 @@
 #include "gdnkit/gdnkit.h"
 #include "gpu/gpu_harness.h"
 #include "cuda/host/overrides.h"
+#include "cuda/recurrent/heuristics.h"
 
 namespace gdnkit::test {
 namespace {
@@ -281,6 +282,25 @@ std::vector<Forced> forced_kernels() {
   return {{"tiles", tiles}, {"narrow", narrow}, {"regular", regular}, {"solo", solo}, {"wide", wide}};
 }
 
+// What a forced set must have launched (recurrent::last_recurrent_launch), so that an override the launcher stopped
+// honouring fails here rather than testing the default kernel again.
+void expect_forced_launch(const std::string& name, DType state, int batch) {
+  namespace rc = cuda::recurrent;
+  const rc::RecurrentLaunch& got = rc::last_recurrent_launch();
+  const std::string k = got.kernel;
+  const auto is = [&](rc::RecurrentKernel kernel) { return k == rc::kernel_name(kernel); };
+  SCOPED_TRACE("launched " + k);
+  const bool bf16 = state == DType::kBFloat16;
+  EXPECT_FALSE(is(rc::RecurrentKernel::kMmaDecode));  // every set turns the tensor-core decode off
+  if (name == "regular") EXPECT_TRUE(is(rc::RecurrentKernel::kWarpRegular) && !got.prefetch);
+  if (name == "solo") EXPECT_TRUE(is(rc::RecurrentKernel::kWarpSolo));
+  if (name == "wide" && bf16 && batch >= 2 && batch <= 14) EXPECT_TRUE(is(rc::RecurrentKernel::kWarpWide));
+  if (name == "narrow" && bf16) {
+    EXPECT_FALSE(is(rc::RecurrentKernel::kWarpWide) || is(rc::RecurrentKernel::kWarpSolo));
+    if (batch == 33) EXPECT_TRUE(is(rc::RecurrentKernel::kWarpNarrow));
+  }
+}
+
 TEST(DecodeForcedKernels, MatchCpuReference) {
   int seed = 700;
   for (const Forced& f : forced_kernels())
@@ -293,6 +313,7 @@ TEST(DecodeForcedKernels, MatchCpuReference) {
         c.seed = seed++;
         const cuda::ScopedOverrides scoped(f.o);
         check_decode(Problem(c));
+        expect_forced_launch(f.name, state, batch);
       }
 }
 
@@ -325,6 +346,10 @@ TEST(DecodeForcedKernels, VLastFp8PiecesMatchCpuReference) {
           o.state_prefetch = piece.prefetch;
           const cuda::ScopedOverrides scoped(o);
           check_decode(Problem(c));
+          const cuda::recurrent::RecurrentLaunch& got = cuda::recurrent::last_recurrent_launch();
+          EXPECT_EQ(std::string(got.kernel), cuda::recurrent::kernel_name(cuda::recurrent::RecurrentKernel::kVLastDecode));
+          EXPECT_EQ(got.columns, piece.columns);
+          if (!piece.prefetch) EXPECT_FALSE(got.prefetch);
         }
 }
 

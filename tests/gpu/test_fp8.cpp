@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda/host/overrides.h"
+#include "cuda/recurrent/heuristics.h"
 #include "gdnkit/gdnkit.h"
 #include "gdnkit/host_dtype.h"
 #include "support/compare.h"
@@ -174,6 +175,12 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
                 dflag.dev),
          {Backend::kCUDA, nullptr});
   FP8_CUDA_OK(cudaDeviceSynchronize());
+  {  // the kernel and columns asked for took effect
+    const cuda::recurrent::RecurrentLaunch& got = cuda::recurrent::last_recurrent_launch();
+    EXPECT_EQ(std::string(got.kernel),
+              vlast ? cuda::recurrent::kernel_name(cuda::recurrent::RecurrentKernel::kVLastDecode) : "fp8 decode");
+    if (GetParam().cols != 0) EXPECT_EQ(got.columns, GetParam().cols);
+  }
   const std::vector<uint8_t> gpool = dpool.fetch(), gscales = dscales.fetch(), go = dout.fetch(), gflag = dflag.fetch();
 
   int32_t flag = 0;

@@ -16,6 +16,7 @@
 #include "gdnkit/gdnkit.h"
 #include "gdnkit/host_dtype.h"
 #include "cuda/host/overrides.h"
+#include "cuda/recurrent/heuristics.h"
 #include "gpu/gpu_harness.h"
 
 namespace gdnkit::test {
@@ -309,6 +310,9 @@ TEST(VerifyGpu, Fp8ChainsWithoutACacheOnBothForms) {
       o.verify_fp8_chain_mma = mma;
       const cuda::ScopedOverrides scoped(o);
       check_verify(n.cfg);
+      EXPECT_EQ(std::string(cuda::recurrent::last_recurrent_launch().kernel),
+                cuda::recurrent::kernel_name(mma ? cuda::recurrent::RecurrentKernel::kFp8ChainMma
+                                                 : cuda::recurrent::RecurrentKernel::kFp8Chain));
     }
 }
 
@@ -348,6 +352,8 @@ TEST(VerifyGpu, VLastChains) {
   for (const Named& n : cases) {
     SCOPED_TRACE(n.name);
     check_verify(n.cfg);
+    EXPECT_EQ(std::string(cuda::recurrent::last_recurrent_launch().kernel),
+              cuda::recurrent::kernel_name(cuda::recurrent::RecurrentKernel::kVLastChain));
   }
 }
 

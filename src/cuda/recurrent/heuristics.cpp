@@ -145,6 +145,11 @@ bool prefetch_mode(const KernelFit& fit, int share, const Overrides& o) {
   return o.state_prefetch && fit.grid_ctas > 0 && fit.grid_ctas <= fit.resident_ctas / share;
 }
 
+RecurrentLaunch& last_recurrent_launch() {
+  static RecurrentLaunch last;
+  return last;
+}
+
 RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates& k, const Overrides& o) {
   using K = RecurrentKernel;
   auto take = [&](K kernel, const KernelFit& fit) {

@@ -100,4 +100,13 @@ bool prefetch_mode(const KernelFit& fit, int share, const Overrides& o);
 
 RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates& k, const Overrides& o);
 
+// What the process's last recurrent launch ran, written by the launchers so that the GPU tests can check that a
+// forced choice took effect (not thread-safe; nothing on the library's paths reads it).
+struct RecurrentLaunch {
+  const char* kernel = "";  // kernel_name, or "fp8 decode" (fp8_decode.cuh)
+  bool prefetch = false;
+  int columns = 0;  // float8_e4m3 decode: columns per warp (K-last) or per CTA (V-last)
+};
+RecurrentLaunch& last_recurrent_launch();
+
 }  // namespace gdnkit::cuda::recurrent

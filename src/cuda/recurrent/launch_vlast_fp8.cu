@@ -22,6 +22,7 @@ void launch_kv_groups(const RecurrentParams& p, Stream stream) {
   const dim3 grid = head_grid(p, V / R::kCols);
   // prefetch mode where the grid fits the GPU at once (share 1), as for the other V-last pools
   const bool prefetch = prefetch_mode(KernelFit{grid_ctas(grid), resident}, 1, overrides());
+  last_recurrent_launch() = {kernel_name(RecurrentKernel::kVLastDecode), prefetch, R::kCols};
   launch_recurrent(kernel, grid, R::kWarps * 32, prefetch, stream, p);
 }
 

@@ -154,6 +154,7 @@ void launch_recurrent_op(const RecurrentParams& p, bool write_state, Stream stre
   }
 
   const RecurrentChoice choice = choose_recurrent_kernel(call, fit, overrides());
+  last_recurrent_launch() = {kernel_name(choice.kernel), choice.prefetch, 0};
   switch (choice.kernel) {
     case RecurrentKernel::kChainMma:
       if constexpr (kChainBuilt)
