@@ -246,6 +246,13 @@ TEST(SemOutOfRange, CommitRowWithCacheSlotPastTheCache) {
     const int64_t slot0 = index_at(p, "state_indices", 0);
     EXPECT_EQ(std::count(written.begin(), written.end(), slot0), from_cache ? 0 : 1);
     EXPECT_TRUE(UntouchedSlotsEqual(before, p, "state", written));
+    if (!from_cache) {  // the row committed, as with its cache slot in range (recompute reads no cache)
+      Problem in_range = before;
+      index_at(in_range, "intermediate_indices", 0) = 0;
+      cpu::commit(in_range.commit_params(src));
+      EXPECT_EQ(p.read_state("state", slot0), in_range.read_state("state", slot0));
+      EXPECT_NE(p.read_state("state", slot0), before.read_state("state", slot0));
+    }
   }
 }
 

@@ -64,7 +64,7 @@ void DeviceProblem::download(Problem& host) const {
   check(cudaStreamSynchronize(stream_), "kernel (sync before download)");
   for (const Mirror& m : mirrors_)
     if (host.buffer(m.name).is_output) download(host, m.name);
-  // The ops only read their inputs: each must come back as the host holds it (what was uploaded).
+  // The ops only read their inputs: each must come back as the host copy holds it.
   for (const Mirror& m : mirrors_) {
     const Buffer& b = host.buffer(m.name);
     if (b.is_output) continue;

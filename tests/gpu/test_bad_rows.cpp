@@ -55,7 +55,7 @@ TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
     dev.download(got);
     const std::string what = "cu_seqlens {" + std::to_string(cu[1]) + ", " + std::to_string(cu[2]) + ", " +
                              std::to_string(cu[3]) + "}, state " + dtype_name(state);
-    // Row 0 as in the reference; rows 1 and 2 counted (row 1's length is negative, row 2's span is the new check).
+    // Row 0 as in the reference; rows 1 and 2 counted (row 1's length is negative, row 2's span ends past the token rows).
     EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0] + 2) << what;
     EXPECT_TRUE(RelClose("row 0's o", token_rows(got, "o", 0, 2), token_rows(ref, "o", 0, 2),
                          output_tolerance(OpFamily::kStep, before.config().in_dtype)))

@@ -198,6 +198,7 @@ std::vector<Named> sanitize_cases() {
 void check_decode(const Problem& before) {
   Problem ref = before, got = before;
   DeviceProblem dev(got);
+  cuda::recurrent::last_recurrent_launch() = {};  // a call that launched nothing leaves no earlier record
   decode(ref.decode_params(), {Backend::kCPU, nullptr});
   decode(got.decode_params(dev.resolver()), {Backend::kCUDA, dev.stream()});
   dev.download(got);
@@ -265,9 +266,9 @@ struct Forced {
   cuda::Overrides o;
 };
 std::vector<Forced> forced_kernels() {
-  cuda::Overrides tiles;  // no tensor-core decode: the wide tile in prefetch mode, then the narrow tile
+  cuda::Overrides tiles;  // no tensor-core decode: the heuristic's tiles (bf16: wide, narrow, one-warp CTAs)
   tiles.decode_mma = false;
-  cuda::Overrides narrow = tiles;  // the narrow tile wherever it is built
+  cuda::Overrides narrow = tiles;  // the narrow tile from 3 sequences where the regular tile is past prefetch mode
   narrow.decode_wide_max_batch = 0;
   narrow.decode_narrow_max_batch = 1 << 20;
   narrow.decode_solo_min_batch = 0;

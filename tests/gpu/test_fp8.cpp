@@ -171,6 +171,7 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
   // CUDA.
   Mirror dq(q), dk(k), dv(v), dout(o_init), da(bytes_of(a)), db(bytes_of(bb)), dalog(bytes_of(A_log)),
       ddt(bytes_of(dt_bias)), dpool(pool), dscales(scales), dslots(bytes_of(slots)), dflag(std::vector<uint8_t>(4, 0));
+  cuda::recurrent::last_recurrent_launch() = {};
   decode(params(dq.dev, dk.dev, dv.dev, dout.dev, da.dev, db.dev, dalog.dev, ddt.dev, dpool.dev, dscales.dev, dslots.dev,
                 dflag.dev),
          {Backend::kCUDA, nullptr});

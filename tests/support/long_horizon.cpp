@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +25,7 @@ constexpr int K = 128, V = 128;
 HeadConfig one_head() {
   HeadConfig h;
   h.num_qk_heads = 1, h.num_v_heads = 1, h.head_dim_k = K, h.head_dim_v = V;
+  h.use_qk_l2norm = true, h.scale = 0.0f;  // the fp64 model's: the norm on, q scaled by 1 / sqrt(K)
   return h;
 }
 

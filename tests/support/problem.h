@@ -157,7 +157,8 @@ class Problem {
   // Pool slots the op may write for these params (valid slot indices only).
   std::vector<int64_t> written_pool_slots_decode() const;
   std::vector<int64_t> written_pool_slots_verify() const;  // update_state rows
-  std::vector<int64_t> written_pool_slots_commit(CommitSource source) const;  // rows with a usable source
+  // rows with a usable source (from the cache: a cache slot in range; the kept step is not checked)
+  std::vector<int64_t> written_pool_slots_commit(CommitSource source) const;
   std::vector<int64_t> written_pool_slots_prefill() const;
   // Prefill: whether sequence r runs (no initial, final or checkpoint slot past its buffer), the final slots
   // of the sequences that run, and the checkpoint entries (slot, step) they store.

@@ -146,7 +146,7 @@ bool prefetch_mode(const KernelFit& fit, int share, const Overrides& o) {
 }
 
 RecurrentLaunch& last_recurrent_launch() {
-  static RecurrentLaunch last;
+  thread_local RecurrentLaunch last;  // per thread: callers may drive several GPUs at once
   return last;
 }
 

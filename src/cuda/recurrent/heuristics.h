@@ -100,8 +100,9 @@ bool prefetch_mode(const KernelFit& fit, int share, const Overrides& o);
 
 RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates& k, const Overrides& o);
 
-// What the process's last recurrent launch ran, written by the launchers so that the GPU tests can check that a
-// forced choice took effect (not thread-safe; nothing on the library's paths reads it).
+// What the calling thread's last recurrent call chose to launch (kernel, prefetch mode, columns), written by the
+// launchers before they enqueue it, so that the GPU tests can check that a forced choice took effect; graph replays
+// do not update it, and nothing on the library's paths reads it.
 struct RecurrentLaunch {
   const char* kernel = "";  // kernel_name, or "fp8 decode" (fp8_decode.cuh)
   bool prefetch = false;
