@@ -30,11 +30,11 @@ constexpr int kVTileHead = -1, kVTileHeadWarp = -2;
 inline bool is_head_tile(int vtile) { return vtile == kVTileHead || vtile == kVTileHeadWarp; }
 
 // The chunk prep's dynamic shared memory (chunk_prep.cuh: the raw k (and q, with M) rows of 16-bit operands, wgmma's
-// swizzled layout; once
-// consumed, the fp32 solve of kSolveLd-float rows and the parked accumulators of k k^T (and q k^T), kPrepTiles tiles of
-// 32 float4 each), and the CTAs per SM it runs on sm_90, which the kernel also asks of ptxas as its register budget: as
-// many as the shared memory allows (228 KB per SM, 1 KB reserved per CTA, up to 2 KB of static arrays), but with M at
-// K = 128 four, at 128 registers (five, at 96, spilled the solve and took 7-18% longer: prefill.md "Kernel 1").
+// swizzled layout; once consumed, the fp32 solve of kSolveLd-float rows and the parked accumulators of k k^T (and q
+// k^T), kPrepTiles tiles of 32 float4 each), and the CTAs per SM it runs on sm_90, which the kernel also asks of ptxas
+// as its register budget: as many as the shared memory allows (228 KB per SM, 1 KB reserved per CTA, up to 2 KB of
+// static arrays), but with M at K = 128 four, at 128 registers (five, at 96, spilled the solve and took 7-18% longer:
+// prefill.md "Kernel 1").
 constexpr int kSolveLd = 72;  // fp32 A / T rows in shared memory (solve.cuh's solve_at: skewed, no bank conflicts)
 constexpr int kPrepTiles = 20;
 constexpr int64_t prep_smem_bytes(int K, bool with_m) {
