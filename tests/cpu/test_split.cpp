@@ -62,17 +62,7 @@ void run_split_case(const ProblemConfig& cfg, const std::vector<int64_t>& cuts, 
   SplitRanks ranks(got, cuts);
   ranks.poison_pools_past_rank0();
   ranks.run_cpu(got, every_rank);
-  const int last = ranks.ranks() - 1;
-  for (int r = 0; r <= last; ++r) {
-    SCOPED_TRACE("pool of rank " + std::to_string(r));
-    if (!every_rank && r < last) {
-      EXPECT_TRUE(ranks.pool_unchanged(r));
-      continue;
-    }
-    Problem collected = got;
-    EXPECT_TRUE(ranks.collect(collected, r, every_rank));
-    check_split(ranks.with_pool_before(before, r), collected, ref);
-  }
+  ranks.check_pools(before, got, ref, every_rank, check_split);
 }
 
 TEST(SplitPrefill, OneRankIsTheWholePrefill) {
@@ -257,7 +247,8 @@ Problem bad_final_slot_problem(uint64_t seed) {
 
 // `before` (bad_final_slot_problem) split at `cuts` over two ranks: only the last rank reads the final slots, so it
 // skips and counts its piece of sequence 1 there, once, and every other piece runs. The result (o of each sequence,
-// sequence 0's final slot, every other slot untouched on both ranks, the error count) must be `ref`'s; returns it.
+// sequence 0's final slot, every other slot untouched on both ranks, the error count) must be `ref`'s; returns the
+// run (its o rows).
 Problem check_bad_final_slot(const Problem& before, std::vector<int64_t> cuts, const Problem& ref) {
   Problem got = before;
   SplitRanks ranks(got, std::move(cuts));
@@ -265,9 +256,7 @@ Problem check_bad_final_slot(const Problem& before, std::vector<int64_t> cuts, c
   ranks.run_cpu(got, false);
   EXPECT_EQ(*ranks.buffer(1, "error_flag").as<int32_t>(), 1);
   EXPECT_EQ(*ranks.buffer(0, "error_flag").as<int32_t>(), 0);
-  EXPECT_TRUE(ranks.pool_unchanged(0));
-  EXPECT_TRUE(ranks.collect(got, 1, false));
-  check_split(ranks.with_pool_before(before, 1), got, ref);
+  ranks.check_pools(before, got, ref, false, check_split);
   const int64_t row = 2 * 64;  // HV * V per token
   EXPECT_TRUE(RelClose("o of sequence 0", token_rows(got.read_tokens("o"), row, 0, 120),
                        token_rows(ref.read_tokens("o"), row, 0, 120), 2e-3));

@@ -122,8 +122,12 @@ void check_verify_results(const Problem& before, const Problem& got, const Probl
   EXPECT_TRUE(SlotsClose(got, ref, written, state_tolerance(OpFamily::kStep, cfg.state_dtype)));
   EXPECT_TRUE(UntouchedSlotsEqual(before, got, "state", written));
   EXPECT_EQ(got.as<int32_t>("error_flag")[0], ref.as<int32_t>("error_flag")[0]);
-  if (!before.has("intermediate")) return;
-  const auto stored = before.written_intermediate();
+  if (before.has("intermediate")) check_intermediate_entries(before, got, ref, before.written_intermediate());
+}
+
+void check_intermediate_entries(const Problem& before, const Problem& got, const Problem& ref,
+                                const std::vector<std::pair<int64_t, int64_t>>& stored) {
+  const ProblemConfig& cfg = before.config();
   for (auto [q, t] : stored)
     EXPECT_TRUE(RelClose("intermediate[" + std::to_string(q) + ", " + std::to_string(t) + "]",
                          got.read_cache("intermediate", q, t), ref.read_cache("intermediate", q, t),

@@ -79,6 +79,9 @@ void check_commit_results(const Problem& before, const Problem& got, const Probl
 // prefill: outputs, final slots of the sequences that run, untouched slots, checkpoint entries stored /
 // untouched, error_flag.
 void check_prefill_results(const Problem& before, const Problem& got, const Problem& ref);
+// the intermediate cache: the entries `stored` (cache slot, step) close to the reference's, every other byte untouched.
+void check_intermediate_entries(const Problem& before, const Problem& got, const Problem& ref,
+                                const std::vector<std::pair<int64_t, int64_t>>& stored);
 // layout conversion of every slot of `before` (Problem::fill_every_slot): exact, slot padding untouched, the
 // source of an out-of-place conversion unchanged. In place, `got`'s state_t receives its converted pool.
 void check_layout_results(const Problem& before, Problem& got, bool in_place);

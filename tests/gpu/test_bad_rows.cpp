@@ -77,13 +77,8 @@ TEST(VerifyGpu, VarlenSpanOutsideTheTokenRowsSkippedAndCountedSanitize) {
     const int64_t islot0 = before.as<int32_t>("intermediate_indices")[0];
     std::vector<std::pair<int64_t, int64_t>> stored;
     if (slots[0] >= 0) stored = {{islot0, 0}, {islot0, 1}};
-    for (auto [q, t] : stored)
-      EXPECT_TRUE(RelClose("row 0's intermediate step " + std::to_string(t), got.read_cache("intermediate", q, t),
-                           ref.read_cache("intermediate", q, t),
-                           state_tolerance(OpFamily::kStep, before.config().cache_dtype),
-                           storage_floor(before.config().cache_dtype)))
-          << what;
-    EXPECT_TRUE(CacheUntouched(before, got, "intermediate", stored)) << what;
+    SCOPED_TRACE(what);
+    check_intermediate_entries(before, got, ref, stored);
   }
 }
 
@@ -107,13 +102,8 @@ void expect_row0_skipped(const Problem& before, const Problem& got, const Proble
   const ProblemConfig& c = before.config();
   EXPECT_TRUE(OutputsClose(got, ref, output_tolerance(OpFamily::kStep, c.in_dtype))) << name;
   EXPECT_TRUE(OutputPaddingUntouched(before, got)) << name;
-  const auto stored = before.written_intermediate();
-  for (auto [q, t] : stored)
-    EXPECT_TRUE(RelClose("intermediate[" + std::to_string(q) + ", " + std::to_string(t) + "]",
-                         got.read_cache("intermediate", q, t), ref.read_cache("intermediate", q, t),
-                         state_tolerance(OpFamily::kStep, c.cache_dtype), storage_floor(c.cache_dtype)))
-        << name;
-  EXPECT_TRUE(CacheUntouched(before, got, "intermediate", stored)) << name;
+  SCOPED_TRACE(name);
+  check_intermediate_entries(before, got, ref, before.written_intermediate());
 }
 
 // A tree commit whose path for row 0 is made of valid token indices that do not follow parent[]: on the

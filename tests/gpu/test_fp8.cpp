@@ -179,7 +179,8 @@ TEST_P(Fp8DecodeGpu, MatchesCpuBackend) {
   {  // the kernel and columns asked for took effect
     const cuda::recurrent::RecurrentLaunch& got = cuda::recurrent::last_recurrent_launch();
     EXPECT_EQ(std::string(got.kernel),
-              vlast ? cuda::recurrent::kernel_name(cuda::recurrent::RecurrentKernel::kVLastDecode) : "fp8 decode");
+              vlast ? cuda::recurrent::kernel_name(cuda::recurrent::RecurrentKernel::kVLastDecode)
+                    : cuda::recurrent::kFp8DecodeKernel);
     if (GetParam().cols != 0) EXPECT_EQ(got.columns, GetParam().cols);
   }
   const std::vector<uint8_t> gpool = dpool.fetch(), gscales = dscales.fetch(), go = dout.fetch(), gflag = dflag.fetch();

@@ -15,6 +15,7 @@
 
 #include "gdnkit/host_dtype.h"
 #include "support/compare.h"
+#include "support/naive.h"
 #include "support/problem.h"
 
 namespace gdnkit::test {
@@ -146,32 +147,15 @@ LongHorizonRun long_horizon_run(const LongHorizonInputs& in, int64_t prefill_tok
 LongHorizonExact long_horizon_fp64(const LongHorizonInputs& in) {
   LongHorizonExact out;
   out.o.resize(size_t(in.tokens) * V);
-  std::vector<double> S(size_t(K) * V, 0.0), q(K), k(K), kS(V), w(V);  // S[k][v]
-  const auto normalized = [](const float* x, double scale, std::vector<double>& y) {
-    double ss = 0;
-    for (int i = 0; i < K; ++i) ss += double(x[i]) * x[i];
-    const double f = scale / std::sqrt(ss + 1e-6);
-    for (int i = 0; i < K; ++i) y[size_t(i)] = x[i] * f;
-  };
+  std::vector<double> S(size_t(K) * V, 0.0), q(K), k(K), v(V);  // S[k][v]
   for (int64_t t = 0; t < in.tokens; ++t) {
-    normalized(&in.q[size_t(t) * K], 1.0 / std::sqrt(double(K)), q);
-    normalized(&in.k[size_t(t) * K], 1.0, k);
-    const float* vt = &in.v[size_t(t) * V];
-    const double decay = std::exp(double(in.g[size_t(t)])), b = in.beta[size_t(t)];
-    std::fill(kS.begin(), kS.end(), 0.0);
-    for (int i = 0; i < K; ++i)
-      for (int j = 0; j < V; ++j) kS[size_t(j)] += k[size_t(i)] * S[size_t(i) * V + j];
-    // S' = decay (S - b k (k^T S)) + b k v^T = decay S + k w^T, w = b (v - decay k^T S); o = S'^T q
-    for (int j = 0; j < V; ++j) w[size_t(j)] = b * (vt[j] - decay * kS[size_t(j)]);
-    double* o = &out.o[size_t(t) * V];
-    std::fill_n(o, V, 0.0);
-    for (int i = 0; i < K; ++i) {
-      double* row = &S[size_t(i) * V];
-      for (int j = 0; j < V; ++j) {
-        row[j] = decay * row[j] + k[size_t(i)] * w[size_t(j)];
-        o[j] += q[size_t(i)] * row[j];
-      }
-    }
+    std::copy_n(&in.q[size_t(t) * K], K, q.begin());
+    std::copy_n(&in.k[size_t(t) * K], K, k.begin());
+    std::copy_n(&in.v[size_t(t) * V], V, v.begin());
+    naive_normalize(q.data(), K, true, 1.0 / std::sqrt(double(K)));
+    naive_normalize(k.data(), K, true, 1.0);
+    naive_step(S.data(), K, V, q.data(), k.data(), v.data(), in.g[size_t(t)], in.beta[size_t(t)],
+               &out.o[size_t(t) * V]);
   }
   out.state.resize(S.size());
   for (int i = 0; i < K; ++i)

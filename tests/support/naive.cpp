@@ -1,6 +1,7 @@
 #include "support/naive.h"
 
 #include <cmath>
+#include <vector>
 
 #include "gdnkit/host_dtype.h"
 
@@ -14,17 +15,8 @@ NaiveModel::NaiveModel(const Problem& p) : H_(p.config().H), HV_(p.config().HV),
   const int64_t T = p.total_tokens();
   const double scale = c.scale > 0 ? double(c.scale) : 1.0 / std::sqrt(double(K_));
   for (int64_t i = 0; i < T * H_; ++i) {
-    double qq = 0, kk = 0;
-    for (int d = 0; d < K_; ++d) {
-      qq += q_[i * K_ + d] * q_[i * K_ + d];
-      kk += k_[i * K_ + d] * k_[i * K_ + d];
-    }
-    const double qn = c.use_qk_l2norm ? std::sqrt(qq + 1e-6) : 1.0;
-    const double kn = c.use_qk_l2norm ? std::sqrt(kk + 1e-6) : 1.0;
-    for (int d = 0; d < K_; ++d) {
-      q_[i * K_ + d] *= scale / qn;
-      k_[i * K_ + d] /= kn;
-    }
+    naive_normalize(&q_[i * K_], K_, c.use_qk_l2norm, scale);
+    naive_normalize(&k_[i * K_], K_, c.use_qk_l2norm, 1.0);
   }
   if (c.gate_mode == GateMode::kGiven) {
     g_ = p.read_tokens("g");
@@ -41,30 +33,37 @@ NaiveModel::NaiveModel(const Problem& p) : H_(p.config().H), HV_(p.config().HV),
   }
 }
 
+void naive_normalize(double* x, int n, bool l2norm, double scale) {
+  double ss = 0;
+  for (int d = 0; d < n; ++d) ss += x[d] * x[d];
+  const double f = l2norm ? scale / std::sqrt(ss + 1e-6) : scale;
+  for (int d = 0; d < n; ++d) x[d] *= f;
+}
+
+void naive_step(double* S, int K, int V, const double* q, const double* k, const double* v, double g, double beta,
+                double* o) {
+  std::vector<double> kS(size_t(V), 0.0);
+  for (int i = 0; i < K; ++i)
+    for (int j = 0; j < V; ++j) kS[j] += k[i] * S[i * V + j];
+  const double decay = std::exp(g);
+  for (int i = 0; i < K; ++i)
+    for (int j = 0; j < V; ++j) S[i * V + j] = decay * (S[i * V + j] - beta * k[i] * kS[j]) + beta * k[i] * v[j];
+  if (!o) return;
+  for (int j = 0; j < V; ++j) {
+    double acc = 0;
+    for (int i = 0; i < K; ++i) acc += q[i] * S[i * V + j];
+    o[j] = acc;
+  }
+}
+
 std::vector<double> NaiveModel::run(std::vector<double> S, const std::vector<int64_t>& tokens,
                                     std::vector<double>* o) const {
   if (o) o->assign(tokens.size() * HV_ * V_, 0.0);
-  std::vector<double> kS(V_);
   for (size_t n = 0; n < tokens.size(); ++n) {
     const int64_t t = tokens[n];
-    for (int h = 0; h < HV_; ++h) {
-      double* Sh = S.data() + int64_t(h) * K_ * V_;
-      const double *kt = k(t, h), *vt = v(t, h), *qt = q(t, h);
-      const double decay = std::exp(g(t, h)), bt = beta(t, h);
-      for (int j = 0; j < V_; ++j) {
-        kS[j] = 0;
-        for (int i = 0; i < K_; ++i) kS[j] += kt[i] * Sh[i * V_ + j];
-      }
-      for (int i = 0; i < K_; ++i)
-        for (int j = 0; j < V_; ++j)
-          Sh[i * V_ + j] = decay * (Sh[i * V_ + j] - bt * kt[i] * kS[j]) + bt * kt[i] * vt[j];
-      if (!o) continue;
-      for (int j = 0; j < V_; ++j) {
-        double acc = 0;
-        for (int i = 0; i < K_; ++i) acc += qt[i] * Sh[i * V_ + j];
-        (*o)[(n * HV_ + h) * V_ + j] = acc;
-      }
-    }
+    for (int h = 0; h < HV_; ++h)
+      naive_step(S.data() + int64_t(h) * K_ * V_, K_, V_, q(t, h), k(t, h), v(t, h), g(t, h), beta(t, h),
+                 o ? o->data() + (n * HV_ + h) * V_ : nullptr);
   }
   return S;
 }

@@ -30,6 +30,12 @@ class NaiveModel {
   std::vector<double> q_, k_, v_, g_, beta_;
 };
 
+// The ops' q/k norm on n values: x <- x scale / sqrt(|x|^2 + 1e-6) with l2norm, else x scale (docs/semantics.md).
+void naive_normalize(double* x, int n, bool l2norm, double scale);
+// One token of one head: S [K][V] <- exp(g) (S - beta k (k^T S)) + beta k v^T, then o [V] = S^T q (o may be null).
+void naive_step(double* S, int K, int V, const double* q, const double* k, const double* v, double g, double beta,
+                double* o);
+
 // Rounds every element to the dtype (through float, as the library's stores do).
 std::vector<double> round_to(const std::vector<double>& x, DType dtype);
 

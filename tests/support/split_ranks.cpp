@@ -236,6 +236,21 @@ Problem SplitRanks::with_pool_before(Problem before, int r) const {
   return ::testing::AssertionSuccess();
 }
 
+void SplitRanks::check_pools(const Problem& before, const Problem& got, const Problem& ref, bool final_on_every_rank,
+                             const std::function<void(const Problem&, const Problem&, const Problem&)>& check) const {
+  const int last = ranks() - 1;
+  for (int r = 0; r <= last; ++r) {
+    SCOPED_TRACE("pool of rank " + std::to_string(r));
+    if (!final_on_every_rank && r < last) {
+      EXPECT_TRUE(pool_unchanged(r));
+      continue;
+    }
+    Problem collected = got;
+    EXPECT_TRUE(collect(collected, r, final_on_every_rank));
+    check(with_pool_before(before, r), collected, ref);
+  }
+}
+
 void SplitRanks::run_cpu(Problem& full, bool final_on_every_rank) {
   const PrefillParams fp = full.prefill_params();
   exchange_.assign(size_t(exchange_elems(fp)), std::numeric_limits<float>::quiet_NaN());

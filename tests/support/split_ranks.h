@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "gdnkit/params.h"
@@ -65,6 +66,12 @@ class SplitRanks {
   // a rank's checkpoint buffer differs from the original outside the entries it stores. final_on_every_rank: the
   // run's (which ranks read the final slots).
   [[nodiscard]] ::testing::AssertionResult collect(Problem& got, int state_rank, bool final_on_every_rank) const;
+
+  // The pools after a run whose o rows `got` holds: each rank that stores final states (the last; every one with
+  // final_on_every_rank) collected into a copy of `got` and given to check(`before` with that rank's pool as it was,
+  // the copy, ref); every other rank's pool bit-identical to what it was.
+  void check_pools(const Problem& before, const Problem& got, const Problem& ref, bool final_on_every_rank,
+                   const std::function<void(const Problem&, const Problem&, const Problem&)>& check) const;
 
   // Runs every rank's begin, then every rank's end, on the CPU backend (the exchange shared: an all-gather in place).
   void run_cpu(Problem& full, bool final_on_every_rank);

@@ -103,8 +103,9 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
 // What the calling thread's last recurrent call chose to launch (kernel, prefetch mode, columns), written by the
 // launchers before they enqueue it, so that the GPU tests can check that a forced choice took effect; graph replays
 // do not update it, and nothing on the library's paths reads it.
+inline constexpr char kFp8DecodeKernel[] = "fp8 decode";  // K-last float8_e4m3 decode (fp8_decode.cuh)
 struct RecurrentLaunch {
-  const char* kernel = "";  // kernel_name, or "fp8 decode" (fp8_decode.cuh)
+  const char* kernel = "";  // kernel_name, or kFp8DecodeKernel
   bool prefetch = false;
   int columns = 0;  // float8_e4m3 decode: columns per warp (K-last) or per CTA (V-last)
 };

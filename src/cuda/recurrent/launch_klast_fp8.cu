@@ -20,7 +20,7 @@ void launch_k(const RecurrentParams& p, Stream stream) {
   static const int64_t resident = resident_ctas(reinterpret_cast<const void*>(kernel), Tile::kWarps * 32);
   const dim3 grid(unsigned(p.heads.num_v_heads) * unsigned(K / Tile::kCtaCols), unsigned(p.batch));
   const bool prefetch = fp8_decode_prefetch(grid_ctas(grid), resident, overrides());
-  last_recurrent_launch() = {"fp8 decode", prefetch, kCols};
+  last_recurrent_launch() = {kFp8DecodeKernel, prefetch, kCols};
   launch_recurrent(kernel, grid, Tile::kWarps * 32, prefetch, stream, p);
 }
 
