@@ -268,10 +268,11 @@ struct Forced {
 std::vector<Forced> forced_kernels() {
   cuda::Overrides tiles;  // no tensor-core decode: the heuristic's tiles (bf16: wide, narrow, one-warp CTAs)
   tiles.decode_mma = false;
-  cuda::Overrides narrow = tiles;  // the narrow tile from 3 sequences where the regular tile is past prefetch mode
+  cuda::Overrides narrow = tiles;  // the narrow tile from 3 sequences (no prefetch mode, so none for the regular tile)
   narrow.decode_wide_max_batch = 0;
   narrow.decode_narrow_max_batch = 1 << 20;
   narrow.decode_solo_min_batch = 0;
+  narrow.state_prefetch = false;
   cuda::Overrides regular = narrow;  // the regular tile, and for fp32 state no pinned slot (no prefetch mode)
   regular.decode_narrow_max_batch = 0;
   regular.decode_solo_min_batch = 0;
@@ -293,12 +294,17 @@ void expect_forced_launch(const std::string& name, DType state, int batch) {
   SCOPED_TRACE("launched " + k);
   const bool bf16 = state == DType::kBFloat16;
   EXPECT_FALSE(is(rc::RecurrentKernel::kMmaDecode));  // every set turns the tensor-core decode off
+  if (is(rc::RecurrentKernel::kWarpWide)) EXPECT_TRUE(got.prefetch);  // the wide tile runs in prefetch mode only
   if (name == "regular") EXPECT_TRUE(is(rc::RecurrentKernel::kWarpRegular) && !got.prefetch);
   if (name == "solo") EXPECT_TRUE(is(rc::RecurrentKernel::kWarpSolo));
   if (name == "wide" && bf16 && batch >= 2 && batch <= 14) EXPECT_TRUE(is(rc::RecurrentKernel::kWarpWide));
-  if (name == "narrow" && bf16) {
-    EXPECT_FALSE(is(rc::RecurrentKernel::kWarpWide) || is(rc::RecurrentKernel::kWarpSolo));
-    if (batch == 33) EXPECT_TRUE(is(rc::RecurrentKernel::kWarpNarrow));
+  if (name == "narrow") {  // bf16: the narrow tile from 3 sequences; below, and fp32, the regular tile; no prefetch
+    EXPECT_TRUE(is(bf16 && batch >= 3 ? rc::RecurrentKernel::kWarpNarrow : rc::RecurrentKernel::kWarpRegular));
+    EXPECT_FALSE(got.prefetch);
+  }
+  if (name == "tiles" && bf16) {  // the heuristic at HV = 32: the wide tile up to B = 12, one-warp CTAs from B = 13
+    if (batch == 3 || batch == 8) EXPECT_TRUE(is(rc::RecurrentKernel::kWarpWide));
+    if (batch >= 14) EXPECT_TRUE(is(rc::RecurrentKernel::kWarpSolo));
   }
 }
 
@@ -327,7 +333,7 @@ TEST(DecodeForcedKernels, VLastFp8PiecesMatchCpuReference) {
     int columns;
     bool prefetch;
   };
-  int seed = 760;
+  int seed = 760, prefetched = 0;
   for (const Piece& piece : {Piece{"64 columns", 64, true}, Piece{"128 columns", 128, true},
                              Piece{"64 columns, no prefetch", 64, false},
                              Piece{"128 columns, no prefetch", 128, false}})
@@ -351,7 +357,9 @@ TEST(DecodeForcedKernels, VLastFp8PiecesMatchCpuReference) {
           EXPECT_EQ(std::string(got.kernel), cuda::recurrent::kernel_name(cuda::recurrent::RecurrentKernel::kVLastDecode));
           EXPECT_EQ(got.columns, piece.columns);
           if (!piece.prefetch) EXPECT_FALSE(got.prefetch);
+          prefetched += got.prefetch ? 1 : 0;
         }
+  EXPECT_GT(prefetched, 0) << "no piece ran in prefetch mode";
 }
 
 // Slots >= P are skipped on the device: o = 0, counted in error_flag, no state I/O. Small heads (a grid in

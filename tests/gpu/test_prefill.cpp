@@ -1315,6 +1315,38 @@ TEST(PrefillGpu, ShortSegmentsChosenInTheCallersWorkspace) {
   check_prefill_results(before, got, ref);
 }
 
+// A staged call without a pool (float8_e4m3 checkpoints off the passes' reach, no initial or final slots): its
+// workspace holds no copy of a pool (the staged call's pool stays null), nothing past it is written, and it stores
+// what the CPU reference stores and, bit for bit, what the same call with a pool that no slot names stores.
+TEST(PrefillGpu, StagedCheckpointsWithoutAPool) {
+  ProblemConfig c = base({300, 64, 127, 0, 256}, 1, 2, 64, 64);
+  c.in_dtype = DType::kFloat32, c.gate_mode = GateMode::kGiven;
+  c.checkpoint_interval = 64, c.cache_dtype = DType::kFloat8E4M3;
+  c.zero_initial_rows = c.no_final_rows = int32_t(c.seq_lens.size());  // every slot -1
+  const Problem before(c);
+  Problem pooled = before, bare = before;
+  DeviceProblem d_pooled(pooled), d_bare(bare);
+  const PrefillParams with = pooled.prefill_params(PrefillAlgorithm::kAuto, d_pooled.resolver());
+  PrefillParams without = bare.prefill_params(PrefillAlgorithm::kAuto, d_bare.resolver());
+  without.state = StatePool{};
+  without.initial_indices = without.final_indices = nullptr;
+  ASSERT_TRUE(cuda::chunked_prefill::states_staged(without)) << "the case no longer takes the plan it is written for";
+  const size_t need = prefill_workspace_bytes(without);
+  const size_t pool_copy = c.seq_lens.size() * size_t(c.HV) * c.K * c.V * sizeof(float);
+  EXPECT_LE(need + pool_copy, prefill_workspace_bytes(with)) << "the call without a pool reserves a pool copy";
+  run_in_exact_workspace(without, need, [&] {
+    prefill(without, {Backend::kCUDA, d_bare.stream()});
+    prefill(with, {Backend::kCUDA, d_pooled.stream()});
+    d_bare.download(bare);
+    d_pooled.download(pooled);
+  });
+  for (const char* name : {"o", "checkpoints", "checkpoints_scales", "error_flag"})
+    EXPECT_TRUE(BitwiseEqual(std::string(name) + " (no pool)", bare.buffer(name), pooled.buffer(name)));
+  Problem ref = before;
+  prefill(ref.prefill_params(PrefillAlgorithm::kRecurrent), {Backend::kCPU, nullptr});
+  check_prefill_results(before, bare, ref);
+}
+
 // A caller workspace smaller than prefill_workspace_bytes is refused before anything is written.
 TEST(PrefillGpu, SmallCallerWorkspaceRefused) {
   const Problem before(base({100}, 1, 2));

@@ -251,7 +251,8 @@ bool checkpoints_stored(const PrefillParams& p) {
 size_t head_state_bytes(const PrefillParams& p) {
   return size_t(p.heads.num_v_heads) * p.heads.head_dim_k * p.heads.head_dim_v * sizeof(float);
 }
-size_t pool_copy_bytes(const PrefillParams& p) {
+size_t pool_copy_bytes(const PrefillParams& p) {  // none without a pool: no slot of the staged call names one
+  if (p.state.data == nullptr) return 0;
   return workspace_round_up(size_t(std::max(p.num_seqs, 0)) * head_state_bytes(p));
 }
 size_t checkpoint_copy_bytes(const PrefillParams& p) {
@@ -282,7 +283,7 @@ size_t staged_bytes(const PrefillParams& p) {
 PrefillParams stage_states_in(const PrefillParams& p, void* ws, size_t ws_bytes, cudaStream_t stream) {
   PrefillParams s = staged_shape(p);
   char* at = static_cast<char*>(ws);
-  s.state.data = at;
+  if (p.state.data != nullptr) s.state.data = at;
   at += pool_copy_bytes(p);
   const bool checkpoints = checkpoints_stored(p);
   if (checkpoints) s.checkpoints.data = at;
