@@ -73,8 +73,8 @@ void expect_warp_kernel_past_chains(const RecurrentCall& c) {
 
 TEST(RecurrentHeuristics, Bf16DecodeBySize) {
   // bf16 state and inputs: tensor cores while this grid and the next fit together (B <= 6), then the wide tile in
-  // prefetch mode (B <= 12), then one-warp CTAs (of the wide tile); without those, the narrow tile (B <= 16) and the
-  // regular tile.
+  // prefetch mode (B <= 12), then one-warp CTAs (of the wide tile) in prefetch mode; without those, the narrow tile
+  // (B <= 16) and the regular tile.
   for (int64_t B : {1, 2, 6}) {
     const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
                                                       h100_candidates(B), {});
@@ -86,7 +86,7 @@ TEST(RecurrentHeuristics, Bf16DecodeBySize) {
     const auto r = recurrent::choose_recurrent_kernel(decode_call(DType::kBFloat16, DType::kBFloat16, B),
                                                       h100_candidates(B), {});
     EXPECT_EQ(r.kernel, RecurrentKernel::kWarpSolo) << "B=" << B;
-    EXPECT_FALSE(r.prefetch) << "B=" << B;
+    EXPECT_TRUE(r.prefetch) << "B=" << B;
   }
   Overrides no_solo;
   no_solo.decode_solo_min_batch = 0;
@@ -147,13 +147,24 @@ TEST(RecurrentHeuristics, Fp32DecodePinsTheSlotInPrefetchMode) {
                                                     h100_candidates(5), {});
   EXPECT_EQ(r.kernel, RecurrentKernel::kWarpRegular);
   EXPECT_FALSE(r.prefetch);
-  // From B = 8 outside prefetch mode: the regular tile in one-warp CTAs; the override moves or turns off the limit.
-  for (int64_t B : {8, 32, 512}) {
+  // From B = 8 outside the regular tile's prefetch mode: the regular tile in one-warp CTAs, themselves in prefetch mode
+  // from 1024 heads (B = 32); the override moves or turns off the limit.
+  for (int64_t B : {8, 31, 32, 512}) {
     const auto s = recurrent::choose_recurrent_kernel(decode_call(DType::kFloat32, DType::kBFloat16, B),
                                                       h100_candidates(B), {});
     EXPECT_EQ(s.kernel, RecurrentKernel::kWarpSolo) << "B=" << B;
-    EXPECT_FALSE(s.prefetch) << "B=" << B;
+    EXPECT_EQ(s.prefetch, B >= 32) << "B=" << B;
   }
+  RecurrentCall tp8 = decode_call(DType::kFloat32, DType::kBFloat16, 127);  // by heads: HV = 8 from B = 128
+  tp8.num_v_heads = 8;
+  EXPECT_FALSE(recurrent::choose_recurrent_kernel(tp8, h100_candidates(32), {}).prefetch);
+  tp8.batch = 128;
+  EXPECT_TRUE(recurrent::choose_recurrent_kernel(tp8, h100_candidates(32), {}).prefetch);
+  Overrides off;
+  off.state_prefetch = false;
+  EXPECT_FALSE(recurrent::choose_recurrent_kernel(decode_call(DType::kFloat32, DType::kBFloat16, 512),
+                                                  h100_candidates(512), off)
+                   .prefetch);
   EXPECT_EQ(kernel_at(decode_call(DType::kFloat32, DType::kBFloat16, 7)), RecurrentKernel::kWarpRegular);
   Overrides never, from5;
   never.decode_solo_min_batch = 0;
@@ -385,20 +396,16 @@ TEST(RecurrentHeuristics, Fp8DecodeColumnsBySize) {
   EXPECT_EQ(recurrent::fp8_decode_columns(512, 32, 128, forced), 32);
 }
 
-// K-last fp8 decode in prefetch mode for grids of at most an eighth of the resident CTAs: qwen3-next (HV = 32) at 16
-// columns a warp is 64 B CTAs of 4 warps, 4 of them per SM on 132 SMs.
-TEST(RecurrentHeuristics, Fp8DecodePrefetchSmallGridsOnly) {
+// K-last fp8 decode in prefetch mode on every grid (qwen3-next at 16 columns a warp: 64 B CTAs of 4 warps, 4 of them
+// per SM on 132 SMs): those that fit at once and those of many waves; none without prefetch mode.
+TEST(RecurrentHeuristics, Fp8DecodePrefetchEveryGrid) {
   Overrides o;
-  const int64_t resident = 4 * 132;
-  EXPECT_TRUE(recurrent::fp8_decode_prefetch(64, resident, o));    // B = 1
-  EXPECT_FALSE(recurrent::fp8_decode_prefetch(128, resident, o));  // B = 2
-  EXPECT_FALSE(recurrent::fp8_decode_prefetch(512, resident, o));  // B = 8, 16: the grid fits once
-  EXPECT_TRUE(recurrent::fp8_decode_prefetch(66, resident, o));   // an eighth of 528
-  EXPECT_FALSE(recurrent::fp8_decode_prefetch(67, resident, o));
-  EXPECT_FALSE(recurrent::fp8_decode_prefetch(0, resident, o));
-  EXPECT_FALSE(recurrent::fp8_decode_prefetch(64, 0, o));  // residency unknown
+  for (int64_t grid : {64, 128, 512, 528, 4096, 32768})
+    EXPECT_TRUE(recurrent::fp8_decode_prefetch(grid, o)) << grid << " CTAs";
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(0, o));
   o.state_prefetch = false;
-  EXPECT_FALSE(recurrent::fp8_decode_prefetch(64, resident, o));
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(64, o));
+  EXPECT_FALSE(recurrent::fp8_decode_prefetch(4096, o));
 }
 
 TEST(RecurrentHeuristics, VLastFp8DecodeColumnsBySize) {

@@ -11,6 +11,9 @@ constexpr int kWideMaxBatch = 12;       // the wide tile for B = 2..12 in prefet
 constexpr int kNarrowMaxBatch = 16;     // the narrow tile for B = 3..16 outside prefetch mode
 constexpr int kSoloMinBatch = 8;        // decode in one-warp CTAs from B = 8 outside prefetch mode (fp32 pools)
 constexpr int64_t kSolo16MinHeads = 400;  // ... 16-bit pools from 400 heads, B HV (HV = 32: B = 13; HV = 8: B = 50)
+// One-warp CTAs in prefetch mode (the next call's first CTAs ask L2 for their state during this call's last wave):
+// 16-bit pools always, fp32 pools from 1024 heads (HV = 32: B = 32; at B = 8 and 16 slower).
+constexpr int64_t kSolo32PrefetchMinHeads = 1024;
 // The verify kernels' boundaries count value heads of the batch, B HV (their grids' size; H200, T = 4, set at HV = 32
 // and measured again at HV = 8: docs/design/decode.md "How the kernel is chosen").
 constexpr int64_t kFp8ChainMinHeads = 48;  // fp8 chain verify on its kernel from 48 heads (HV = 32: B = 2, HV = 8: 6)
@@ -73,11 +76,7 @@ int fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_k, const Ove
   return heads <= (head_dim_k == 64 ? kFp8NarrowMaxHeadsK64 : kFp8NarrowMaxHeadsK256) ? 8 : 16;
 }
 
-constexpr int kFp8DecodePrefetchShare = 8;
-
-bool fp8_decode_prefetch(int64_t grid_ctas, int64_t resident_ctas, const Overrides& o) {
-  return prefetch_mode(KernelFit{grid_ctas, resident_ctas}, kFp8DecodePrefetchShare, o);
-}
+bool fp8_decode_prefetch(int64_t grid_ctas, const Overrides& o) { return o.state_prefetch && grid_ctas > 0; }
 
 // V-last fp8 decode in half-line CTAs up to this many line CTAs per SM (docs/design/decode.md "V-last decode").
 constexpr int64_t kVLastFp8HalfMaxCtasPerSm = 2;
@@ -194,14 +193,14 @@ RecurrentChoice choose_recurrent_kernel(const RecurrentCall& c, const Candidates
           prefetch_mode(k.wide, 1, o))
         return take(K::kWarpWide, k.wide);
       if (from_batch_or_heads(o.decode_solo_min_batch, kSolo16MinHeads, c))
-        return RecurrentChoice{K::kWarpSolo, false};
+        return RecurrentChoice{K::kWarpSolo, o.state_prefetch};
       if (c.batch >= 3 && c.batch <= or_default(o.decode_narrow_max_batch, kNarrowMaxBatch) && !regular_prefetch &&
           k.narrow.grid_ctas > 0)
         return RecurrentChoice{K::kWarpNarrow, false};
     } else if (regular_prefetch) {
       return RecurrentChoice{K::kWarpPinned, true};
     } else if (solo) {
-      return RecurrentChoice{K::kWarpSolo, false};
+      return RecurrentChoice{K::kWarpSolo, o.state_prefetch && c.batch * c.num_v_heads >= kSolo32PrefetchMinHeads};
     }
   }
   return take(K::kWarpRegular, k.regular);

@@ -42,10 +42,10 @@ const char* kernel_name(RecurrentKernel k);
 // flight per SM).
 int fp8_decode_columns(int64_t batch, int num_v_heads, int head_dim_k, const Overrides& o);
 
-// Prefetch mode of K-last fp8 decode (fp8_decode.cuh) for a grid of `grid_ctas` CTAs where the GPU holds
-// `resident_ctas`: grids of at most an eighth of them (qwen3-next: B = 1), where the state's latency is the call;
-// larger grids that fit measured faster at some batches and slower at others (docs/design/decode.md "fp8 pools").
-bool fp8_decode_prefetch(int64_t grid_ctas, int64_t resident_ctas, const Overrides& o);
+// Prefetch mode of K-last fp8 decode (fp8_decode.cuh) for a grid of `grid_ctas` CTAs: every grid. A small grid's
+// state latency is the call; past a wave the next call's first CTAs ask L2 for their state during this call's last
+// wave, which computes with the memory otherwise idle (docs/design/decode.md "fp8 pools").
+bool fp8_decode_prefetch(int64_t grid_ctas, const Overrides& o);
 
 // Columns per CTA of V-last fp8 decode (vlast_decode.cuh: 128, a line of each row, or 64, half of one) for a call
 // of `batch` sequences: 64 where the 128-column grid is at most 2 CTAs per SM (each CTA's walk over its rows is the

@@ -17,9 +17,8 @@ template <class TInput, int K, int kCols>
 void launch_k(const RecurrentParams& p, Stream stream) {
   using Tile = Fp8DecodeTile<K, kCols>;
   const auto kernel = fp8_decode_kernel<TInput, K, K, kCols>;
-  static const int64_t resident = resident_ctas(reinterpret_cast<const void*>(kernel), Tile::kWarps * 32);
   const dim3 grid(unsigned(p.heads.num_v_heads) * unsigned(K / Tile::kCtaCols), unsigned(p.batch));
-  const bool prefetch = fp8_decode_prefetch(grid_ctas(grid), resident, overrides());
+  const bool prefetch = fp8_decode_prefetch(grid_ctas(grid), overrides());
   last_recurrent_launch() = {kFp8DecodeKernel, prefetch, kCols};
   launch_recurrent(kernel, grid, Tile::kWarps * 32, prefetch, stream, p);
 }
